@@ -1,0 +1,129 @@
+"""Prometheus metric names: a contract with the dashboards, the docs and the operators' alerts.
+
+Components build their collectors from these specs; `tests/test_dashboards.py` checks that every
+series a dashboard queries is one of them. Names follow Prometheus conventions: counters end in
+`_total`, units are base units (seconds, tokens, ratio).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Kind = Literal["counter", "gauge", "histogram", "info"]
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    kind: Kind
+    help: str
+    labels: tuple[str, ...] = ()
+
+    @property
+    def series(self) -> tuple[str, ...]:
+        """The sample names Prometheus exposes for this metric."""
+        if self.kind == "histogram":
+            return (f"{self.name}_bucket", f"{self.name}_sum", f"{self.name}_count")
+        if self.kind == "info":
+            return (f"{self.name}_info",)
+        return (self.name,)
+
+
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0,
+)
+
+# --- worker -----------------------------------------------------------------------------------
+PROMPT_TOKENS = MetricSpec(
+    "radixpool_prompt_tokens_total", "counter", "Prompt tokens received by the engine.")
+CACHED_PROMPT_TOKENS = MetricSpec(
+    "radixpool_cached_prompt_tokens_total", "counter",
+    "Prompt tokens served from the radix KV cache instead of being computed.")
+GENERATION_TOKENS = MetricSpec(
+    "radixpool_generation_tokens_total", "counter", "Tokens generated.")
+REQUESTS = MetricSpec(
+    "radixpool_requests_total", "counter", "Finished requests by finish reason.",
+    ("finish_reason",))
+RETRACTED_REQUESTS = MetricSpec(
+    "radixpool_retracted_requests_total", "counter",
+    "Running requests sent back to the queue because KV memory ran out.")
+RADIX_EVICTED_TOKENS = MetricSpec(
+    "radixpool_radix_evicted_tokens_total", "counter",
+    "Tokens evicted from the radix cache to make room.")
+NUM_REQUESTS_RUNNING = MetricSpec(
+    "radixpool_num_requests_running", "gauge", "Requests in the running batch.")
+NUM_REQUESTS_WAITING = MetricSpec(
+    "radixpool_num_requests_waiting", "gauge", "Requests waiting for admission.")
+KV_CACHE_USAGE = MetricSpec(
+    "radixpool_kv_cache_usage_ratio", "gauge",
+    "Fraction of KV slots in use by running requests or the radix cache.")
+KV_CACHE_CAPACITY = MetricSpec(
+    "radixpool_kv_cache_capacity_tokens", "gauge", "KV pool capacity in tokens.")
+RADIX_CACHE_TOKENS = MetricSpec(
+    "radixpool_radix_cache_tokens", "gauge", "Tokens held by the radix cache.")
+CACHE_HIT_RATE = MetricSpec(
+    "radixpool_cache_hit_rate", "gauge",
+    "Cached / prompt tokens over the recent window of finished requests.")
+TIME_TO_FIRST_TOKEN = MetricSpec(
+    "radixpool_time_to_first_token_seconds", "histogram", "Time from arrival to first token.")
+INTER_TOKEN_LATENCY = MetricSpec(
+    "radixpool_inter_token_latency_seconds", "histogram", "Time between streamed tokens.")
+E2E_REQUEST_LATENCY = MetricSpec(
+    "radixpool_e2e_request_latency_seconds", "histogram", "Time from arrival to finish.")
+QUEUE_TIME = MetricSpec(
+    "radixpool_queue_time_seconds", "histogram", "Time from arrival to first admission.")
+WORKER_INFO = MetricSpec(
+    "radixpool_worker", "info", "Model, version and instance id of this worker.",
+    ("model", "version", "instance_id"))
+
+WORKER_METRICS: tuple[MetricSpec, ...] = (
+    PROMPT_TOKENS, CACHED_PROMPT_TOKENS, GENERATION_TOKENS, REQUESTS, RETRACTED_REQUESTS,
+    RADIX_EVICTED_TOKENS, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE,
+    KV_CACHE_CAPACITY, RADIX_CACHE_TOKENS, CACHE_HIT_RATE, TIME_TO_FIRST_TOKEN,
+    INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY, QUEUE_TIME, WORKER_INFO,
+)
+
+# --- gateway ----------------------------------------------------------------------------------
+GW_REQUESTS = MetricSpec(
+    "radixpool_gateway_requests_total", "counter", "Proxied requests by worker and status code.",
+    ("worker", "code"))
+GW_ROUTE_DECISIONS = MetricSpec(
+    "radixpool_gateway_route_decisions_total", "counter",
+    "Routing decisions by chosen worker and reason (cache_hit, cache_miss, imbalance, retry, ...).",
+    ("worker", "reason"))
+GW_INFLIGHT = MetricSpec(
+    "radixpool_gateway_inflight_requests", "gauge", "Requests in flight per worker.", ("worker",))
+GW_WORKER_HEALTHY = MetricSpec(
+    "radixpool_gateway_worker_healthy", "gauge", "1 when the worker is eligible for traffic.",
+    ("worker",))
+GW_PROMPT_TOKENS = MetricSpec(
+    "radixpool_gateway_prompt_tokens_total", "counter",
+    "Prompt tokens of answered requests, as the workers reported them.", ("worker",))
+GW_CACHED_TOKENS = MetricSpec(
+    "radixpool_gateway_cached_tokens_total", "counter",
+    "Cached prompt tokens the workers actually reported.", ("worker",))
+GW_PREDICTED_CACHED_TOKENS = MetricSpec(
+    "radixpool_gateway_predicted_cached_tokens_total", "counter",
+    "Cached prompt tokens the gateway's prefix tree predicted when it routed.", ("worker",))
+GW_TREE_TOKENS = MetricSpec(
+    "radixpool_gateway_tree_tokens", "gauge",
+    "Tokens (or characters, without a tokenizer) in the gateway's tree for the worker.",
+    ("worker",))
+GW_RETRIES = MetricSpec(
+    "radixpool_gateway_retries_total", "counter", "Requests retried on another worker.")
+GW_REQUEST_DURATION = MetricSpec(
+    "radixpool_gateway_request_duration_seconds", "histogram",
+    "Time from request arrival at the gateway to the last byte.")
+GW_TIME_TO_FIRST_TOKEN = MetricSpec(
+    "radixpool_gateway_time_to_first_token_seconds", "histogram",
+    "Time from request arrival at the gateway to the first byte of the response body.")
+
+GATEWAY_METRICS: tuple[MetricSpec, ...] = (
+    GW_REQUESTS, GW_ROUTE_DECISIONS, GW_INFLIGHT, GW_WORKER_HEALTHY, GW_PROMPT_TOKENS,
+    GW_CACHED_TOKENS, GW_PREDICTED_CACHED_TOKENS, GW_TREE_TOKENS, GW_RETRIES,
+    GW_REQUEST_DURATION, GW_TIME_TO_FIRST_TOKEN,
+)
+
+ALL_METRICS: tuple[MetricSpec, ...] = WORKER_METRICS + GATEWAY_METRICS

@@ -1,0 +1,108 @@
+"""Prompt tokenization shared by the worker and the gateway.
+
+Both sides must turn a request into the *same* token ids, or the gateway's prefix trees would be
+matching something the worker never sees. So both use this one class: the `tokenizers` library
+(no torch, no transformers) plus the model's own Jinja chat template, rendered the way Hugging Face
+`transformers` renders it (sandboxed, `trim_blocks`/`lstrip_blocks`, `raise_exception`). A worker
+serves its files at `GET /tokenizer`; a gateway can build the identical tokenizer from them.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+class ChatTemplateError(ValueError):
+    """The chat template rejected the messages (e.g. roles out of order)."""
+
+
+def _special_token(config: dict, key: str) -> str | None:
+    value = config.get(key)
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class PromptTokenizer:
+    def __init__(self, files: dict[str, str]) -> None:
+        if "tokenizer.json" not in files:
+            raise ValueError("tokenizer files must include tokenizer.json")
+        self.files = dict(files)
+        self.tokenizer = Tokenizer.from_str(files["tokenizer.json"])
+        self.config: dict[str, Any] = json.loads(files.get("tokenizer_config.json", "{}"))
+        template = self.config.get("chat_template")
+        if "chat_template.jinja" in files:
+            template = files["chat_template.jinja"]
+        if isinstance(template, list):  # named templates: use "default"
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        self.chat_template: str | None = template
+        self.bos_token = _special_token(self.config, "bos_token")
+        self.eos_token = _special_token(self.config, "eos_token")
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> PromptTokenizer:
+        path = Path(path)
+        names = (*TOKENIZER_FILES, "chat_template.jinja")
+        files = {n: (path / n).read_text() for n in names if (path / n).is_file()}
+        return cls(files)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def token_id(self, token: str | None) -> int | None:
+        return None if token is None else self.tokenizer.token_to_id(token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.token_id(self.eos_token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @cached_property
+    def _compiled_template(self):
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise TemplateError(message)
+
+        def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                              separators=separators, sort_keys=sort_keys)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        return env.from_string(self.chat_template)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    **extra: Any) -> str:
+        if not self.chat_template:
+            raise ChatTemplateError("this model has no chat template; use /v1/completions")
+        from jinja2.exceptions import TemplateError
+
+        try:
+            return self._compiled_template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
+        except TemplateError as exc:
+            raise ChatTemplateError(f"chat template rejected the messages: {exc}") from exc
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    **extra: Any) -> list[int]:
+        text = self.render_chat(messages, add_generation_prompt, **extra)
+        return self.encode(text, add_special_tokens=False)

@@ -1,0 +1,125 @@
+"""Tiny models of the real architectures, made locally: random weights, a BPE tokenizer trained on
+a synthetic corpus, saved in Hugging Face format so `transformers` loads them offline.
+
+Tests, demos and benchmarks use these because nothing can be downloaded from a model hub here.
+The output is a pure function of (arch, seed): same files, same weights, same tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+VOCAB_SIZE = 1024
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_WORDS = (
+    "the of and to in is was for on that with as by at from his her it an were are which this "
+    "be or has had not first one their its new after but who they been have also two time year "
+    "city school world group music state house water light river stone paper cache token prefix "
+    "model serve request worker gateway radix tree memory batch stream route cluster pool node "
+    "page block queue prompt answer question system user assistant kernel graph tensor layer "
+    "attention value key hash match insert evict lock share reuse compute fast slow small large "
+    "red green blue north south east west morning evening winter summer garden window market "
+    "über café naïve résumé 東京 数据 模型 🚀 ✓ λ π"
+).split()
+
+
+def _corpus(seed: int, lines: int = 3000) -> list[str]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(lines):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 18))]
+        sentence = " ".join(words).capitalize() + rng.choice((".", "?", "!", ",", ":"))
+        if rng.random() < 0.2:
+            sentence += f" {rng.randint(0, 99999)}"
+        out.append(sentence)
+    return out
+
+
+def train_tokenizer(seed: int = 0, vocab_size: int = VOCAB_SIZE):
+    """A byte-level BPE tokenizer (any UTF-8 text encodes) with a llama-style BOS post-processor."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
+    return tok
+
+
+def _config(arch: str, vocab_size: int, special: dict[str, int]):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        rms_norm_eps=1e-6, initializer_range=0.25, bos_token_id=special["<s>"],
+        eos_token_id=special["</s>"], pad_token_id=special["<pad>"],
+    )
+    if arch == "llama":  # untied head, Llama-3 RoPE scaling
+        return LlamaConfig(**common, tie_word_embeddings=False, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256})
+    if arch == "qwen2":  # q/k/v bias, tied head
+        return Qwen2Config(**common, tie_word_embeddings=True)
+    if arch == "qwen3":  # q/k RMSNorm, head_dim decoupled from hidden_size, tied head
+        return Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
+    if arch == "mistral":
+        return MistralConfig(**common, tie_word_embeddings=False, sliding_window=None)
+    raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {arch!r}")
+
+
+def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0) -> Path:
+    """Write a tiny random-weight model of `arch` to `out_dir` and return the path."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {arch!r}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tok = train_tokenizer(seed)
+    special = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
+        "model_max_length": 2048, "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+    }, indent=2))
+    (out / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}, indent=2))
+
+    config = _config(arch, tok.get_vocab_size(), special)
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    model.generation_config = GenerationConfig(
+        bos_token_id=special["<s>"], pad_token_id=special["<pad>"],
+        eos_token_id=[special["</s>"], special["<|im_end|>"]])
+    model.save_pretrained(out, safe_serialization=True)
+    return out
