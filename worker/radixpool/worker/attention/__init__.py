@@ -1,0 +1,1 @@
+"""Attention backends over the paged KV pool, behind one interface and a registry."""

@@ -1,0 +1,64 @@
+"""Engine configuration: one frozen dataclass, validated once at the edge (CLI, Engine(...))."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+SCHEDULE_POLICIES = ("lpm", "fcfs")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    device: str = "auto"
+    dtype: str = "auto"
+    # KV budget: an absolute token count, or a fraction of free accelerator memory (GPU only).
+    kv_cache_tokens: int | None = None
+    mem_fraction: float | None = None
+    page_size: int = 1
+    max_running_requests: int = 256
+    # Prompt tokens computed per request per step; longer prompts are prefilled chunk by chunk.
+    chunked_prefill_size: int = 2048
+    # Total new tokens (prefill + decode) one step may compute.
+    max_prefill_tokens: int = 8192
+    schedule_policy: str = "lpm"
+    attention_backend: str = "auto"
+    # Starvation guard: a request waiting longer than this is admitted before any other.
+    max_queue_wait_s: float = 30.0
+    # Override of the model's context length (may only shrink it).
+    context_length: int | None = None
+    # Check the cache/pool invariants whenever the engine goes idle (tests, debugging).
+    debug_invariants: bool = False
+
+    def __post_init__(self) -> None:
+        def fail(name: str, expected: str) -> None:
+            raise ValueError(f"{name} must be {expected}, got {getattr(self, name)!r}")
+
+        if not self.model_path:
+            fail("model_path", "a model directory")
+        if self.device not in DEVICES:
+            fail("device", " | ".join(DEVICES))
+        if self.dtype not in DTYPES:
+            fail("dtype", " | ".join(DTYPES))
+        if self.kv_cache_tokens is not None and self.mem_fraction is not None:
+            raise ValueError("set kv_cache_tokens or mem_fraction, not both")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
+            fail("kv_cache_tokens", "a positive number of tokens")
+        if self.mem_fraction is not None and not 0 < self.mem_fraction < 1:
+            fail("mem_fraction", "in (0, 1)")
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            fail("page_size", "a power of two ≥ 1")
+        if self.max_running_requests < 1:
+            fail("max_running_requests", "≥ 1")
+        if self.chunked_prefill_size < self.page_size:
+            fail("chunked_prefill_size", f"≥ page_size ({self.page_size})")
+        if self.max_prefill_tokens < self.chunked_prefill_size:
+            fail("max_prefill_tokens", f"≥ chunked_prefill_size ({self.chunked_prefill_size})")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            fail("schedule_policy", " | ".join(SCHEDULE_POLICIES))
+        if self.max_queue_wait_s <= 0:
+            fail("max_queue_wait_s", "> 0")
+        if self.context_length is not None and self.context_length < 1:
+            fail("context_length", "≥ 1")

@@ -1,0 +1,106 @@
+"""What one forward pass computes, and the context that carries it to the attention layers.
+
+The scheduler describes a step as a list of (request row, prefix length, new tokens); the
+`ForwardBatch` holds that as device tensors. The model's `forward(input_ids, positions)` never sees
+it in its signature: `forward_context(batch)` makes it current, and attention layers read it with
+`current_batch()` (one small object instead of a parameter threaded through every call).
+
+Modes:
+- EXTEND: each request computes `extend_lens[i] >= 1` new tokens on top of `prefix_lens[i]`
+  tokens already in the KV pool (prefill, a prefill chunk, a resumed request, forced tokens).
+- DECODE: every request computes exactly one new token. Backends may use fixed-shape kernels
+  (CUDA graphs) for it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"
+    DECODE = "decode"
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    input_ids: torch.Tensor       # [num_tokens] int64: the new tokens, requests concatenated
+    positions: torch.Tensor       # [num_tokens] int64: their positions in their sequences
+    out_cache_loc: torch.Tensor   # [num_tokens] int64: KV slots their K/V are written to
+    req_rows: torch.Tensor        # [batch] int64: rows of req_to_token
+    seq_lens: torch.Tensor        # [batch] int64: KV length of each request after this step
+    prefix_lens: list[int]        # per request, tokens already in the pool before this step
+    extend_lens: list[int]        # per request, new tokens this step (all 1 in DECODE)
+    logits_indices: torch.Tensor  # [num_logits] int64: rows of the hidden states to project
+    req_to_token: torch.Tensor    # the ReqToTokenPool table (slot of token i of row r)
+    kv_pool: Any                  # the KVPool the attention layers read and write
+    attn_metadata: Any = field(default=None)  # the attention backend's per-step plan
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.extend_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @classmethod
+    def build(cls, mode: ForwardMode, token_ids: list[list[int]], prefix_lens: list[int],
+              out_cache_loc: torch.Tensor, req_rows: list[int], logits_rows: list[bool],
+              req_to_token: torch.Tensor, kv_pool: Any) -> ForwardBatch:
+        """Build from per-request new token ids.
+
+        `logits_rows[i]` says whether request i needs next-token logits this step (False for a
+        prefill chunk that does not reach the end of its prompt).
+        """
+        device = req_to_token.device
+        extend_lens = [len(t) for t in token_ids]
+        flat = [t for ids in token_ids for t in ids]
+        positions: list[int] = []
+        for p, e in zip(prefix_lens, extend_lens):
+            positions.extend(range(p, p + e))
+        ends, total = [], 0
+        for e in extend_lens:
+            total += e
+            ends.append(total - 1)
+        logits_indices = [end for end, want in zip(ends, logits_rows) if want]
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+        return cls(
+            mode=mode,
+            input_ids=as_tensor(flat),
+            positions=as_tensor(positions),
+            out_cache_loc=out_cache_loc,
+            req_rows=as_tensor(req_rows),
+            seq_lens=as_tensor([p + e for p, e in zip(prefix_lens, extend_lens)]),
+            prefix_lens=list(prefix_lens),
+            extend_lens=extend_lens,
+            logits_indices=as_tensor(logits_indices),
+            req_to_token=req_to_token,
+            kv_pool=kv_pool,
+        )
+
+
+_current: ForwardBatch | None = None
+
+
+@contextmanager
+def forward_context(batch: ForwardBatch) -> Iterator[ForwardBatch]:
+    global _current
+    previous, _current = _current, batch
+    try:
+        yield batch
+    finally:
+        _current = previous
+
+
+def current_batch() -> ForwardBatch:
+    if _current is None:
+        raise RuntimeError("attention called outside forward_context()")
+    return _current

@@ -1,0 +1,136 @@
+"""Paged KV memory: the K/V tensors of every layer, and who may write which slot.
+
+A *slot* holds the K and V of one token in every layer (`k_buffers[layer][slot]`). Slots are
+grouped into pages of `page_size` consecutive slots; the page is the unit of allocation, so with
+`page_size > 1` a request's tokens fill its last page before a new one is taken, and the radix
+cache only ever shares whole pages. Page 0 is never handed out: padded lanes (fixed-shape decode
+batches) write their garbage K/V there.
+
+Ownership is the caller's: a slot returned by `alloc_*` belongs to exactly one request or to the
+radix cache until it is passed back to `free`. Allocation and free are tensor slices on a stack of
+free pages — no per-token Python loop.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    def __init__(self, capacity_tokens: int, page_size: int, num_layers: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.page_size = page_size
+        self.num_pages = max(1, capacity_tokens // page_size)
+        self.capacity = self.num_pages * page_size
+        self.device = torch.device(device)
+        self.dtype = dtype
+        shape = ((self.num_pages + 1) * page_size, num_kv_heads, head_dim)
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # Stack of free page ids; the live part is _free_pages[:_num_free].
+        self._free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=device)
+        self._num_free = self.num_pages
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def available_size(self) -> int:
+        """Free tokens (whole free pages)."""
+        return self._num_free * self.page_size
+
+    def _alloc_pages(self, n: int) -> torch.Tensor | None:
+        if n > self._num_free:
+            return None
+        self._num_free -= n
+        return self._free_pages[self._num_free:self._num_free + n].clone()
+
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        """Slots for `num_tokens` tokens that start on a fresh page (None if they do not fit)."""
+        num_pages = -(-num_tokens // self.page_size)
+        pages = self._alloc_pages(num_pages)
+        if pages is None:
+            return None
+        if self.page_size == 1:
+            return pages
+        offsets = torch.arange(self.page_size, device=self.device)
+        return (pages[:, None] * self.page_size + offsets).flatten()[:num_tokens]
+
+    def alloc_extend(self, prefix_lens: list[int], extend_lens: list[int],
+                     last_slots: list[int]) -> torch.Tensor | None:
+        """Slots for extending each request by `extend_lens[i]` tokens after `prefix_lens[i]`.
+
+        `last_slots[i]` is the slot of the request's token at `prefix_lens[i] - 1` (ignored when
+        the prefix is empty or page-aligned): its page's remaining room is used first.
+        Returns all slots concatenated in request order, or None if they do not fit.
+        """
+        total = sum(extend_lens)
+        if self.page_size == 1:
+            return self.alloc(total)
+        ps = self.page_size
+        room = [(ps - p % ps) % ps if p else 0 for p in prefix_lens]
+        fresh = [max(0, e - r) for e, r in zip(extend_lens, room)]
+        pages = self._alloc_pages(sum(-(-f // ps) for f in fresh))
+        if pages is None:
+            return None
+        offsets = torch.arange(ps, device=self.device)
+        page_slots = (pages[:, None] * ps + offsets).flatten()
+        parts, cursor = [], 0
+        for extend, r, f, last in zip(extend_lens, room, fresh, last_slots):
+            in_page = min(extend, r)
+            if in_page:
+                parts.append(torch.arange(last + 1, last + 1 + in_page, device=self.device))
+            if f:
+                parts.append(page_slots[cursor:cursor + f])
+                cursor += -(-f // ps) * ps
+        if not parts:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        return torch.cat(parts)
+
+    def alloc_decode(self, seq_lens: torch.Tensor, last_slots: torch.Tensor) -> torch.Tensor | None:
+        """One slot per request: after `last_slots[i]` in its page, or on a new page.
+
+        `seq_lens[i]` is the request's KV length before this token (its new token's position).
+        """
+        if self.page_size == 1:
+            return self.alloc(len(seq_lens))
+        need_page = seq_lens % self.page_size == 0
+        pages = self._alloc_pages(int(need_page.sum()))
+        if pages is None:
+            return None
+        out = last_slots + 1
+        out[need_page] = pages * self.page_size
+        return out
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Return slots. With pages, every page touched must be wholly owned by the caller."""
+        if slots.numel() == 0:
+            return
+        pages = slots if self.page_size == 1 else torch.unique(slots // self.page_size)
+        n = pages.numel()
+        self._free_pages[self._num_free:self._num_free + n] = pages
+        self._num_free += n
+
+    def free_slots_set(self) -> set[int]:
+        """Every free slot (for invariant checks only: O(capacity))."""
+        pages = self._free_pages[:self._num_free].tolist()
+        ps = self.page_size
+        return {p * ps + i for p in pages for i in range(ps)}
+
+
+class ReqToTokenPool:
+    """Rows of token-slot indices, one row per running request: row[i] = slot of token i."""
+
+    def __init__(self, num_rows: int, max_context_len: int, device: torch.device | str) -> None:
+        self.table = torch.zeros((num_rows, max_context_len), dtype=torch.int64, device=device)
+        self._free_rows = list(range(num_rows - 1, -1, -1))
+
+    def alloc(self) -> int | None:
+        return self._free_rows.pop() if self._free_rows else None
+
+    def free(self, row: int) -> None:
+        self._free_rows.append(row)
+
+    def num_free(self) -> int:
+        return len(self._free_rows)

@@ -1,0 +1,131 @@
+"""Per-request sampling parameters, validated when the request arrives.
+
+Every error is a `ValueError` that names the offending field, so the server can turn it into a
+400 with a message the client can act on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0          # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1                   # -1 (or 0) disables
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    stop: tuple[str, ...] = ()        # stop strings: matched on text by the front end
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None       # None: no logprobs; k >= 0: chosen token + top k
+    skip_special_tokens: bool = True
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any] | None) -> SamplingParams:
+        """Build from a JSON-like dict; unknown fields and bad types raise ValueError."""
+        doc = dict(doc or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(doc) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling field {unknown[0]!r}; "
+                             f"expected one of: {', '.join(sorted(known))}")
+        if doc.get("stop") is not None:
+            stop = doc["stop"]
+            doc["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
+        else:
+            doc.pop("stop", None)
+        if doc.get("stop_token_ids") is not None:
+            doc["stop_token_ids"] = tuple(doc["stop_token_ids"])
+        else:
+            doc.pop("stop_token_ids", None)
+        if doc.get("logit_bias") is not None:
+            bias = doc["logit_bias"]
+            if not isinstance(bias, dict):
+                raise ValueError("logit_bias must be an object mapping token ids to biases")
+            try:
+                doc["logit_bias"] = {int(k): float(v) for k, v in bias.items()}
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"logit_bias must map token ids to numbers: {exc}") from None
+        else:
+            doc.pop("logit_bias", None)
+        for name in [k for k, v in doc.items() if v is None and k not in ("seed", "logprobs")]:
+            doc.pop(name)
+        return cls(**doc)
+
+    def __post_init__(self) -> None:
+        def check_type(name: str, kinds: tuple[type, ...], label: str) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+                raise ValueError(f"{name} must be {label}, got {value!r}")
+
+        for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
+            check_type(name, (int,), "an integer")
+        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+                     "repetition_penalty"):
+            check_type(name, (int, float), "a number")
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be finite, got {getattr(self, name)!r}")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            check_type(name, (bool,), "true or false")
+        if self.seed is not None:
+            check_type("seed", (int,), "an integer")
+        if self.logprobs is not None:
+            check_type("logprobs", (int,), "an integer")
+
+        def fail(name: str, expected: str) -> None:
+            raise ValueError(f"{name} must be {expected}, got {getattr(self, name)!r}")
+
+        if self.max_new_tokens < 1:
+            fail("max_new_tokens", "≥ 1")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            fail("min_new_tokens", f"in [0, max_new_tokens={self.max_new_tokens}]")
+        if self.temperature < 0:
+            fail("temperature", "≥ 0")
+        if not 0 < self.top_p <= 1:
+            fail("top_p", "in (0, 1]")
+        if self.top_k < -1:
+            fail("top_k", "-1 (disabled) or ≥ 0")
+        if not 0 <= self.min_p <= 1:
+            fail("min_p", "in [0, 1]")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                fail(name, "in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            fail("repetition_penalty", "> 0")
+        if self.n < 1:
+            fail("n", "≥ 1")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            fail("logprobs", "in [0, 20]")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            fail("stop", "a non-empty string or a list of them")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0
+               for t in self.stop_token_ids):
+            fail("stop_token_ids", "a list of non-negative token ids")
+        for token, bias in self.logit_bias.items():
+            if token < 0:
+                raise ValueError(f"logit_bias token id must be ≥ 0, got {token}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias[{token}] must be in [-100, 100], got {bias}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids in the params must exist in the model's vocabulary."""
+        for name, ids in (("logit_bias", self.logit_bias), ("stop_token_ids", self.stop_token_ids)):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{name} has token id {bad[0]} outside the vocabulary "
+                                 f"(size {vocab_size})")
