@@ -1,0 +1,336 @@
+"""RadixAttention's prefix cache: a radix tree over token ids whose edges own KV slots.
+
+Each node's edge is a run of token ids (`key`) and the KV slots that hold them (`value`), so a
+root-to-node path spells a prefix and its KV. The tree is the *ground truth* of what this worker
+can reuse; the gateway learns it through the events every change emits.
+
+Ownership and locking (the invariants `check` verifies):
+- every KV slot is free in the pool, owned by exactly one tree node, or owned by one request;
+- a node with `lock_ref > 0` is on the path of an in-flight request and is never evicted;
+  `lock(node)` pins the whole path to the root, so `evictable_size + protected_size == total`;
+- `insert` returns how many leading tokens were already present: the caller still owns its
+  duplicate slots for that range and must free them; the tree takes the rest.
+
+Namespaces (a cache salt, an adapter id) get separate roots: requests that must not share KV never
+match each other. Keys are page-aligned when `page_size > 1`.
+
+Events: every store / remove / clear appends a `KVEvent` (monotonic `seq`) naming the whole blocks
+of `block_size` tokens that appeared or vanished, as chained hashes (`radixpool.protocol.kv_blocks`).
+Each node keeps the chain states of the blocks that *end* inside its edge, so a split partitions
+them and a store hashes only the new blocks. `block_hashes` maps every present block to its node
+(the scheduler's incremental longest-prefix-match ordering reads it).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from radixpool.protocol.kv_blocks import (
+    KVEvent,
+    as_token_array,
+    chain_states,
+    namespace_seed,
+    publish,
+)
+
+_EMPTY_STATES = np.empty(0, dtype=np.uint64)
+
+
+class TreeNode:
+    __slots__ = ("children", "key", "last_access", "lock_ref", "parent", "seed", "start",
+                 "states", "value")
+
+    def __init__(self, key: list[int], value: torch.Tensor, parent: TreeNode | None,
+                 start: int, states: np.ndarray = _EMPTY_STATES, seed: int = 0) -> None:
+        self.children: dict[int | tuple[int, ...], TreeNode] = {}
+        self.key = key
+        self.value = value
+        self.parent = parent
+        self.start = start            # absolute position of key[0] in the prefix
+        self.states = states          # chain states of blocks ending in (start, start+len(key)]
+        self.seed = seed              # the namespace's chain seed (roots only)
+        self.lock_ref = 0
+        self.last_access = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.key)
+
+    def chain_state(self) -> int:
+        """Chain state after the last whole block ending at or before this node's end."""
+        node = self
+        while node.parent is not None and len(node.states) == 0:
+            node = node.parent
+        return node.seed if node.parent is None else int(node.states[-1])
+
+
+@dataclass
+class MatchResult:
+    slots: torch.Tensor   # KV slots of the matched prefix, in order
+    node: TreeNode        # deepest matched node (the one to lock)
+
+    @property
+    def length(self) -> int:
+        return int(self.slots.numel())
+
+
+class RadixCache:
+    def __init__(self, pool, page_size: int = 1, block_size: int = 16) -> None:
+        if block_size % page_size:
+            raise ValueError(f"block_size ({block_size}) must be a multiple of page_size")
+        self.pool = pool
+        self.page_size = page_size
+        self.block_size = block_size
+        self.device = pool.device
+        self._tick = itertools.count(1)
+        self._seq = 0
+        self.events: list[KVEvent] = []
+        self.block_hashes: dict[int, TreeNode] = {}
+        self.evicted_tokens_total = 0
+        self.reset(emit=False)
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def total_size(self) -> int:
+        return self.evictable_size + self.protected_size
+
+    def reset(self, emit: bool = True) -> None:
+        """Drop everything (only when no request holds a lock). Frees every cached slot."""
+        roots = getattr(self, "_roots", {})
+        for root in roots.values():
+            for node in _walk(root):
+                if node is not root:
+                    self.pool.free(node.value)
+        self._roots: dict[str | None, TreeNode] = {}
+        self._leaves: set[TreeNode] = set()
+        self.block_hashes.clear()
+        self.evictable_size = 0
+        self.protected_size = 0
+        if emit:
+            self._emit("cleared")
+
+    def _root(self, namespace: str | None) -> TreeNode:
+        root = self._roots.get(namespace)
+        if root is None:
+            empty = torch.empty(0, dtype=torch.int64, device=self.device)
+            root = TreeNode([], empty, None, 0, seed=namespace_seed(namespace))
+            root.lock_ref = 1  # roots are never evicted
+            self._roots[namespace] = root
+        return root
+
+    def _child_key(self, key: list[int], offset: int) -> int | tuple[int, ...]:
+        if self.page_size == 1:
+            return key[offset]
+        return tuple(key[offset:offset + self.page_size])
+
+    def _aligned(self, n: int) -> int:
+        return n - n % self.page_size
+
+    # ------------------------------------------------------------------ match
+    def match_prefix(self, key: list[int], namespace: str | None = None) -> MatchResult:
+        """Longest cached prefix of `key`; splits the last edge if the match ends inside it."""
+        node, length, values = self._walk(key, namespace, split=True, touch=True)
+        slots = (torch.cat(values) if len(values) > 1 else values[0]) if values else \
+            torch.empty(0, dtype=torch.int64, device=self.device)
+        return MatchResult(slots, node)
+
+    def probe(self, key: list[int], namespace: str | None = None) -> int:
+        """How many leading tokens of `key` are cached: no split, no LRU update."""
+        return self._walk(key, namespace, split=False, touch=False)[1]
+
+    def _walk(self, key: list[int], namespace: str | None, split: bool, touch: bool):
+        node = self._root(namespace)
+        tick = next(self._tick) if touch else 0
+        limit = self._aligned(len(key))
+        offset, values = 0, []
+        while offset < limit:
+            child = node.children.get(self._child_key(key, offset))
+            if child is None:
+                break
+            n = self._aligned(_common_len(child.key, key, offset, limit))
+            if touch:
+                child.last_access = tick
+            if n < len(child.key):
+                if n and split:
+                    child = self._split(child, n)
+                    values.append(child.value)
+                    node = child
+                offset += n
+                break
+            values.append(child.value)
+            node, offset = child, offset + n
+        return node, offset, values
+
+    def _split(self, child: TreeNode, n: int) -> TreeNode:
+        """Cut `child`'s edge after n tokens; returns the new upper node."""
+        cut = child.start + n
+        # Blocks are attributed to the node their last token is in: (start, cut] vs (cut, end].
+        num_upper_blocks = cut // self.block_size - child.start // self.block_size
+        upper = TreeNode(child.key[:n], child.value[:n], child.parent, child.start,
+                         child.states[:num_upper_blocks])
+        upper.lock_ref = child.lock_ref
+        upper.last_access = child.last_access
+        upper.children[self._child_key(child.key, n)] = child
+        child.parent.children[self._child_key(child.key, 0)] = upper
+        child.parent = upper
+        child.key, child.value = child.key[n:], child.value[n:]
+        child.states = child.states[num_upper_blocks:]
+        child.start = cut
+        for h in publish(upper.states).tolist():
+            self.block_hashes[h] = upper
+        return upper
+
+    # ------------------------------------------------------------------ insert
+    def insert(self, key: list[int], slots: torch.Tensor, namespace: str | None = None) -> int:
+        """Cache `key[:len(slots)]` (page-aligned). Returns the length that was already present.
+
+        The caller keeps ownership of `slots[:returned]` (duplicates to free, or its own locked
+        prefix) and hands the tree `slots[returned:aligned_len]`.
+        """
+        length = self._aligned(min(len(key), len(slots)))
+        node, present, _ = self._walk(key[:length], namespace, split=True, touch=True)
+        if present < length:
+            self._add_leaf(node, key, slots, present, length)
+        return present
+
+    def _add_leaf(self, parent: TreeNode, key: list[int], slots: torch.Tensor,
+                  start: int, end: int) -> None:
+        bs = self.block_size
+        first_block = start // bs  # first block that ends after `start`
+        tokens = as_token_array(key[first_block * bs:end])
+        states = chain_states(tokens, bs, parent.chain_state())
+        leaf = TreeNode(key[start:end], slots[start:end].clone(), parent, start, states)
+        leaf.last_access = next(self._tick)
+        parent.children[self._child_key(key, start)] = leaf
+        self._leaves.discard(parent)
+        self._leaves.add(leaf)
+        self.evictable_size += end - start
+        if len(states):
+            hashes = publish(states)
+            for h in hashes.tolist():
+                self.block_hashes[h] = leaf
+            parent_hash = None if first_block == 0 else \
+                int(publish(np.array([parent.chain_state()], dtype=np.uint64))[0])
+            self._emit("stored", tuple(hashes.tolist()), parent_hash)
+
+    # ------------------------------------------------------------------ locks
+    def lock(self, node: TreeNode) -> None:
+        """Pin the path root→node: none of it can be evicted until `unlock`."""
+        while node.parent is not None:
+            if node.lock_ref == 0:
+                self.evictable_size -= len(node.key)
+                self.protected_size += len(node.key)
+                self._leaves.discard(node)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        while node.parent is not None:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.evictable_size += len(node.key)
+                self.protected_size -= len(node.key)
+                if not node.children:
+                    self._leaves.add(node)
+            node = node.parent
+
+    # ------------------------------------------------------------------ evict
+    def evict(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` cached slots if possible, least recently used leaves first.
+
+        May free more than asked (whole leaves). Returns what was freed.
+        """
+        heap = [(n.last_access, id(n), n) for n in self._leaves]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            freed += self._remove_leaf(leaf)
+            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
+                self._leaves.add(parent)
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        self.evicted_tokens_total += freed
+        return freed
+
+    def _remove_leaf(self, leaf: TreeNode) -> int:
+        self.pool.free(leaf.value)
+        del leaf.parent.children[self._child_key(leaf.key, 0)]
+        self._leaves.discard(leaf)
+        self.evictable_size -= len(leaf.key)
+        if len(leaf.states):
+            hashes = publish(leaf.states).tolist()
+            for h in hashes:
+                self.block_hashes.pop(h, None)
+            self._emit("removed", tuple(hashes))
+        return len(leaf.key)
+
+    # ------------------------------------------------------------------ events
+    def _emit(self, kind: str, blocks: tuple[int, ...] = (), parent: int | None = None) -> None:
+        self._seq += 1
+        self.events.append(KVEvent(self._seq, kind, blocks, parent))  # type: ignore[arg-type]
+
+    @property
+    def last_seq(self) -> int:
+        return self._seq
+
+    def drain_events(self) -> list[KVEvent]:
+        events, self.events = self.events, []
+        return events
+
+    def snapshot(self) -> tuple[int, list[int]]:
+        """(seq, every block hash held) — consistent with the events up to `seq`."""
+        return self._seq, list(self.block_hashes)
+
+    # ------------------------------------------------------------------ invariants
+    def nodes(self) -> Iterator[TreeNode]:
+        for root in self._roots.values():
+            yield from (n for n in _walk(root) if n.parent is not None)
+
+    def check(self) -> None:
+        """Assert the tree's own invariants (sizes, leaves, hashes). O(tree)."""
+        evictable = protected = 0
+        hashes = 0
+        for node in self.nodes():
+            assert len(node.key) == node.value.numel() > 0, "edge key/value length mismatch"
+            assert node.start == node.parent.end, "edge offsets out of order"
+            if node.lock_ref:
+                protected += len(node.key)
+                assert node.parent.parent is None or node.parent.lock_ref >= node.lock_ref
+            else:
+                evictable += len(node.key)
+            is_leaf = not node.children and node.lock_ref == 0
+            assert is_leaf == (node in self._leaves), "leaf set out of date"
+            hashes += len(node.states)
+        assert evictable == self.evictable_size, (evictable, self.evictable_size)
+        assert protected == self.protected_size, (protected, self.protected_size)
+        assert hashes == len(self.block_hashes), "block hash index out of date"
+
+
+def _walk(root: TreeNode) -> Iterator[TreeNode]:
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(node.children.values())
+
+
+def _common_len(edge: list[int], key: list[int], offset: int, limit: int) -> int:
+    """Length of the common prefix of `edge` and `key[offset:limit]` (list compares run in C)."""
+    n = min(len(edge), limit - offset)
+    if edge[:n] == key[offset:offset + n]:
+        return n
+    lo, hi = 0, n  # edge[:lo] matches, edge[:hi] does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if edge[lo:mid] == key[offset + lo:offset + mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
