@@ -15,6 +15,7 @@ from collections.abc import Sequence
 # Modules exposing `register(subparsers)`; each adds parsers whose `func(args) -> int` runs the job.
 COMMAND_MODULES = (
     "radixpool.worker.cli",
+    "radixpool.operator.cli",
 )
 
 

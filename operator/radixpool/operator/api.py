@@ -1,0 +1,64 @@
+"""The InferencePool API's names: group, version, kinds, labels, and the owned objects' names."""
+
+from __future__ import annotations
+
+GROUP = "radixpool.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferencePool"
+PLURAL = "inferencepools"
+SINGULAR = "inferencepool"
+SHORT_NAMES = ("llmpool",)
+CRD_NAME = f"{PLURAL}.{GROUP}"
+
+FIELD_MANAGER = "radixpool-operator"
+POOL_LABEL = f"{GROUP}/pool"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+
+WORKER_PORT = 8000
+GATEWAY_PORT = 8080
+MAX_POOL_NAME = 45  # leaves room for "-workers" and ReplicaSet/pod hashes within 63 characters
+POOL_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"  # a Service name: DNS-1035 label
+
+
+def worker_deployment_name(pool: str) -> str:
+    return f"{pool}-worker"
+
+
+def worker_service_name(pool: str) -> str:
+    """The headless Service whose EndpointSlices the gateway watches."""
+    return f"{pool}-workers"
+
+
+def gateway_name(pool: str) -> str:
+    """Gateway Deployment, Service (the pool's endpoint), ServiceAccount, Role and RoleBinding."""
+    return f"{pool}-gateway"
+
+
+def pdb_name(pool: str) -> str:
+    return f"{pool}-worker"
+
+
+def service_monitor_name(pool: str) -> str:
+    return pool
+
+
+def pool_labels(pool: str, component: str) -> dict[str, str]:
+    """Labels every owned object carries."""
+    return {
+        "app.kubernetes.io/name": "radixpool",
+        "app.kubernetes.io/instance": pool,
+        COMPONENT_LABEL: component,
+        "app.kubernetes.io/part-of": "radixpool",
+        "app.kubernetes.io/managed-by": FIELD_MANAGER,
+        POOL_LABEL: pool,
+    }
+
+
+def selector_labels(pool: str, component: str) -> dict[str, str]:
+    """The stable subset used in selectors (selectors of Deployments are immutable)."""
+    return {POOL_LABEL: pool, COMPONENT_LABEL: component}
+
+
+def selector_string(labels: dict[str, str]) -> str:
+    return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))

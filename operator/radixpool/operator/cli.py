@@ -1,0 +1,82 @@
+"""`radixpool operator`: run the InferencePool operator (kopf), with peering and a liveness probe.
+
+Two replicas never fight: each starts with a random kopf peering priority, and kopf pauses every
+operator that sees a peer with a higher one, so exactly one works and another takes over when it
+stops. `--standalone` skips peering (one replica, no peering objects).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "operator", help="run the InferencePool operator",
+        description="Watch InferencePool resources and keep their workers, gateway and status "
+                    "as declared.")
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument("--namespace", "-n", action="append", dest="namespaces", metavar="NS",
+                       help="watch only this namespace (repeatable)")
+    scope.add_argument("--all-namespaces", "-A", action="store_true",
+                       help="watch every namespace (the default)")
+    parser.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then "
+                                             "~/.kube/config)")
+    parser.add_argument("--liveness", default="http://0.0.0.0:8081/healthz",
+                        help="liveness endpoint URL (default: %(default)s)")
+    parser.add_argument("--peering", default="radixpool",
+                        help="kopf peering object name (default: %(default)s)")
+    parser.add_argument("--priority", type=int, default=None,
+                        help="peering priority (default: random, so replicas differ)")
+    parser.add_argument("--standalone", action="store_true", help="no peering: one replica only")
+    parser.add_argument("--worker-image", help="worker image for pools that name none "
+                                               "(default: $RADIXPOOL_WORKER_IMAGE)")
+    parser.add_argument("--gateway-image", help="gateway image for pools that name none "
+                                                "(default: $RADIXPOOL_GATEWAY_IMAGE)")
+    parser.add_argument("--verbose", action="store_true")
+    parser.set_defaults(func=run_operator)
+
+
+def run_operator(args: argparse.Namespace) -> int:
+    import dataclasses
+    import os
+
+    import kopf
+    from kubernetes.config import ConfigException
+
+    from . import handlers  # noqa: F401  (registers the handlers)
+    from .desired import OperatorConfig
+    from .kube import KubeCluster, load_api_client
+
+    if args.kubeconfig:
+        os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's own login reads it too
+    try:
+        cluster = KubeCluster(load_api_client(args.kubeconfig))
+    except ConfigException as error:
+        print(f"radixpool operator: no Kubernetes credentials: {error}", file=sys.stderr)
+        return 1
+
+    config = OperatorConfig.from_env()
+    if args.worker_image:
+        config = dataclasses.replace(config, worker_image=args.worker_image)
+    if args.gateway_image:
+        config = dataclasses.replace(config, gateway_image=args.gateway_image)
+    kopf.configure(verbose=args.verbose)
+    try:
+        kopf.run(
+            clusterwide=not args.namespaces,
+            namespaces=args.namespaces or (),
+            liveness_endpoint=args.liveness,
+            standalone=args.standalone,
+            peering_name=None if args.standalone else args.peering,
+            priority=args.priority if args.priority is not None
+            else random.SystemRandom().randint(1, 2**31 - 1),
+            memo=kopf.Memo(config=config, cluster=cluster),
+        )
+    except Exception as error:  # kopf raises on login and API failures; say so and exit non-zero
+        print(f"radixpool operator: stopped: {error}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,139 @@
+"""spec → desired objects: the whole of what a pool should own, as plain dicts.
+
+`desired_objects(pool, config, service_monitors=...)` is pure: same pool, same objects. Every
+object carries the `app.kubernetes.io/*` and `radixpool.io/pool` labels and a controller owner
+reference to the pool, so deleting the pool deletes them (Kubernetes garbage collection).
+`obsolete_objects` names what the pool may have owned before and must not own now.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from . import api
+from .gateway import (
+    desired_gateway_deployment,
+    desired_gateway_role,
+    desired_gateway_role_binding,
+    desired_gateway_service,
+    desired_gateway_service_account,
+)
+from .spec import Pool
+from .workers import desired_worker_deployment, desired_worker_service, worker_labels
+
+DEFAULT_WORKER_IMAGE = "ghcr.io/radixpool/radixpool-worker:0.1.0"
+DEFAULT_CONTROL_IMAGE = "ghcr.io/radixpool/radixpool-control:0.1.0"
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    """What the operator brings to every pool: images used when a pool names none."""
+
+    worker_image: str = DEFAULT_WORKER_IMAGE
+    gateway_image: str = DEFAULT_CONTROL_IMAGE
+
+    @classmethod
+    def from_env(cls) -> OperatorConfig:
+        return cls(
+            worker_image=os.environ.get("RADIXPOOL_WORKER_IMAGE", DEFAULT_WORKER_IMAGE),
+            gateway_image=os.environ.get("RADIXPOOL_GATEWAY_IMAGE", DEFAULT_CONTROL_IMAGE),
+        )
+
+
+@dataclass(frozen=True)
+class ObjectRef:
+    api_version: str
+    kind: str
+    namespace: str
+    name: str
+
+
+def ref_of(obj: dict[str, Any]) -> ObjectRef:
+    meta = obj["metadata"]
+    return ObjectRef(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+
+
+def desired_pdb(pool: Pool) -> dict[str, Any]:
+    return {
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+        "metadata": {"name": api.pdb_name(pool.name), "namespace": pool.namespace,
+                     "labels": worker_labels(pool)},
+        "spec": {
+            "maxUnavailable": pool.lifecycle["podDisruptionBudget"]["maxUnavailable"],
+            "selector": {"matchLabels": api.selector_labels(pool.name, "worker")},
+        },
+    }
+
+
+def desired_service_monitor(pool: Pool) -> dict[str, Any]:
+    """One ServiceMonitor scraping `/metrics` of the worker and gateway Services."""
+    interval = pool.spec["monitoring"]["serviceMonitor"]["interval"]
+    return {
+        "apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
+        "metadata": {"name": api.service_monitor_name(pool.name), "namespace": pool.namespace,
+                     "labels": api.pool_labels(pool.name, "monitoring")},
+        "spec": {
+            "selector": {"matchLabels": {api.POOL_LABEL: pool.name},
+                         "matchExpressions": [{"key": api.COMPONENT_LABEL, "operator": "In",
+                                               "values": ["worker", "gateway"]}]},
+            "namespaceSelector": {"matchNames": [pool.namespace]},
+            "endpoints": [{"port": "http", "path": "/metrics", "interval": interval}],
+            "podTargetLabels": [api.COMPONENT_LABEL, api.POOL_LABEL],
+        },
+    }
+
+
+def owner_reference(pool: Pool) -> dict[str, Any]:
+    return {"apiVersion": api.API_VERSION, "kind": api.KIND, "name": pool.name,
+            "uid": pool.uid, "controller": True, "blockOwnerDeletion": True}
+
+
+def owned(pool: Pool, obj: dict[str, Any]) -> dict[str, Any]:
+    obj = copy.deepcopy(obj)
+    obj["metadata"]["ownerReferences"] = [owner_reference(pool)]
+    return obj
+
+
+def wants_pdb(pool: Pool) -> bool:
+    return pool.lifecycle["podDisruptionBudget"]["enabled"]
+
+
+def wants_service_monitor(pool: Pool, service_monitors: bool) -> bool:
+    return service_monitors and pool.spec["monitoring"]["serviceMonitor"]["enabled"]
+
+
+def desired_objects(pool: Pool, config: OperatorConfig, *,
+                    service_monitors: bool) -> list[dict[str, Any]]:
+    """Everything the pool owns, in creation order (RBAC before the pods that use it).
+    `service_monitors` says whether the cluster has the ServiceMonitor CRD."""
+    worker_image = pool.engine.get("image") or config.worker_image
+    gateway_image = pool.gateway.get("image") or config.gateway_image
+    objects = [
+        desired_worker_service(pool),
+        desired_worker_deployment(pool, worker_image),
+        desired_gateway_service_account(pool),
+        desired_gateway_role(pool),
+        desired_gateway_role_binding(pool),
+        desired_gateway_deployment(pool, gateway_image),
+        desired_gateway_service(pool),
+    ]
+    if wants_pdb(pool):
+        objects.append(desired_pdb(pool))
+    if wants_service_monitor(pool, service_monitors):
+        objects.append(desired_service_monitor(pool))
+    return [owned(pool, obj) for obj in objects]
+
+
+def obsolete_objects(pool: Pool, *, service_monitors: bool) -> list[ObjectRef]:
+    """Objects the pool owned under an earlier spec and no longer wants."""
+    refs = []
+    if not wants_pdb(pool):
+        refs.append(ObjectRef("policy/v1", "PodDisruptionBudget", pool.namespace,
+                              api.pdb_name(pool.name)))
+    if service_monitors and not wants_service_monitor(pool, service_monitors):
+        refs.append(ObjectRef("monitoring.coreos.com/v1", "ServiceMonitor", pool.namespace,
+                              api.service_monitor_name(pool.name)))
+    return refs

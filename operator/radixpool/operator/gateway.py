@@ -1,0 +1,130 @@
+"""The gateway: Deployment, Service (the pool's endpoint) and the RBAC to watch EndpointSlices.
+
+The gateway learns the worker set by watching the EndpointSlices of the headless worker Service,
+so it needs get/list/watch on `discovery.k8s.io/endpointslices` in the pool's namespace, nothing
+more: a Role, not a ClusterRole.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import api
+from .spec import Pool
+from .workers import api_key_env, container_security, pod_security
+
+
+def gateway_labels(pool: Pool) -> dict[str, str]:
+    return api.pool_labels(pool.name, "gateway")
+
+
+def gateway_selector(pool: Pool) -> dict[str, str]:
+    return api.selector_labels(pool.name, "gateway")
+
+
+def _meta(pool: Pool) -> dict[str, Any]:
+    return {"name": api.gateway_name(pool.name), "namespace": pool.namespace,
+            "labels": gateway_labels(pool)}
+
+
+def desired_gateway_service_account(pool: Pool) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(pool)}
+
+
+def desired_gateway_role(pool: Pool) -> dict[str, Any]:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(pool),
+        "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                   "verbs": ["get", "list", "watch"]}],
+    }
+
+
+def desired_gateway_role_binding(pool: Pool) -> dict[str, Any]:
+    name = api.gateway_name(pool.name)
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+        "metadata": _meta(pool),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": pool.namespace}],
+    }
+
+
+def gateway_args(pool: Pool) -> list[str]:
+    gw = pool.gateway
+    args = ["gateway", "--k8s-service", api.worker_service_name(pool.name),
+            "--namespace", pool.namespace, "--policy", gw["policy"],
+            "--cache-threshold", str(gw["cacheThreshold"]),
+            "--balance-abs-threshold", str(gw["balanceAbsThreshold"]),
+            "--balance-rel-threshold", str(gw["balanceRelThreshold"]),
+            "--host", "0.0.0.0", "--port", str(api.GATEWAY_PORT)]
+    if pool.api_key:
+        args += ["--api-key", "$(RADIXPOOL_API_KEY)"]
+    return args
+
+
+def desired_gateway_deployment(pool: Pool, image: str) -> dict[str, Any]:
+    gw = pool.gateway
+    health = {"path": "/health", "port": "http"}
+    container = {
+        "name": "gateway", "image": image,
+        "imagePullPolicy": gw.get("imagePullPolicy", "IfNotPresent"),
+        "command": ["radixpool"], "args": gateway_args(pool),
+        "ports": [{"name": "http", "containerPort": api.GATEWAY_PORT, "protocol": "TCP"}],
+        "env": api_key_env(pool),
+        "resources": {
+            "requests": {"cpu": str(gw["resources"]["cpu"]),
+                         "memory": str(gw["resources"]["memory"])},
+            "limits": {"memory": str(gw["resources"]["memory"])}},
+        "securityContext": container_security(),
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        "readinessProbe": {"httpGet": health, "periodSeconds": 5, "timeoutSeconds": 2},
+        "livenessProbe": {"httpGet": health, "periodSeconds": 10, "timeoutSeconds": 5,
+                          "failureThreshold": 6},
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", "5"]}}},
+    }
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": api.gateway_name(pool.name),
+        "enableServiceLinks": False,
+        "securityContext": pod_security(),
+        "terminationGracePeriodSeconds": 30,
+        "containers": [container],
+        "volumes": [{"name": "tmp", "emptyDir": {}}],
+    }
+    for key in ("nodeSelector", "tolerations"):
+        if gw.get(key):
+            pod_spec[key] = gw[key]
+    if pool.engine.get("imagePullSecrets"):
+        pod_spec["imagePullSecrets"] = pool.engine["imagePullSecrets"]
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(pool),
+        "spec": {
+            "replicas": gw["replicas"],
+            "selector": {"matchLabels": gateway_selector(pool)},
+            "strategy": {"type": "RollingUpdate",
+                         "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "revisionHistoryLimit": 5,
+            "template": {"metadata": {"labels": gateway_labels(pool)}, "spec": pod_spec},
+        },
+    }
+
+
+def desired_gateway_service(pool: Pool) -> dict[str, Any]:
+    service = pool.gateway["service"]
+    meta = _meta(pool)
+    if service.get("annotations"):
+        meta["annotations"] = service["annotations"]
+    return {
+        "apiVersion": "v1", "kind": "Service", "metadata": meta,
+        "spec": {
+            "type": service["type"],
+            "selector": gateway_selector(pool),
+            "ports": [{"name": "http", "port": service["port"], "targetPort": "http",
+                       "protocol": "TCP"}],
+        },
+    }
+
+
+def gateway_endpoint(pool: Pool) -> str:
+    """The in-cluster URL clients use."""
+    return (f"http://{api.gateway_name(pool.name)}.{pool.namespace}.svc:"
+            f"{pool.gateway['service']['port']}")

@@ -1,0 +1,57 @@
+"""kopf handlers: a few lines each, all calling `reconcile_pool`.
+
+create / update / resume apply the spec; a timer re-runs the same reconciliation so drift is put
+back and status follows the pods; delete needs no work because every owned object carries an
+owner reference (it is `optional`, so no finalizer holds a pool hostage when the operator is
+down). Importing this module registers the handlers with kopf.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+from kubernetes.client.exceptions import ApiException
+
+from . import api
+from .reconcile import reconcile_pool
+
+RESYNC_SECONDS = 15.0
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=api.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=api.GROUP)
+    settings.persistence.finalizer = f"{api.GROUP}/finalizer"
+    settings.posting.level = logging.WARNING
+
+
+def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo) -> None:
+    try:
+        outcome = reconcile_pool(dict(body), memo.cluster, memo.config)
+    except ApiException as error:
+        raise kopf.TemporaryError(f"Kubernetes API said {error.status} {error.reason}",
+                                  delay=10) from error
+    patch.status.update(outcome.status)
+    for event in outcome.events:
+        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+
+
+@kopf.on.resume(api.GROUP, api.VERSION, api.PLURAL)
+@kopf.on.create(api.GROUP, api.VERSION, api.PLURAL)
+@kopf.on.update(api.GROUP, api.VERSION, api.PLURAL)
+def apply_pool(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+    _reconcile(body, patch, memo)
+
+
+@kopf.timer(api.GROUP, api.VERSION, api.PLURAL, interval=RESYNC_SECONDS,
+            initial_delay=RESYNC_SECONDS)
+def check_pool(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+    _reconcile(body, patch, memo)
+
+
+@kopf.on.delete(api.GROUP, api.VERSION, api.PLURAL, optional=True)
+def pool_deleted(name: str, logger: kopf.Logger, **_: Any) -> None:
+    logger.info("pool %s deleted; Kubernetes garbage-collects its owned objects", name)

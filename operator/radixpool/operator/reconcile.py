@@ -1,0 +1,101 @@
+"""One reconciliation of one pool: validate, check references, apply, observe, report.
+
+The order is the contract. Nothing is written to the cluster until the spec is valid and every
+Secret and PVC it names exists, so a rejected pool is never half-made (a pool that was valid and
+then gets a bad edit keeps running as it was, with `Accepted=False` saying why). Applying is
+idempotent and forceful (server-side apply), so running this on a timer puts back whatever was
+edited or deleted. Status is computed from what is observed *after* applying.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Protocol
+
+from .desired import ObjectRef, OperatorConfig, desired_objects, obsolete_objects
+from .openapi import FieldError
+from .spec import InvalidPool, Pool, parse_pool
+from .status import Event, Observed, Verdict, pool_status, transition_events
+
+
+class Cluster(Protocol):
+    """The Kubernetes API as reconciliation needs it."""
+
+    def exists(self, kind: str, namespace: str, name: str) -> bool:
+        """Whether a Secret or PersistentVolumeClaim exists."""
+
+    def has_service_monitors(self) -> bool:
+        """Whether the monitoring.coreos.com ServiceMonitor CRD is installed."""
+
+    def apply(self, obj: dict[str, Any]) -> None:
+        """Create or update `obj`, taking ownership of every field it sets."""
+
+    def delete(self, ref: ObjectRef) -> None:
+        """Delete the object if it exists."""
+
+    def observe(self, namespace: str, pool: str) -> Observed:
+        """The pool's Deployments, gateway Service and pods as they are now."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: dict[str, Any]
+    events: list[Event]
+    applied: list[ObjectRef]
+
+
+def missing_references(pool: Pool, cluster: Cluster) -> list[FieldError]:
+    return [FieldError(ref.path, f"{ref.kind} {ref.name!r} not found in namespace "
+                                 f"{pool.namespace!r}")
+            for ref in pool.references() if not cluster.exists(ref.kind, pool.namespace, ref.name)]
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def reconcile_pool(body: dict[str, Any], cluster: Cluster, config: OperatorConfig,
+                   now: str | None = None) -> Outcome:
+    meta = body["metadata"]
+    applied: list[ObjectRef] = []
+    try:
+        pool = parse_pool(body)
+        missing = missing_references(pool, cluster)
+        if missing:
+            verdict = Verdict(False, "MissingReference", "; ".join(map(str, missing)))
+        else:
+            verdict = Verdict(True, "Valid", "the spec is valid and its references exist")
+    except InvalidPool as invalid:
+        pool, verdict = None, Verdict(False, "InvalidSpec", str(invalid))
+
+    if pool is not None and verdict.accepted:
+        monitors = cluster.has_service_monitors()
+        for obj in desired_objects(pool, config, service_monitors=monitors):
+            cluster.apply(obj)
+            applied.append(ObjectRef(obj["apiVersion"], obj["kind"], pool.namespace,
+                                     obj["metadata"]["name"]))
+        for ref in obsolete_objects(pool, service_monitors=monitors):
+            cluster.delete(ref)
+
+    observed = cluster.observe(meta.get("namespace", "default"), meta["name"])
+    status = pool_status(
+        body, verdict, observed,
+        desired_replicas=pool.replicas if pool else _observed_replicas(observed.worker_deployment),
+        desired_gateways=(pool.gateway["replicas"] if pool
+                          else _observed_replicas(observed.gateway_deployment)),
+        served_name=pool.model.served_name if pool else _served_name(body),
+        now=now or _now(),
+    )
+    return Outcome(status=status, events=transition_events(body, status), applied=applied)
+
+
+def _observed_replicas(deployment: dict[str, Any] | None) -> int:
+    return int(((deployment or {}).get("spec") or {}).get("replicas") or 0)
+
+
+def _served_name(body: dict[str, Any]) -> str:
+    model = (body.get("spec") or {}).get("model") or {}
+    name = model.get("servedName") if isinstance(model, dict) else None
+    return name if isinstance(name, str) else body["metadata"]["name"]
+

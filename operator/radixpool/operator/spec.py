@@ -1,0 +1,186 @@
+"""An InferencePool's spec, validated once at the edge into frozen dataclasses.
+
+`parse_pool(body)` applies the CRD's defaults, checks the CRD's schema and the rules the schema
+expresses in CEL (which the operator cannot run), and returns a `Pool` or every `FieldError`.
+Nothing downstream re-checks: the builders trust a `Pool`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from . import api
+from .crd import ROOT
+from .openapi import FieldError, apply_defaults, validate
+
+
+class InvalidPool(Exception):
+    """The pool cannot be accepted; `errors` name each offending field."""
+
+    def __init__(self, errors: list[FieldError]):
+        super().__init__("; ".join(str(error) for error in errors))
+        self.errors = errors
+
+
+@dataclass(frozen=True)
+class SecretRef:
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
+class Reference:
+    """An object in the pool's namespace the spec depends on; `path` is the field naming it."""
+
+    kind: str
+    name: str
+    path: str
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    path: str | None
+    uri: str | None
+    served_name: str
+    hf_token: SecretRef | None
+    cache_size: str
+
+    @property
+    def pvc(self) -> tuple[str, str] | None:
+        """(claim, directory inside it) for `pvc://claim/dir`."""
+        if self.uri and self.uri.startswith("pvc://"):
+            claim, _, directory = self.uri[len("pvc://"):].partition("/")
+            return claim, directory.strip("/")
+        return None
+
+    @property
+    def hf(self) -> tuple[str, str | None] | None:
+        """(repo id, revision) for `hf://org/name[@rev]`."""
+        if self.uri and self.uri.startswith("hf://"):
+            repo, _, revision = self.uri[len("hf://"):].partition("@")
+            return repo, revision or None
+        return None
+
+
+@dataclass(frozen=True)
+class Pool:
+    """A validated InferencePool. `spec` is the defaulted spec as plain data; the builders read
+    the engine and gateway knobs from it and the derived facts from the properties."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+    spec: dict[str, Any]
+    model: ModelSource
+
+    @property
+    def replicas(self) -> int:
+        return self.spec["replicas"]
+
+    @property
+    def engine(self) -> dict[str, Any]:
+        return self.spec["engine"]
+
+    @property
+    def gateway(self) -> dict[str, Any]:
+        return self.spec["gateway"]
+
+    @property
+    def lifecycle(self) -> dict[str, Any]:
+        return self.spec["lifecycle"]
+
+    @property
+    def api_key(self) -> SecretRef | None:
+        ref = self.spec.get("apiKeySecret")
+        return SecretRef(ref["name"], ref["key"]) if ref else None
+
+    def references(self) -> list[Reference]:
+        """Secrets and PersistentVolumeClaims that must exist before anything is created."""
+        refs = []
+        if self.api_key:
+            refs.append(Reference("Secret", self.api_key.name, "spec.apiKeySecret.name"))
+        if self.model.hf_token:
+            refs.append(Reference("Secret", self.model.hf_token.name,
+                                  "spec.model.hfTokenSecret.name"))
+        if self.model.pvc:
+            refs.append(Reference("PersistentVolumeClaim", self.model.pvc[0], "spec.model.uri"))
+        engine = self.engine
+        for i, item in enumerate(engine.get("imagePullSecrets", [])):
+            refs.append(Reference("Secret", item["name"], f"spec.engine.imagePullSecrets[{i}]"))
+        for i, env in enumerate(engine.get("env", [])):
+            ref = (env.get("valueFrom") or {}).get("secretKeyRef")
+            if ref and not ref.get("optional"):
+                refs.append(Reference("Secret", ref["name"], f"spec.engine.env[{i}]"))
+        for i, volume in enumerate(engine.get("volumes", [])):
+            if "secret" in volume and not volume["secret"].get("optional"):
+                refs.append(Reference("Secret", volume["secret"]["secretName"],
+                                      f"spec.engine.volumes[{i}]"))
+            if "persistentVolumeClaim" in volume:
+                refs.append(Reference("PersistentVolumeClaim",
+                                      volume["persistentVolumeClaim"]["claimName"],
+                                      f"spec.engine.volumes[{i}]"))
+        return refs
+
+
+def parse_pool(body: dict[str, Any]) -> Pool:
+    """The validated pool, or `InvalidPool` naming every bad field."""
+    metadata = body.get("metadata", {})
+    name = metadata.get("name", "")
+    defaulted = apply_defaults(ROOT, {"spec": body.get("spec") or {}})
+    errors = _check_name(name)
+    errors += validate(ROOT["properties"]["spec"], defaulted["spec"], "spec")
+    if not errors:
+        errors += _check_rules(defaulted["spec"])
+    if errors:
+        raise InvalidPool(errors)
+    spec = defaulted["spec"]
+    model = spec["model"]
+    token = model.get("hfTokenSecret")
+    return Pool(
+        name=name,
+        namespace=metadata.get("namespace", "default"),
+        uid=metadata.get("uid", ""),
+        generation=int(metadata.get("generation", 0)),
+        spec=spec,
+        model=ModelSource(
+            path=model.get("path"), uri=model.get("uri"),
+            served_name=model.get("servedName") or name,
+            hf_token=SecretRef(token["name"], token["key"]) if token else None,
+            cache_size=str(model["cacheSize"]),
+        ),
+    )
+
+
+def _check_name(name: str) -> list[FieldError]:
+    if len(name) > api.MAX_POOL_NAME:
+        return [FieldError("metadata.name", f"must be at most {api.MAX_POOL_NAME} characters")]
+    if not re.match(api.POOL_NAME_PATTERN, name):
+        return [FieldError("metadata.name", f"{name!r} must be a DNS-1035 label (lowercase "
+                                            "letters, digits and '-', starting with a letter)")]
+    return []
+
+
+def _check_rules(spec: dict[str, Any]) -> list[FieldError]:
+    """The CRD's CEL rules, and the constraints only code can state."""
+    errors = []
+    model, engine = spec["model"], spec["engine"]
+    if ("path" in model) == ("uri" in model):
+        errors.append(FieldError("spec.model", "set exactly one of spec.model.path or "
+                                               "spec.model.uri"))
+    if "kvCacheTokens" in engine and "memFraction" in engine:
+        errors.append(FieldError("spec.engine", "set at most one of spec.engine.kvCacheTokens "
+                                                "and spec.engine.memFraction"))
+    if "hfTokenSecret" in model and not model.get("uri", "").startswith("hf://"):
+        errors.append(FieldError("spec.model.hfTokenSecret", "only applies to hf:// models"))
+    reserved = {"model", "model-cache", "tmp", "cache", "dshm"}
+    for index, volume in enumerate(engine.get("volumes", [])):
+        if volume.get("name") in reserved:
+            errors.append(FieldError(f"spec.engine.volumes[{index}].name",
+                                     f"{volume.get('name')!r} is reserved by the operator"))
+    lifecycle = spec["lifecycle"]
+    if lifecycle["maxSurge"] in (0, "0", "0%") and lifecycle["maxUnavailable"] in (0, "0", "0%"):
+        errors.append(FieldError("spec.lifecycle", "maxSurge and maxUnavailable cannot both be 0"))
+    return errors

@@ -1,0 +1,227 @@
+"""The worker Deployment and the headless Service the gateway discovers workers through.
+
+Worker pods are built to survive real operations:
+- startup probe on `/health` with a budget of `startupTimeoutSeconds`, so a 100 GB model can load;
+- readiness on `/health`, which turns 503 while loading or draining: the pod leaves the
+  EndpointSlice and the gateway stops sending it work;
+- liveness is a TCP check: a worker busy with a long prefill answers HTTP slowly but its socket
+  accepts, so it is never killed for being busy; a dead process still is;
+- on deletion, preStop waits for the EndpointSlice change to reach the gateway, then SIGTERM makes
+  the worker drain; the grace period covers both plus the drain timeout;
+- non-root, no privilege escalation, read-only root filesystem: the writable paths (/tmp, caches,
+  /dev/shm, the model cache) are volumes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from . import api
+from .spec import Pool
+
+HOME = "/home/radixpool"
+MODEL_MOUNT = "/models"
+ENDPOINT_PROPAGATION_SECONDS = 5
+STARTUP_PERIOD_SECONDS = 10
+
+
+def worker_labels(pool: Pool) -> dict[str, str]:
+    return api.pool_labels(pool.name, "worker")
+
+
+def worker_selector(pool: Pool) -> dict[str, str]:
+    return api.selector_labels(pool.name, "worker")
+
+
+def model_dir(pool: Pool) -> str:
+    """Where the worker finds the checkpoint inside its container."""
+    if pool.model.path:
+        return pool.model.path
+    if pool.model.pvc:
+        return f"{MODEL_MOUNT}/{pool.model.pvc[1]}".rstrip("/")
+    repo, _ = pool.model.hf
+    return f"{MODEL_MOUNT}/{repo}"
+
+
+def worker_args(pool: Pool) -> list[str]:
+    """`radixpool worker` flags, in the order `radixpool worker --help` lists them."""
+    engine = pool.engine
+    args = ["worker", "--model", model_dir(pool),
+            "--served-model-name", pool.model.served_name,
+            "--host", "0.0.0.0", "--port", str(api.WORKER_PORT),
+            "--device", engine["device"], "--dtype", engine["dtype"]]
+    if "kvCacheTokens" in engine:
+        args += ["--kv-cache-tokens", str(engine["kvCacheTokens"])]
+    if "memFraction" in engine:
+        args += ["--mem-fraction", str(engine["memFraction"])]
+    args += ["--page-size", str(engine["pageSize"])]
+    if "maxRunningRequests" in engine:
+        args += ["--max-running-requests", str(engine["maxRunningRequests"])]
+    if "chunkedPrefillSize" in engine:
+        args += ["--chunked-prefill-size", str(engine["chunkedPrefillSize"])]
+    args += ["--schedule-policy", engine["schedulePolicy"], "--log-level", engine["logLevel"],
+             "--drain-timeout", str(pool.lifecycle["drainTimeoutSeconds"])]
+    if pool.api_key:
+        args += ["--api-key", "$(RADIXPOOL_API_KEY)"]
+    return args + list(engine.get("args", []))
+
+
+def api_key_env(pool: Pool) -> list[dict[str, Any]]:
+    """The API key as an env var; args reference it as $(RADIXPOOL_API_KEY), never inline."""
+    if not pool.api_key:
+        return []
+    ref = {"name": pool.api_key.name, "key": pool.api_key.key}
+    return [{"name": "RADIXPOOL_API_KEY", "valueFrom": {"secretKeyRef": ref}}]
+
+
+def container_security() -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
+
+
+def pod_security() -> dict[str, Any]:
+    return {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _resources(pool: Pool) -> dict[str, Any]:
+    res = pool.engine["resources"]
+    requests = {"cpu": str(res["cpu"]), "memory": str(res["memory"])}
+    limits = {"memory": str(res["memory"])}
+    if res["gpus"]:
+        # Quantities are strings: the Kubernetes client rejects integers before sending.
+        requests[res["gpuResourceName"]] = limits[res["gpuResourceName"]] = str(res["gpus"])
+    return {"requests": requests, "limits": limits}
+
+
+def _volumes(pool: Pool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, mounts of the worker container)."""
+    res = pool.engine["resources"]
+    volumes = [
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "cache", "emptyDir": {}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": str(res["shmSize"])}},
+    ]
+    mounts = [
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "cache", "mountPath": f"{HOME}/.cache"},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+    if pool.model.pvc:
+        volumes.append({"name": "model", "persistentVolumeClaim": {
+            "claimName": pool.model.pvc[0], "readOnly": True}})
+        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    if pool.model.hf:
+        volumes.append({"name": "model-cache", "emptyDir": {"sizeLimit": pool.model.cache_size}})
+        mounts.append({"name": "model-cache", "mountPath": MODEL_MOUNT})
+    return volumes + list(pool.engine.get("volumes", [])), mounts + list(
+        pool.engine.get("volumeMounts", []))
+
+
+def _download_container(pool: Pool, image: str) -> dict[str, Any]:
+    """Init container fetching an `hf://` model into the model cache before the worker starts."""
+    repo, revision = pool.model.hf
+    script = ("from huggingface_hub import snapshot_download; import sys; "
+              "snapshot_download(sys.argv[1], revision=sys.argv[2] or None, local_dir=sys.argv[3])")
+    env = [{"name": "HF_HUB_OFFLINE", "value": "0"}, {"name": "HOME", "value": HOME},
+           {"name": "HF_HOME", "value": f"{HOME}/.cache/huggingface"}]
+    if pool.model.hf_token:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": pool.model.hf_token.name, "key": pool.model.hf_token.key}}})
+    return {
+        "name": "download-model", "image": image,
+        "imagePullPolicy": pool.engine.get("imagePullPolicy", "IfNotPresent"),
+        "command": ["python", "-c", script, repo, revision or "", model_dir(pool)],
+        "env": env,
+        "resources": {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}},
+        "securityContext": container_security(),
+        "volumeMounts": [{"name": "model-cache", "mountPath": MODEL_MOUNT},
+                         {"name": "tmp", "mountPath": "/tmp"},
+                         {"name": "cache", "mountPath": f"{HOME}/.cache"}],
+    }
+
+
+def _probes() -> dict[str, Any]:
+    health = {"path": "/health", "port": "http"}
+    return {
+        "startupProbe": {"httpGet": health, "periodSeconds": STARTUP_PERIOD_SECONDS,
+                         "timeoutSeconds": 5},
+        "readinessProbe": {"httpGet": health, "periodSeconds": 5, "timeoutSeconds": 3,
+                           "failureThreshold": 2, "successThreshold": 1},
+        "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 20,
+                          "timeoutSeconds": 10, "failureThreshold": 6},
+    }
+
+
+def termination_grace_seconds(pool: Pool) -> int:
+    return pool.lifecycle["drainTimeoutSeconds"] + ENDPOINT_PROPAGATION_SECONDS + 15
+
+
+def desired_worker_deployment(pool: Pool, image: str) -> dict[str, Any]:
+    engine, lifecycle = pool.engine, pool.lifecycle
+    volumes, mounts = _volumes(pool)
+    probes = _probes()
+    probes["startupProbe"]["failureThreshold"] = math.ceil(
+        lifecycle["startupTimeoutSeconds"] / STARTUP_PERIOD_SECONDS)
+    container = {
+        "name": "worker", "image": image,
+        "imagePullPolicy": engine.get("imagePullPolicy", "IfNotPresent"),
+        "command": ["radixpool"], "args": worker_args(pool),
+        "ports": [{"name": "http", "containerPort": api.WORKER_PORT, "protocol": "TCP"}],
+        "env": [{"name": "HOME", "value": HOME},
+                {"name": "HF_HOME", "value": f"{HOME}/.cache/huggingface"},
+                {"name": "HF_HUB_OFFLINE", "value": "1"},
+                *api_key_env(pool), *engine.get("env", [])],
+        "resources": _resources(pool),
+        "securityContext": container_security(),
+        "volumeMounts": mounts,
+        "lifecycle": {"preStop": {"exec": {
+            "command": ["sleep", str(ENDPOINT_PROPAGATION_SECONDS)]}}},
+        **probes,
+    }
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": pod_security(),
+        "terminationGracePeriodSeconds": termination_grace_seconds(pool),
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if pool.model.hf:
+        pod_spec["initContainers"] = [_download_container(pool, image)]
+    for key in ("nodeSelector", "tolerations", "affinity", "priorityClassName",
+                "imagePullSecrets"):
+        if engine.get(key):
+            pod_spec[key] = engine[key]
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": api.worker_deployment_name(pool.name), "namespace": pool.namespace,
+                     "labels": worker_labels(pool)},
+        "spec": {
+            "replicas": pool.replicas,
+            "selector": {"matchLabels": worker_selector(pool)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {
+                "maxSurge": lifecycle["maxSurge"], "maxUnavailable": lifecycle["maxUnavailable"]}},
+            # A rollout counts as stuck only after a model had its whole startup budget.
+            "progressDeadlineSeconds": lifecycle["startupTimeoutSeconds"] + 300,
+            "revisionHistoryLimit": 5,
+            "template": {"metadata": {"labels": worker_labels(pool)}, "spec": pod_spec},
+        },
+    }
+
+
+def desired_worker_service(pool: Pool) -> dict[str, Any]:
+    """Headless: its EndpointSlices list each ready worker pod, which is what the gateway needs."""
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": api.worker_service_name(pool.name), "namespace": pool.namespace,
+                     "labels": worker_labels(pool)},
+        "spec": {
+            "clusterIP": "None",
+            "selector": worker_selector(pool),
+            "publishNotReadyAddresses": False,
+            "ports": [{"name": "http", "port": api.WORKER_PORT, "targetPort": "http",
+                       "protocol": "TCP"}],
+        },
+    }
