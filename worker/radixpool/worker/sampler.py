@@ -1,0 +1,293 @@
+"""Token selection for a batch of requests that each bring their own sampling parameters.
+
+One step, each stage a batched tensor op over the rows that need it:
+  1. logprobs, when a row asks, from the model's *unmodified* distribution, log_softmax(logits):
+     what the model believed, before penalties, bias, masks, temperature or truncation (the
+     convention of the OpenAI API and of vLLM's default); a token the filters allowed but the
+     model found unlikely shows up as such.
+  2. repetition / frequency / presence penalties (penalties.py), logit_bias, the min_new_tokens
+     ban on eos and stop_token_ids, then `vocab_mask` (grammar hook: False = not allowed).
+  3. greedy rows (temperature 0, below GREEDY_TEMPERATURE, or top_k 1): argmax.
+  4. sampled rows: logits / temperature; top-k, then top-p over the top-k renormalised
+     distribution, then min-p (the Hugging Face order); then Gumbel-max over the kept tokens.
+When every row is plain greedy (nothing above applies) a step is a single argmax.
+
+Randomness is counter-based, not a torch RNG: token v of a row gets the uniform
+hash(seed, step = len(output_ids), v), so a row's token depends only on its own logits, params,
+seed and step, never on what else is in the batch or where the row sits. Gumbel-max keyed by
+token id also makes the result independent of how many top-k candidates the batch gathered, so
+rows are free to take the cheap candidate path or the full-vocabulary path. A request resumed
+after retraction replays the same randomness. (Exact float ties between tokens are the one place
+the batch could matter: they are broken by position.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import secrets
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+from radixpool.worker.penalties import PenaltyState, one_call_key
+from radixpool.worker.sampling_params import SamplingParams
+
+GREEDY_TEMPERATURE = 1e-5  # below this, logits / T overflows float32 for ordinary logits
+TOP_P_CANDIDATES = 1024    # top-p without top-k looks at this many tokens before a full sort
+_MASK32 = 0xFFFFFFFF
+_TOKEN_MULTIPLIER = 0x61C88647  # 2^32 / golden ratio, odd: spreads consecutive token ids
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    seed: int                     # the row's effective seed: see `request_seed`
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]     # tokens generated so far; len() is the step
+    key: Hashable | None = None   # request id: lets penalty counts persist between steps
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    # Present when any row asked for logprobs; None for rows that did not.
+    logprobs: list[float | None] | None = None
+    top_logprobs: list[list[tuple[int, float]] | None] | None = None
+
+
+def request_seed(seed: int | None, fork: int = 0) -> int:
+    """`SamplingRow.seed` for choice `fork` (0 .. n-1) of a request.
+
+    A request's own seed is kept for fork 0 and mixed with the fork index for the others, so n
+    choices differ yet replay; a request without a seed gets a fresh random one.
+    """
+    if seed is None:
+        return secrets.randbits(64)
+    if fork == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}/{fork}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit mix (Wellons' `hash32`) on int64 tensors holding values in [0, 2^32).
+
+    Both multipliers are below 2^31, so no product leaves int64: the result is exact on every
+    device. Works in place on `x`, which must be a fresh tensor.
+    """
+    x ^= x >> 15
+    x.mul_(0x2C1B3C6D).bitwise_and_(_MASK32)
+    x ^= x >> 12
+    x.mul_(0x297A2D39).bitwise_and_(_MASK32)
+    x ^= x >> 15
+    return x
+
+
+def _gumbel(token_keys: torch.Tensor, row_keys: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise from per-token keys [.., V] and per-row keys [n, 1]."""
+    bits = _hash32(token_keys ^ row_keys) >> 8
+    u = bits.to(torch.float32).add_(0.5).mul_(2.0 ** -24)  # in (0, 1), never 0 or 1
+    return u.log_().neg_().log_().neg_()
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_token_ids: Sequence[int] | int,
+                 device: torch.device | str = "cpu", max_penalty_requests: int = 1024) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = ((eos_token_ids,) if isinstance(eos_token_ids, int)
+                              else tuple(eos_token_ids))
+        self.device = torch.device(device)
+        ids = torch.arange(vocab_size, dtype=torch.long, device=self.device)
+        self._positions = ids
+        self._vocab_keys = (ids * _TOKEN_MULTIPLIER).bitwise_and_(_MASK32)
+        self._penalties = PenaltyState(vocab_size, self.device, max_penalty_requests)
+
+    def release(self, key: Hashable) -> None:
+        """Forget a finished or aborted request's penalty counts."""
+        self._penalties.release(key)
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+               vocab_mask: torch.Tensor | None = None) -> SampleResult:
+        """Pick one token per row. `logits` [len(rows), vocab_size] is not modified."""
+        n, vocab = len(rows), self.vocab_size
+        if logits.shape != (n, vocab):
+            raise ValueError(f"logits must be [{n}, {vocab}], got {list(logits.shape)}")
+        logits = logits.float()
+        greedy: list[int] = []
+        sampled: list[int] = []
+        penalised: list[int] = []
+        want_logprobs: list[int] = []
+        bias_rows: list[int] = []
+        bias_tokens: list[int] = []
+        bias_values: list[float] = []
+        ban_rows: list[int] = []
+        ban_tokens: list[int] = []
+        for i, row in enumerate(rows):
+            p = row.params
+            if p.temperature < GREEDY_TEMPERATURE or p.top_k == 1:
+                greedy.append(i)
+            else:
+                sampled.append(i)
+            if p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty:
+                penalised.append(i)
+            if p.logprobs is not None:
+                want_logprobs.append(i)
+            if p.logit_bias:
+                bias_rows.extend([i] * len(p.logit_bias))
+                bias_tokens.extend(p.logit_bias)
+                bias_values.extend(p.logit_bias.values())
+            if len(row.output_ids) < p.min_new_tokens:
+                banned = p.stop_token_ids if p.ignore_eos else self.eos_token_ids + p.stop_token_ids
+                ban_rows.extend([i] * len(banned))
+                ban_tokens.extend(banned)
+
+        modifies = bool(penalised or bias_rows or ban_rows) or vocab_mask is not None
+        if not (sampled or modifies or want_logprobs):
+            return SampleResult(logits.argmax(-1).tolist())
+
+        logprobs = None
+        if want_logprobs:
+            logprobs = torch.log_softmax(self._take(logits, want_logprobs, n), dim=-1)
+        work = logits.clone() if modifies else logits
+        if penalised:
+            self._apply_penalties(work, rows, penalised)
+        if bias_rows:
+            index = (self._long(bias_rows), self._long(bias_tokens))
+            work.index_put_(index, torch.tensor(bias_values, dtype=torch.float32,
+                                                device=self.device), accumulate=True)
+        if ban_rows:
+            work.index_put_((self._long(ban_rows), self._long(ban_tokens)),
+                            torch.tensor(-math.inf, device=self.device))
+        if vocab_mask is not None:
+            work.masked_fill_(vocab_mask.logical_not(), -math.inf)
+
+        if not sampled:
+            tokens = work.argmax(-1)
+        else:
+            tokens = torch.empty(n, dtype=torch.long, device=self.device)
+            if greedy:
+                tokens[self._long(greedy)] = self._take(work, greedy, n).argmax(-1)
+            chosen = self._sample_rows(self._take(work, sampled, n), [rows[i] for i in sampled])
+            if greedy:
+                tokens[self._long(sampled)] = chosen
+            else:
+                tokens = chosen
+        if logprobs is None:
+            return SampleResult(tokens.tolist())
+        return self._with_logprobs(tokens, logprobs, rows, want_logprobs)
+
+    def _long(self, values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _take(self, x: torch.Tensor, index: list[int], n: int) -> torch.Tensor:
+        return x if len(index) == n else x.index_select(0, self._long(index))
+
+    def _apply_penalties(self, work: torch.Tensor, rows: Sequence[SamplingRow],
+                         index: list[int]) -> None:
+        chosen = [rows[i] for i in index]
+        factors = torch.tensor(
+            [(r.params.repetition_penalty, r.params.frequency_penalty, r.params.presence_penalty)
+             for r in chosen], dtype=torch.float32, device=self.device)
+        keys = [one_call_key() if r.key is None else r.key for r in chosen]
+        self._penalties.apply(work, index, keys, [r.prompt_ids for r in chosen],
+                              [r.output_ids for r in chosen], factors)
+
+    def _sample_rows(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Sample one token per row of (already penalised and masked) logits x [m, V]."""
+        vocab = self.vocab_size
+        top_k = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
+        floats = torch.tensor(
+            [(r.params.temperature,
+              r.params.top_p if r.params.top_p < 1 else math.inf,
+              math.log(r.params.min_p) if r.params.min_p > 0 else -math.inf) for r in rows],
+            dtype=torch.float32, device=self.device)
+        ints = torch.tensor(
+            [(k, r.seed & _MASK32, (r.seed >> 32) & _MASK32, len(r.output_ids) & _MASK32)
+             for k, r in zip(top_k, rows, strict=True)], dtype=torch.long, device=self.device)
+        x = x / floats[:, 0:1]
+        keys = _hash32(ints[:, 3] ^ 0x9E3779B9)
+        keys = _hash32(keys ^ ints[:, 2])
+        keys = _hash32(keys ^ ints[:, 1]).unsqueeze(1)
+
+        truncated = [j for j, (k, r) in enumerate(zip(top_k, rows, strict=True))
+                     if k < vocab or r.params.top_p < 1]
+        if not truncated:
+            return self._sample_full(x, keys, floats[:, 2:3], rows)
+        if len(truncated) == len(rows):
+            return self._sample_candidates(x, keys, ints[:, 0], floats[:, 1:3], top_k)
+        out = torch.empty(len(rows), dtype=torch.long, device=self.device)
+        whole = [j for j in range(len(rows)) if j not in set(truncated)]
+        t_idx, w_idx = self._long(truncated), self._long(whole)
+        out[t_idx] = self._sample_candidates(x[t_idx], keys[t_idx], ints[t_idx, 0],
+                                             floats[t_idx, 1:3], [top_k[j] for j in truncated])
+        out[w_idx] = self._sample_full(x[w_idx], keys[w_idx], floats[w_idx, 2:3],
+                                       [rows[j] for j in whole])
+        return out
+
+    def _sample_full(self, x: torch.Tensor, keys: torch.Tensor, log_min_p: torch.Tensor,
+                     rows: list[SamplingRow]) -> torch.Tensor:
+        """Gumbel-max over the whole vocabulary (min-p is a threshold against the row max)."""
+        if any(r.params.min_p > 0 for r in rows):
+            floor = x.amax(-1, keepdim=True) + log_min_p
+            x = x.masked_fill(x < floor, -math.inf)
+        return x.add_(_gumbel(self._vocab_keys, keys)).argmax(-1)
+
+    def _sample_candidates(self, x: torch.Tensor, keys: torch.Tensor, top_k: torch.Tensor,
+                           top_p_min_p: torch.Tensor, top_k_list: list[int],
+                           full_sort: bool = False) -> torch.Tensor:
+        """Gumbel-max over the tokens that survive top-k, top-p and min-p."""
+        vocab = self.vocab_size
+        top_p_only = any(k == vocab for k in top_k_list)
+        width = max((k for k in top_k_list if k < vocab), default=1)
+        if top_p_only:
+            width = max(width, min(vocab, TOP_P_CANDIDATES))
+        if full_sort or width == vocab:
+            width = vocab
+            values, ids = x.sort(dim=-1, descending=True)
+        else:
+            values, ids = x.topk(width, dim=-1)
+        in_top_k = self._positions[:width] < top_k.unsqueeze(1)
+        values = values.masked_fill(in_top_k.logical_not(), -math.inf)
+        # top-p sees the top-k renormalised distribution; rows without top-k the whole one
+        log_total = torch.logsumexp(values, dim=-1, keepdim=True)
+        if top_p_only:
+            whole = torch.logsumexp(x, dim=-1, keepdim=True)
+            log_total = torch.where(top_k.unsqueeze(1) >= vocab, whole, log_total)
+        probs = (values - log_total).exp_()
+        cumulative = probs.cumsum(dim=-1)
+        top_p = top_p_min_p[:, 0:1]
+        if top_p_only and width < vocab and bool(
+                ((cumulative[:, -1:] < top_p) & (top_k.unsqueeze(1) >= vocab)).any()):
+            # the candidates hold less than top_p of some row's mass: the kept set is wider
+            return self._sample_candidates(x, keys, top_k, top_p_min_p, top_k_list, True)
+        keep = (cumulative - probs) < top_p
+        keep &= values >= values[:, :1] + top_p_min_p[:, 1:2]
+        keep[:, 0] = True
+        token_keys = (ids * _TOKEN_MULTIPLIER).bitwise_and_(_MASK32)
+        scores = values.add_(_gumbel(token_keys, keys)).masked_fill_(keep.logical_not(),
+                                                                     -math.inf)
+        return ids.gather(1, scores.argmax(-1, keepdim=True)).squeeze(1)
+
+    def _with_logprobs(self, tokens: torch.Tensor, logprobs: torch.Tensor,
+                       rows: Sequence[SamplingRow], index: list[int]) -> SampleResult:
+        n, m = len(rows), len(index)
+        chosen = logprobs.gather(1, tokens[self._long(index)].unsqueeze(1)).squeeze(1)
+        k = max(rows[i].params.logprobs for i in index)
+        parts = [tokens.double(), chosen.double()]
+        if k:
+            top_values, top_ids = logprobs.topk(k, dim=-1)
+            parts += [top_values.double().flatten(), top_ids.double().flatten()]
+        flat = torch.cat(parts).tolist()  # one device-to-host transfer
+        token_ids = [int(t) for t in flat[:n]]
+        chosen_lp = flat[n:n + m]
+        top_values_l = flat[n + m:n + m + m * k]
+        top_ids_l = flat[n + m + m * k:]
+        out_lp: list[float | None] = [None] * n
+        out_top: list[list[tuple[int, float]] | None] = [None] * n
+        for j, i in enumerate(index):
+            want = rows[i].params.logprobs
+            out_lp[i] = chosen_lp[j]
+            out_top[i] = [(int(top_ids_l[j * k + c]), top_values_l[j * k + c])
+                          for c in range(want)]
+        return SampleResult(token_ids, out_lp, out_top)
