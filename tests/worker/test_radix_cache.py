@@ -1,4 +1,4 @@
-"""The radix cache under random workloads: every slot accounted for, locks respected, events exact."""
+"""The radix cache under random workloads: slots accounted for, locks respected, events exact."""
 
 from __future__ import annotations
 

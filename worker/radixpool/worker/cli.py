@@ -9,7 +9,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from radixpool.worker.tiny_model import ARCHS
 
     p = subparsers.add_parser(
-        "tiny-model", help="write a tiny random-weight model with a locally trained tokenizer",
+        "tiny-model",
+        help="write a tiny random-weight model with a locally trained tokenizer",
         description="Write a random-weight model of a real architecture (small dimensions) and a "
                     "BPE tokenizer trained locally, in Hugging Face format. Deterministic for a seed.")
     p.add_argument("dir", help="output directory")

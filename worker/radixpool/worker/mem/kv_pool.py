@@ -34,7 +34,8 @@ class KVPool:
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * num_kv_heads * head_dim * itemsize
 
     def available_size(self) -> int:
         """Free tokens (whole free pages)."""

@@ -14,8 +14,9 @@ Ownership and locking (the invariants `check` verifies):
 Namespaces (a cache salt, an adapter id) get separate roots: requests that must not share KV never
 match each other. Keys are page-aligned when `page_size > 1`.
 
-Events: every store / remove / clear appends a `KVEvent` (monotonic `seq`) naming the whole blocks
-of `block_size` tokens that appeared or vanished, as chained hashes (`radixpool.protocol.kv_blocks`).
+Events: every store / remove / clear appends a `KVEvent` (monotonic `seq`) naming the whole
+blocks of `block_size` tokens that appeared or vanished, as chained hashes
+(`radixpool.protocol.kv_blocks`).
 Each node keeps the chain states of the blocks that *end* inside its edge, so a split partitions
 them and a store hashes only the new blocks. `block_hashes` maps every present block to its node
 (the scheduler's incremental longest-prefix-match ordering reads it).
@@ -135,7 +136,7 @@ class RadixCache:
     # ------------------------------------------------------------------ match
     def match_prefix(self, key: list[int], namespace: str | None = None) -> MatchResult:
         """Longest cached prefix of `key`; splits the last edge if the match ends inside it."""
-        node, length, values = self._walk(key, namespace, split=True, touch=True)
+        node, _, values = self._walk(key, namespace, split=True, touch=True)
         slots = (torch.cat(values) if len(values) > 1 else values[0]) if values else \
             torch.empty(0, dtype=torch.int64, device=self.device)
         return MatchResult(slots, node)

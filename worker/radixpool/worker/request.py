@@ -1,0 +1,77 @@
+"""A request's life inside the engine core: waiting → running (prefill chunks, decode) → finished.
+
+KV ownership while a request holds a row of the request→slot table:
+- `table[row, :prefix_len]` are the tree's slots of the locked node `last_node` (shared, read-only);
+- `table[row, prefix_len:kv_len]` are slots this request owns and must insert or free;
+- `fill_ids[kv_len:]` have no KV yet: the next step computes them (one token when decoding,
+  the rest of the prompt in prefill, everything not re-matched after a retraction) and samples.
+A waiting request holds no row, no lock and no slots (retraction gives all three back).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from radixpool.worker.mem.radix_cache import TreeNode
+from radixpool.worker.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    seed: int
+    namespace: str | None = None
+    arrival_time: float = 0.0
+    seq: int = 0                          # admission-order tie break (FCFS)
+
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    matched_stop_token: int | None = None
+
+    row: int | None = None
+    kv_len: int = 0
+    prefix_len: int = 0
+    last_node: TreeNode | None = None
+
+    cached_tokens: int = -1               # prompt tokens reused at first admission (-1: not yet)
+    queue_time: float | None = None
+    retractions: int = 0
+
+    # Incremental longest-prefix-match bookkeeping (owned by the waiting queue).
+    block_hashes: np.ndarray | None = None
+    match_blocks: int = 0
+    version: int = 0                      # bumps on every priority change (stale heap entries)
+    queue_epoch: int = 0                  # bumps on every enqueue (stale arrival entries)
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Every token of the sequence so far: prompt, then generated."""
+        return self.input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def uncomputed(self) -> int:
+        """Tokens without KV: the next step computes `fill_ids[kv_len:]` (decode: just one)."""
+        return self.seq_len - self.kv_len
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def remaining_new_tokens(self) -> int:
+        return self.params.max_new_tokens - len(self.output_ids)

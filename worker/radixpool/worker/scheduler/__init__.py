@@ -1,0 +1,1 @@
+"""Continuous batching: the waiting queue, admission, decode, retraction."""
