@@ -11,8 +11,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "tiny-model",
         help="write a tiny random-weight model with a locally trained tokenizer",
-        description="Write a random-weight model of a real architecture (small dimensions) and a "
-                    "BPE tokenizer trained locally, in Hugging Face format. Deterministic for a seed.")
+        description="Write a random-weight model of a real architecture (small dimensions) and "
+                    "a BPE tokenizer trained locally, in Hugging Face format. Deterministic for a "
+                    "seed.")
     p.add_argument("dir", help="output directory")
     p.add_argument("--arch", choices=ARCHS, default="llama", help="architecture (default: llama)")
     p.add_argument("--seed", type=int, default=0, help="random seed for weights and corpus")

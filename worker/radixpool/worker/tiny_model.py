@@ -23,15 +23,20 @@ CHAT_TEMPLATE = (
 )
 
 _WORDS = (
-    "the of and to in is was for on that with as by at from his her it an were are which this "
-    "be or has had not first one their its new after but who they been have also two time year "
-    "city school world group music state house water light river stone paper cache token prefix "
-    "model serve request worker gateway radix tree memory batch stream route cluster pool node "
-    "page block queue prompt answer question system user assistant kernel graph tensor layer "
-    "attention value key hash match insert evict lock share reuse compute fast slow small large "
-    "red green blue north south east west morning evening winter summer garden window market "
-    "über café naïve résumé 東京 数据 模型 🚀 ✓ λ π"
-).split()
+    'the', 'of', 'and', 'to', 'in', 'is', 'was', 'for', 'on', 'that', 'with', 'as', 'by',
+    'at', 'from', 'his', 'her', 'it', 'an', 'were', 'are', 'which', 'this', 'be', 'or',
+    'has', 'had', 'not', 'first', 'one', 'their', 'its', 'new', 'after', 'but', 'who',
+    'they', 'been', 'have', 'also', 'two', 'time', 'year', 'city', 'school', 'world',
+    'group', 'music', 'state', 'house', 'water', 'light', 'river', 'stone', 'paper',
+    'cache', 'token', 'prefix', 'model', 'serve', 'request', 'worker', 'gateway', 'radix',
+    'tree', 'memory', 'batch', 'stream', 'route', 'cluster', 'pool', 'node', 'page',
+    'block', 'queue', 'prompt', 'answer', 'question', 'system', 'user', 'assistant',
+    'kernel', 'graph', 'tensor', 'layer', 'attention', 'value', 'key', 'hash', 'match',
+    'insert', 'evict', 'lock', 'share', 'reuse', 'compute', 'fast', 'slow', 'small',
+    'large', 'red', 'green', 'blue', 'north', 'south', 'east', 'west', 'morning', 'evening',
+    'winter', 'summer', 'garden', 'window', 'market', 'über', 'café', 'naïve', 'résumé',
+    '東京', '数据', '模型', '🚀', '✓', 'λ', 'π',
+)
 
 
 def _corpus(seed: int, lines: int = 3000) -> list[str]:

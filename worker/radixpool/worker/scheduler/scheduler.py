@@ -274,9 +274,9 @@ class Scheduler:
     def _check_finished(self, req: Req, token: int) -> bool:
         p = req.params
         n = len(req.output_ids)
-        if n >= p.min_new_tokens:
-            if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-                req.finish_reason, req.matched_stop_token = "stop", token
+        stops = (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+        if stops and n >= p.min_new_tokens:
+            req.finish_reason, req.matched_stop_token = "stop", token
         if req.finish_reason is None and (n >= p.max_new_tokens
                                           or req.seq_len >= self.context_length):
             req.finish_reason = "length"
