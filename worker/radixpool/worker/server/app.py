@@ -1,0 +1,32 @@
+"""The worker's ASGI app: routes, error handlers, `/metrics`, behind the lifecycle gate."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from starlette.responses import Response
+
+from radixpool.worker.server import kv_events, native_api, openai_api
+from radixpool.worker.server.errors import install_error_handlers
+from radixpool.worker.server.lifecycle import Gate
+from radixpool.worker.server.state import WorkerState
+
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def create_app(state: WorkerState) -> Gate:
+    app = FastAPI(
+        title="RadixPool worker",
+        version=state.version,
+        description="OpenAI-compatible and native LLM serving with a radix-tree prefix KV cache.",
+    )
+    app.state.worker = state
+    install_error_handlers(app)
+    app.include_router(openai_api.router(state))
+    app.include_router(native_api.router(state))
+    app.include_router(kv_events.router(state))
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        return Response(state.metrics.exposition(), media_type=PROMETHEUS_CONTENT_TYPE)
+
+    return Gate(app, state.lifecycle, state.config.api_key)

@@ -1,0 +1,123 @@
+"""`radixpool worker` flags and the frozen `ServerConfig` they are validated into.
+
+Torch-free (stdlib + the engine's config dataclass), so `radixpool worker --help` answers at once.
+Engine defaults are read from `EngineConfig` itself: one source of truth for every default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, fields
+
+from radixpool.worker.config import DEVICES, DTYPES, SCHEDULE_POLICIES, EngineConfig
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+API_KEY_ENV = "RADIXPOOL_API_KEY"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    engine: EngineConfig
+    served_model_name: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    drain_timeout_s: float = 30.0
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not self.served_model_name:
+            raise ValueError("served_model_name must be a non-empty name")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout must be ≥ 0 seconds, got {self.drain_timeout_s}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (omit it to serve without a key)")
+
+
+def _default(name: str):
+    return next(f.default for f in fields(EngineConfig) if f.name == name)
+
+
+def add_worker_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, metavar="DIR",
+                   help="Hugging Face model directory (config.json, safetensors, tokenizer)")
+    p.add_argument("--served-model-name", metavar="NAME",
+                   help="name clients put in `model` (default: the model directory's name)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: 127.0.0.1; use 0.0.0.0 in a pod)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    p.add_argument("--device", choices=DEVICES, default=_default("device"),
+                   help="cpu, cuda, or auto: cuda when available (default: auto)")
+    p.add_argument("--dtype", choices=DTYPES, default=_default("dtype"),
+                   help="weight and KV dtype; auto: bfloat16 on GPU, float32 on CPU")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--kv-cache-tokens", type=int, metavar="N",
+                        help="KV pool size in tokens (default: sized from --mem-fraction on GPU, "
+                             "a CPU default otherwise)")
+    budget.add_argument("--mem-fraction", type=float, metavar="F",
+                        help="fraction of free accelerator memory for the KV pool, in (0, 1)")
+    p.add_argument("--page-size", type=int, default=_default("page_size"),
+                   help="KV page size in tokens, a power of two; cache hits are page-aligned "
+                        f"(default: {_default('page_size')})")
+    p.add_argument("--max-running-requests", type=int, default=_default("max_running_requests"),
+                   help="most requests decoded together "
+                        f"(default: {_default('max_running_requests')})")
+    p.add_argument("--chunked-prefill-size", type=int, default=_default("chunked_prefill_size"),
+                   help="prompt tokens computed per request per step; longer prompts are "
+                        f"prefilled in chunks (default: {_default('chunked_prefill_size')})")
+    p.add_argument("--max-prefill-tokens", type=int, default=_default("max_prefill_tokens"),
+                   help="new tokens (prefill + decode) one engine step may compute "
+                        f"(default: {_default('max_prefill_tokens')})")
+    p.add_argument("--schedule-policy", choices=SCHEDULE_POLICIES,
+                   default=_default("schedule_policy"),
+                   help="waiting-queue order: lpm (longest cached prefix first) or fcfs "
+                        f"(default: {_default('schedule_policy')})")
+    p.add_argument("--context-length", type=int, metavar="N",
+                   help="cap the model's context length (may only shrink it)")
+    p.add_argument("--attention-backend", default=_default("attention_backend"),
+                   help="attention backend: auto, torch, flashinfer (default: auto)")
+    p.add_argument("--debug-invariants", action="store_true",
+                   help="check KV cache invariants whenever the engine goes idle (slow)")
+    p.add_argument("--api-key", metavar="KEY", default=os.environ.get(API_KEY_ENV),
+                   help="require `Authorization: Bearer KEY` on every endpoint except /health "
+                        f"and /metrics (default: ${API_KEY_ENV}, else no key)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, how long running requests may take to finish before they "
+                        "are aborted; keep it below the pod's terminationGracePeriodSeconds "
+                        "(default: 30)")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                   help="log level (default: info)")
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """Validate the flags once; a ValueError names the flag's field."""
+    engine = EngineConfig(
+        model_path=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        kv_cache_tokens=args.kv_cache_tokens,
+        mem_fraction=args.mem_fraction,
+        page_size=args.page_size,
+        max_running_requests=args.max_running_requests,
+        chunked_prefill_size=args.chunked_prefill_size,
+        max_prefill_tokens=args.max_prefill_tokens,
+        schedule_policy=args.schedule_policy,
+        attention_backend=args.attention_backend,
+        context_length=args.context_length,
+        debug_invariants=args.debug_invariants,
+    )
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    return ServerConfig(
+        engine=engine,
+        served_model_name=name,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        drain_timeout_s=args.drain_timeout,
+        log_level=args.log_level,
+    )

@@ -1,0 +1,155 @@
+"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}`.
+
+Every rejection says what was wrong and where (`param` is a field path such as
+`messages[0].content`), so a client can act on it. Bad input is never a 500.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse
+
+log = logging.getLogger("radixpool.worker.server")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _default_type(status)
+        self.headers = headers
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def _default_type(status: int) -> str:
+    if status == 401:
+        return "authentication_error"
+    if status == 503:
+        return "service_unavailable"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def unavailable(message: str, retry_after_s: int = 5) -> APIError:
+    return APIError(503, message, headers={"Retry-After": str(retry_after_s)})
+
+
+def field_path(loc: tuple[Any, ...] | list[Any]) -> str | None:
+    """`("body", "messages", 0, "content")` → `messages[0].content`."""
+    path = ""
+    for part in loc:
+        if part in ("body", "query", "path") and not path:
+            continue
+        if isinstance(part, int):
+            path += f"[{part}]"
+        else:
+            path += f".{part}" if path else str(part)
+    return path or None
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_FORMS = {
+    "str": "a string", "int": "an integer", "float": "a number", "bool": "true or false",
+    "list[str]": "a list of strings", "list[constrained-int]": "a list of token ids",
+    "list[list[constrained-int]]": "a list of token-id lists",
+    "list[TextPart]": 'a list of {"type": "text", "text": ...} parts',
+}
+
+
+def _union_tag(part: Any) -> bool:
+    return isinstance(part, str) and (part in _FORMS or "[" in part or "-" in part)
+
+
+def _union_error(errors: list[dict], loc: tuple[Any, ...]) -> APIError:
+    """Pydantic reports one error per union branch; answer with the forms the field accepts."""
+    cut = next(i for i, part in enumerate(loc) if _union_tag(part))
+    prefix, param = loc[:cut], field_path(loc[:cut])
+    forms, detail = [], None
+    for err in errors:
+        eloc = tuple(err.get("loc", ()))
+        if eloc[:cut] != prefix or len(eloc) <= cut:
+            continue
+        form = _FORMS.get(eloc[cut], str(eloc[cut]))
+        if form not in forms:
+            forms.append(form)
+        if detail is None and len(eloc) > cut + 1:
+            inner = eloc[:cut] + tuple(p for p in eloc[cut + 1:] if not _union_tag(p))
+            detail = f"{field_path(inner)}: {err.get('msg')}"
+    message = f"invalid value for '{param}': expected {' or '.join(forms)}"
+    if detail:
+        message += f" ({detail})"
+    return bad_request(message, param=param)
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    errors = list(exc.errors())
+    err = errors[0]
+    if any(_union_tag(part) for part in err.get("loc", ())):
+        return _union_error(errors, tuple(err["loc"]))
+    if err.get("type") == "json_invalid":
+        detail = err.get("ctx", {}).get("error", "")
+        return bad_request(f"request body is not valid JSON: {detail}".rstrip(": "),
+                           code="invalid_json")
+    loc = tuple(err.get("loc", ()))
+    param = field_path(loc)
+    message = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+    if err.get("type") == "missing":
+        return bad_request(f"'{param}' is required", param=param, code="missing_field")
+    if err.get("type") == "extra_forbidden":
+        return bad_request(f"unrecognized request argument '{param}'", param=param,
+                           code="unknown_field")
+    if param is None:
+        return bad_request(f"invalid request body: {message}")
+    if "input" in err and err.get("type") != "model_attributes_type":
+        message = f"{message} (got {_short(err['input'])})"
+    return bad_request(f"invalid value for '{param}': {message}", param=param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return APIError(exc.status_code, str(exc.detail), code=code,
+                        headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()

@@ -1,0 +1,222 @@
+"""One request on the engine: validated inputs in, chunks out, metrics recorded on the way.
+
+Every endpoint (chat, completions, /generate) goes through `EngineRun`, so the Prometheus series
+mean the same thing whichever API a client used. Closing a run (a client that disconnects, a
+cancelled handler) closes the engine's stream, which aborts the request in the core and frees its
+KV at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+
+from radixpool.worker.sampling_params import SamplingParams
+from radixpool.worker.server.errors import APIError, bad_request
+from radixpool.worker.server.metrics import WorkerMetrics
+
+T = TypeVar("T")
+
+
+def engine_error(exc: ValueError, renames: dict[str, str], default_param: str | None) -> APIError:
+    """A ValueError from validation → 400 whose `param` is the API's name for the field."""
+    message = str(exc)
+    first = message.split(" ", 1)[0].strip("'\":,")
+    param = renames.get(first, first if first.isidentifier() and first.islower() else None)
+    if param is None:
+        param = default_param
+    elif first in renames:
+        message = renames[first] + message[len(first):]
+    return bad_request(message, param=param)
+
+
+def build_params(doc: dict[str, Any], vocab_size: int, renames: dict[str, str],
+                 prefix: str = "") -> SamplingParams:
+    try:
+        params = SamplingParams.from_dict(doc)
+        params.check_vocab(vocab_size)
+    except (ValueError, TypeError) as exc:
+        err = engine_error(ValueError(str(exc)), renames, None)
+        if prefix and err.param:
+            err.param = f"{prefix}{err.param}"
+        raise err from None
+    return params
+
+
+@dataclass
+class ForkOutput:
+    """Everything one fork (choice) produced, accumulated from its chunks."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    matched_stop: str | int | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, chunk: Any) -> None:
+        if chunk.text:
+            self.text.append(chunk.text)
+        self.token_ids.extend(chunk.token_ids)
+        if chunk.logprobs:
+            self.logprobs.extend(chunk.logprobs)
+        if chunk.top_logprobs:
+            self.top_logprobs.extend(chunk.top_logprobs)
+        self.prompt_tokens = chunk.prompt_tokens or self.prompt_tokens
+        self.cached_tokens = chunk.cached_tokens or self.cached_tokens
+        self.completion_tokens = chunk.completion_tokens or self.completion_tokens
+        if chunk.finished:
+            self.finish_reason = chunk.finish_reason
+            self.matched_stop = chunk.matched_stop
+
+    @property
+    def full_text(self) -> str:
+        return "".join(self.text)
+
+
+class EngineRun:
+    """An engine stream with metrics. Start it with `await run.first()` (raises 400 on bad input),
+    then iterate; `close()` aborts it if it has not finished."""
+
+    def __init__(self, engine: Any, metrics: WorkerMetrics, input_ids: list[int],
+                 params: SamplingParams, namespace: str | None, rid: str | None = None,
+                 renames: dict[str, str] | None = None, prompt_param: str | None = None) -> None:
+        self._stream = engine.stream(input_ids=input_ids, sampling_params=params,
+                                     namespace=namespace, rid=rid)
+        self._metrics = metrics
+        self._renames = renames or {}
+        self._prompt_param = prompt_param
+        self._last: dict[int, float] = {}
+        self._open = set(range(params.n))
+        self._start = time.time()
+        self._first: Any = None
+
+    async def first(self) -> None:
+        try:
+            self._first = await self._stream.__anext__()
+        except ValueError as exc:
+            await self.close()
+            raise engine_error(exc, self._renames, self._prompt_param) from None
+        except StopAsyncIteration:
+            self._first = None
+        if self._first is not None:
+            self._observe(self._first)
+
+    def _observe(self, chunk: Any) -> None:
+        now = time.time()
+        prev = self._last.get(chunk.index)
+        if prev is None:
+            first_token = chunk.first_token_time or now
+            self._metrics.record_first_token(first_token - chunk.arrival_time, chunk.queue_time)
+        elif chunk.token_ids:
+            self._metrics.record_token_gap((now - prev) / len(chunk.token_ids))
+        self._last[chunk.index] = now
+        if chunk.finished:
+            self._open.discard(chunk.index)
+            self._metrics.record_finished(chunk.finish_reason, chunk.prompt_tokens,
+                                          chunk.cached_tokens, chunk.completion_tokens,
+                                          now - chunk.arrival_time)
+
+    async def __aiter__(self) -> AsyncIterator[Any]:
+        try:
+            if self._first is not None:
+                yield self._first
+                self._first = None
+                async for chunk in self._stream:
+                    self._observe(chunk)
+                    yield chunk
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        await self._stream.aclose()
+        now = time.time()
+        for _ in self._open:
+            self._metrics.record_aborted(now - self._start)
+        self._open.clear()
+
+    async def collect(self) -> list[ForkOutput]:
+        forks: dict[int, ForkOutput] = {}
+        async for chunk in self:
+            forks.setdefault(chunk.index, ForkOutput(chunk.index)).add(chunk)
+        return [forks[i] for i in sorted(forks)]
+
+
+async def merge_streams(runs: list[EngineRun]) -> AsyncIterator[tuple[int, Any]]:
+    """Chunks of several runs as they come, tagged with the run's position."""
+    if len(runs) == 1:
+        async for chunk in runs[0]:
+            yield 0, chunk
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, run: EngineRun) -> None:
+        try:
+            async for chunk in run:
+                await queue.put((i, chunk))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, run)) for i, run in enumerate(runs)]
+    try:
+        remaining = len(runs)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+                for task in tasks:   # surface a pump's error instead of waiting forever
+                    if task.done() and not task.cancelled() and task.exception():
+                        raise task.exception()
+                continue
+            yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for run in runs:
+            await run.close()
+
+
+async def start_all(runs: list[EngineRun]) -> None:
+    """Start every run; if one is rejected, close the others and re-raise."""
+    try:
+        for run in runs:
+            await run.first()
+    except BaseException:
+        for run in runs:
+            await run.close()
+        raise
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (and so aborting its engine requests) if the client leaves."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise APIError(499, "client closed the request", code="client_disconnected")
+    return task.result()

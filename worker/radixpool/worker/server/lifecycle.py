@@ -1,0 +1,135 @@
+"""Worker lifecycle (loading → ready → draining → stopped) and the ASGI gate in front of the app.
+
+The gate is plain ASGI (no per-request Starlette middleware objects) and does three things:
+- `--api-key`: every path except `/health` and `/metrics` needs `Authorization: Bearer KEY`
+  (or `X-API-Key: KEY`); otherwise 401.
+- While loading or draining, every path except `/health` and `/metrics` gets 503 with
+  `Retry-After` (`/health` itself answers 503 from its route).
+- It counts generation requests in flight, so a drain knows when the last one has finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import hmac
+import json
+
+from radixpool.worker.server.errors import error_body
+
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+RETRY_AFTER_S = 5
+
+
+class Phase(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    DRAINING = "draining"
+    FAILED = "failed"
+
+
+class Lifecycle:
+    """Where the worker is in its life, and how many generation requests are in flight."""
+
+    def __init__(self) -> None:
+        self.phase = Phase.LOADING
+        self.failure: str | None = None
+        self.inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def serving(self) -> bool:
+        return self.phase is Phase.READY
+
+    def mark_ready(self) -> None:
+        if self.phase is Phase.LOADING:
+            self.phase = Phase.READY
+
+    def mark_failed(self, reason: str) -> None:
+        self.phase, self.failure = Phase.FAILED, reason
+
+    def begin_drain(self) -> bool:
+        """Stop taking requests; False if already draining."""
+        if self.phase is Phase.DRAINING:
+            return False
+        self.phase = Phase.DRAINING
+        return True
+
+    def request_started(self) -> None:
+        self.inflight += 1
+        self._idle.clear()
+
+    def request_finished(self) -> None:
+        self.inflight -= 1
+        if self.inflight == 0:
+            self._idle.set()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """True once no generation request is in flight; False if `timeout_s` passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    def unavailable_reason(self) -> str:
+        if self.phase is Phase.LOADING:
+            return "the model is still loading; retry shortly"
+        if self.phase is Phase.DRAINING:
+            return "this worker is shutting down; send the request to another worker"
+        return f"the engine failed to start: {self.failure}"
+
+
+def _header(scope: dict, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+async def _send_json(send, status: int, body: dict, headers: list[tuple[bytes, bytes]]) -> None:
+    payload = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(payload)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": payload})
+
+
+class Gate:
+    def __init__(self, app, lifecycle: Lifecycle, api_key: str | None) -> None:
+        self.app = app
+        self.lifecycle = lifecycle
+        self.api_key = api_key.encode() if api_key else None
+
+    def _authorized(self, scope: dict) -> bool:
+        auth = _header(scope, b"authorization") or ""
+        key = auth[7:].strip() if auth[:7].lower() == "bearer " else _header(scope, b"x-api-key")
+        return key is not None and hmac.compare_digest(key.encode(), self.api_key)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        if path not in OPEN_PATHS:
+            if self.api_key is not None and not self._authorized(scope):
+                body = error_body("missing or wrong API key: send `Authorization: Bearer <key>`",
+                                  "authentication_error", None, "invalid_api_key")
+                await _send_json(send, 401, body, [(b"www-authenticate", b"Bearer")])
+                return
+            if not self.lifecycle.serving:
+                body = error_body(self.lifecycle.unavailable_reason(), "service_unavailable",
+                                  None, self.lifecycle.phase.value)
+                await _send_json(send, 503, body,
+                                 [(b"retry-after", str(RETRY_AFTER_S).encode())])
+                return
+        if path not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        self.lifecycle.request_started()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.lifecycle.request_finished()

@@ -1,0 +1,232 @@
+"""Native endpoints: `/generate`, health, `/flush_cache`, `/server_info`, `/tokenizer`, `/load`,
+`/prefix_probe` (see docs/worker.md and docs/protocol.md for the shapes)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from starlette.responses import JSONResponse
+
+from radixpool.protocol.server_info import ServerInfo
+from radixpool.worker.server.errors import APIError, bad_request, error_body
+from radixpool.worker.server.generation import (
+    EngineRun,
+    ForkOutput,
+    build_params,
+    merge_streams,
+    start_all,
+    until_disconnect,
+)
+from radixpool.worker.server.openai_protocol import ChatMessage
+from radixpool.worker.server.sse import DONE, EventStream, sse
+from radixpool.worker.server.state import WorkerState
+
+TokenId = Annotated[StrictInt, Field(ge=0)]
+HEALTH_GENERATE_TIMEOUT_S = 30.0
+
+
+class GenerateBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    text: str | list[str] | None = None
+    input_ids: list[TokenId] | list[list[TokenId]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    stream: StrictBool = False
+    rid: Annotated[str, Field(min_length=1, max_length=128)] | None = None
+    cache_salt: Annotated[str, Field(max_length=256)] | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerateBody:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of 'text' or 'input_ids'")
+        return self
+
+    def prompts(self) -> tuple[list[str | list[int]], bool]:
+        """The prompts, and whether the request was a batch."""
+        if self.text is not None:
+            return ([self.text], False) if isinstance(self.text, str) else (list(self.text), True)
+        ids = self.input_ids
+        if ids and isinstance(ids[0], list):
+            return list(ids), True
+        return [list(ids)], False
+
+
+class ProbeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input_ids: list[TokenId] | None = None
+    text: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    cache_salt: Annotated[str, Field(max_length=256)] | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> ProbeBody:
+        given = [self.input_ids is not None, self.text is not None, self.messages is not None]
+        if sum(given) != 1:
+            raise ValueError("give exactly one of 'input_ids', 'text' or 'messages'")
+        return self
+
+
+def _meta(fork: ForkOutput | Any, rid: str, logprobs: bool) -> dict:
+    meta = {
+        "id": rid,
+        "prompt_tokens": fork.prompt_tokens,
+        "completion_tokens": fork.completion_tokens,
+        "cached_tokens": fork.cached_tokens,
+        "finish_reason": fork.finish_reason,
+        "matched_stop": fork.matched_stop,
+    }
+    if logprobs:
+        meta["logprobs"] = list(fork.logprobs or ())
+        meta["top_logprobs"] = [list(map(list, alts)) for alts in fork.top_logprobs or ()]
+    return meta
+
+
+def router(state: WorkerState) -> APIRouter:
+    r = APIRouter()
+
+    @r.post("/generate")
+    async def generate(body: GenerateBody, request: Request):
+        prompts, batch = body.prompts()
+        if not prompts:
+            raise bad_request("the batch is empty", param="text" if body.text else "input_ids")
+        params_docs = body.sampling_params
+        if isinstance(params_docs, list):
+            if len(params_docs) != len(prompts):
+                raise bad_request(f"sampling_params has {len(params_docs)} entries for "
+                                  f"{len(prompts)} prompts", param="sampling_params")
+        else:
+            params_docs = [params_docs or {}] * len(prompts)
+        inputs, params = [], []
+        for i, (prompt, doc) in enumerate(zip(prompts, params_docs, strict=True)):
+            where = f"[{i}]" if batch else ""
+            if isinstance(prompt, str):
+                ids = await state.encode(prompt)
+                prompt_param = f"text{where}"
+            else:
+                ids = prompt
+                prompt_param = f"input_ids{where}"
+                state.check_token_ids(ids, prompt_param)
+            sp_prefix = f"sampling_params{where if isinstance(body.sampling_params, list) else ''}."
+            p = build_params(doc, state.vocab_size, {}, sp_prefix)
+            state.token_budget(len(ids), p.max_new_tokens, prompt_param,
+                               f"{sp_prefix}max_new_tokens")
+            inputs.append(ids)
+            params.append(p)
+        rid = body.rid or uuid.uuid4().hex
+        rids = [f"{rid}-{i}" if batch else rid for i in range(len(inputs))]
+        runs = [EngineRun(state.engine, state.metrics, ids, p, body.cache_salt, rids[i])
+                for i, (ids, p) in enumerate(zip(inputs, params, strict=True))]
+        await start_all(runs)
+        if body.stream:
+            return EventStream(_generate_events(runs, params, rids))
+
+        async def collect_all() -> list[list[ForkOutput]]:
+            return [await run.collect() for run in runs]
+
+        results = await until_disconnect(request, collect_all())
+        out = [
+            {"text": fork.full_text, "output_ids": fork.token_ids,
+             "meta_info": _meta(fork, rids[i], params[i].logprobs is not None)}
+            for i, forks in enumerate(results) for fork in forks
+        ]
+        return JSONResponse(out if batch or len(out) > 1 else out[0])
+
+    @r.get("/health")
+    async def health() -> JSONResponse:
+        lifecycle = state.lifecycle
+        if lifecycle.serving:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": lifecycle.phase.value,
+                             "message": lifecycle.unavailable_reason()}, status_code=503,
+                            headers={"Retry-After": "5"})
+
+    @r.get("/health_generate")
+    async def health_generate() -> JSONResponse:
+        engine = state.engine
+        prompt = [engine.tokenizer.eos_token_id or 0]
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(engine.generate_async(
+                input_ids=prompt, sampling_params={"max_new_tokens": 1, "temperature": 0}),
+                HEALTH_GENERATE_TIMEOUT_S)
+        except Exception as exc:
+            return JSONResponse(error_body(f"one-token generation failed: {exc!r}",
+                                           "service_unavailable"), status_code=503)
+        return JSONResponse({"status": "ok", "seconds": round(time.monotonic() - started, 4)})
+
+    @r.post("/flush_cache")
+    async def flush_cache() -> dict:
+        try:
+            await asyncio.to_thread(state.engine.flush_cache)
+        except RuntimeError as exc:
+            raise APIError(409, f"cannot flush the cache now: {exc}", code="flush_refused") \
+                from None
+        return {"instance_id": state.engine.instance_id}
+
+    @r.get("/server_info")
+    async def server_info() -> dict:
+        info = state.engine.info
+        return ServerInfo(
+            model=state.config.engine.model_path,
+            served_model_name=state.config.served_model_name,
+            context_length=info.context_length,
+            kv_capacity_tokens=info.kv_capacity_tokens,
+            page_size=info.page_size,
+            kv_block_size=info.kv_block_size,
+            instance_id=state.engine.instance_id,
+            version=state.version,
+        ).to_json()
+
+    @r.get("/tokenizer")
+    async def tokenizer() -> dict:
+        return {"files": state.engine.tokenizer.files}
+
+    @r.get("/load")
+    async def load() -> dict:
+        stats = state.engine.stats()
+        capacity = stats.kv_capacity_tokens if stats else 0
+        return {
+            "running": stats.running if stats else 0,
+            "waiting": stats.waiting if stats else 0,
+            "kv_usage": stats.kv_used_tokens / capacity if capacity else 0.0,
+            "instance_id": state.engine.instance_id,
+        }
+
+    @r.post("/prefix_probe")
+    async def prefix_probe(body: ProbeBody) -> dict:
+        if body.input_ids is not None:
+            ids = body.input_ids
+            state.check_token_ids(ids, "input_ids")
+        elif body.text is not None:
+            ids = await state.encode(body.text)
+        else:
+            ids = await state.encode_chat([m.template_dict() for m in body.messages])
+        cached = await asyncio.to_thread(state.engine.probe, ids, body.cache_salt)
+        return {"prompt_tokens": len(ids), "cached_tokens": cached}
+
+    return r
+
+
+async def _generate_events(runs: list[EngineRun], params: list, rids: list[str]
+                           ) -> AsyncIterator[bytes]:
+    try:
+        async for p, chunk in merge_streams(runs):
+            event = {
+                "index": p * params[p].n + chunk.index,
+                "text": chunk.text,
+                "output_ids": list(chunk.token_ids),
+                "meta_info": _meta(chunk, rids[p], params[p].logprobs is not None),
+            }
+            if not chunk.finished:
+                event["meta_info"]["finish_reason"] = None
+            yield sse(event)
+    except Exception as exc:
+        yield sse(error_body(f"generation failed: {exc}", "server_error"))
+    yield DONE

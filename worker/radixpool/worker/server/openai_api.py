@@ -1,0 +1,246 @@
+"""`/v1/chat/completions`, `/v1/completions` and `/v1/models`, OpenAI-compatible.
+
+Prompt tokens are counted once per prompt (not per choice), completion tokens summed over choices,
+and `prompt_tokens_details.cached_tokens` is what the radix cache held when the request arrived
+(the least over the request's choices: later forks reuse the first one's prefill).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.responses import JSONResponse
+
+from radixpool.worker.server.errors import error_body
+from radixpool.worker.server.generation import (
+    EngineRun,
+    ForkOutput,
+    build_params,
+    merge_streams,
+    start_all,
+    until_disconnect,
+)
+from radixpool.worker.server.logprobs import chat_logprobs, completion_logprobs
+from radixpool.worker.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from radixpool.worker.server.sse import DONE, EventStream, sse
+from radixpool.worker.server.state import WorkerState
+
+CHAT_RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
+                "logprobs": "top_logprobs"}
+COMPLETION_RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+class UsageTally:
+    """Usage over the prompts of one request, each with its forks."""
+
+    def __init__(self, prompt_lengths: list[int]) -> None:
+        self.prompt_lengths = prompt_lengths
+        self.cached: dict[int, int] = {}
+        self.completion: dict[tuple[int, int], int] = {}
+
+    def add(self, prompt_index: int, chunk: Any) -> None:
+        cached = self.cached.get(prompt_index)
+        if chunk.prompt_tokens:   # chunks before admission may not know the cache hit yet
+            self.cached[prompt_index] = (chunk.cached_tokens if cached is None
+                                         else min(cached, chunk.cached_tokens))
+        self.completion[(prompt_index, chunk.index)] = chunk.completion_tokens
+
+    def add_fork(self, prompt_index: int, fork: ForkOutput) -> None:
+        cached = self.cached.get(prompt_index, fork.cached_tokens)
+        self.cached[prompt_index] = min(cached, fork.cached_tokens)
+        self.completion[(prompt_index, fork.index)] = fork.completion_tokens
+
+    def doc(self) -> dict:
+        return usage(sum(self.prompt_lengths), sum(self.completion.values()),
+                     sum(self.cached.values()))
+
+
+def _finish(fork_or_chunk: Any) -> str | None:
+    return fork_or_chunk.finish_reason
+
+
+def router(state: WorkerState) -> APIRouter:
+    r = APIRouter()
+
+    @r.get("/v1/models")
+    async def models() -> dict:
+        info = state.engine.info
+        return {"object": "list", "data": [{
+            "id": state.config.served_model_name, "object": "model", "created": 0,
+            "owned_by": "radixpool", "root": state.config.engine.model_path,
+            "max_model_len": info.context_length,
+        }]}
+
+    @r.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        state.check_model(body.model)
+        messages = [m.template_dict() for m in body.messages]
+        input_ids = await state.encode_chat(messages, body.add_generation_prompt,
+                                            body.chat_template_kwargs)
+        max_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        max_new = state.token_budget(len(input_ids), body.requested_max_tokens, "messages",
+                                     max_param)
+        params = build_params(body.sampling_dict(max_new, body.logprobs_k), state.vocab_size,
+                              CHAT_RENAMES)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        run = EngineRun(state.engine, state.metrics, input_ids, params, body.cache_salt, rid,
+                        CHAT_RENAMES, "messages")
+        await run.first()
+        created = int(time.time())
+        head = {"id": rid, "created": created, "model": state.config.served_model_name}
+        if body.stream:
+            return EventStream(_chat_events(state, run, body, head, len(input_ids)))
+        forks = await until_disconnect(request, run.collect())
+        tally = UsageTally([len(input_ids)])
+        choices = []
+        for fork in forks:
+            tally.add_fork(0, fork)
+            choices.append({
+                "index": fork.index,
+                "message": {"role": "assistant", "content": fork.full_text},
+                "logprobs": (chat_logprobs(state.token_text, fork.token_ids, fork.logprobs,
+                                           fork.top_logprobs)
+                             if params.logprobs is not None else None),
+                "finish_reason": _finish(fork),
+            })
+        return JSONResponse({**head, "object": "chat.completion", "choices": choices,
+                             "usage": tally.doc(), "system_fingerprint": None})
+
+    @r.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        state.check_model(body.model)
+        prompts = body.prompts()
+        if not prompts:
+            from radixpool.worker.server.errors import bad_request
+
+            raise bad_request("prompt must not be an empty list", param="prompt")
+        inputs: list[list[int]] = []
+        for i, prompt in enumerate(prompts):
+            param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            if isinstance(prompt, str):
+                ids = await state.encode(prompt)
+            else:
+                ids = prompt
+                state.check_token_ids(ids, param)
+            state.token_budget(len(ids), body.max_tokens, param, "max_tokens")
+            inputs.append(ids)
+        params = build_params(body.sampling_dict(body.max_tokens or 16, body.logprobs),
+                              state.vocab_size, COMPLETION_RENAMES)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        runs = [EngineRun(state.engine, state.metrics, ids, params, body.cache_salt,
+                          f"{rid}-{i}" if len(inputs) > 1 else rid, COMPLETION_RENAMES, "prompt")
+                for i, ids in enumerate(inputs)]
+        await start_all(runs)
+        head = {"id": rid, "created": int(time.time()), "model": state.config.served_model_name}
+        echo = [p if isinstance(p, str) else state.engine.tokenizer.decode(p) for p in prompts]
+        if body.stream:
+            return EventStream(_completion_events(state, runs, body, head, inputs, echo))
+
+        async def collect_all() -> list[list[ForkOutput]]:
+            return [await run.collect() for run in runs]
+
+        results = await until_disconnect(request, collect_all())
+        tally = UsageTally([len(ids) for ids in inputs])
+        choices = []
+        for p, forks in enumerate(results):
+            for fork in forks:
+                tally.add_fork(p, fork)
+                text = fork.full_text
+                logprobs = None
+                if params.logprobs is not None:
+                    logprobs, _ = completion_logprobs(state.token_text, fork.token_ids,
+                                                      fork.logprobs, fork.top_logprobs)
+                choices.append({
+                    "index": p * params.n + fork.index,
+                    "text": echo[p] + text if body.echo else text,
+                    "logprobs": logprobs,
+                    "finish_reason": _finish(fork),
+                })
+        return JSONResponse({**head, "object": "text_completion", "choices": choices,
+                             "usage": tally.doc(), "system_fingerprint": None})
+
+    return r
+
+
+async def _chat_events(state: WorkerState, run: EngineRun, body: ChatCompletionRequest,
+                       head: dict, prompt_len: int) -> AsyncIterator[bytes]:
+    chunk_head = {**head, "object": "chat.completion.chunk", "system_fingerprint": None}
+    want_logprobs = body.logprobs_k is not None
+    tally = UsageTally([prompt_len])
+    for i in range(body.n):
+        yield sse({**chunk_head, "choices": [{
+            "index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            "finish_reason": None}]})
+    try:
+        async for chunk in run:
+            tally.add(0, chunk)
+            if not (chunk.text or chunk.finished or (want_logprobs and chunk.token_ids)):
+                continue   # text held back (a possible stop string or an unfinished character)
+            choice = {
+                "index": chunk.index,
+                "delta": {"content": chunk.text} if chunk.text else {},
+                "logprobs": (chat_logprobs(state.token_text, chunk.token_ids, chunk.logprobs or [],
+                                           chunk.top_logprobs) if want_logprobs else None),
+                "finish_reason": chunk.finish_reason if chunk.finished else None,
+            }
+            event = {**chunk_head, "choices": [choice]}
+            if body.stream_options and body.stream_options.continuous_usage_stats:
+                event["usage"] = tally.doc()
+            yield sse(event)
+    except Exception as exc:
+        yield sse(error_body(f"generation failed: {exc}", "server_error"))
+    else:
+        if body.include_usage:
+            yield sse({**chunk_head, "choices": [], "usage": tally.doc()})
+    yield DONE
+
+
+async def _completion_events(state: WorkerState, runs: list[EngineRun], body: CompletionRequest,
+                             head: dict, inputs: list[list[int]],
+                             echo: list[str]) -> AsyncIterator[bytes]:
+    chunk_head = {**head, "object": "text_completion"}
+    want_logprobs = body.logprobs is not None
+    tally = UsageTally([len(ids) for ids in inputs])
+    offsets: dict[int, int] = {}
+    n = body.n
+    if body.echo:
+        for p, text in enumerate(echo):
+            for i in range(n):
+                yield sse({**chunk_head, "choices": [{"index": p * n + i, "text": text,
+                                                      "logprobs": None, "finish_reason": None}]})
+    try:
+        async for p, chunk in merge_streams(runs):
+            tally.add(p, chunk)
+            if not (chunk.text or chunk.finished or (want_logprobs and chunk.token_ids)):
+                continue
+            index = p * n + chunk.index
+            logprobs = None
+            if want_logprobs:
+                logprobs, offsets[index] = completion_logprobs(
+                    state.token_text, chunk.token_ids, chunk.logprobs or [], chunk.top_logprobs,
+                    offsets.get(index, 0))
+            event = {**chunk_head, "choices": [{
+                "index": index, "text": chunk.text, "logprobs": logprobs,
+                "finish_reason": chunk.finish_reason if chunk.finished else None}]}
+            if body.stream_options and body.stream_options.continuous_usage_stats:
+                event["usage"] = tally.doc()
+            yield sse(event)
+    except Exception as exc:
+        yield sse(error_body(f"generation failed: {exc}", "server_error"))
+    else:
+        if body.include_usage:
+            yield sse({**chunk_head, "choices": [], "usage": tally.doc()})
+    yield DONE

@@ -1,0 +1,208 @@
+"""Request models of the OpenAI-compatible endpoints, validated at the HTTP edge.
+
+Ranges live in the field definitions, so a bad value is answered with the OpenAI field name
+(`max_tokens`, not the engine's `max_new_tokens`) and the OpenAPI schema documents them. Unknown
+fields are rejected like OpenAI does; features this server does not have (tools, audio, ...) are
+rejected with a message instead of being silently ignored. Engine-only sampling knobs (`top_k`,
+`min_p`, `repetition_penalty`, `ignore_eos`, ...) are accepted as extensions, and `cache_salt`
+names the KV cache namespace (see docs/protocol.md).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+
+Seed = Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)]
+TokenId = Annotated[StrictInt, Field(ge=0)]
+Stop = str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)] | None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
+
+
+class SamplingFields(BaseModel):
+    """Sampling fields shared by chat and completions (OpenAI names, plus extensions)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=128)] = 1
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    stop: Stop = None
+    seed: Seed | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # extensions (SGLang / vLLM names)
+    top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=10)] | None = None
+    ignore_eos: StrictBool = False
+    min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
+    stop_token_ids: list[TokenId] | None = None
+    skip_special_tokens: StrictBool = True
+    cache_salt: Annotated[str, Field(max_length=256)] | None = None
+    # accepted for SDK compatibility, no effect here
+    metadata: dict[str, str] | None = None
+    store: StrictBool | None = None
+    service_tier: str | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.lstrip("-").isdigit() or int(key) < 0:
+                raise ValueError(f"keys must be token ids (non-negative integers), got {key!r}")
+        return value
+
+    def sampling_dict(self, max_new_tokens: int, logprobs: int | None) -> dict[str, Any]:
+        """Engine `SamplingParams` fields; what the request left unset keeps engine defaults."""
+        doc: dict[str, Any] = {
+            "max_new_tokens": max_new_tokens,
+            "min_new_tokens": min(self.min_tokens, max_new_tokens),
+            "n": self.n,
+            "seed": self.seed,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "logit_bias": self.logit_bias,
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+            "logprobs": logprobs,
+        }
+        for name in ("temperature", "top_p", "top_k", "min_p", "frequency_penalty",
+                     "presence_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None:
+                doc[name] = value
+        return doc
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+# OpenAI fields that need features this server does not have: rejected, never ignored.
+_UNSUPPORTED = {
+    "tools": "tool calling", "tool_choice": "tool calling", "functions": "function calling",
+    "function_call": "function calling", "audio": "audio output", "modalities": "audio output",
+    "prediction": "predicted outputs", "web_search_options": "web search",
+}
+
+
+def _reject_unsupported(name: str, value: Any) -> None:
+    if value not in (None, [], {}):
+        raise ValueError(f"{_UNSUPPORTED[name]} is not supported by this server")
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")   # template-specific keys pass through
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        doc = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            doc["content"] = "".join(part.text for part in self.content)
+        elif self.content is None:
+            doc["content"] = ""
+        return doc
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    response_format: ResponseFormat | None = None
+    parallel_tool_calls: StrictBool | None = None
+    reasoning_effort: str | None = None
+    # extensions
+    add_generation_prompt: StrictBool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    # rejected when set
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    web_search_options: Any = None
+
+    @field_validator("tools", "tool_choice", "functions", "function_call", "audio",
+                     "modalities", "prediction", "web_search_options")
+    @classmethod
+    def _unsupported(cls, value: Any, info: Any) -> Any:
+        _reject_unsupported(info.field_name, value)
+        return value
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def logprobs_k(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            return None
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Prompt
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = 16
+    logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    echo: StrictBool = False
+    best_of: Annotated[StrictInt, Field(ge=1, le=128)] | None = None
+    suffix: str | None = None
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("suffix (insertion) is not supported by this server")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, value: int | None, info: Any) -> int | None:
+        n = info.data.get("n", 1)
+        if value is not None and value != n:
+            raise ValueError(f"best_of must equal n ({n}); ranking completions is not supported")
+        return value
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: each item is a text or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            return []
+        if isinstance(p[0], int):
+            return [list(p)]
+        return list(p)

@@ -1,0 +1,102 @@
+"""`radixpool worker`: load the engine, serve HTTP, drain on SIGTERM.
+
+The HTTP server starts first, so `/health` answers 503 while the model loads. SIGTERM starts a
+drain: `/health` and new requests get 503, running requests get up to `--drain-timeout` to finish,
+then the server stops, the engine shuts down and the process exits 0. A second SIGTERM or a
+SIGINT stops at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import asdict
+from types import FrameType
+
+import uvicorn
+
+from radixpool.worker.server.app import create_app
+from radixpool.worker.server.config import ServerConfig
+from radixpool.worker.server.state import WorkerState
+
+log = logging.getLogger("radixpool.worker.server")
+
+
+class WorkerServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: WorkerState) -> None:
+        super().__init__(config)
+        self.state = state
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Not calling super(): uvicorn re-raises captured signals after shutdown, which would
+        # turn a clean drain into death by SIGTERM (exit status 143 instead of 0).
+        if sig == signal.SIGTERM and not self.should_exit and self.loop is not None \
+                and self.state.lifecycle.begin_drain():
+            self.loop.call_soon_threadsafe(self._spawn, self._drain())
+            return
+        if self.should_exit:
+            self.force_exit = True
+        self.should_exit = True
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _drain(self) -> None:
+        timeout = self.state.config.drain_timeout_s
+        log.info("SIGTERM: draining %d running request(s), up to %.0f s",
+                 self.state.lifecycle.inflight, timeout)
+        if await self.state.lifecycle.wait_idle(timeout):
+            log.info("drained; shutting down")
+        else:
+            log.warning("drain timeout: aborting %d request(s)", self.state.lifecycle.inflight)
+        self.config.timeout_graceful_shutdown = 1
+        self.should_exit = True
+
+    async def _load_engine(self) -> None:
+        from radixpool.worker import Engine
+
+        cfg = self.state.config
+        try:
+            engine = await asyncio.to_thread(Engine, **asdict(cfg.engine))
+        except Exception as exc:
+            log.error("engine failed to start: %s", exc)
+            self.state.lifecycle.mark_failed(str(exc))
+            self.should_exit = True
+            return
+        self.state.attach(engine)
+        info = engine.info
+        log.info("serving %s as '%s' on http://%s:%d — %s %s, context %d tokens, "
+                 "KV capacity %d tokens (page size %d), instance %s",
+                 cfg.engine.model_path, cfg.served_model_name, cfg.host, cfg.port, info.device,
+                 info.dtype, info.context_length, info.kv_capacity_tokens, info.page_size,
+                 engine.instance_id)
+
+    async def serve(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._spawn(self._load_engine())
+        await super().serve(sockets)
+
+
+def run_worker(config: ServerConfig) -> int:
+    level = config.log_level.upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    state = WorkerState(config)
+    uv_config = uvicorn.Config(
+        create_app(state), host=config.host, port=config.port, log_level=config.log_level,
+        access_log=config.log_level == "debug", timeout_graceful_shutdown=5,
+        timeout_keep_alive=30,
+    )
+    server = WorkerServer(uv_config, state)
+    try:
+        asyncio.run(server.serve())
+    finally:
+        if state.engine is not None:
+            state.engine.shutdown()
+    if state.lifecycle.failure is not None:
+        return 1
+    return 0

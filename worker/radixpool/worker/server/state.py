@@ -1,0 +1,112 @@
+"""What every route shares: the config, the engine once it is loaded, lifecycle and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixpool.worker.server.config import ServerConfig
+from radixpool.worker.server.errors import APIError, bad_request
+from radixpool.worker.server.lifecycle import Lifecycle
+from radixpool.worker.server.logprobs import TokenText
+from radixpool.worker.server.metrics import WorkerMetrics
+
+# Prompts longer than this (characters) are tokenized off the event loop.
+INLINE_TOKENIZE_CHARS = 8192
+
+
+def radixpool_version() -> str:
+    from radixpool.cli import version
+
+    return version()
+
+
+@dataclass
+class WorkerState:
+    config: ServerConfig
+    version: str = field(default_factory=radixpool_version)
+    lifecycle: Lifecycle = field(default_factory=Lifecycle)
+    engine: Any = None
+    token_text: TokenText | None = None
+    metrics: WorkerMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = WorkerMetrics(self.config.served_model_name, self.version,
+                                     lambda: self.engine)
+
+    def attach(self, engine: Any) -> None:
+        self.engine = engine
+        self.token_text = TokenText(engine.tokenizer)
+        self.lifecycle.mark_ready()
+
+    @property
+    def context_length(self) -> int:
+        return self.engine.info.context_length
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.info.vocab_size
+
+    def check_model(self, model: str | None) -> None:
+        if model is None or model in (self.config.served_model_name, self.config.engine.model_path):
+            return
+        raise APIError(404, f"the model '{model}' does not exist on this worker; it serves "
+                            f"'{self.config.served_model_name}'", param="model",
+                       code="model_not_found")
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.vocab_size
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary (size {vocab})",
+                              param=param)
+
+    def token_budget(self, prompt_len: int, requested: int | None, prompt_param: str,
+                     max_param: str) -> int:
+        """Tokens this request may generate; rejects prompts that leave no room."""
+        context = self.context_length
+        if prompt_len == 0:
+            raise bad_request("the prompt is empty", param=prompt_param)
+        if prompt_len >= context:
+            raise bad_request(
+                f"the prompt is {prompt_len} tokens, but this model's context length is "
+                f"{context} tokens (prompt plus at least one generated token)",
+                param=prompt_param, code="context_length_exceeded")
+        room = context - prompt_len
+        if requested is None:
+            return room
+        if requested > room:
+            raise bad_request(
+                f"{max_param}={requested} plus the prompt's {prompt_len} tokens exceeds this "
+                f"model's context length of {context} tokens; ask for at most {room}",
+                param=max_param, code="context_length_exceeded")
+        return requested
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            return tokenizer.encode(text, add_special_tokens)
+        return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
+
+    async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                          template_kwargs: dict | None = None) -> list[int]:
+        from radixpool.tokenization import ChatTemplateError
+
+        tokenizer = self.engine.tokenizer
+        kwargs = dict(template_kwargs or {})
+        for reserved in ("messages", "add_generation_prompt"):
+            if reserved in kwargs:
+                raise bad_request(f"chat_template_kwargs may not set '{reserved}'",
+                                  param=f"chat_template_kwargs.{reserved}")
+        size = sum(len(str(m.get("content", ""))) for m in messages)
+        try:
+            if size <= INLINE_TOKENIZE_CHARS:
+                return tokenizer.encode_chat(messages, add_generation_prompt, **kwargs)
+            return await asyncio.to_thread(tokenizer.encode_chat, messages,
+                                           add_generation_prompt, **kwargs)
+        except ChatTemplateError as exc:
+            raise bad_request(str(exc), param="messages") from None
+        except (TypeError, ValueError) as exc:   # the template tripped over a message's shape
+            raise bad_request(f"the chat template could not render the messages: {exc}",
+                              param="messages") from None
