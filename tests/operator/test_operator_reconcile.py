@@ -1,0 +1,141 @@
+"""Reconciliation against an in-memory cluster: create, reject, heal, scale, report."""
+
+from __future__ import annotations
+
+from radixpool.operator.desired import OperatorConfig
+from radixpool.operator.reconcile import reconcile_pool
+
+CONFIG = OperatorConfig()
+T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
+
+
+def conditions(status) -> dict[str, dict]:
+    return {c["type"]: c for c in status["conditions"]}
+
+
+def with_status(body, status):
+    return {**body, "status": status}
+
+
+def test_valid_pool_creates_everything_and_reports_it_is_not_ready_yet(cluster, pool_body):
+    outcome = reconcile_pool(pool_body(), cluster, CONFIG, now=T0)
+    assert cluster.kinds() == ["Deployment", "Deployment", "PodDisruptionBudget", "Role",
+                               "RoleBinding", "Service", "Service", "ServiceAccount"]
+    status = outcome.status
+    cond = conditions(status)
+    assert cond["Accepted"]["status"] == "True"
+    assert cond["WorkersReady"]["status"] == "False"
+    assert cond["WorkersReady"]["message"].startswith("0/1 workers ready")
+    assert status["ready"] == "0/1" and status["readyReplicas"] == 0
+    assert status["selector"] == "app.kubernetes.io/component=worker,radixpool.io/pool=llama"
+    assert status["endpoint"] == "http://llama-gateway.ml.svc:8080"
+    assert status["observedGeneration"] == 1 and status["model"] == "llama"
+
+
+def test_status_follows_what_the_deployments_report(cluster, pool_body):
+    body = pool_body(replicas=2)
+    reconcile_pool(body, cluster, CONFIG, now=T0)
+    cluster.set_ready("ml", "llama-worker", 2)
+    cluster.set_ready("ml", "llama-gateway", 1)
+    status = reconcile_pool(body, cluster, CONFIG, now=T1).status
+    cond = conditions(status)
+    assert [cond[k]["status"] for k in ("Accepted", "WorkersReady", "GatewayReady",
+                                        "Progressing", "Degraded")] == [
+        "True", "True", "True", "False", "False"]
+    assert status["ready"] == "2/2" and status["gatewayReadyReplicas"] == 1
+
+
+def test_invalid_pool_creates_nothing_and_warns_once(cluster, pool_body):
+    body = pool_body(replicas=-3, gateway={"policy": "fastest"})
+    outcome = reconcile_pool(body, cluster, CONFIG, now=T0)
+    assert cluster.objects == {}
+    accepted = conditions(outcome.status)["Accepted"]
+    assert accepted["status"] == "False" and accepted["reason"] == "InvalidSpec"
+    assert "spec.replicas" in accepted["message"] and "spec.gateway.policy" in accepted["message"]
+    assert [(e.type, e.reason) for e in outcome.events] == [("Warning", "InvalidSpec")]
+    again = reconcile_pool(with_status(body, outcome.status), cluster, CONFIG, now=T1)
+    assert again.events == []  # the periodic check does not repeat the Event
+    assert conditions(again.status)["Accepted"]["lastTransitionTime"] == T0
+
+
+def test_missing_secret_or_claim_blocks_creation_until_it_exists(cluster, pool_body):
+    body = pool_body(apiKeySecret={"name": "api-key"}, model={"uri": "pvc://models/llama"})
+    outcome = reconcile_pool(body, cluster, CONFIG, now=T0)
+    assert cluster.objects == {}
+    accepted = conditions(outcome.status)["Accepted"]
+    assert accepted["reason"] == "MissingReference"
+    assert "spec.apiKeySecret.name: Secret 'api-key' not found in namespace 'ml'" in (
+        accepted["message"])
+    assert "spec.model.uri: PersistentVolumeClaim 'models' not found" in accepted["message"]
+    cluster.add("Secret", "ml", "api-key")
+    cluster.add("PersistentVolumeClaim", "ml", "models")
+    healed = reconcile_pool(with_status(body, outcome.status), cluster, CONFIG, now=T1)
+    assert conditions(healed.status)["Accepted"]["status"] == "True"
+    assert ("Normal", "Valid") in [(e.type, e.reason) for e in healed.events]
+    assert cluster.get("Deployment", "ml", "llama-worker") is not None
+
+
+def test_bad_edit_of_a_running_pool_keeps_it_running_as_it_was(cluster, pool_body):
+    reconcile_pool(pool_body(replicas=2), cluster, CONFIG, now=T0)
+    cluster.set_ready("ml", "llama-worker", 2)
+    outcome = reconcile_pool(pool_body(replicas=2, engine={"pageSize": 0}), cluster, CONFIG)
+    assert cluster.get("Deployment", "ml", "llama-worker")["spec"]["replicas"] == 2
+    cond = conditions(outcome.status)
+    assert cond["Accepted"]["status"] == "False"
+    assert "spec.engine.pageSize" in cond["Accepted"]["message"]
+    assert cond["WorkersReady"]["status"] == "True"  # still observed, still serving
+
+
+def test_drift_is_put_back(cluster, pool_body):
+    body = pool_body(replicas=3)
+    reconcile_pool(body, cluster, CONFIG)
+    cluster.objects.pop(("Service", "ml", "llama-workers"))
+    cluster.get("Deployment", "ml", "llama-worker")["spec"]["replicas"] = 1
+    cluster.get("Role", "ml", "llama-gateway")["rules"] = []
+    reconcile_pool(body, cluster, CONFIG)
+    assert cluster.get("Service", "ml", "llama-workers")["spec"]["clusterIP"] == "None"
+    assert cluster.get("Deployment", "ml", "llama-worker")["spec"]["replicas"] == 3
+    assert cluster.get("Role", "ml", "llama-gateway")["rules"][0]["resources"] == [
+        "endpointslices"]
+
+
+def test_scaling_and_rollout_show_as_progressing(cluster, pool_body):
+    reconcile_pool(pool_body(replicas=2), cluster, CONFIG)
+    cluster.set_ready("ml", "llama-worker", 2)
+    scaled = reconcile_pool(pool_body(replicas=4, generation=2), cluster, CONFIG)
+    assert cluster.get("Deployment", "ml", "llama-worker")["spec"]["replicas"] == 4
+    progressing = conditions(scaled.status)["Progressing"]
+    assert progressing["status"] == "True" and progressing["observedGeneration"] == 2
+    assert scaled.status["ready"] == "2/4"
+
+    cluster.set_ready("ml", "llama-worker", 4)
+    rolled = reconcile_pool(pool_body(replicas=4, generation=3,
+                                      engine={"image": "example.com/worker:2"}), cluster, CONFIG)
+    assert conditions(rolled.status)["Progressing"]["reason"] == "RollingOut"
+    cluster.set_ready("ml", "llama-worker", 4)
+    done = reconcile_pool(pool_body(replicas=4, generation=3,
+                                    engine={"image": "example.com/worker:2"}), cluster, CONFIG)
+    assert conditions(done.status)["Progressing"]["reason"] == "Complete"
+
+
+def test_disabling_the_pdb_removes_it(cluster, pool_body):
+    reconcile_pool(pool_body(), cluster, CONFIG)
+    assert cluster.get("PodDisruptionBudget", "ml", "llama-worker")
+    reconcile_pool(pool_body(lifecycle={"podDisruptionBudget": {"enabled": False}}), cluster,
+                   CONFIG)
+    assert cluster.get("PodDisruptionBudget", "ml", "llama-worker") is None
+
+
+def test_service_monitor_only_where_its_crd_exists(pool_body, make_cluster):
+    without, with_crd = make_cluster(), make_cluster(service_monitors=True)
+    reconcile_pool(pool_body(), without, CONFIG)
+    reconcile_pool(pool_body(), with_crd, CONFIG)
+    assert "ServiceMonitor" not in without.kinds() and "ServiceMonitor" in with_crd.kinds()
+
+
+def test_one_bad_pool_does_not_affect_another(cluster, pool_body):
+    reconcile_pool(pool_body(name="bad", replicas=-1), cluster, CONFIG)
+    good = reconcile_pool(pool_body(name="good"), cluster, CONFIG)
+    assert conditions(good.status)["Accepted"]["status"] == "True"
+    assert {name for _, _, name in cluster.objects} >= {"good-worker", "good-gateway"}
+    assert not any(name.startswith("bad") for _, _, name in cluster.objects)

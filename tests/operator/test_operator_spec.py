@@ -1,0 +1,98 @@
+"""Validation: what a user gets back for a bad pool names the field and says what was expected."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixpool.operator.spec import InvalidPool, parse_pool
+
+
+def errors_of(body) -> dict[str, str]:
+    with pytest.raises(InvalidPool) as caught:
+        parse_pool(body)
+    return {error.path: error.message for error in caught.value.errors}
+
+
+def test_minimal_pool_gets_the_schema_defaults(pool_body):
+    pool = parse_pool(pool_body())
+    assert pool.replicas == 1
+    assert pool.model.served_name == "llama"
+    assert pool.engine["resources"]["gpus"] == 1
+    assert pool.engine["resources"]["gpuResourceName"] == "nvidia.com/gpu"
+    assert pool.engine["schedulePolicy"] == "lpm" and pool.engine["pageSize"] == 1
+    assert pool.gateway["policy"] == "cache_aware" and pool.gateway["cacheThreshold"] == 0.3
+    assert pool.gateway["service"] == {"type": "ClusterIP", "port": 8080}
+    assert pool.lifecycle["drainTimeoutSeconds"] == 120
+    assert pool.lifecycle["podDisruptionBudget"] == {"enabled": True, "maxUnavailable": 1}
+
+
+@pytest.mark.parametrize(("spec", "field", "expected"), [
+    ({"model": {}}, "spec.model", "exactly one of spec.model.path or spec.model.uri"),
+    ({"model": {"path": "/m", "uri": "hf://a/b"}}, "spec.model", "exactly one"),
+    ({"model": {"uri": "s3://bucket/model"}}, "spec.model.uri", "does not match"),
+    ({"model": {"path": "relative/dir"}}, "spec.model.path", "does not match"),
+    ({"replicas": -1}, "spec.replicas", "at least 0"),
+    ({"gateway": {"policy": "fastest"}}, "spec.gateway.policy", "must be one of cache_aware"),
+    ({"gateway": {"cacheThreshold": 1.5}}, "spec.gateway.cacheThreshold", "at most 1"),
+    ({"gateway": {"balanceRelThreshold": 0.5}}, "spec.gateway.balanceRelThreshold",
+     "at least 1"),
+    ({"engine": {"pageSize": 0}}, "spec.engine.pageSize", "at least 1"),
+    ({"engine": {"memFraction": 0}}, "spec.engine.memFraction", "greater than 0"),
+    ({"engine": {"kvCacheTokens": 1000, "memFraction": 0.5}}, "spec.engine", "at most one"),
+    ({"engine": {"resources": {"gpus": -1}}}, "spec.engine.resources.gpus", "at least 0"),
+    ({"engine": {"resources": {"memory": "lots"}}}, "spec.engine.resources.memory",
+     "not a valid"),
+    ({"engine": {"schedulePolicy": "sjf"}}, "spec.engine.schedulePolicy", "lpm, fcfs"),
+    ({"engine": {"volumes": [{"name": "tmp", "emptyDir": {}}]}}, "spec.engine.volumes[0].name",
+     "reserved"),
+    ({"engine": {"pagesize": 16}}, "spec.engine.pagesize", "unknown field"),
+    ({"lifecycle": {"drainTimeoutSeconds": -5}}, "spec.lifecycle.drainTimeoutSeconds",
+     "at least 0"),
+    ({"lifecycle": {"maxSurge": 0, "maxUnavailable": 0}}, "spec.lifecycle", "both be 0"),
+    ({"gateway": {"service": {"port": 70000}}}, "spec.gateway.service.port", "at most 65535"),
+    ({"replicas": "three"}, "spec.replicas", "type integer"),
+])
+def test_invalid_field_is_named_with_what_was_expected(pool_body, spec, field, expected):
+    body = pool_body()
+    body["spec"] = {"model": {"path": "/models/m"}, **spec}
+    errors = errors_of(body)
+    assert field in errors, errors
+    assert expected in errors[field]
+
+
+def test_all_problems_are_reported_at_once(pool_body):
+    errors = errors_of(pool_body(replicas=-1, gateway={"policy": "x"}))
+    assert {"spec.replicas", "spec.gateway.policy"} <= set(errors)
+
+
+def test_missing_model_and_bad_name(pool_body):
+    body = pool_body(name="Bad_Name")
+    del body["spec"]["model"]
+    errors = errors_of(body)
+    assert errors["spec.model"] == "is required"
+    assert "DNS-1035" in errors["metadata.name"]
+    assert "at most 45" in errors_of(pool_body(name="a" * 46))["metadata.name"]
+
+
+def test_model_uris_are_understood(pool_body):
+    hf = parse_pool(pool_body(model={"uri": "hf://Qwen/Qwen3-8B@abc123"}))
+    assert hf.model.hf == ("Qwen/Qwen3-8B", "abc123") and hf.model.pvc is None
+    pvc = parse_pool(pool_body(model={"uri": "pvc://models/llama/8b"}))
+    assert pvc.model.pvc == ("models", "llama/8b")
+
+
+def test_references_name_the_field_that_points_at_them(pool_body):
+    pool = parse_pool(pool_body(
+        apiKeySecret={"name": "key"},
+        model={"uri": "hf://org/gated", "hfTokenSecret": {"name": "hf"}},
+        engine={"imagePullSecrets": [{"name": "regcred"}],
+                "env": [{"name": "X", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}],
+                "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]}))
+    found = {(ref.kind, ref.name, ref.path) for ref in pool.references()}
+    assert found == {
+        ("Secret", "key", "spec.apiKeySecret.name"),
+        ("Secret", "hf", "spec.model.hfTokenSecret.name"),
+        ("Secret", "regcred", "spec.engine.imagePullSecrets[0]"),
+        ("Secret", "s", "spec.engine.env[0]"),
+        ("PersistentVolumeClaim", "data", "spec.engine.volumes[0]"),
+    }
