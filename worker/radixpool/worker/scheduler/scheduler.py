@@ -107,12 +107,13 @@ class Scheduler:
     def next_batch(self, now: float | None = None) -> ScheduledBatch | None:
         now = time.time() if now is None else now
         decode = self._make_room_for_decode()
-        prefill, takes = self._admit(now, self.config.max_prefill_tokens - len(decode))
+        prefill, takes = self._admit(now, self.config.max_prefill_tokens - len(decode),
+                                     decode_slots=len(decode))
         if not decode and not prefill:
             return None
         reqs = prefill + decode
         token_ids = [r.fill_ids[r.kv_len:r.kv_len + t] for r, t in zip(prefill, takes)]
-        token_ids += [[r.output_ids[-1]] for r in decode]
+        token_ids += [[(r.output_ids or r.input_ids)[-1]] for r in decode]
         prefix_lens = [r.kv_len for r in reqs]
         slots = self._alloc_slots(prefill, takes, decode)
         sample = [r.kv_len + t == r.seq_len for r, t in zip(prefill, takes)] + [True] * len(decode)
@@ -144,14 +145,14 @@ class Scheduler:
         total = sum(min(r.remaining_new_tokens(), RESERVE_CAP) for r in self.running.values())
         return int(total * self.new_token_ratio)
 
-    def _admit(self, now: float, budget: int) -> tuple[list[Req], list[int]]:
+    def _admit(self, now: float, budget: int, decode_slots: int) -> tuple[list[Req], list[int]]:
         admitted: list[Req] = []
         takes: list[int] = []
         chunk = self.config.chunked_prefill_size
         pending_blocks: set[int] = set()
         state = {"budget": budget, "chunked": False,
                  "kv": self.pool.available_size() + self.cache.evictable_size
-                 - self._reserved_for_decode()}
+                 - decode_slots - self._reserved_for_decode()}
 
         def try_take(req: Req, take: int, resumed: bool) -> bool:
             if take <= 0 or take > state["kv"]:
@@ -219,6 +220,14 @@ class Scheduler:
                      decode: list[Req]) -> torch.Tensor:
         table = self.rows.table
         parts = []
+        if decode:
+            rows = torch.tensor([r.row for r in decode], device=table.device)
+            lens = torch.tensor([r.kv_len for r in decode], device=table.device)
+            last = table[rows, lens - 1]
+            slots = self.pool.alloc_decode(lens, last)
+            assert slots is not None, "decode room was ensured"
+            table[rows, lens] = slots
+            parts.append(slots)
         if prefill:
             # Worst case with pages: each request may start a page it fills only partly.
             self._ensure_free(sum(takes) + (self.pool.page_size - 1) * len(prefill))
@@ -230,15 +239,10 @@ class Scheduler:
                 table[req.row, req.kv_len:req.kv_len + take] = slots[cursor:cursor + take]
                 cursor += take
             parts.append(slots)
-        if decode:
-            rows = torch.tensor([r.row for r in decode], device=table.device)
-            lens = torch.tensor([r.kv_len for r in decode], device=table.device)
-            last = table[rows, lens - 1]
-            slots = self.pool.alloc_decode(lens, last)
-            assert slots is not None, "decode room was ensured"
-            table[rows, lens] = slots
-            parts.append(slots)
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+        if len(parts) > 1:  # the batch lists prefill requests first
+            parts.reverse()
+            return torch.cat(parts)
+        return parts[0]
 
     # ------------------------------------------------------------------ results
     def process(self, batch: ScheduledBatch, sampled: list[int],

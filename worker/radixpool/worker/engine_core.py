@@ -1,0 +1,137 @@
+"""The engine core: scheduler + model runner + sampler, one step at a time, no I/O.
+
+`core_process.py` runs it in its own process behind ZMQ; tests drive it directly. A step asks the
+scheduler for a batch, runs the forward pass, samples the requests that reached the end of what
+they had to compute, and lets the scheduler apply the tokens. What changed (new tokens, finishes,
+cache events, queue stats) comes back as one `StepOutput`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from radixpool.protocol.kv_blocks import DEFAULT_BLOCK_SIZE
+from radixpool.worker.config import EngineConfig
+from radixpool.worker.forward_batch import ForwardBatch
+from radixpool.worker.mem.radix_cache import RadixCache
+from radixpool.worker.messages import (
+    CoreReady,
+    EngineStats,
+    GenerateRequest,
+    StepOutput,
+    TokenDelta,
+)
+from radixpool.worker.model_runner import ModelRunner
+from radixpool.worker.request import Req
+from radixpool.worker.sampler import Sampler, SamplingRow
+from radixpool.worker.scheduler.scheduler import ScheduledBatch, Scheduler
+
+
+def kv_block_size(page_size: int) -> int:
+    """Event block size: the protocol default, rounded up to whole pages."""
+    return -(-DEFAULT_BLOCK_SIZE // page_size) * page_size
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config)
+        pool = self.runner.kv_pool
+        self.cache = RadixCache(pool, config.page_size, kv_block_size(config.page_size))
+        self.scheduler = Scheduler(config, pool, self.runner.req_to_token_pool, self.cache,
+                                   self.runner.context_length, self.runner.eos_token_ids)
+        self.sampler = Sampler(self.runner.vocab_size, self.runner.eos_token_ids,
+                               self.runner.device)
+        self.steps = 0
+
+    def ready_message(self) -> CoreReady:
+        r = self.runner
+        return CoreReady(
+            model_path=self.config.model_path, architecture=r.architecture,
+            context_length=r.context_length, vocab_size=r.vocab_size,
+            kv_capacity_tokens=r.kv_pool.capacity, page_size=self.config.page_size,
+            kv_block_size=self.cache.block_size, eos_token_ids=tuple(r.eos_token_ids),
+            device=str(r.device), dtype=str(r.dtype).removeprefix("torch."),
+            attention_backend=r.attention_backend_name)
+
+    # ------------------------------------------------------------------ intake
+    def add_request(self, msg: GenerateRequest) -> TokenDelta | None:
+        """Queue a request; returns an error delta if the core refuses it."""
+        try:
+            msg.params.check_vocab(self.runner.vocab_size)
+            if any(t < 0 or t >= self.runner.vocab_size for t in msg.input_ids):
+                raise ValueError("input_ids contain a token id outside the vocabulary")
+        except ValueError as exc:
+            return TokenDelta(msg.rid, [], finished=True, finish_reason="abort",
+                              prompt_tokens=len(msg.input_ids), error=str(exc))
+        req = Req(rid=msg.rid, input_ids=list(msg.input_ids), params=msg.params, seed=msg.seed,
+                  namespace=msg.namespace, arrival_time=msg.arrival_time or time.time())
+        return self.scheduler.add(req)
+
+    def abort(self, rid: str) -> TokenDelta | None:
+        delta = self.scheduler.abort(rid)
+        if delta is not None:
+            self.sampler.release(rid)
+        return delta
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # ------------------------------------------------------------------ step
+    @torch.inference_mode()
+    def step(self) -> StepOutput:
+        out = StepOutput()
+        batch = self.scheduler.next_batch()
+        if batch is not None:
+            self.steps += 1
+            out.deltas = self._run(batch)
+        out.events = self.cache.drain_events()
+        for event in out.events:
+            if event.type == "stored":
+                self.scheduler.waiting.on_stored(event.blocks)
+        out.stats = self.stats()
+        return out
+
+    def _run(self, batch: ScheduledBatch) -> list[TokenDelta]:
+        runner = self.runner
+        fb = ForwardBatch.build(batch.mode, batch.token_ids, batch.prefix_lens,
+                                batch.out_cache_loc, [r.row for r in batch.reqs], batch.sample,
+                                runner.req_to_token_pool.table, runner.kv_pool)
+        logits = runner.forward(fb)
+        rows = [SamplingRow(r.params, r.seed, r.input_ids, r.output_ids, r.rid)
+                for r, wants in zip(batch.reqs, batch.sample) if wants]
+        if rows:
+            result = self.sampler.sample(logits, rows)
+            deltas = self.scheduler.process(batch, result.token_ids, result.logprobs,
+                                            result.top_logprobs)
+        else:
+            deltas = self.scheduler.process(batch, [])
+        for delta in deltas:
+            if delta.finished:
+                self.sampler.release(delta.rid)
+        return deltas
+
+    # ------------------------------------------------------------------ control
+    def flush_cache(self) -> None:
+        """Empty the radix cache. Only while idle: in-flight requests hold locks into it."""
+        if self.scheduler.has_work:
+            raise RuntimeError("cannot flush while requests are running or waiting")
+        self.cache.reset()
+
+    def probe(self, input_ids: list[int], namespace: str | None = None) -> int:
+        return self.cache.probe(input_ids, namespace)
+
+    def stats(self) -> EngineStats:
+        pool, cache, sched = self.runner.kv_pool, self.cache, self.scheduler
+        return EngineStats(
+            running=len(sched.running), waiting=len(sched.waiting),
+            kv_capacity_tokens=pool.capacity,
+            kv_used_tokens=pool.capacity - pool.available_size(),
+            radix_cache_tokens=cache.total_size, evictable_tokens=cache.evictable_size,
+            retracted_total=sched.retracted_total, evicted_tokens_total=cache.evicted_tokens_total)
+
+    def check_invariants(self) -> None:
+        self.scheduler.check_invariants()
