@@ -1,0 +1,234 @@
+"""Grafana dashboards, built from the metric specs so they query only what the code exports.
+
+`python -m radixpool.operator.dashboards` writes `dashboards/*.json` and the chart's copies
+(`charts/radixpool/dashboards/`); a test fails when they are stale or when any query names a
+series that `radixpool.protocol.metrics` does not define. Series carry the labels the
+ServiceMonitor adds: `namespace`, `pod`, `radixpool_io_pool` (the pool) and
+`app_kubernetes_io_component`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from radixpool.protocol import metrics as m
+
+POOL = 'namespace=~"$namespace", radixpool_io_pool=~"$pool"'
+WORKER = f'{POOL}, pod=~"$pod"'
+RATE = "[$__rate_interval]"
+DASHBOARD_DIRS = ("dashboards", "charts/radixpool/dashboards")
+
+
+def _rate(metric: str, selector: str) -> str:
+    return f"rate({metric}{{{selector}}}{RATE})"
+
+
+def _quantiles(histogram: m.MetricSpec, selector: str, by: str = "") -> list[dict[str, str]]:
+    group = f"le{', ' + by if by else ''}"
+    return [{"expr": f"histogram_quantile({q}, sum by ({group}) "
+                     f"({_rate(histogram.name + '_bucket', selector)}))",
+             "legendFormat": f"p{int(q * 100)}{' {{' + by + '}}' if by else ''}"}
+            for q in (0.5, 0.9, 0.99)]
+
+
+def _panel(title: str, targets: list[dict[str, str]], unit: str, description: str,
+           kind: str = "timeseries") -> dict[str, Any]:
+    return {
+        "type": kind, "title": title, "description": description,
+        "datasource": {"type": "prometheus", "uid": "${datasource}"},
+        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+        "targets": [{**target, "refId": chr(ord("A") + i),
+                     "datasource": {"type": "prometheus", "uid": "${datasource}"}}
+                    for i, target in enumerate(targets)],
+    }
+
+
+def _variables(per_worker: bool) -> list[dict[str, Any]]:
+    def query(name: str, expr: str, label: str) -> dict[str, Any]:
+        return {"name": name, "label": label, "type": "query", "refresh": 2,
+                "datasource": {"type": "prometheus", "uid": "${datasource}"},
+                "query": {"query": expr, "refId": name}, "definition": expr,
+                "includeAll": True, "multi": True, "allValue": ".*",
+                "current": {"text": "All", "value": "$__all"}}
+
+    info = m.WORKER_INFO.series[0]
+    variables = [
+        {"name": "datasource", "label": "Data source", "type": "datasource",
+         "query": "prometheus", "current": {}},
+        query("namespace", f"label_values({info}, namespace)", "Namespace"),
+        query("pool", f'label_values({info}{{namespace=~"$namespace"}}, radixpool_io_pool)',
+              "Pool"),
+    ]
+    if per_worker:
+        variables.append(query("pod", f"label_values({info}{{{POOL}}}, pod)", "Worker"))
+    return variables
+
+
+def _layout(panels: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    for index, panel in enumerate(panels):
+        panel["id"] = index + 1
+        panel["gridPos"] = {"h": 8, "w": 12, "x": 12 * (index % 2), "y": 8 * (index // 2)}
+    return panels
+
+
+def _dashboard(uid: str, title: str, description: str, panels: list[dict[str, Any]],
+               per_worker: bool) -> dict[str, Any]:
+    return {
+        "uid": uid, "title": title, "description": description,
+        "tags": ["radixpool", "llm"], "timezone": "browser", "schemaVersion": 39,
+        "version": 1, "editable": True, "refresh": "30s",
+        "time": {"from": "now-1h", "to": "now"},
+        "templating": {"list": _variables(per_worker)},
+        "annotations": {"list": []},
+        "panels": _layout(panels),
+    }
+
+
+def fleet_dashboard() -> dict[str, Any]:
+    gw_prompt = f"sum({_rate(m.GW_PROMPT_TOKENS.name, POOL)})"
+    panels = [
+        _panel("Requests finished / s", [
+            {"expr": f"sum by (finish_reason) ({_rate(m.REQUESTS.name, POOL)})",
+             "legendFormat": "{{finish_reason}}"}], "reqps", "Worker-side, by finish reason."),
+        _panel("Gateway requests / s", [
+            {"expr": f"sum by (code) ({_rate(m.GW_REQUESTS.name, POOL)})",
+             "legendFormat": "{{code}}"},
+            {"expr": f"sum({_rate(m.GW_RETRIES.name, POOL)})", "legendFormat": "retries"}],
+            "reqps", "What clients see, by HTTP status; retries before the first byte."),
+        _panel("Time to first token", [
+            *_quantiles(m.TIME_TO_FIRST_TOKEN, POOL),
+            {"expr": _quantiles(m.GW_TIME_TO_FIRST_TOKEN, POOL)[2]["expr"],
+             "legendFormat": "p99 at the gateway"}], "s", "Engine and gateway views."),
+        _panel("Inter-token latency", _quantiles(m.INTER_TOKEN_LATENCY, POOL), "s",
+               "Time between streamed tokens."),
+        _panel("Request latency", [
+            *_quantiles(m.E2E_REQUEST_LATENCY, POOL),
+            {"expr": _quantiles(m.GW_REQUEST_DURATION, POOL)[2]["expr"],
+             "legendFormat": "p99 at the gateway"}], "s", "Arrival to last token."),
+        _panel("Queue time", _quantiles(m.QUEUE_TIME, POOL), "s", "Arrival to admission."),
+        _panel("Throughput (tokens / s)", [
+            {"expr": f"sum({_rate(m.PROMPT_TOKENS.name, POOL)})", "legendFormat": "prompt"},
+            {"expr": f"sum({_rate(m.CACHED_PROMPT_TOKENS.name, POOL)})",
+             "legendFormat": "prompt from cache"},
+            {"expr": f"sum({_rate(m.GENERATION_TOKENS.name, POOL)})",
+             "legendFormat": "generated"}], "short", "Tokens per second across the pool."),
+        _panel("Cache hit rate: actual vs predicted", [
+            {"expr": f"sum({_rate(m.GW_CACHED_TOKENS.name, POOL)}) / {gw_prompt}",
+             "legendFormat": "actual (workers' cached_tokens)"},
+            {"expr": f"sum({_rate(m.GW_PREDICTED_CACHED_TOKENS.name, POOL)}) / {gw_prompt}",
+             "legendFormat": "predicted (gateway's trees)"}], "percentunit",
+            "How often the prefix the gateway routed for was really cached: a gap means stale "
+            "routing trees."),
+        _panel("Load per worker (running)", [
+            {"expr": f"sum by (pod) ({m.NUM_REQUESTS_RUNNING.name}{{{POOL}}})",
+             "legendFormat": "{{pod}}"}], "short", "Requests in each worker's running batch."),
+        _panel("Queue per worker (waiting)", [
+            {"expr": f"sum by (pod) ({m.NUM_REQUESTS_WAITING.name}{{{POOL}}})",
+             "legendFormat": "{{pod}}"}], "short", "Requests waiting for admission."),
+        _panel("KV cache usage per worker", [
+            {"expr": f"max by (pod) ({m.KV_CACHE_USAGE.name}{{{POOL}}})",
+             "legendFormat": "{{pod}}"}], "percentunit", "Share of KV slots in use."),
+        _panel("Retractions and evictions", [
+            {"expr": f"sum by (pod) ({_rate(m.RETRACTED_REQUESTS.name, POOL)})",
+             "legendFormat": "retracted {{pod}}"},
+            {"expr": f"sum by (pod) ({_rate(m.RADIX_EVICTED_TOKENS.name, POOL)})",
+             "legendFormat": "evicted tokens {{pod}}"}], "short",
+            "Requests pushed back for lack of KV; tokens evicted from the radix cache."),
+        _panel("Routing decisions / s", [
+            {"expr": f"sum by (reason) ({_rate(m.GW_ROUTE_DECISIONS.name, POOL)})",
+             "legendFormat": "{{reason}}"}], "reqps", "Why the gateway picked each worker."),
+        _panel("In flight per worker (gateway)", [
+            {"expr": f"sum by (worker) ({m.GW_INFLIGHT.name}{{{POOL}}})",
+             "legendFormat": "{{worker}}"}], "short", "The gateway's view of worker load."),
+        _panel("Worker health", [
+            {"expr": f"min by (worker) ({m.GW_WORKER_HEALTHY.name}{{{POOL}}})",
+             "legendFormat": "{{worker}}"}], "bool_yes_no",
+            "1: the gateway sends this worker traffic.", kind="stat"),
+        _panel("Workers up", [
+            {"expr": f"count({m.WORKER_INFO.series[0]}{{{POOL}}})", "legendFormat": "workers"},
+            {"expr": f"sum({m.GW_WORKER_HEALTHY.name}{{{POOL}}})",
+             "legendFormat": "healthy (gateway)"}], "short",
+            "Workers exporting metrics vs workers the gateway routes to.", kind="stat"),
+    ]
+    return _dashboard("radixpool-fleet", "RadixPool / Fleet",
+                      "Every pool's traffic, latency, cache effectiveness and worker health.",
+                      panels, per_worker=False)
+
+
+def worker_dashboard() -> dict[str, Any]:
+    panels = [
+        _panel("Time to first token", _quantiles(m.TIME_TO_FIRST_TOKEN, WORKER, "pod"), "s",
+               "Per worker."),
+        _panel("Inter-token latency", _quantiles(m.INTER_TOKEN_LATENCY, WORKER, "pod"), "s",
+               "Per worker."),
+        _panel("Request latency", _quantiles(m.E2E_REQUEST_LATENCY, WORKER, "pod"), "s",
+               "Per worker."),
+        _panel("Queue time", _quantiles(m.QUEUE_TIME, WORKER, "pod"), "s", "Per worker."),
+        _panel("Running and waiting", [
+            {"expr": f"sum by (pod) ({m.NUM_REQUESTS_RUNNING.name}{{{WORKER}}})",
+             "legendFormat": "running {{pod}}"},
+            {"expr": f"sum by (pod) ({m.NUM_REQUESTS_WAITING.name}{{{WORKER}}})",
+             "legendFormat": "waiting {{pod}}"}], "short", "The worker's queue."),
+        _panel("KV cache", [
+            {"expr": f"max by (pod) ({m.KV_CACHE_USAGE.name}{{{WORKER}}})",
+             "legendFormat": "usage {{pod}}"}], "percentunit", "Share of KV slots in use."),
+        _panel("Radix cache size (tokens)", [
+            {"expr": f"max by (pod) ({m.RADIX_CACHE_TOKENS.name}{{{WORKER}}})",
+             "legendFormat": "cached {{pod}}"},
+            {"expr": f"max by (pod) ({m.KV_CACHE_CAPACITY.name}{{{WORKER}}})",
+             "legendFormat": "capacity {{pod}}"}], "short", "Tokens held vs KV capacity."),
+        _panel("Cache hit rate", [
+            {"expr": f"max by (pod) ({m.CACHE_HIT_RATE.name}{{{WORKER}}})",
+             "legendFormat": "{{pod}}"}], "percentunit",
+            "Cached / prompt tokens over recent requests."),
+        _panel("Tokens / s", [
+            {"expr": f"sum by (pod) ({_rate(m.PROMPT_TOKENS.name, WORKER)})",
+             "legendFormat": "prompt {{pod}}"},
+            {"expr": f"sum by (pod) ({_rate(m.CACHED_PROMPT_TOKENS.name, WORKER)})",
+             "legendFormat": "cached {{pod}}"},
+            {"expr": f"sum by (pod) ({_rate(m.GENERATION_TOKENS.name, WORKER)})",
+             "legendFormat": "generated {{pod}}"}], "short", "Per worker throughput."),
+        _panel("Retractions and evictions", [
+            {"expr": f"sum by (pod) ({_rate(m.RETRACTED_REQUESTS.name, WORKER)})",
+             "legendFormat": "retracted {{pod}}"},
+            {"expr": f"sum by (pod) ({_rate(m.RADIX_EVICTED_TOKENS.name, WORKER)})",
+             "legendFormat": "evicted tokens {{pod}}"}], "short", "KV pressure."),
+        _panel("Finished requests / s", [
+            {"expr": f"sum by (pod, finish_reason) ({_rate(m.REQUESTS.name, WORKER)})",
+             "legendFormat": "{{finish_reason}} {{pod}}"}], "reqps", "By finish reason."),
+        _panel("Worker identity", [
+            {"expr": f"max by (pod, model, version, instance_id) "
+                     f"({m.WORKER_INFO.series[0]}{{{WORKER}}})",
+             "legendFormat": "{{pod}} {{model}} {{version}} {{instance_id}}",
+             "format": "table", "instant": True}], "short",
+            "Model, version and instance id (changes on restart or cache flush).",
+            kind="table"),
+    ]
+    return _dashboard("radixpool-worker", "RadixPool / Worker",
+                      "One worker's latency, queue, KV and radix cache.", panels,
+                      per_worker=True)
+
+
+def dashboard_files() -> dict[str, str]:
+    return {name: json.dumps(board, indent=2) + "\n" for name, board in (
+        ("radixpool-fleet.json", fleet_dashboard()),
+        ("radixpool-worker.json", worker_dashboard()))}
+
+
+def write_dashboard_files(repo_root: Path) -> list[Path]:
+    written = []
+    for folder in DASHBOARD_DIRS:
+        for name, text in dashboard_files().items():
+            path = repo_root / folder / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            written.append(path)
+    return written
+
+
+if __name__ == "__main__":
+    for path in write_dashboard_files(Path(sys.argv[1] if len(sys.argv) > 1 else ".")):
+        print(path)
