@@ -1,0 +1,151 @@
+"""The Helm chart, rendered and linted by Helm's own library (helm-python-sdk wraps Helm v4)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import helm_python as helm
+import pytest
+import yaml
+
+from radixpool.operator import api
+from radixpool.operator.crd import crd_files
+from radixpool.operator.dashboards import dashboard_files
+from radixpool.operator.desired import OperatorConfig, desired_objects
+from radixpool.operator.spec import parse_pool
+
+CHART = Path(__file__).resolve().parents[2] / "charts" / "radixpool"
+CUSTOM = {
+    "replicaCount": 2,
+    "image": {"repository": "registry.example.com/rp/control", "tag": "1.2.3",
+              "pullPolicy": "Always"},
+    "workerImage": {"repository": "registry.example.com/rp/worker", "tag": "1.2.3"},
+    "imagePullSecrets": [{"name": "regcred"}],
+    "watchNamespaces": ["team-a", "team-b"],
+    "serviceMonitor": {"enabled": True, "interval": "30s", "labels": {"release": "prom"}},
+    "dashboards": {"enabled": True, "namespace": "monitoring"},
+    "nodeSelector": {"kubernetes.io/os": "linux"},
+    "logVerbose": True,
+}
+
+
+def render(values: dict) -> list[dict]:
+    with helm.Chart.load(CHART) as chart:
+        manifests = chart.render(values=values, name="rp", namespace="radixpool-system",
+                                 is_install=True)
+    docs = []
+    for path, text in manifests.items():
+        if path.endswith(".yaml"):
+            docs += [doc for doc in yaml.safe_load_all(text) if doc]
+    return docs
+
+
+def by_kind(docs: list[dict]) -> dict[str, list[dict]]:
+    found: dict[str, list[dict]] = {}
+    for doc in docs:
+        found.setdefault(doc["kind"], []).append(doc)
+    return found
+
+
+@pytest.mark.parametrize("values", [{}, CUSTOM], ids=["default", "custom"])
+def test_helm_lint_is_clean(values):
+    report = helm.lint(str(CHART), values, strict=True, kube_version="v1.33.0")
+    problems = [msg for msg in report["messages"] if msg["severity"] >= 2]
+    assert problems == [] and report["errors"] == []
+
+
+@pytest.mark.parametrize("values", [{}, CUSTOM], ids=["default", "custom"])
+def test_every_rendered_object_is_valid_kubernetes(values, assert_k8s_valid):
+    docs = render(values)
+    for doc in docs:
+        if doc["apiVersion"].startswith(("kopf.dev/", "monitoring.coreos.com/")):
+            continue  # custom resources: checked by the tests below
+        assert_k8s_valid(doc)
+    kinds = by_kind(docs)
+    assert {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment"} <= set(kinds)
+
+
+def test_default_install_runs_one_cluster_wide_operator_with_peering():
+    kinds = by_kind(render({}))
+    deployment = kinds["Deployment"][0]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == "ghcr.io/radixpool/radixpool-control:0.1.0"
+    assert container["command"] == ["radixpool"]
+    assert container["args"][:3] == ["operator", "--all-namespaces", "--peering=radixpool"]
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert [p["kind"] for p in kinds["ClusterKopfPeering"]] == ["ClusterKopfPeering"]
+    assert "ConfigMap" not in kinds and "ServiceMonitor" not in kinds
+
+
+def test_custom_values_reach_the_objects():
+    kinds = by_kind(render(CUSTOM))
+    deployment = kinds["Deployment"][0]
+    pod = deployment["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert deployment["spec"]["replicas"] == 2
+    assert container["image"] == "registry.example.com/rp/control:1.2.3"
+    assert "--namespace=team-a" in container["args"] and "--namespace=team-b" in container["args"]
+    assert "--verbose" in container["args"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["RADIXPOOL_WORKER_IMAGE"] == "registry.example.com/rp/worker:1.2.3"
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    assert sorted(p["metadata"]["namespace"] for p in kinds["KopfPeering"]) == [
+        "team-a", "team-b"]
+    monitor = kinds["ServiceMonitor"][0]
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}
+    assert monitor["spec"]["endpoints"][0] == {"port": "http", "path": "/metrics",
+                                               "interval": "30s"}
+
+
+def test_dashboards_ship_as_labelled_configmaps_with_the_repo_json():
+    maps = by_kind(render(CUSTOM))["ConfigMap"]
+    shipped = {}
+    for config_map in maps:
+        assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+        assert config_map["metadata"]["namespace"] == "monitoring"
+        shipped.update(config_map["data"])
+    assert {name: json.loads(text) for name, text in shipped.items()} == {
+        name: json.loads(text) for name, text in dashboard_files().items()}
+
+
+def test_chart_installs_the_same_crds_as_crds_folder():
+    with helm.Chart.load(CHART) as chart:
+        carried = {Path(crd["filename"]).name: crd["data"] for crd in chart.crds}
+    assert carried == crd_files()
+
+
+def test_values_schema_rejects_nonsense_naming_the_value():
+    with helm.Chart.load(CHART) as chart:
+        for bad, where in [({"replicaCount": 0}, "/replicaCount"),
+                           ({"watchNamespaces": ["Not_A_Namespace"]}, "/watchNamespaces/0"),
+                           ({"image": {"repository": "x", "pullPolicy": "Sometimes"}},
+                            "/image/pullPolicy"),
+                           ({"replicas": 2}, "replicas")]:
+            with pytest.raises(helm.HelmValuesError, match=where):
+                chart.validate_schema(bad)
+
+
+def test_cluster_role_grants_what_the_operator_applies_and_no_wildcards(pool_body):
+    role = by_kind(render({}))["ClusterRole"][0]
+    granted: dict[tuple[str, str], set[str]] = {}
+    for rule in role["rules"]:
+        assert "*" not in rule["verbs"] and "*" not in rule["resources"]
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                granted.setdefault((group, resource), set()).update(rule["verbs"])
+    plural = {"Deployment": "deployments", "Service": "services",
+              "ServiceAccount": "serviceaccounts", "Role": "roles", "RoleBinding": "rolebindings",
+              "PodDisruptionBudget": "poddisruptionbudgets", "ServiceMonitor": "servicemonitors"}
+    objs = desired_objects(parse_pool(pool_body()), OperatorConfig(), service_monitors=True)
+    for obj in objs:
+        group = obj["apiVersion"].rpartition("/")[0]
+        assert {"create", "patch", "get"} <= granted[(group, plural[obj["kind"]])], obj["kind"]
+    assert {"get", "list", "watch", "patch"} <= granted[(api.GROUP, api.PLURAL)]
+    assert "patch" in granted[(api.GROUP, f"{api.PLURAL}/status")]
+    # The operator may grant the gateway only what it holds itself.
+    assert {"get", "list", "watch"} <= granted[("discovery.k8s.io", "endpointslices")]
+    assert granted[("", "secrets")] == {"get"}
