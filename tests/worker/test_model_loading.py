@@ -1,0 +1,168 @@
+"""Checkpoints load as users have them (sharded, tied, older config spellings), and the ones we
+cannot run fail with an error that says why."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from model_driver import Driver
+from safetensors.torch import load_file, save_file
+
+from radixpool.worker.config import EngineConfig
+from radixpool.worker.mem.kv_pool import KVPool
+from radixpool.worker.model import model_spec
+from radixpool.worker.model.registry import rope_parameters
+from radixpool.worker.model.rotary import rope_inv_freq
+from radixpool.worker.model_runner import CPU_KV_BYTES, CPU_KV_CONTEXTS, ModelRunner
+
+PROMPT = [7, 300, 42, 999, 12, 5, 77, 640, 18, 1000]
+
+
+def runner_for(path: Path, **overrides) -> ModelRunner:
+    config = dict(device="cpu", kv_cache_tokens=256, max_running_requests=2)
+    config.update(overrides)
+    return ModelRunner(EngineConfig(model_path=str(path), **config))
+
+
+def prompt_logits(runner: ModelRunner) -> torch.Tensor:
+    driver = Driver(runner)
+    return driver.extend([driver.new_seq()], [PROMPT], all_positions=True)
+
+
+def copy_model(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def edit_config(path: Path, **changes) -> None:
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_sharded_checkpoint_loads_the_same_weights(tiny_model_factory, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    src = tiny_model_factory("llama")
+    sharded = copy_model(src, tmp_path / "sharded")
+    (sharded / "model.safetensors").unlink()
+    AutoModelForCausalLM.from_pretrained(src).save_pretrained(sharded, max_shard_size="100KB")
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    assert not (sharded / "model.safetensors").exists()
+    assert torch.equal(prompt_logits(runner_for(sharded)), prompt_logits(runner_for(src)))
+
+
+def test_tied_embeddings_share_one_tensor(tiny_model_factory):
+    path = tiny_model_factory("qwen2")
+    assert "lm_head.weight" not in load_file(path / "model.safetensors")
+    runner = runner_for(path)
+    assert runner.model.lm_head.weight is runner.model.model.embed_tokens.weight
+
+
+def test_tied_checkpoint_that_also_stores_lm_head_loads(tiny_model_factory, tmp_path):
+    path = copy_model(tiny_model_factory("qwen3"), tmp_path / "m")
+    tensors = load_file(path / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    assert torch.equal(prompt_logits(runner_for(path)),
+                       prompt_logits(runner_for(tiny_model_factory("qwen3"))))
+
+
+def test_unsupported_architecture_is_named(tiny_model_factory, tmp_path):
+    path = copy_model(tiny_model_factory("llama"), tmp_path / "m")
+    edit_config(path, architectures=["LlamaForSequenceClassification"])
+    with pytest.raises(ValueError, match=r"unsupported architecture.*LlamaForSequenceClassific"
+                                         r"ation.*supported: LlamaForCausalLM"):
+        runner_for(path)
+
+
+def test_missing_and_unexpected_tensors_are_named(tiny_model_factory, tmp_path):
+    path = copy_model(tiny_model_factory("mistral"), tmp_path / "m")
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    del tensors["model.layers.0.mlp.up_proj.weight"]
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)  # ignored
+    tensors["model.layers.0.self_attn.extra.weight"] = torch.ones(2)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError) as error:
+        runner_for(path)
+    message = str(error.value)
+    assert ("missing tensors model.layers.0.mlp.up_proj.weight, "
+            "model.layers.1.self_attn.k_proj.weight;") in message
+    assert "unexpected tensors model.layers.0.self_attn.extra.weight" in message
+
+
+def test_wrong_tensor_shape_is_named(tiny_model_factory, tmp_path):
+    path = copy_model(tiny_model_factory("llama"), tmp_path / "m")
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.0.self_attn.v_proj.weight"] = torch.ones(8, 64)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"v_proj.weight: checkpoint tensor has shape \(8, 64\), "
+                                         r"the model expects \(32, 64\)"):
+        runner_for(path)
+
+
+def test_linear_rope_scaling_matches_hf(tiny_model_factory, tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = copy_model(tiny_model_factory("llama"), tmp_path / "m")
+    edit_config(path, rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4})
+    hf = AutoModelForCausalLM.from_pretrained(path, config=AutoConfig.from_pretrained(path))
+    with torch.no_grad():
+        expected = hf(torch.tensor([PROMPT])).logits[0]
+    torch.testing.assert_close(prompt_logits(runner_for(path)), expected, atol=1e-4, rtol=0)
+
+
+def test_older_rope_config_spelling():
+    legacy = SimpleNamespace(rope_theta=500000.0, rope_scaling={
+        "type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192})
+    params = rope_parameters(legacy)
+    assert params["rope_type"] == "llama3" and params["rope_theta"] == 500000.0
+    assert rope_parameters(SimpleNamespace(rope_theta=1e6)) == {
+        "rope_theta": 1e6, "rope_type": "default"}
+    slowed = rope_inv_freq(128, params)
+    plain = rope_inv_freq(128, {"rope_theta": 500000.0})
+    assert torch.equal(slowed[:8], plain[:8])  # short wavelengths untouched
+    torch.testing.assert_close(slowed[-4:], plain[-4:] / 8.0)  # long ones slowed by `factor`
+
+
+def test_unknown_rope_type_is_rejected():
+    with pytest.raises(ValueError, match="rope_type must be one of default, linear, llama3, "
+                                         "got 'dynamic'"):
+        rope_inv_freq(64, {"rope_type": "dynamic", "factor": 2.0})
+
+
+def test_mistral_sliding_window_caps_context(tiny_model_factory, tmp_path):
+    path = copy_model(tiny_model_factory("mistral"), tmp_path / "m")
+    edit_config(path, sliding_window=512)
+    assert runner_for(path).context_length == 512
+    with pytest.raises(ValueError, match="context_length may only shrink"):
+        runner_for(path, context_length=1024)
+    assert runner_for(path, context_length=100).context_length == 100
+
+
+def test_qwen_window_counts_only_when_enabled(tiny_model_factory):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_model_factory("qwen2"))
+    config.sliding_window = 64
+    assert model_spec(config).sliding_window is None
+    config.use_sliding_window = True
+    assert model_spec(config).sliding_window == 64
+
+
+def test_cpu_kv_cache_sizing(tiny_model_factory):
+    path = tiny_model_factory("llama")
+    runner = runner_for(path, kv_cache_tokens=None)
+    per_token = KVPool.bytes_per_token(2, 2, 16, torch.float32)
+    assert runner.kv_pool.capacity == min(CPU_KV_CONTEXTS * 2048, CPU_KV_BYTES // per_token)
+    assert runner_for(path, kv_cache_tokens=100, page_size=8).kv_pool.capacity == 96
+    with pytest.raises(ValueError, match=r"mem_fraction .* on CPU set kv_cache_tokens"):
+        runner_for(path, kv_cache_tokens=None, mem_fraction=0.5)
