@@ -16,6 +16,7 @@ from collections.abc import Sequence
 COMMAND_MODULES = (
     "radixpool.worker.cli",
     "radixpool.operator.cli",
+    "radixpool.gateway.cli",
 )
 
 

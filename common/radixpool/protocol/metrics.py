@@ -119,11 +119,19 @@ GW_REQUEST_DURATION = MetricSpec(
 GW_TIME_TO_FIRST_TOKEN = MetricSpec(
     "radixpool_gateway_time_to_first_token_seconds", "histogram",
     "Time from request arrival at the gateway to the first byte of the response body.")
+GW_HIT_RATE = MetricSpec(
+    "radixpool_gateway_hit_rate", "gauge",
+    "Cached / prompt tokens since start, kind=actual (workers' reports) or predicted (the "
+    "gateway's trees); worker=\"all\" is the fleet.", ("worker", "kind"))
+GW_TREE_CORRECTIONS = MetricSpec(
+    "radixpool_gateway_tree_corrections_total", "counter",
+    "Times a worker's tree was corrected from ground truth, by source (cached_tokens, "
+    "instance_id, kv_resync).", ("worker", "source"))
 
 GATEWAY_METRICS: tuple[MetricSpec, ...] = (
     GW_REQUESTS, GW_ROUTE_DECISIONS, GW_INFLIGHT, GW_WORKER_HEALTHY, GW_PROMPT_TOKENS,
     GW_CACHED_TOKENS, GW_PREDICTED_CACHED_TOKENS, GW_TREE_TOKENS, GW_RETRIES,
-    GW_REQUEST_DURATION, GW_TIME_TO_FIRST_TOKEN,
+    GW_REQUEST_DURATION, GW_TIME_TO_FIRST_TOKEN, GW_HIT_RATE, GW_TREE_CORRECTIONS,
 )
 
 ALL_METRICS: tuple[MetricSpec, ...] = WORKER_METRICS + GATEWAY_METRICS

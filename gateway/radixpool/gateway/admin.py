@@ -1,0 +1,110 @@
+"""Admin endpoints: `GET /workers` (what the gateway knows and believes about each worker),
+`POST /workers {"url": ...}` and `DELETE /workers?url=...` (static mode only; with Kubernetes
+discovery the EndpointSlices own membership), and the gateway's own `/health` document.
+
+`GET /workers` puts the routing-quality numbers side by side: per worker and for the fleet, the
+prompt tokens answered, the cached tokens the workers reported (`actual_hit_rate`) and the cached
+tokens the trees predicted (`predicted_hit_rate`), plus how often the trees were corrected.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+from urllib.parse import parse_qs
+
+from radixpool.gateway.http_server import Headers, Request, error_body, json_body
+from radixpool.gateway.workers import Worker
+
+if TYPE_CHECKING:
+    from radixpool.gateway.proxy import Gateway
+
+
+def health_body(eligible: int, total: int) -> tuple[int, Headers, bytes]:
+    status = "ok" if eligible else "no_healthy_workers"
+    return json_body(200 if eligible else 503,
+                     {"status": status, "eligible_workers": eligible, "workers": total})
+
+
+def _rate(part: int, whole: int) -> float:
+    return round(part / whole, 4) if whole else 0.0
+
+
+def describe(gateway: Gateway, worker: Worker, now: float) -> dict:
+    info = worker.info
+    return {
+        "url": worker.url,
+        "eligible": worker.eligible(now),
+        "healthy": worker.health.healthy,
+        "draining": worker.draining,
+        "terminating": worker.terminating,
+        "circuit_breaker": worker.breaker.state,
+        "inflight": worker.inflight,
+        "instance_id": worker.instance_id,
+        "model": worker.model,
+        "kv_capacity_tokens": info.kv_capacity_tokens if info else None,
+        "tree_blocks": gateway.index.size(worker.url),
+        "tree_capacity_blocks": gateway.index.capacity(worker.url),
+        "requests": worker.requests,
+        "prompt_tokens": worker.prompt_tokens,
+        "cached_tokens": worker.cached_tokens,
+        "predicted_cached_tokens": worker.predicted_tokens,
+        "actual_hit_rate": _rate(worker.cached_tokens, worker.prompt_tokens),
+        "predicted_hit_rate": _rate(worker.predicted_tokens, worker.prompt_tokens),
+        "tree_corrections": dict(worker.corrections),
+    }
+
+
+def workers_document(gateway: Gateway) -> dict:
+    now = gateway.clock()
+    rows = [describe(gateway, w, now) for w in gateway.workers]
+    prompt = sum(r["prompt_tokens"] for r in rows)
+    return {
+        "policy": gateway.config.policy,
+        "routing_on": "tokens" if gateway.keys.tokenizer is not None else "text",
+        "fleet": {
+            "prompt_tokens": prompt,
+            "cached_tokens": sum(r["cached_tokens"] for r in rows),
+            "predicted_cached_tokens": sum(r["predicted_cached_tokens"] for r in rows),
+            "actual_hit_rate": _rate(sum(r["cached_tokens"] for r in rows), prompt),
+            "predicted_hit_rate": _rate(sum(r["predicted_cached_tokens"] for r in rows), prompt),
+        },
+        "workers": rows,
+    }
+
+
+def workers_endpoint(gateway: Gateway, request: Request) -> tuple[int, Headers, bytes]:
+    if request.method == "GET":
+        return json_body(200, workers_document(gateway))
+    if request.method not in ("POST", "DELETE"):
+        return error_body(405, f"/workers accepts GET, POST and DELETE, not {request.method}")
+    if not gateway.config.static_mode:
+        return error_body(409, "workers come from Kubernetes discovery (--k8s-service); "
+                               "add or remove them there")
+    url = _target_url(request)
+    if url is None:
+        return error_body(400, "give the worker as {\"url\": \"http://HOST:PORT\"} or ?url=")
+    try:
+        if request.method == "POST":
+            worker = gateway.add_worker(url)
+            return json_body(200, describe(gateway, worker, gateway.clock()))
+        removed = gateway.remove_worker(url)
+    except ValueError as exc:
+        return error_body(400, str(exc))
+    if removed is None:
+        return error_body(404, f"no worker {url!r}")
+    return json_body(200, {"removed": removed.url, "inflight_finishing": removed.inflight})
+
+
+def _target_url(request: Request) -> str | None:
+    query = parse_qs(request.query).get("url")
+    if query:
+        return query[0]
+    if request.body:
+        try:
+            doc = json.loads(request.body)
+        except ValueError:
+            return None
+        if isinstance(doc, dict) and isinstance(doc.get("url"), str):
+            return doc["url"]
+    return None

@@ -1,0 +1,97 @@
+"""Gateway configuration: one frozen dataclass, validated once when the CLI builds it.
+
+Defaults are defined here and only here; `cli.py` and `docs/gateway.md` read them from this file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "prefix_hash")
+
+
+def normalize_worker_url(url: str) -> str:
+    """`host:port` or `http://host:port/` → `http://host:port`; raises ValueError when unusable."""
+    raw = url.strip()
+    if "://" not in raw:
+        raw = "http://" + raw
+    parts = urlsplit(raw)
+    if parts.scheme != "http":
+        raise ValueError(f"worker url {url!r}: only http:// is supported")
+    if not parts.hostname or parts.port is None:
+        raise ValueError(f"worker url {url!r}: expected http://HOST:PORT")
+    if parts.path not in ("", "/") or parts.query:
+        raise ValueError(f"worker url {url!r}: must not carry a path or query")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return f"http://{host}:{parts.port}"
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    worker_urls: tuple[str, ...] = ()
+    k8s_service: str | None = None
+    namespace: str = "default"
+    k8s_port_name: str | None = None
+    policy: str = "cache_aware"
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    hot_prefix_factor: float = 2.0
+    prefix_token_count: int = 256
+    prefix_hash_load_factor: float = 1.25
+    tokenizer: str | None = None
+    host: str = "0.0.0.0"
+    port: int = 8080
+    api_key: str | None = None
+    max_body_bytes: int = 32 * 1024 * 1024
+    health_interval: float = 2.0
+    health_timeout: float = 1.0
+    health_failures: int = 3
+    health_successes: int = 2
+    breaker_failures: int = 5
+    breaker_open_seconds: float = 10.0
+    max_retries: int = 2
+    connect_timeout: float = 2.0
+    kv_events: bool = True
+    tree_capacity_tokens: int = 1 << 20
+    text_block_bytes: int = 64
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "worker_urls", tuple(normalize_worker_url(u) for u in self.worker_urls))
+        if len(set(self.worker_urls)) != len(self.worker_urls):
+            raise ValueError("worker_urls: the same worker is listed twice")
+        if self.worker_urls and self.k8s_service:
+            raise ValueError("use either --worker-urls or --k8s-service, not both")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: {self.policy!r} is not one of {', '.join(POLICIES)}")
+        _check(0.0 <= self.cache_threshold <= 1.0, "cache_threshold", "within [0, 1]")
+        _check(self.balance_abs_threshold >= 0, "balance_abs_threshold", ">= 0")
+        _check(self.balance_rel_threshold >= 1.0, "balance_rel_threshold", ">= 1")
+        _check(self.hot_prefix_factor > 0, "hot_prefix_factor", "> 0")
+        _check(self.prefix_token_count > 0, "prefix_token_count", "> 0")
+        _check(self.prefix_hash_load_factor >= 1.0, "prefix_hash_load_factor", ">= 1")
+        _check(0 <= self.port < 65536, "port", "within [0, 65535]")
+        _check(self.max_body_bytes > 0, "max_body_bytes", "> 0")
+        _check(self.health_interval > 0, "health_interval", "> 0")
+        _check(self.health_timeout > 0, "health_timeout", "> 0")
+        _check(self.health_failures >= 1, "health_failures", ">= 1")
+        _check(self.health_successes >= 1, "health_successes", ">= 1")
+        _check(self.breaker_failures >= 1, "breaker_failures", ">= 1")
+        _check(self.breaker_open_seconds > 0, "breaker_open_seconds", "> 0")
+        _check(self.max_retries >= 0, "max_retries", ">= 0")
+        _check(self.connect_timeout > 0, "connect_timeout", "> 0")
+        _check(self.tree_capacity_tokens > 0, "tree_capacity_tokens", "> 0")
+        _check(self.text_block_bytes > 0, "text_block_bytes", "> 0")
+
+    @property
+    def static_mode(self) -> bool:
+        """Workers come from the command line / admin API rather than Kubernetes."""
+        return self.k8s_service is None
+
+
+def _check(ok: bool, name: str, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: must be {expected}")

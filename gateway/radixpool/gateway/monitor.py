@@ -1,0 +1,177 @@
+"""Background watchers, one set per worker: active health checks, the worker's identity and
+capacity, the model's tokenizer, and the KV-event stream. All of them feed the pure state.
+
+- Health: every `health_interval`, `GET /health`; results go through the hysteresis (N failures
+  down, M successes up). A 503 marks the worker draining at once (no new requests); a 200 clears
+  it. Coming back up closes the circuit breaker.
+- Identity: `GET /server_info` each round. A new `instance_id` (restart or `/flush_cache`) empties
+  that worker's tree at once; `kv_capacity_tokens` sizes it.
+- Tokenizer: without `--tokenizer`, the first worker that answers `GET /tokenizer` supplies it;
+  the trees switch from text to token ids (and are emptied, their hashes meant bytes).
+- KV events (token mode, when the worker serves them and `--kv-events` is on): a long poll on
+  `GET /kv_events?since=S` applies exact stores and evictions; a 409 or a new instance id resyncs
+  from `/kv_events/snapshot`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+
+from radixpool.gateway.proxy import Gateway
+from radixpool.gateway.upstream import UpstreamError
+from radixpool.gateway.workers import Worker
+from radixpool.protocol.kv_blocks import KVEvent, from_hex
+from radixpool.protocol.server_info import ServerInfo
+from radixpool.tokenization import PromptTokenizer
+
+log = logging.getLogger("radixpool.gateway")
+
+KV_POLL_SECONDS = 5.0
+
+
+class Monitor:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.config = gateway.config
+        self._tasks: dict[str, list[asyncio.Task]] = {}
+        self._tokenizer_lock = asyncio.Lock()
+        gateway.membership_hooks.append(self._membership)
+
+    def start(self) -> None:
+        for worker in self.gateway.workers:
+            self._membership(worker, True)
+
+    async def stop(self) -> None:
+        tasks = [t for ts in self._tasks.values() for t in ts]
+        self._tasks.clear()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def _membership(self, worker: Worker, added: bool) -> None:
+        if added:
+            loop = asyncio.get_running_loop()
+            self._tasks[worker.url] = [loop.create_task(self._watch(worker)),
+                                       loop.create_task(self._kv_events(worker))]
+        else:
+            for task in self._tasks.pop(worker.url, []):
+                task.cancel()
+
+    async def _get_json(self, worker: Worker, path: str, timeout: float) -> tuple[int, object]:
+        async def call() -> tuple[int, object]:
+            upstream = await self.gateway.pool(worker).request("GET", path)
+            body = await upstream.body()
+            try:
+                return upstream.status, json.loads(body) if body else None
+            except ValueError:
+                return upstream.status, None
+        return await asyncio.wait_for(call(), timeout)
+
+    # --- health, identity, tokenizer ----------------------------------------------------------
+    async def _watch(self, worker: Worker) -> None:
+        while not worker.removed:
+            await self.check(worker)
+            await asyncio.sleep(self.config.health_interval)
+
+    async def check(self, worker: Worker) -> None:
+        """One round of active checks (also callable directly by tests and at startup)."""
+        timeout = self.config.health_timeout
+        try:
+            status, _ = await self._get_json(worker, "/health", timeout)
+        except (UpstreamError, asyncio.TimeoutError, OSError):
+            status = 0
+        ok = status == 200
+        worker.draining = status == 503
+        was_healthy = worker.health.healthy
+        if worker.health.record(ok):
+            log.warning("worker %s is now %s", worker.url, "healthy" if ok else "down")
+            if ok and not was_healthy:
+                worker.breaker.reset()
+        if not ok:
+            return
+        try:
+            status, doc = await self._get_json(worker, "/server_info", timeout)
+        except (UpstreamError, asyncio.TimeoutError, OSError):
+            return
+        if status == 200 and isinstance(doc, dict):
+            self.observe_identity(worker, ServerInfo.from_json(doc))
+            if self.gateway.keys.tokenizer is None:
+                await self._fetch_tokenizer(worker)
+
+    def observe_identity(self, worker: Worker, info: ServerInfo) -> None:
+        if worker.instance_id is not None and info.instance_id != worker.instance_id:
+            log.info("worker %s has a new instance id (restart or flush): forgetting its tree",
+                     worker.url)
+            self.gateway.index.reset(worker.url)
+            worker.corrected("instance_id")
+            self.gateway.metrics.corrected(worker.url, "instance_id")
+        worker.instance_id = info.instance_id
+        self.gateway.workers.set_info(worker, info)
+
+    async def _fetch_tokenizer(self, worker: Worker) -> None:
+        async with self._tokenizer_lock:
+            if self.gateway.keys.tokenizer is not None or worker.info is None:
+                return
+            try:
+                status, doc = await self._get_json(worker, "/tokenizer", 30.0)
+                if status != 200 or not isinstance(doc, dict):
+                    return
+                tokenizer = PromptTokenizer(doc["files"])
+            except Exception as exc:  # any failure leaves the gateway routing on text
+                log.warning("could not use %s/tokenizer (routing on text): %r", worker.url, exc)
+                return
+            self.gateway.keys.use_tokenizer(tokenizer, worker.info.kv_block_size)
+            self.gateway.workers.resize_trees()
+            log.info("routing on token ids (tokenizer from %s, block size %d)",
+                     worker.url, worker.info.kv_block_size)
+
+    # --- KV events ----------------------------------------------------------------------------
+    def _kv_usable(self, worker: Worker) -> bool:
+        keys = self.gateway.keys
+        return (self.config.kv_events and keys.tokenizer is not None and worker.info is not None
+                and worker.info.kv_events and worker.info.kv_block_size == keys.block_size
+                and worker.health.healthy)
+
+    async def _kv_events(self, worker: Worker) -> None:
+        since: int | None = None
+        instance: str | None = None
+        while not worker.removed:
+            if not self._kv_usable(worker):
+                since = None
+                await asyncio.sleep(self.config.health_interval)
+                continue
+            try:
+                if since is None:
+                    since, instance = await self._resync(worker)
+                    continue
+                status, doc = await self._get_json(
+                    worker, f"/kv_events?since={since}&timeout={KV_POLL_SECONDS}",
+                    KV_POLL_SECONDS + self.config.health_timeout + 5)
+                if status == 404:
+                    log.info("worker %s serves no /kv_events; relying on cached_tokens", worker.url)
+                    return
+                if status != 200 or not isinstance(doc, dict) or doc["instance_id"] != instance:
+                    since = None
+                    continue
+                for event in doc["events"]:
+                    self.gateway.index.apply_event(worker.url, KVEvent.from_json(event))
+                since = int(doc["next"])
+            except (UpstreamError, asyncio.TimeoutError, OSError, KeyError, ValueError,
+                    TypeError) as exc:
+                log.debug("kv events from %s: %r", worker.url, exc)
+                since = None
+                await asyncio.sleep(self.config.health_interval)
+
+    async def _resync(self, worker: Worker) -> tuple[int, str]:
+        status, doc = await self._get_json(worker, "/kv_events/snapshot", 30.0)
+        if status != 200 or not isinstance(doc, dict):
+            raise ValueError(f"snapshot answered {status}")
+        self.gateway.index.load_snapshot(worker.url, from_hex(doc["blocks"]))
+        worker.corrected("kv_resync")
+        self.gateway.metrics.corrected(worker.url, "kv_resync")
+        return int(doc["seq"]), str(doc["instance_id"])

@@ -1,0 +1,225 @@
+"""Routing policies: given the eligible workers with their in-flight load and a request's key,
+pick one. Pure: no I/O, no clock; the proxy owns the loop around them.
+
+`cache_aware` (default), per request:
+1. Imbalance: if max load − min load > `balance_abs_threshold` AND max load > min load ×
+   `balance_rel_threshold`, go to the least-loaded worker (reason `imbalance`). Both must hold, so a
+   small absolute gap at low traffic and a small ratio at high traffic both keep cache affinity.
+2. Otherwise match the prompt's block hashes against every worker's tree (`PrefixIndex`). The part
+   that counts is the match *beyond a base*: the prefix every eligible worker already holds, or a
+   hot prefix every worker can cheaply hold — one carrying at least `hot_prefix_factor` workers'
+   share of recent traffic (a common system prompt). Without that, whoever first cached the
+   system prompt would "match" every new session and the rest of the fleet would sit idle.
+3. If the best effective match covers more than `cache_threshold` of the prompt beyond the base,
+   route to the owner of that match (reason `cache_hit`); several owners → the least loaded.
+   Else route to the least-loaded worker (reason `cache_miss`), preferring a longer raw match.
+4. Ties among equally loaded workers rotate (never always the first). The prompt is inserted into
+   the chosen worker's tree at selection time; `failed` undoes that if the request never reached
+   the worker, and the proxy trims the tree when the worker reports fewer cached tokens.
+
+Others: `round_robin`, `random`, `power_of_two` (two random workers, the less loaded), and
+`prefix_hash` (consistent hashing of the first `prefix_token_count` tokens, with bounded load:
+a worker already carrying `prefix_hash_load_factor` × the mean load is skipped clockwise).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from radixpool.gateway.config import GatewayConfig
+from radixpool.gateway.prefix_index import PrefixIndex
+from radixpool.gateway.route_key import RouteKey
+
+DEMAND_WINDOW = 512  # requests per demand window; hot-prefix shares cover the last two windows
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    name: str
+    load: int
+
+
+@dataclass(slots=True)
+class Decision:
+    worker: str
+    reason: str
+    predicted_blocks: int = 0
+    prior_epochs: list[int] = field(default_factory=list)
+
+
+class Policy:
+    name = "base"
+
+    def select(self, candidates: Sequence[Candidate], key: RouteKey) -> Decision:
+        raise NotImplementedError
+
+    def failed(self, decision: Decision, key: RouteKey) -> None:
+        """The worker never got the request (connect error, 503): undo what select assumed."""
+
+
+class RoundRobin(Policy):
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._turn = 0
+
+    def select(self, candidates: Sequence[Candidate], key: RouteKey) -> Decision:
+        self._turn += 1
+        return Decision(candidates[self._turn % len(candidates)].name, self.name)
+
+
+class RandomChoice(Policy):
+    name = "random"
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+
+    def select(self, candidates: Sequence[Candidate], key: RouteKey) -> Decision:
+        return Decision(self._rng.choice(candidates).name, self.name)
+
+
+class PowerOfTwo(Policy):
+    name = "power_of_two"
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+
+    def select(self, candidates: Sequence[Candidate], key: RouteKey) -> Decision:
+        if len(candidates) == 1:
+            return Decision(candidates[0].name, self.name)
+        a, b = self._rng.sample(range(len(candidates)), 2)
+        pick = a if candidates[a].load <= candidates[b].load else b
+        return Decision(candidates[pick].name, self.name)
+
+
+class PrefixHash(Policy):
+    name = "prefix_hash"
+    VNODES = 160
+
+    def __init__(self, load_factor: float) -> None:
+        self.load_factor = load_factor
+        self._members: tuple[str, ...] = ()
+        self._points: list[int] = []
+        self._owners: list[str] = []
+
+    def _ring(self, names: tuple[str, ...]) -> None:
+        if names == self._members:
+            return
+        ring = sorted((_point(f"{n}#{i}"), n) for n in names for i in range(self.VNODES))
+        self._members = names
+        self._points = [p for p, _ in ring]
+        self._owners = [n for _, n in ring]
+
+    def select(self, candidates: Sequence[Candidate], key: RouteKey) -> Decision:
+        self._ring(tuple(sorted(c.name for c in candidates)))
+        load = {c.name: c.load for c in candidates}
+        cap = math.ceil(self.load_factor * (sum(load.values()) + 1) / len(candidates))
+        start = bisect.bisect(self._points, key.prefix_key)
+        first = None
+        for step in range(len(self._points)):
+            owner = self._owners[(start + step) % len(self._points)]
+            first = first or owner
+            if load[owner] < cap:
+                return Decision(owner, self.name if owner == first else "overflow")
+        return Decision(first, self.name)
+
+
+class CacheAware(Policy):
+    name = "cache_aware"
+
+    def __init__(self, index: PrefixIndex, config: GatewayConfig) -> None:
+        self.index = index
+        self.threshold = config.cache_threshold
+        self.abs_gap = config.balance_abs_threshold
+        self.rel_gap = config.balance_rel_threshold
+        self.hot_factor = config.hot_prefix_factor
+        self._turn = 0
+        self._demand: dict[int, int] = {}
+        self._old_demand: dict[int, int] = {}
+        self._requests = 0
+        self._old_requests = 0
+
+    def select(self, candidates: Sequence[Candidate], key: RouteKey) -> Decision:
+        depth = self.index.match(key.hashes) if key.hashes else {}
+        matched = [depth.get(c.name, 0) for c in candidates]
+        loads = [c.load for c in candidates]
+        low, high = min(loads), max(loads)
+        everyone = range(len(candidates))
+        if high - low > self.abs_gap and high > low * self.rel_gap:
+            pick, reason = self._least_loaded(candidates, everyone, matched), "imbalance"
+        else:
+            base = max(min(matched), self.hot_blocks(key.hashes, len(candidates)))
+            beyond = [max(0, m - base) for m in matched]
+            best = max(beyond)
+            rest = key.blocks - base
+            if rest > 0 and best / rest > self.threshold:
+                owners = [i for i in everyone if beyond[i] == best]
+                pick, reason = self._least_loaded(candidates, owners, matched), "cache_hit"
+            else:
+                pick, reason = self._least_loaded(candidates, everyone, matched), "cache_miss"
+        self._count_demand(key.hashes)
+        worker = candidates[pick].name
+        prior = self.index.insert(worker, key.hashes, matched[pick])
+        return Decision(worker, reason, matched[pick], prior)
+
+    def failed(self, decision: Decision, key: RouteKey) -> None:
+        self.index.remove(decision.worker, key.hashes[decision.predicted_blocks:])
+
+    def _least_loaded(self, candidates: Sequence[Candidate], among: Sequence[int],
+                      matched: list[int]) -> int:
+        low = min(candidates[i].load for i in among)
+        ties = [i for i in among if candidates[i].load == low]
+        if len(ties) > 1:
+            top = max(matched[i] for i in ties)
+            ties = [i for i in ties if matched[i] == top]
+        self._turn += 1
+        return ties[self._turn % len(ties)]
+
+    def hot_blocks(self, hashes: Sequence[int], workers: int) -> int:
+        """Leading blocks requested by at least `hot_factor` workers' share of recent traffic."""
+        total = self._requests + self._old_requests
+        if workers < 2 or total < 2 * workers or not hashes:
+            return 0
+        need = self.hot_factor * total / workers
+        new, old = self._demand, self._old_demand
+        # A block's demand never exceeds its parent's (every request for it also asks for the
+        # parent), so demand is non-increasing along the chain: binary search for the first cold.
+        lo, hi = 0, len(hashes)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            h = hashes[mid]
+            if new.get(h, 0) + old.get(h, 0) >= need:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    def _count_demand(self, hashes: Sequence[int]) -> None:
+        demand = self._demand
+        for h in hashes:
+            demand[h] = demand.get(h, 0) + 1
+        self._requests += 1
+        if self._requests >= DEMAND_WINDOW:
+            self._old_demand, self._old_requests = demand, self._requests
+            self._demand, self._requests = {}, 0
+
+
+def make_policy(config: GatewayConfig, index: PrefixIndex) -> Policy:
+    if config.policy == "cache_aware":
+        return CacheAware(index, config)
+    if config.policy == "round_robin":
+        return RoundRobin()
+    if config.policy == "random":
+        return RandomChoice()
+    if config.policy == "power_of_two":
+        return PowerOfTwo()
+    return PrefixHash(config.prefix_hash_load_factor)
+
+
+def _point(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")

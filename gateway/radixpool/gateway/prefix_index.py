@@ -1,0 +1,184 @@
+"""What the gateway believes each worker holds in its radix KV cache.
+
+A prompt is named by its chained block hashes (`radixpool.protocol.kv_blocks`): hash `i` names the
+whole prefix up to block `i`, so a *set* of hashes is a radix tree in disguise, and "how much of
+this prompt does worker W hold" is "how many leading hashes of the prompt are in W's set". The
+worker's KV-event stream speaks the same hashes, so events apply here exactly.
+
+Layout: one shared dict `hash -> bitmask of workers` (one walk answers every worker at once, and the
+walk stops where the last owner drops out), plus one LRU `OrderedDict[hash, epoch]` per worker that
+bounds its tree to the worker's real KV capacity (in blocks). Inserts touch a prompt's blocks from
+the last to the first, so a parent is always at least as recent as any child: evicting from the LRU
+front removes leaves first, as the worker's own radix cache does, and every set stays prefix-closed.
+
+Self-correction hooks, all O(blocks changed):
+- `insert` returns the epochs the matched blocks had *before* this touch. When the worker later
+  reports fewer cached tokens than predicted, the first missing block was evicted by the worker; by
+  LRU, so was everything we touched no later than it: `trim_through(worker, epoch)` drops those.
+- `remove` undoes an optimistic insert for a request that never reached the worker (retry).
+- `apply_event` / `load_snapshot` replay the worker's KV events; `reset` forgets a worker whose
+  instance id changed (restart or flush).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+from radixpool.protocol.kv_blocks import KVEvent
+
+
+class _WorkerTree:
+    __slots__ = ("bit", "capacity", "lru")
+
+    def __init__(self, bit: int, capacity: int) -> None:
+        self.bit = bit
+        self.capacity = capacity
+        self.lru: OrderedDict[int, int] = OrderedDict()
+
+
+class PrefixIndex:
+    def __init__(self) -> None:
+        self._owners: dict[int, int] = {}
+        self._trees: dict[str, _WorkerTree] = {}
+        self._by_bit: dict[int, str] = {}
+        self._epoch = 0
+
+    # --- membership ---------------------------------------------------------------------------
+    def add_worker(self, worker: str, capacity_blocks: int) -> None:
+        if worker in self._trees:
+            self.set_capacity(worker, capacity_blocks)
+            return
+        used = {t.bit for t in self._trees.values()}
+        bit = 1
+        while bit in used:
+            bit <<= 1
+        self._trees[worker] = _WorkerTree(bit, max(1, capacity_blocks))
+        self._by_bit[bit] = worker
+
+    def remove_worker(self, worker: str) -> None:
+        if worker in self._trees:
+            self.reset(worker)
+            del self._by_bit[self._trees.pop(worker).bit]
+
+    def set_capacity(self, worker: str, capacity_blocks: int) -> None:
+        tree = self._trees[worker]
+        tree.capacity = max(1, capacity_blocks)
+        self._evict(tree)
+
+    def __contains__(self, worker: str) -> bool:
+        return worker in self._trees
+
+    def size(self, worker: str) -> int:
+        """Blocks currently believed cached on `worker`."""
+        tree = self._trees.get(worker)
+        return 0 if tree is None else len(tree.lru)
+
+    def capacity(self, worker: str) -> int:
+        return self._trees[worker].capacity
+
+    # --- queries ------------------------------------------------------------------------------
+    def match(self, hashes: Sequence[int]) -> dict[str, int]:
+        """Leading blocks of `hashes` each worker holds; workers holding none are left out."""
+        owners = self._owners
+        alive = -1
+        depth: dict[str, int] = {}
+        for i, h in enumerate(hashes):
+            held = owners.get(h, 0) & alive
+            lost = (alive & ~held) if alive != -1 else 0
+            if lost and i:
+                self._record(lost, i, depth)
+            alive = held
+            if not alive:
+                return depth
+        if alive != -1:
+            self._record(alive, len(hashes), depth)
+        return depth
+
+    def _record(self, mask: int, value: int, depth: dict[str, int]) -> None:
+        by_bit = self._by_bit
+        while mask:
+            low = mask & -mask
+            worker = by_bit.get(low)
+            if worker is not None:
+                depth[worker] = value
+            mask ^= low
+
+    # --- updates ------------------------------------------------------------------------------
+    def insert(self, worker: str, hashes: Sequence[int], matched: int = 0) -> list[int]:
+        """Mark every block of `hashes` cached on `worker` (most recent), evicting LRU leaves past
+        capacity. Returns the epochs the first `matched` blocks had before this touch."""
+        tree = self._trees.get(worker)
+        if tree is None or not hashes:
+            return []
+        lru = tree.lru
+        before = [lru.get(h, 0) for h in hashes[:matched]]
+        self._epoch += 1
+        epoch, bit, owners = self._epoch, tree.bit, self._owners
+        for h in reversed(hashes):  # children first: a parent must end up more recent
+            if h in lru:
+                lru.move_to_end(h)
+            else:
+                owners[h] = owners.get(h, 0) | bit
+            lru[h] = epoch
+        self._evict(tree)
+        return before
+
+    def remove(self, worker: str, hashes: Iterable[int]) -> int:
+        tree = self._trees.get(worker)
+        if tree is None:
+            return 0
+        removed = 0
+        for h in hashes:
+            if tree.lru.pop(h, None) is not None:
+                self._drop_owner(h, tree.bit)
+                removed += 1
+        return removed
+
+    def trim_through(self, worker: str, epoch: int) -> int:
+        """Forget every block of `worker` last touched at or before `epoch`; returns how many."""
+        tree = self._trees.get(worker)
+        if tree is None:
+            return 0
+        lru, removed = tree.lru, 0
+        while lru:
+            h, e = next(iter(lru.items()))
+            if e > epoch:
+                break
+            del lru[h]
+            self._drop_owner(h, tree.bit)
+            removed += 1
+        return removed
+
+    def reset(self, worker: str) -> None:
+        tree = self._trees.get(worker)
+        if tree is None:
+            return
+        for h in tree.lru:
+            self._drop_owner(h, tree.bit)
+        tree.lru.clear()
+
+    def apply_event(self, worker: str, event: KVEvent) -> None:
+        if event.type == "cleared":
+            self.reset(worker)
+        elif event.type == "removed":
+            self.remove(worker, event.blocks)
+        else:
+            self.insert(worker, event.blocks)
+
+    def load_snapshot(self, worker: str, blocks: Sequence[int]) -> None:
+        self.reset(worker)
+        self.insert(worker, blocks)
+
+    def _evict(self, tree: _WorkerTree) -> None:
+        lru = tree.lru
+        while len(lru) > tree.capacity:
+            h, _ = lru.popitem(last=False)
+            self._drop_owner(h, tree.bit)
+
+    def _drop_owner(self, h: int, bit: int) -> None:
+        rest = self._owners.get(h, 0) & ~bit
+        if rest:
+            self._owners[h] = rest
+        else:
+            self._owners.pop(h, None)

@@ -1,0 +1,296 @@
+"""The gateway application: endpoints, the routed proxy loop, and ground-truth feedback.
+
+Per routed request: parse and validate the JSON body (400 names the field, before any worker
+sees it), build the route key, ask the policy for a worker, send over a pooled keep-alive
+connection, and relay the answer — a non-streamed body in one write, an SSE stream event by event
+as it arrives. A connect error or a 503 before the first byte is retried on another worker (at
+most `max_retries` times, reason `retry`), and the policy's optimistic insert for the failed
+worker is undone. The worker's own status and error body pass through unchanged otherwise.
+
+Streams ask the worker for `stream_options.include_usage` so every answer reports
+`cached_tokens`; the added usage event is stripped when the client did not ask for it. The report
+feeds the metrics and the tree correction (`feedback.first_missing_block` → `trim_through`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable
+
+from radixpool.gateway import admin
+from radixpool.gateway.config import GatewayConfig
+from radixpool.gateway.feedback import (
+    first_missing_block,
+    is_usage_only_event,
+    predicted_tokens,
+    usage_in,
+)
+from radixpool.gateway.http_server import Headers, Request, Responder, error_body
+from radixpool.gateway.metrics import GatewayMetrics
+from radixpool.gateway.policies import CacheAware, Candidate, Decision, make_policy
+from radixpool.gateway.prefix_index import PrefixIndex
+from radixpool.gateway.route_key import ROUTED_PATHS, BadRequest, KeyBuilder, RouteKey
+from radixpool.gateway.upstream import HOP_BY_HOP, UpstreamError, UpstreamPool, UpstreamResponse
+from radixpool.gateway.workers import Worker, WorkerSet
+from radixpool.tokenization import PromptTokenizer
+
+OPEN_PATHS = ("/health", "/metrics")
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, tokenizer: PromptTokenizer | None = None,
+                 block_size: int | None = None) -> None:
+        self.config = config
+        self.index = PrefixIndex()
+        self.keys = KeyBuilder(config.text_block_bytes, config.prefix_token_count)
+        if tokenizer is not None:
+            self.keys.use_tokenizer(tokenizer, block_size or self.keys.block_size)
+        self.workers = WorkerSet(config, self.index, self.keys)
+        self.policy = make_policy(config, self.index)
+        self.metrics = GatewayMetrics()
+        self.pools: dict[str, UpstreamPool] = {}
+        self.clock = time.monotonic
+        self._auth = f"Bearer {config.api_key}".encode() if config.api_key else None
+        self.membership_hooks: list[Callable[[Worker, bool], None]] = []
+        for url in config.worker_urls:
+            self.add_worker(url)
+
+    def add_worker(self, url: str) -> Worker:
+        known = self.workers.get(url)
+        worker = self.workers.add(url)
+        if worker is not known:
+            for hook in self.membership_hooks:
+                hook(worker, True)
+        return worker
+
+    def remove_worker(self, url: str) -> Worker | None:
+        worker = self.workers.remove(url)
+        if worker is not None:
+            self.forget_pool(worker.url)
+            for hook in self.membership_hooks:
+                hook(worker, False)
+        return worker
+
+    def reconcile(self, ready: set[str], terminating: set[str]) -> None:
+        """Apply a discovered worker set (see `WorkerSet.reconcile`), with the hooks."""
+        for url in ready:
+            self.add_worker(url)
+        for url in [w.url for w in self.workers if w.url not in ready | terminating]:
+            self.remove_worker(url)
+        self.workers.reconcile(ready, terminating)
+
+    @property
+    def predicts(self) -> bool:
+        return isinstance(self.policy, CacheAware)
+
+    def pool(self, worker: Worker) -> UpstreamPool:
+        pool = self.pools.get(worker.url)
+        if pool is None:
+            pool = self.pools[worker.url] = UpstreamPool(
+                worker.host, worker.port, self.config.connect_timeout)
+        return pool
+
+    def forget_pool(self, url: str) -> None:
+        """Idle connections of a removed worker close; in-flight ones finish on their own."""
+        pool = self.pools.pop(url, None)
+        if pool is not None:
+            pool.close()
+
+    # --- endpoints ----------------------------------------------------------------------------
+    async def __call__(self, request: Request, respond: Responder) -> None:
+        path, method = request.path, request.method
+        if self._auth is not None and path not in OPEN_PATHS \
+                and request.headers.get(b"authorization") != self._auth:
+            await respond.send(*error_body(401, "missing or wrong API key (Authorization: Bearer)",
+                                           "invalid_api_key"))
+        elif path in ROUTED_PATHS:
+            if method != "POST":
+                await respond.send_error(405, f"{path} accepts POST, not {method}")
+            else:
+                await self.proxy(request, respond)
+        elif path == "/health":
+            ready = len(self.workers.eligible(self.clock()))
+            await respond.send(*admin.health_body(ready, len(self.workers)))
+        elif path == "/metrics":
+            body = self.metrics.render(self.workers, self.index)
+            await respond.send(200, [(b"content-type", b"text/plain; version=0.0.4")], body)
+        elif path == "/v1/models":
+            await self.forward_models(request, respond)
+        elif path == "/workers" or path.startswith("/workers/"):
+            await respond.send(*admin.workers_endpoint(self, request))
+        else:
+            await respond.send_error(404, f"unknown path {path!r}; the gateway serves "
+                                          f"{', '.join(ROUTED_PATHS)}, /v1/models, /workers, "
+                                          "/health, /metrics")
+
+    async def forward_models(self, request: Request, respond: Responder) -> None:
+        ready = self.workers.eligible(self.clock())
+        if not ready:
+            await respond.send_error(503, "no healthy worker available")
+            return
+        worker = min(ready, key=lambda w: w.inflight)
+        try:
+            upstream = await self.pool(worker).request("GET", "/v1/models",
+                                                       _forwarded_headers(request))
+            body = await upstream.body()
+        except UpstreamError as exc:
+            await respond.send_error(502, f"worker {worker.url} failed: {exc}")
+            return
+        await respond.send(upstream.status, _response_headers(upstream, worker), body)
+
+    # --- the routed proxy ---------------------------------------------------------------------
+    async def proxy(self, request: Request, respond: Responder) -> None:
+        started = time.perf_counter()
+        try:
+            doc = json.loads(request.body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            await respond.send_error(400, f"malformed JSON body: {exc}")
+            return
+        try:
+            key = self.keys.build(request.path, doc)
+        except BadRequest as exc:
+            await respond.send_error(400, str(exc))
+            return
+        body, strip_usage = request.body, False
+        if doc.get("stream") is True and request.path != "/generate":
+            options = doc.get("stream_options")
+            if options is None or (isinstance(options, dict) and not options.get("include_usage")):
+                doc["stream_options"] = {**(options or {}), "include_usage": True}
+                body, strip_usage = json.dumps(doc).encode(), True
+        headers = _forwarded_headers(request)
+        picked = await self._dispatch(request.path, headers, body, key)
+        if isinstance(picked, str):
+            await respond.send_error(502 if picked.startswith("all") else 503, picked)
+            return
+        worker, decision, upstream = picked
+        try:
+            await self._relay(worker, decision, key, upstream, respond, strip_usage, started)
+        finally:
+            worker.inflight -= 1
+
+    async def _dispatch(self, path: str, headers: Headers, body: bytes,
+                        key: RouteKey) -> tuple[Worker, Decision, UpstreamResponse] | str:
+        """Pick a worker and get its response headers, retrying connect errors and 503s on
+        others. Returns the worker (its in-flight count taken) or why none could answer."""
+        tried: set[str] = set()
+        errors: list[str] = []
+        for attempt in range(self.config.max_retries + 1):
+            now = self.clock()
+            ready = [w for w in self.workers.eligible(now, key.model) if w.url not in tried]
+            if not ready:
+                break
+            by_url = {w.url: w for w in ready}
+            decision = self.policy.select([Candidate(w.url, w.inflight) for w in ready], key)
+            worker = by_url[decision.worker]
+            self.metrics.decision(worker.url, "retry" if attempt else decision.reason)
+            if attempt:
+                self.metrics.retry()
+            worker.inflight += 1
+            worker.breaker.on_dispatch()
+            try:
+                upstream = await self.pool(worker).request("POST", path, headers, body)
+            except UpstreamError as exc:
+                worker.inflight -= 1
+                worker.breaker.record(False, self.clock())
+                errors.append(f"{worker.url}: {exc}")
+            else:
+                if upstream.status != 503 or attempt == self.config.max_retries:
+                    return worker, decision, upstream
+                await upstream.body()
+                worker.inflight -= 1
+                worker.draining = True  # cleared when its /health answers 200 again
+                errors.append(f"{worker.url}: 503 (draining or overloaded)")
+            self.policy.failed(decision, key)
+            tried.add(worker.url)
+        if errors:
+            return f"all {len(errors)} attempts failed: " + "; ".join(errors)
+        return "no healthy worker available" + (f" for model {key.model!r}" if key.model else "")
+
+    async def _relay(self, worker: Worker, decision: Decision, key: RouteKey,
+                     upstream: UpstreamResponse, respond: Responder, strip_usage: bool,
+                     started: float) -> None:
+        status = upstream.status
+        headers = _response_headers(upstream, worker)
+        ttfb = None
+        try:
+            if b"text/event-stream" not in (upstream.header(b"content-type") or b""):
+                data = await upstream.body()
+                ttfb = time.perf_counter() - started
+                await respond.send(status, headers, data)
+                usage = usage_in(data) if status == 200 else None
+            else:
+                await respond.start(status, headers)
+                usage, ttfb = await self._relay_events(upstream, respond, strip_usage, started)
+                await respond.end()
+        except UpstreamError:
+            worker.breaker.record(False, self.clock())
+            upstream.release()
+            if not respond.started:
+                await respond.send_error(502, f"worker {worker.url} failed before answering")
+            else:
+                respond.keep_alive = False  # a cut stream: closing tells the client it is short
+            self.metrics.answered(worker.url, 502, time.perf_counter() - started, ttfb)
+            return
+        finally:
+            upstream.release()
+        worker.breaker.record(status < 500, self.clock())
+        worker.requests += 1
+        self.metrics.answered(worker.url, status, time.perf_counter() - started, ttfb)
+        if usage is not None:
+            self._learn(worker, decision, key, *usage)
+
+    async def _relay_events(self, upstream: UpstreamResponse, respond: Responder,
+                            strip_usage: bool, started: float
+                            ) -> tuple[tuple[int, int] | None, float | None]:
+        """Forward whole SSE events the moment they arrive; note the last usage report."""
+        usage, ttfb, pending = None, None, b""
+        while (chunk := await upstream.read()) is not None:
+            if respond.disconnected:
+                break
+            data = pending + chunk if pending else chunk
+            cut = data.rfind(b"\n\n") + 2
+            if cut < 2:
+                pending = data
+                continue
+            ready, pending = data[:cut], data[cut:]
+            if b'"prompt_tokens"' in ready:
+                usage = usage_in(ready) or usage
+                if strip_usage:
+                    ready = b"".join(e + b"\n\n" for e in ready.split(b"\n\n")[:-1]
+                                     if not is_usage_only_event(e))
+            if ttfb is None:
+                ttfb = time.perf_counter() - started
+            await respond.write(ready)
+        if pending and not respond.disconnected:
+            await respond.write(pending)
+        return usage, ttfb
+
+    def _learn(self, worker: Worker, decision: Decision, key: RouteKey, prompt: int,
+               cached: int) -> None:
+        worker.prompt_tokens += prompt
+        worker.cached_tokens += cached
+        predicted = None
+        if self.predicts:
+            predicted = predicted_tokens(decision, key, prompt)
+            worker.predicted_tokens += predicted
+            missing = first_missing_block(decision, key, prompt, cached)
+            if missing is not None and missing < len(decision.prior_epochs):
+                self.index.trim_through(worker.url, decision.prior_epochs[missing])
+                worker.corrected("cached_tokens")
+                self.metrics.corrected(worker.url, "cached_tokens")
+        self.metrics.usage(worker.url, prompt, cached, predicted)
+
+
+def _forwarded_headers(request: Request) -> Headers:
+    headers = [(k, v) for k, v in request.headers.items() if k not in HOP_BY_HOP]
+    if b"x-request-id" not in request.headers:
+        headers.append((b"x-request-id", uuid.uuid4().hex.encode()))
+    return headers
+
+
+def _response_headers(upstream: UpstreamResponse, worker: Worker) -> Headers:
+    headers = [(k, v) for k, v in upstream.headers if k not in HOP_BY_HOP]
+    headers.append((b"x-radixpool-worker", worker.url.encode()))
+    return headers

@@ -1,0 +1,143 @@
+"""From a request body to the key routing works on: the prompt's chained block hashes.
+
+Token-exact when the gateway has the model's tokenizer (`--tokenizer`, or fetched from a worker's
+`GET /tokenizer`): the chat template is rendered and the prompt tokenized exactly as the worker
+will, then hashed in the worker's KV-event block size, so the gateway's trees and the worker's
+events speak the same hashes. Without a tokenizer (or when the template rejects the messages and
+the worker will answer the 4xx), the prompt's UTF-8 bytes are hashed in `text_block_bytes` blocks.
+`cache_salt` is the hash namespace, as on the worker. The body is validated here: a malformed
+request gets a 400 that names the field, before any worker sees it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from radixpool.protocol.kv_blocks import DEFAULT_BLOCK_SIZE, as_token_array, prefix_block_hashes
+from radixpool.tokenization import PromptTokenizer
+
+ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate")
+
+
+class BadRequest(ValueError):
+    """The request body is not what the endpoint accepts; the message says which field."""
+
+
+@dataclass(slots=True)
+class RouteKey:
+    hashes: list[int]   # chained block hashes of the whole blocks of the prompt
+    block_units: int    # tokens (exact) or bytes (text) per block
+    units: int          # prompt length in tokens (exact) or bytes (text)
+    exact: bool
+    model: str | None
+    prefix_key: int     # digest of the first `prefix_token_count` units (prefix_hash policy)
+
+    @property
+    def blocks(self) -> int:
+        return len(self.hashes)
+
+
+class KeyBuilder:
+    def __init__(self, text_block_bytes: int, prefix_token_count: int) -> None:
+        self.text_block_bytes = text_block_bytes
+        self.prefix_token_count = prefix_token_count
+        self.tokenizer: PromptTokenizer | None = None
+        self.block_size = DEFAULT_BLOCK_SIZE
+
+    def use_tokenizer(self, tokenizer: PromptTokenizer, block_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.block_size = block_size
+
+    def build(self, path: str, doc: object) -> RouteKey:
+        if not isinstance(doc, dict):
+            raise BadRequest("request body must be a JSON object")
+        model = doc.get("model")
+        if model is not None and not isinstance(model, str):
+            raise BadRequest("'model' must be a string")
+        salt = doc.get("cache_salt")
+        if salt is not None and not isinstance(salt, str):
+            raise BadRequest("'cache_salt' must be a string")
+        if path == "/v1/chat/completions":
+            return self._chat(doc, model, salt)
+        if path == "/v1/completions":
+            if "prompt" not in doc:
+                raise BadRequest("'prompt' is required")
+            return self._prompt(doc["prompt"], "prompt", model, salt)
+        if "input_ids" in doc and doc["input_ids"] is not None:
+            return self._ids(_first(doc["input_ids"], "input_ids"), "input_ids", model, salt)
+        if "text" not in doc:
+            raise BadRequest("'text' or 'input_ids' is required")
+        return self._prompt(doc["text"], "text", model, salt)
+
+    def _chat(self, doc: dict, model: str | None, salt: str | None) -> RouteKey:
+        messages = doc.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("'messages' must be a non-empty array")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise BadRequest(f"messages[{i}] must be an object with a string 'role'")
+        if self.tokenizer is not None and self.tokenizer.chat_template:
+            try:
+                ids = self.tokenizer.encode_chat(messages)
+            except Exception:  # the worker will answer with its own 4xx; route on text meanwhile
+                ids = None
+            if ids is not None:
+                return self._token_key(as_token_array(ids), model, salt)
+        text = "".join(f"{m['role']}\n{_content_text(m.get('content'))}\n" for m in messages)
+        return self._text_key(text, model, salt)
+
+    def _prompt(self, prompt: object, field: str, model: str | None, salt: str | None) -> RouteKey:
+        prompt = _first(prompt, field)
+        if isinstance(prompt, str):
+            if self.tokenizer is not None:
+                return self._token_key(as_token_array(self.tokenizer.encode(prompt)), model, salt)
+            return self._text_key(prompt, model, salt)
+        return self._ids(prompt, field, model, salt)
+
+    def _ids(self, ids: object, field: str, model: str | None, salt: str | None) -> RouteKey:
+        if not isinstance(ids, list) or not ids:
+            raise BadRequest(f"'{field}' must be a string or a non-empty array of token ids")
+        try:
+            tokens = as_token_array(ids)
+        except (TypeError, OverflowError) as exc:
+            raise BadRequest(f"'{field}' must hold integer token ids") from exc
+        return self._token_key(tokens, model, salt)
+
+    def _token_key(self, tokens: np.ndarray, model: str | None, salt: str | None) -> RouteKey:
+        hashes = prefix_block_hashes(tokens, self.block_size, salt).tolist()
+        head = tokens[: self.prefix_token_count].tobytes()
+        return RouteKey(hashes, self.block_size, len(tokens), True, model, _digest(head, salt))
+
+    def _text_key(self, text: str, model: str | None, salt: str | None) -> RouteKey:
+        data = text.encode("utf-8", "surrogatepass")
+        units = np.frombuffer(data, dtype=np.uint8).astype(np.uint64)
+        hashes = prefix_block_hashes(units, self.text_block_bytes, salt).tolist()
+        head = data[: self.prefix_token_count * 4]
+        return RouteKey(hashes, self.text_block_bytes, len(data), False, model, _digest(head, salt))
+
+
+def _first(value: object, field: str) -> object:
+    """A batch (`["a", "b"]` or `[[1, 2], [3]]`) routes on its first prompt."""
+    if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+        return value[0]
+    if isinstance(value, (str, list)):
+        return value
+    raise BadRequest(f"'{field}' must be a string, an array of strings or of token ids")
+
+
+def _content_text(content: object) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return ""
+
+
+def _digest(data: bytes, salt: str | None) -> int:
+    h = hashlib.blake2b(data, digest_size=8, person=b"rp-prefix")
+    if salt:
+        h.update(salt.encode())
+    return int.from_bytes(h.digest(), "little")

@@ -1,0 +1,86 @@
+"""Assembling and running the gateway: the app, its HTTP server, the monitors, discovery.
+
+`GatewayServer` is used the same way by the CLI (`run`, blocking, uvloop, stops on SIGTERM/SIGINT
+after in-flight requests finish) and by tests and benchmarks (`await start()` / `await stop()`
+inside their own loop, bound to port 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+
+from radixpool.gateway.config import GatewayConfig
+from radixpool.gateway.http_server import bound_port, serve
+from radixpool.gateway.monitor import Monitor
+from radixpool.gateway.proxy import Gateway
+from radixpool.tokenization import PromptTokenizer
+
+log = logging.getLogger("radixpool.gateway")
+
+DRAIN_SECONDS = 30.0
+
+
+class GatewayServer:
+    def __init__(self, config: GatewayConfig, tokenizer: PromptTokenizer | None = None) -> None:
+        self.config = config
+        self.gateway = Gateway(config, tokenizer)
+        self.monitor: Monitor | None = None
+        self.server: asyncio.Server | None = None
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None
+        return bound_port(self.server)
+
+    async def start(self, sock: socket.socket | None = None) -> None:
+        self.monitor = Monitor(self.gateway)
+        self.monitor.start()
+        if self.config.k8s_service:
+            from radixpool.gateway.kubernetes_watch import start_watch
+
+            start_watch(self.config.k8s_service, self.config.namespace,
+                        self.config.k8s_port_name, self.gateway.reconcile)
+        self.server = await serve(self.gateway, self.config.host, self.config.port,
+                                  self.config.max_body_bytes, sock)
+
+    async def stop(self, drain_seconds: float = 0.0) -> None:
+        if self.server is not None:
+            self.server.close()
+        deadline = asyncio.get_running_loop().time() + drain_seconds
+        while (any(w.inflight for w in self.gateway.workers)
+               and asyncio.get_running_loop().time() < deadline):
+            await asyncio.sleep(0.05)
+        if self.monitor is not None:
+            await self.monitor.stop()
+        for pool in self.gateway.pools.values():
+            pool.close()
+
+
+async def _main(config: GatewayConfig, tokenizer: PromptTokenizer | None) -> None:
+    server = GatewayServer(config, tokenizer)
+    await server.start()
+    log.info("radixpool gateway on http://%s:%d, policy %s, %d static workers",
+             config.host, server.port, config.policy, len(config.worker_urls))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down: finishing in-flight requests (up to %.0fs)", DRAIN_SECONDS)
+    await server.stop(DRAIN_SECONDS)
+
+
+def run(config: GatewayConfig) -> int:
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    tokenizer = PromptTokenizer.from_dir(config.tokenizer) if config.tokenizer else None
+    try:
+        import uvloop
+    except ImportError:  # Windows: the stock loop still works, only slower
+        asyncio.run(_main(config, tokenizer))
+    else:
+        uvloop.run(_main(config, tokenizer))
+    return 0

@@ -1,0 +1,225 @@
+"""Pooled keep-alive HTTP/1.1 connections to one worker, parsed with httptools.
+
+`UpstreamPool.request` sends one request and returns as soon as the response *headers* are in;
+the body is then read chunk by chunk as the worker sends it (`read`), so streams pass through
+with no buffering. A connection goes back to the pool only after its response ended cleanly and
+the worker allowed keep-alive; anything else closes it. TCP_NODELAY is set on every connection.
+
+Errors before the response headers are `UpstreamError` with `connected` telling whether the
+request may have reached the worker. A pooled connection the worker closed while idle is retried
+once on a fresh one (that race is the ordinary end of a keep-alive, not a worker failure).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+import httptools
+
+from radixpool.gateway.http_server import Headers, set_nodelay
+
+HOP_BY_HOP = frozenset((b"connection", b"keep-alive", b"transfer-encoding", b"content-length",
+                        b"host", b"upgrade", b"proxy-connection", b"te", b"trailer"))
+
+
+class UpstreamError(ConnectionError):
+    def __init__(self, message: str, connected: bool) -> None:
+        super().__init__(message)
+        self.connected = connected
+
+
+class _Connection(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.closed = False
+        self.status = 0
+        self.headers: Headers = []
+        self.chunks: deque[bytes] = deque()
+        self.done = False
+        self.got_bytes = False
+        self._headers_ready: asyncio.Future | None = None
+        self._waiter: asyncio.Future | None = None
+        self._error: Exception | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        set_nodelay(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if not self.done:
+            self._fail(exc or ConnectionResetError("worker closed the connection"))
+
+    def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(exc)
+            self.close()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        if self._headers_ready is not None and not self._headers_ready.done():
+            self._headers_ready.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.done = True
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _fail(self, exc: Exception) -> None:
+        self._error = exc
+        if self._headers_ready is not None and not self._headers_ready.done():
+            self._headers_ready.set_exception(exc)
+        self._wake()
+
+    def begin(self, data: bytes) -> asyncio.Future:
+        self.parser = httptools.HttpResponseParser(self)
+        self.status, self.headers, self.done, self.got_bytes = 0, [], False, False
+        self.chunks.clear()
+        self._error = None
+        self._headers_ready = asyncio.get_running_loop().create_future()
+        assert self.transport is not None
+        self.transport.write(data)
+        return self._headers_ready
+
+    async def read(self) -> bytes | None:
+        while not self.chunks:
+            if self.done:
+                return None
+            if self._error is not None:
+                raise UpstreamError(f"worker connection broke mid-response: {self._error}", True)
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        return self.chunks.popleft()
+
+    @property
+    def reusable(self) -> bool:
+        return self.done and not self.closed and self.parser.should_keep_alive()
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+
+class UpstreamResponse:
+    __slots__ = ("_conn", "_pool", "headers", "status")
+
+    def __init__(self, pool: UpstreamPool, conn: _Connection) -> None:
+        self._pool = pool
+        self._conn = conn
+        self.status = conn.status
+        self.headers = conn.headers
+
+    def header(self, name: bytes) -> bytes | None:
+        for k, v in self.headers:
+            if k == name:
+                return v
+        return None
+
+    async def read(self) -> bytes | None:
+        """The next body chunk as it arrived, or None at the end (the connection is then
+        returned to the pool)."""
+        chunk = await self._conn.read()
+        if chunk is None:
+            self.release()
+        return chunk
+
+    async def body(self) -> bytes:
+        parts = []
+        while (chunk := await self.read()) is not None:
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def release(self) -> None:
+        """Give the connection back (or close it if the response did not end cleanly)."""
+        conn, self._conn = self._conn, _CLOSED
+        if conn is _CLOSED:
+            return
+        if conn.reusable:
+            self._pool.put_back(conn)
+        else:
+            conn.close()
+
+
+_CLOSED = _Connection()
+_CLOSED.done = True
+
+
+class UpstreamPool:
+    def __init__(self, host: str, port: int, connect_timeout: float, max_idle: int = 64) -> None:
+        self.host = host
+        self.port = port
+        self.connect_timeout = connect_timeout
+        self.max_idle = max_idle
+        self._idle: list[_Connection] = []
+        self._host_header = f"{host}:{port}".encode()
+
+    async def _connect(self) -> _Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(_Connection, self.host, self.port), self.connect_timeout)
+        except (OSError, asyncio.TimeoutError) as exc:
+            raise UpstreamError(f"cannot connect to {self.host}:{self.port}: {exc!r}",
+                                False) from exc
+        return conn
+
+    def put_back(self, conn: _Connection) -> None:
+        if len(self._idle) < self.max_idle:
+            self._idle.append(conn)
+        else:
+            conn.close()
+
+    def close(self) -> None:
+        while self._idle:
+            self._idle.pop().close()
+
+    def encode(self, method: str, path: str, headers: Headers, body: bytes) -> bytes:
+        lines = [b"%s %s HTTP/1.1\r\nhost: %s\r\ncontent-length: %d\r\n"
+                 % (method.encode(), path.encode(), self._host_header, len(body))]
+        lines.extend(b"%s: %s\r\n" % kv for kv in headers)
+        lines.append(b"\r\n")
+        lines.append(body)
+        return b"".join(lines)
+
+    async def request(self, method: str, path: str, headers: Headers = (),
+                      body: bytes = b"", timeout: float | None = None) -> UpstreamResponse:
+        data = self.encode(method, path, list(headers), body)
+        while self._idle:
+            conn = self._idle.pop()
+            if conn.closed:
+                continue
+            try:
+                return await self._exchange(conn, data, timeout)
+            except UpstreamError as exc:
+                if conn.got_bytes:  # the worker answered garbage: not an idle-close race
+                    raise exc
+        return await self._exchange(await self._connect(), data, timeout)
+
+    async def _exchange(self, conn: _Connection, data: bytes,
+                        timeout: float | None) -> UpstreamResponse:
+        try:
+            if conn.closed:
+                raise ConnectionResetError("connection already closed")
+            ready = conn.begin(data)
+            await (ready if timeout is None else asyncio.wait_for(ready, timeout))
+        except (OSError, asyncio.TimeoutError, httptools.HttpParserError) as exc:
+            conn.close()
+            raise UpstreamError(f"no response from {self.host}:{self.port}: {exc!r}",
+                                conn.got_bytes) from exc
+        return UpstreamResponse(self, conn)

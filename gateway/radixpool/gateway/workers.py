@@ -1,0 +1,135 @@
+"""The fleet as the gateway sees it: one `Worker` per upstream, and the `WorkerSet` that adds,
+drains and removes them and keeps the prefix index's membership and capacities in step.
+
+A worker is *eligible* for a new request when its active checks say healthy, it is not draining
+(it answered 503) or terminating (discovery says so), it has not been removed,
+and its circuit breaker lets traffic through. Removal or draining never touches requests already
+in flight: their connections and this object live until their streams end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from radixpool.gateway.config import GatewayConfig, normalize_worker_url
+from radixpool.gateway.health import CircuitBreaker, HealthHysteresis
+from radixpool.gateway.prefix_index import PrefixIndex
+from radixpool.gateway.route_key import KeyBuilder
+from radixpool.protocol.server_info import ServerInfo
+
+BYTES_PER_TOKEN = 4  # sizing a text-mode tree (bytes) from a capacity in tokens
+
+
+@dataclass(eq=False)
+class Worker:
+    url: str
+    health: HealthHysteresis
+    breaker: CircuitBreaker
+    host: str = ""
+    port: int = 0
+    inflight: int = 0
+    draining: bool = False      # the worker said so (503 from /health or a request)
+    terminating: bool = False   # discovery said so (a terminating endpoint)
+    removed: bool = False
+    info: ServerInfo | None = None
+    instance_id: str | None = None
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    predicted_tokens: int = 0
+    corrections: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.url)
+        self.host, self.port = parts.hostname or "", parts.port or 80
+
+    def eligible(self, now: float) -> bool:
+        return (self.health.healthy and not self.draining and not self.terminating
+                and not self.removed and self.breaker.allows(now))
+
+    @property
+    def model(self) -> str | None:
+        return None if self.info is None else self.info.served_model_name
+
+    def corrected(self, source: str) -> None:
+        self.corrections[source] = self.corrections.get(source, 0) + 1
+
+
+class WorkerSet:
+    def __init__(self, config: GatewayConfig, index: PrefixIndex, keys: KeyBuilder) -> None:
+        self.config = config
+        self.index = index
+        self.keys = keys
+        self.workers: dict[str, Worker] = {}
+
+    def __iter__(self):
+        return iter(list(self.workers.values()))
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def get(self, url: str) -> Worker | None:
+        return self.workers.get(url)
+
+    def add(self, url: str) -> Worker:
+        url = normalize_worker_url(url)
+        worker = self.workers.get(url)
+        if worker is not None:
+            worker.terminating = False
+            return worker
+        cfg = self.config
+        worker = Worker(url, HealthHysteresis(cfg.health_failures, cfg.health_successes),
+                        CircuitBreaker(cfg.breaker_failures, cfg.breaker_open_seconds))
+        self.workers[url] = worker
+        self.index.add_worker(url, self.tree_capacity(None))
+        return worker
+
+    def remove(self, url: str) -> Worker | None:
+        worker = self.workers.pop(normalize_worker_url(url), None)
+        if worker is not None:
+            worker.removed = True
+            self.index.remove_worker(worker.url)
+        return worker
+
+    def eligible(self, now: float, model: str | None = None) -> list[Worker]:
+        ready = [w for w in self.workers.values() if w.eligible(now)]
+        if model is not None:
+            serving = [w for w in ready if w.model == model]
+            if serving:
+                return serving
+        return ready
+
+    def reconcile(self, ready: Iterable[str], terminating: Iterable[str]) -> None:
+        """Make the set match discovery: add ready endpoints, drain terminating ones (they finish
+        their streams but get no new requests), remove the ones that disappeared."""
+        ready, terminating = set(ready), set(terminating) - set(ready)
+        for url in ready:
+            self.add(url)
+        for url in terminating:
+            worker = self.workers.get(url)
+            if worker is not None:
+                worker.terminating = True
+        for url in list(self.workers):
+            if url not in ready and url not in terminating:
+                self.remove(url)
+
+    def set_info(self, worker: Worker, info: ServerInfo) -> None:
+        worker.info = info
+        if worker.url in self.index:
+            self.index.set_capacity(worker.url, self.tree_capacity(info.kv_capacity_tokens))
+
+    def tree_capacity(self, kv_tokens: int | None) -> int:
+        """Tree bound in blocks: the worker's real KV capacity when known, else the fallback."""
+        tokens = kv_tokens or self.config.tree_capacity_tokens
+        if self.keys.tokenizer is not None:
+            return max(1, tokens // self.keys.block_size)
+        return max(1, tokens * BYTES_PER_TOKEN // self.keys.text_block_bytes)
+
+    def resize_trees(self) -> None:
+        """Key units changed (a tokenizer arrived): old hashes mean nothing now."""
+        for worker in self.workers.values():
+            self.index.reset(worker.url)
+            kv = worker.info.kv_capacity_tokens if worker.info else None
+            self.index.set_capacity(worker.url, self.tree_capacity(kv))
