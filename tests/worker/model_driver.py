@@ -50,6 +50,10 @@ class Driver:
             batch.logits_indices = torch.arange(batch.num_tokens, device=self.table.device)
         return self.runner.forward(batch)
 
+    def prompt_logits(self, prompt: list[int]) -> torch.Tensor:
+        """Logits of every position of `prompt`, prefilled as a new request."""
+        return self.extend([self.new_seq()], [prompt], all_positions=True)
+
     def decode(self, seqs: list[Seq], tokens: list[int]) -> torch.Tensor:
         prefix = [len(s.ids) for s in seqs]
         pool = self.runner.kv_pool

@@ -30,8 +30,7 @@ def runner_for(path: Path, **overrides) -> ModelRunner:
 
 
 def prompt_logits(runner: ModelRunner) -> torch.Tensor:
-    driver = Driver(runner)
-    return driver.extend([driver.new_seq()], [PROMPT], all_positions=True)
+    return Driver(runner).prompt_logits(PROMPT)
 
 
 def copy_model(src: Path, dst: Path) -> Path:

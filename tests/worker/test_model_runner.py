@@ -118,8 +118,7 @@ def test_bfloat16_weights_and_cache(models):
     assert bf16.dtype == torch.bfloat16 and bf16.kv_pool.k_buffers[0].dtype == torch.bfloat16
     assert all(p.dtype == torch.bfloat16 for p in bf16.model.parameters())
     prompt = random_prompt(16, seed=4)
-    a = Driver(fp32).extend([Driver(fp32).new_seq()], [prompt], all_positions=True)
-    b = Driver(bf16).extend([Driver(bf16).new_seq()], [prompt], all_positions=True)
+    a, b = (Driver(r).prompt_logits(prompt) for r in (fp32, bf16))
     assert b.dtype == torch.float32
     assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.99
 

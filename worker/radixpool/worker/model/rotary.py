@@ -21,8 +21,8 @@ def rope_inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
     """Inverse frequencies `[head_dim // 2]` (float32) for a `rope_parameters` dict."""
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope_type must be one of {', '.join(SUPPORTED_ROPE_TYPES)}, "
-                         f"got {rope_type!r}")
+        raise ValueError(f"config.json rope_parameters: rope_type must be one of "
+                         f"{', '.join(SUPPORTED_ROPE_TYPES)}, got {rope_type!r}")
     base = float(params.get("rope_theta", 10000.0))
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (base ** exponents)
