@@ -1,0 +1,217 @@
+"""The operator against a real cluster: install, apply, observe, scale, break, heal, delete.
+
+Runs only when RADIXPOOL_E2E_KUBECONFIG names a kubeconfig (any cluster: kind, k3d, a cloud
+one); otherwise every test here reports itself skipped. `e2e/kind.sh` makes a kind cluster,
+builds and loads the images, and runs this suite. Each run works in a fresh namespace and runs
+the operator from this checkout as a subprocess (`radixpool operator --namespace NS`).
+
+RADIXPOOL_E2E_WORKER_IMAGE / RADIXPOOL_E2E_GATEWAY_IMAGE choose the images (kind.sh sets them to
+the ones it built). With RADIXPOOL_E2E_MODEL_URI (e.g. `hf://Qwen/Qwen3-0.6B`, needs the cluster
+to reach the hub) the pool must also become ready; without it the workers cannot load a model,
+and the suite checks objects, status, scale, drift, rollout, rejection and deletion.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+KUBECONFIG = os.environ.get("RADIXPOOL_E2E_KUBECONFIG")
+pytestmark = pytest.mark.skipif(
+    not KUBECONFIG,
+    reason="live-cluster e2e skipped: set RADIXPOOL_E2E_KUBECONFIG to a kubeconfig to run it "
+           "(e2e/kind.sh makes a kind cluster and does so)")
+
+REPO = Path(__file__).resolve().parents[1]
+GROUP, VERSION, PLURAL = "radixpool.io", "v1alpha1", "inferencepools"
+TIMEOUT = float(os.environ.get("RADIXPOOL_E2E_TIMEOUT", "120"))
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float = TIMEOUT) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+        except Exception as error:  # the API may answer 404 until the object exists
+            last = error
+        if last and not isinstance(last, Exception):
+            return last
+        time.sleep(1)
+    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
+
+
+@pytest.fixture(scope="module")
+def kube() -> Any:
+    from kubernetes import client, config
+
+    api_client = config.new_client_from_config(config_file=KUBECONFIG)
+    return type("Kube", (), {
+        "core": client.CoreV1Api(api_client), "apps": client.AppsV1Api(api_client),
+        "rbac": client.RbacAuthorizationV1Api(api_client),
+        "policy": client.PolicyV1Api(api_client),
+        "custom": client.CustomObjectsApi(api_client),
+        "ext": client.ApiextensionsV1Api(api_client),
+        "errors": client.exceptions,
+    })
+
+
+@pytest.fixture(scope="module")
+def namespace(kube) -> Iterator[str]:
+    for path in sorted((REPO / "crds").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            try:
+                kube.ext.create_custom_resource_definition(doc)
+            except kube.errors.ApiException as error:
+                if error.status != 409:
+                    raise
+    wait_for("the InferencePool CRD to be established", lambda: any(
+        c.type == "Established" and c.status == "True"
+        for c in kube.ext.read_custom_resource_definition(f"{PLURAL}.{GROUP}").status.conditions))
+    name = f"radixpool-e2e-{uuid.uuid4().hex[:6]}"
+    kube.core.create_namespace({"metadata": {"name": name}})
+    yield name
+    kube.core.delete_namespace(name)
+
+
+@pytest.fixture(scope="module")
+def operator(namespace) -> Iterator[subprocess.Popen]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ}
+    for key in ("RADIXPOOL_WORKER_IMAGE", "RADIXPOOL_GATEWAY_IMAGE"):
+        if os.environ.get(f"RADIXPOOL_E2E_{key[len('RADIXPOOL_'):]}"):
+            env[key] = os.environ[f"RADIXPOOL_E2E_{key[len('RADIXPOOL_'):]}"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "radixpool.cli", "operator", "--namespace", namespace,
+         "--standalone", "--kubeconfig", KUBECONFIG,
+         "--liveness", f"http://127.0.0.1:{port}/healthz"], env=env)
+    yield process
+    process.terminate()
+    process.wait(timeout=30)
+
+
+def pool_manifest(name: str, **spec: Any) -> dict[str, Any]:
+    model = {"uri": os.environ["RADIXPOOL_E2E_MODEL_URI"]} if os.environ.get(
+        "RADIXPOOL_E2E_MODEL_URI") else {"path": "/models/absent"}
+    base = {"replicas": 1, "model": model,
+            "engine": {"device": "cpu", "resources": {"gpus": 0, "cpu": "100m",
+                                                      "memory": "512Mi"}},
+            "gateway": {"resources": {"cpu": "50m", "memory": "128Mi"}},
+            "lifecycle": {"drainTimeoutSeconds": 5, "startupTimeoutSeconds": 600}}
+    base.update(spec)
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferencePool",
+            "metadata": {"name": name}, "spec": base}
+
+
+def get_pool(kube, namespace: str, name: str) -> dict[str, Any]:
+    return kube.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+
+
+def condition(pool: dict[str, Any], kind: str) -> dict[str, Any]:
+    for cond in (pool.get("status") or {}).get("conditions") or []:
+        if cond["type"] == kind:
+            return cond
+    return {}
+
+
+def owned_names(kube, namespace: str, pool: str) -> set[str]:
+    selector = f"radixpool.io/pool={pool}"
+    return {item.metadata.name
+            for lister in (kube.apps.list_namespaced_deployment,
+                           kube.core.list_namespaced_service,
+                           kube.core.list_namespaced_service_account,
+                           kube.rbac.list_namespaced_role, kube.rbac.list_namespaced_role_binding,
+                           kube.policy.list_namespaced_pod_disruption_budget)
+            for item in lister(namespace, label_selector=selector).items}
+
+
+def test_pool_lifecycle(kube, namespace, operator):
+    name = "e2e"
+    kube.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+                                                pool_manifest(name))
+    expected = {"e2e-worker", "e2e-workers", "e2e-gateway"}
+
+    # Every owned object appears, owned by the pool.
+    wait_for("owned objects", lambda: owned_names(kube, namespace, name) >= expected)
+    pool = get_pool(kube, namespace, name)
+    worker = kube.apps.read_namespaced_deployment("e2e-worker", namespace)
+    assert worker.metadata.owner_references[0].uid == pool["metadata"]["uid"]
+    assert kube.core.read_namespaced_service("e2e-workers", namespace).spec.cluster_ip == "None"
+    kube.rbac.read_namespaced_role("e2e-gateway", namespace)
+    kube.policy.read_namespaced_pod_disruption_budget("e2e-worker", namespace)
+
+    # Status is written from observation.
+    pool = wait_for("status", lambda: (p := get_pool(kube, namespace, name)).get("status", {})
+                    .get("observedGeneration") == p["metadata"]["generation"] and p)
+    status = pool["status"]
+    assert condition(pool, "Accepted")["status"] == "True"
+    assert status["selector"] == "app.kubernetes.io/component=worker,radixpool.io/pool=e2e"
+    assert status["endpoint"] == f"http://e2e-gateway.{namespace}.svc:8080"
+    if os.environ.get("RADIXPOOL_E2E_MODEL_URI"):
+        wait_for("WorkersReady", lambda: condition(get_pool(kube, namespace, name),
+                                                   "WorkersReady").get("status") == "True",
+                 timeout=900)
+
+    # Scale through the /scale subresource, as an HPA would.
+    kube.custom.patch_namespaced_custom_object_scale(GROUP, VERSION, namespace, PLURAL, name,
+                                                     {"spec": {"replicas": 3}})
+    wait_for("worker Deployment scaled to 3", lambda: kube.apps.read_namespaced_deployment(
+        "e2e-worker", namespace).spec.replicas == 3)
+    scale = kube.custom.get_namespaced_custom_object_scale(GROUP, VERSION, namespace, PLURAL,
+                                                           name)
+    assert scale["spec"]["replicas"] == 3
+
+    # Break things; the operator puts them back.
+    kube.core.delete_namespaced_service("e2e-workers", namespace)
+    kube.apps.patch_namespaced_deployment("e2e-worker", namespace, {"spec": {"replicas": 1}})
+    wait_for("drift healed", lambda: kube.apps.read_namespaced_deployment(
+        "e2e-worker", namespace).spec.replicas == 3 and kube.core.read_namespaced_service(
+        "e2e-workers", namespace))
+
+    # A new image rolls out under the pool's rollout settings.
+    kube.custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, {
+        "spec": {"engine": {"image": "example.invalid/radixpool-worker:rollout"}}})
+    wait_for("new image in the template", lambda: kube.apps.read_namespaced_deployment(
+        "e2e-worker", namespace).spec.template.spec.containers[0].image.endswith(":rollout"))
+
+    # Delete: everything goes.
+    kube.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+    wait_for("owned objects garbage-collected",
+             lambda: not owned_names(kube, namespace, name) or None, timeout=TIMEOUT)
+
+
+def test_invalid_pools_are_rejected_by_the_api_server_or_the_operator(kube, namespace, operator):
+    both = pool_manifest("both", model={"path": "/m", "uri": "hf://a/b"})
+    with pytest.raises(kube.errors.ApiException) as rejected:
+        kube.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, both)
+    assert rejected.value.status == 422
+    assert "exactly one of spec.model.path or spec.model.uri" in rejected.value.body
+
+    missing = pool_manifest("nokey", apiKeySecret={"name": "does-not-exist"})
+    kube.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, missing)
+    pool = wait_for("Accepted=False", lambda: condition(
+        get_pool(kube, namespace, "nokey"), "Accepted").get("status") == "False" and get_pool(
+        kube, namespace, "nokey"))
+    assert "spec.apiKeySecret.name" in condition(pool, "Accepted")["message"]
+    assert owned_names(kube, namespace, "nokey") == set()
+    events = kube.core.list_namespaced_event(
+        namespace, field_selector="involvedObject.name=nokey").items
+    assert any(e.reason == "MissingReference" and e.type == "Warning" for e in events)
+
+    # The operator keeps serving other pools.
+    kube.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+                                                pool_manifest("fine"))
+    wait_for("the other pool's Deployment", lambda: kube.apps.read_namespaced_deployment(
+        "fine-worker", namespace))

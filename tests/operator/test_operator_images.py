@@ -1,0 +1,60 @@
+"""Images: the worker is CUDA + torch + FlashInfer, the control image has no torch; both non-root.
+
+No container engine runs here, so this reads the Dockerfiles for what a user relies on; e2e/kind.sh
+builds them for real.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def instructions(name: str) -> list[tuple[str, str]]:
+    text = (REPO / name).read_text().replace("\\\n", " ")
+    return [(m.group(1).upper(), m.group(2).strip())
+            for m in re.finditer(r"^\s*([A-Za-z]+)\s+(.*)$", text, re.M)
+            if not m.group(0).lstrip().startswith("#")]
+
+
+def final_stage(steps: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    last_from = max(i for i, (op, _) in enumerate(steps) if op == "FROM")
+    return steps[last_from:]
+
+
+def test_worker_image_is_cuda_with_torch_and_flashinfer_running_as_uid_1000():
+    steps = instructions("Dockerfile.worker")
+    text = (REPO / "Dockerfile.worker").read_text()
+    assert re.search(r"ARG CUDA_IMAGE=nvidia/cuda:[\d.]+-\S*runtime", text)
+    assert any(op == "RUN" and "torch" in arg and "download.pytorch.org" in text
+               for op, arg in steps)
+    assert any(op == "RUN" and '[gpu]' in arg for op, arg in steps)  # flashinfer-python
+    final = final_stage(steps)
+    assert ("USER", "1000:1000") in final
+    assert ("ENTRYPOINT", '["radixpool"]') in final
+
+
+def test_control_image_has_no_torch_and_runs_as_uid_1000():
+    steps = instructions("Dockerfile.control")
+    installs = [arg for op, arg in steps if op == "RUN" and "pip install" in arg]
+    assert installs and all("[worker" not in arg and "[gpu" not in arg and "torch" not in
+                            arg.split("&&")[0] for arg in installs)
+    assert any("! pip show torch" in arg for arg in installs)
+    final = final_stage(steps)
+    assert ("USER", "1000:1000") in final
+    assert ("ENTRYPOINT", '["radixpool"]') in final
+
+
+def test_operator_defaults_point_at_the_images_the_chart_installs():
+    import yaml
+
+    from radixpool.operator.desired import DEFAULT_CONTROL_IMAGE, DEFAULT_WORKER_IMAGE
+
+    chart = yaml.safe_load((REPO / "charts/radixpool/Chart.yaml").read_text())
+    values = yaml.safe_load((REPO / "charts/radixpool/values.yaml").read_text())
+    version = chart["appVersion"]
+    chart_images = (f"{values['workerImage']['repository']}:{version}",
+                    f"{values['image']['repository']}:{version}")
+    assert chart_images == (DEFAULT_WORKER_IMAGE, DEFAULT_CONTROL_IMAGE)
