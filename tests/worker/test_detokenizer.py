@@ -1,0 +1,144 @@
+"""Text egress: incremental detokenization and stop strings, on the tiny model's byte-level BPE."""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from radixpool.tokenization import PromptTokenizer
+from radixpool.worker.detokenizer import IncrementalDetokenizer
+from radixpool.worker.stop_strings import StopMatcher
+
+WORDS = ["東京", "🚀", "café", "naïve", "数据", "日本語", "😀🎉", "λ", "✓", "hello", " ", "\n",
+         "cache token", "Observation:", "ü"]
+TEXT = st.lists(
+    st.one_of(st.sampled_from(WORDS),
+              st.text(st.characters(exclude_categories=("Cs",), exclude_characters="\ufffd"),
+                      max_size=6)),
+    max_size=12).map("".join)
+SETTINGS = settings(max_examples=120, deadline=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model) -> PromptTokenizer:
+    return PromptTokenizer.from_dir(tiny_model)
+
+
+def stream(detok: IncrementalDetokenizer, ids: list[int], cuts: list[int]) -> list[str]:
+    """Push `ids` in chunks at the given cut points; the flush comes last."""
+    bounds = sorted({0, len(ids), *(c % (len(ids) + 1) for c in cuts)})
+    pieces = [detok.push(ids[a:b]) for a, b in pairwise(bounds)]
+    return [*pieces, detok.flush()]
+
+
+def test_a_character_split_over_tokens_is_emitted_once_complete(tokenizer):
+    ids = tokenizer.encode("日本語 ok", add_special_tokens=False)
+    assert len(ids) > 4  # the characters really are split into byte tokens
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.push([t]) for t in ids]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "" in pieces  # some token completed nothing and was held
+    assert "".join(pieces) + detok.flush() == "日本語 ok"
+
+
+@SETTINGS
+@given(text=TEXT, cuts=st.lists(st.integers(0, 400), max_size=8), bos=st.booleans())
+def test_streamed_text_equals_full_decode_and_never_breaks_utf8(tokenizer, text, cuts, bos):
+    ids = tokenizer.encode(text, add_special_tokens=bos)
+    pieces = stream(IncrementalDetokenizer(tokenizer), ids, cuts)
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == tokenizer.decode(ids) == text
+
+
+@SETTINGS
+@given(ids=st.lists(st.integers(0, 1023), max_size=60),
+       cuts=st.lists(st.integers(0, 100), max_size=6), skip=st.booleans())
+def test_any_token_sequence_streams_to_its_full_decode(tokenizer, ids, cuts, skip):
+    """Random ids (invalid byte sequences, special tokens): the stream still equals the decode."""
+    pieces = stream(IncrementalDetokenizer(tokenizer, skip_special_tokens=skip), ids, cuts)
+    assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+def test_special_tokens_shown_or_skipped(tokenizer):
+    ids = [*tokenizer.encode("hi"), tokenizer.eos_token_id]
+    shown = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+    assert "".join(shown.push([t]) for t in ids) + shown.flush() == "<s>hi</s>"
+    skipped = IncrementalDetokenizer(tokenizer)
+    assert "".join(skipped.push([t]) for t in ids) + skipped.flush() == "hi"
+
+
+def test_each_push_decodes_a_small_window(tokenizer):
+    class Counting(PromptTokenizer):
+        widest = 0
+
+        def decode(self, ids, skip_special_tokens=True):
+            Counting.widest = max(Counting.widest, len(ids))
+            return super().decode(ids, skip_special_tokens)
+
+    ids = tokenizer.encode("東京 café 🚀 日本語のテキスト " * 40)
+    pieces = stream(IncrementalDetokenizer(Counting(tokenizer.files)), ids, list(range(len(ids))))
+    assert "".join(pieces) == tokenizer.decode(ids)
+    assert len(ids) > 400 and Counting.widest <= 8
+
+
+def test_stop_string_split_across_chunks_is_trimmed():
+    matcher = StopMatcher(("Observation:",))
+    out = [matcher.feed(c) for c in ("Thought: go", " Obs", "erv", "ation: 42", " more")]
+    assert [o.text for o in out] == ["Thought: go", " ", "", "", ""]
+    assert out[3].stop == "Observation:" and out[4].stop == "Observation:"
+    assert matcher.flush() == ""
+
+
+def test_held_prefix_is_released_when_it_is_not_a_stop():
+    matcher = StopMatcher(("abc", "xyz"))
+    assert matcher.feed("1ab") == ("1", None)
+    assert matcher.feed("d x") == ("abd ", None)
+    assert matcher.flush() == "x"
+
+
+def test_the_stop_completed_first_wins():
+    matcher = StopMatcher(("END", "\n\n", "D"))
+    assert matcher.feed("one\n") == ("one", None)
+    assert matcher.feed("\nEND") == ("", "\n\n")
+    assert StopMatcher(("a", "xaa")).feed("xaa") == ("x", "a")
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text("abc\nxy", max_size=40),
+       stops=st.lists(st.text("abc\nxy", min_size=1, max_size=4), min_size=1, max_size=3),
+       cuts=st.lists(st.integers(0, 40), max_size=8))
+def test_stop_matching_is_independent_of_chunking(text, stops, cuts):
+    """Reference: the stop completed first on the whole text (earliest end, then longest)."""
+    hits = [(text.find(s) + len(s), text.find(s), s) for s in stops if s in text]
+    end = min(hits)[1] if hits else len(text)
+    bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
+    matcher = StopMatcher(stops)
+    emitted, stop = "", None
+    for a, b in pairwise(bounds):
+        check = matcher.feed(text[a:b])
+        emitted += check.text
+        stop = stop or check.stop
+    emitted += matcher.flush()
+    assert emitted == text[:end]
+    assert stop == (min(hits)[2] if hits else None)
+
+
+def test_stop_string_split_across_tokens(tokenizer):
+    text = "The capital is 東京. Then more text"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok, matcher = IncrementalDetokenizer(tokenizer), StopMatcher(("京.", "none"))
+    emitted, stop = "", None
+    for t in ids:
+        check = matcher.feed(detok.push([t]))
+        emitted += check.text
+        stop = stop or check.stop
+    assert stop == "京." and emitted == "The capital is 東"
+
+
+def test_empty_stop_strings_are_rejected():
+    with pytest.raises(ValueError, match="stop"):
+        StopMatcher(("ok", ""))

@@ -1,0 +1,66 @@
+"""Stop strings over streamed text, with OpenAI semantics: the output ends right *before* the stop
+string that is completed first, which itself is not returned. "First completed" (earliest end,
+then the longest of those) is what a token-by-token stream sees, so the result does not depend on
+how the text was chunked: with stops ("a", "xaa") the text "xaa" stops at "x".
+
+Text arrives in chunks (one per detokenizer push), and a stop string may straddle chunks
+("Obs" + "erv" + "ation:"). So the matcher holds back the longest tail of what it has seen that
+is a proper prefix of some stop string: that tail is emitted only once the next chunk proves it
+is not a stop. Every other character is emitted as soon as it arrives. Each feed searches only the
+held tail plus the new chunk, so a stream costs O(total length × number of stops).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+
+class StopCheck(NamedTuple):
+    text: str           # safe to emit now
+    stop: str | None    # the stop string that ended the output, once one has
+
+
+class StopMatcher:
+    def __init__(self, stops: Sequence[str]) -> None:
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise ValueError("stop strings must be non-empty strings")
+        self.stops = tuple(dict.fromkeys(stops))
+        self.matched: str | None = None
+        self._held = ""
+
+    def feed(self, chunk: str) -> StopCheck:
+        """Take the next chunk; return the text that can be emitted and the stop, if one matched.
+
+        After a match the output is over: later chunks return ("", stop).
+        """
+        if self.matched is not None:
+            return StopCheck("", self.matched)
+        text = self._held + chunk
+        best: tuple[int, int] | None = None  # (end, start) of the first completed stop
+        stop = None
+        for s in self.stops:
+            at = text.find(s, 0, len(text) if best is None else best[0])
+            if at >= 0 and (best is None or (at + len(s), at) < best):
+                best, stop = (at + len(s), at), s
+        if best is not None:
+            self.matched, self._held = stop, ""
+            return StopCheck(text[:best[1]], stop)
+        cut = len(text) - self._open_prefix(text)
+        self._held = text[cut:]
+        return StopCheck(text[:cut], None)
+
+    def flush(self) -> str:
+        """The stream ended without a stop: release the held tail."""
+        held, self._held = self._held, ""
+        return "" if self.matched is not None else held
+
+    def _open_prefix(self, text: str) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+        best = 0
+        for s in self.stops:
+            for size in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:size]):
+                    best = size
+                    break
+        return best
