@@ -65,6 +65,7 @@ class Scheduler:
         self.new_token_ratio = RATIO_INIT
         self._seq = 0
         self._pending_deltas: list[TokenDelta] = []  # finishes decided outside `process`
+        self.admission_paused = False  # set while a cache flush waits for running requests
 
     # ------------------------------------------------------------------ intake
     def add(self, req: Req) -> TokenDelta | None:
@@ -209,7 +210,8 @@ class Scheduler:
                 pending_blocks.update(req.block_hashes[req.match_blocks:].tolist())
             return Verdict.ADMIT
 
-        self.waiting.offer(now, self.config.max_queue_wait_s, decide)
+        if not self.admission_paused:
+            self.waiting.offer(now, self.config.max_queue_wait_s, decide)
         for req in admitted:
             if req.status is not Status.RUNNING:
                 req.status = Status.RUNNING

@@ -1,0 +1,489 @@
+"""The offline and serving API of the engine: `Engine(model_path, ...)`.
+
+The engine core (scheduler, cache, model) runs in its own process; this front end tokenizes,
+sends requests over ZMQ, and turns the core's token deltas back into text on a receiver thread:
+incremental detokenization (never a broken UTF-8 character), stop strings (trimmed even when
+split across tokens; the core is told to stop), `n` forks (separate core requests sharing the
+prompt's KV through the radix tree), logprobs. Three ways to call it:
+- `generate(...)`: blocking, one prompt or a batch; returns dicts;
+- `stream(...)`: an async iterator of `StreamChunk`s (leaving it early aborts the request);
+- `generate_async(...)`: the async non-streaming form.
+Invalid input raises `ValueError` naming the field before anything reaches the core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import itertools
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import zmq
+
+from radixpool.tokenization import PromptTokenizer
+from radixpool.worker.config import EngineConfig
+from radixpool.worker.core_process import Shutdown
+from radixpool.worker.detokenizer import IncrementalDetokenizer
+from radixpool.worker.kv_event_log import KVEventLog
+from radixpool.worker.messages import (
+    AbortRequest,
+    ControlReply,
+    ControlRequest,
+    CoreFailed,
+    CoreReady,
+    EngineStats,
+    GenerateRequest,
+    StepOutput,
+    TokenDelta,
+)
+from radixpool.worker.sampler import request_seed
+from radixpool.worker.sampling_params import SamplingParams
+from radixpool.worker.stop_strings import StopMatcher
+
+STARTUP_TIMEOUT_S = 900.0
+CONTROL_TIMEOUT_S = 600.0
+
+
+@dataclass
+class StreamChunk:
+    rid: str
+    index: int                      # which of the n choices
+    text: str                       # new text since the previous chunk
+    token_ids: list[int]            # new tokens since the previous chunk
+    finished: bool = False
+    finish_reason: str | None = None
+    matched_stop: str | int | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    queue_time: float | None = None
+    error: str | None = None        # the core refused the request (bad input) or was lost
+    internal_error: bool = False    # True when the engine, not the input, was at fault
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise (RuntimeError if self.internal_error else ValueError)(self.error)
+
+
+@dataclass
+class _Fork:
+    """Front-end state of one core request (one of a request's n choices)."""
+
+    core_rid: str
+    rid: str
+    index: int
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    stop: StopMatcher | None
+    sink: Callable[[StreamChunk], None]
+    arrival_time: float
+    output_ids: list[int] = field(default_factory=list)
+    first_token_time: float | None = None
+    finished: bool = False
+
+
+class Engine:
+    def __init__(self, model_path: str, **options: Any) -> None:
+        known = {f.name for f in fields(EngineConfig)} - {"model_path"}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown Engine option {unknown[0]!r}; "
+                             f"expected one of: {', '.join(sorted(known))}")
+        self.config = EngineConfig(model_path=str(model_path), **options)
+        self.tokenizer = PromptTokenizer.from_dir(self.config.model_path)
+        self.kv_events = KVEventLog()
+        self.instance_id = uuid.uuid4().hex
+        self._forks: dict[str, _Fork] = {}
+        self._controls: dict[int, concurrent.futures.Future] = {}
+        self._tokens = itertools.count(1)
+        self._stats: EngineStats | None = None
+        self._send_lock = threading.Lock()
+        self._closed = False
+        self._start_core()
+
+    # ------------------------------------------------------------------ process
+    def _start_core(self) -> None:
+        self._ipc_dir = tempfile.mkdtemp(prefix="radixpool-")
+        to_core, from_core = f"ipc://{self._ipc_dir}/in", f"ipc://{self._ipc_dir}/out"
+        self._zmq = zmq.Context()
+        self._to_core = self._zmq.socket(zmq.PUSH)
+        self._to_core.bind(to_core)
+        self._from_core = self._zmq.socket(zmq.PULL)
+        self._from_core.bind(from_core)
+        # A fresh interpreter (not multiprocessing's spawn): it never re-imports the caller's
+        # main module, so scripts need no `if __name__ == "__main__"` guard.
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "radixpool.worker.core_process",
+             json.dumps(dataclasses.asdict(self.config)), to_core, from_core, str(os.getpid())],
+            stdin=subprocess.DEVNULL)
+        self._finalizer = weakref.finalize(self, _kill, self._process, self._ipc_dir)
+        self.info = self._await_ready()
+        self._receiver = threading.Thread(target=self._receive_loop, name="radixpool-receiver",
+                                          daemon=True)
+        self._receiver.start()
+
+    def _await_ready(self) -> CoreReady:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self._from_core.poll(200):
+                msg = pickle.loads(self._from_core.recv())
+                if isinstance(msg, CoreReady):
+                    return msg
+                if isinstance(msg, CoreFailed):
+                    self._finalizer()
+                    raise RuntimeError(f"engine core failed to start: {msg.error}")
+            elif self._process.poll() is not None:
+                self._finalizer()
+                raise RuntimeError(f"engine core exited with code {self._process.returncode} "
+                                   "before it was ready")
+        self._finalizer()
+        raise RuntimeError(f"engine core not ready after {STARTUP_TIMEOUT_S:.0f} s")
+
+    def _send(self, msg: Any) -> None:
+        with self._send_lock:
+            self._to_core.send(pickle.dumps(msg, protocol=5))
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._send(Shutdown())
+            self._process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            self._finalizer()
+            self._receiver.join(timeout=2)
+            self._zmq.destroy(linger=0)
+        for fork in list(self._forks.values()):
+            self._finish_fork(fork, "abort", error="the engine was shut down", internal=True)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed and self._process.poll() is None
+
+    # ------------------------------------------------------------------ receiving
+    def _receive_loop(self) -> None:
+        while not self._closed:
+            try:
+                if not self._from_core.poll(200):
+                    if self._process.poll() is not None:
+                        self._core_died()
+                        return
+                    continue
+                msg = pickle.loads(self._from_core.recv())
+            except zmq.ZMQError:
+                return
+            if isinstance(msg, StepOutput):
+                self.kv_events.append(msg.events)
+                if msg.stats is not None:
+                    self._stats = msg.stats
+                for delta in msg.deltas:
+                    fork = self._forks.get(delta.rid)
+                    if fork is not None:
+                        self._apply(fork, delta)
+            elif isinstance(msg, ControlReply):
+                fut = self._controls.pop(msg.token, None)
+                if fut is not None:
+                    if msg.ok:
+                        fut.set_result(msg.payload)
+                    else:
+                        fut.set_exception(RuntimeError(msg.error))
+
+    def _core_died(self) -> None:
+        for fork in list(self._forks.values()):
+            self._finish_fork(fork, "abort", error="the engine core process died", internal=True)
+        for fut in self._controls.values():
+            fut.set_exception(RuntimeError("the engine core process died"))
+        self._controls.clear()
+
+    def _apply(self, fork: _Fork, delta: TokenDelta) -> None:
+        if delta.error is not None:
+            self._finish_fork(fork, "abort", error=delta.error, delta=delta)
+            return
+        now = time.time()
+        if delta.token_ids and fork.first_token_time is None:
+            fork.first_token_time = now
+        fork.output_ids.extend(delta.token_ids)
+        text = fork.detok.push(delta.token_ids)
+        if delta.finished:
+            text += fork.detok.flush()
+        reason, matched = delta.finish_reason, delta.matched_stop_token
+        if fork.stop is not None:
+            check = fork.stop.feed(text)
+            text = check.text
+            if check.stop is not None:
+                reason, matched = "stop", check.stop
+                if not delta.finished:
+                    self._send(AbortRequest(fork.core_rid))
+            elif delta.finished:
+                text += fork.stop.flush()
+        finished = delta.finished or (fork.stop is not None and fork.stop.matched is not None)
+        chunk = StreamChunk(
+            rid=fork.rid, index=fork.index, text=text, token_ids=list(delta.token_ids),
+            finished=finished, finish_reason=reason if finished else None,
+            matched_stop=matched if finished else None,
+            logprobs=delta.logprobs, top_logprobs=delta.top_logprobs,
+            prompt_tokens=delta.prompt_tokens, cached_tokens=delta.cached_tokens,
+            completion_tokens=len(fork.output_ids), arrival_time=fork.arrival_time,
+            first_token_time=fork.first_token_time, queue_time=delta.queue_time)
+        if finished:
+            fork.finished = True
+            self._forks.pop(fork.core_rid, None)
+        fork.sink(chunk)
+
+    def _finish_fork(self, fork: _Fork, reason: str, error: str | None = None,
+                     delta: TokenDelta | None = None, internal: bool = False) -> None:
+        if fork.finished:
+            return
+        fork.finished = True
+        self._forks.pop(fork.core_rid, None)
+        chunk = StreamChunk(
+            rid=fork.rid, index=fork.index, text="", token_ids=[], finished=True,
+            finish_reason=reason, completion_tokens=len(fork.output_ids),
+            prompt_tokens=delta.prompt_tokens if delta else 0, arrival_time=fork.arrival_time,
+            error=error, internal_error=internal)
+        fork.sink(chunk)
+
+    # ------------------------------------------------------------------ validation
+    def _prepare(self, prompt: Any, input_ids: Any) -> list[list[int]]:
+        """Token ids of each prompt (a batch is a list); ValueError naming the field."""
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt (text) or input_ids")
+        if prompt is not None:
+            prompts = [prompt] if isinstance(prompt, str) else prompt
+            if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+                raise ValueError("prompt must be a string or a list of strings")
+            batch = [self.tokenizer.encode(p) for p in prompts]
+            name = "prompt"
+        else:
+            batch = input_ids if input_ids and isinstance(input_ids[0], list) else [input_ids]
+            name = "input_ids"
+            vocab = self.info.vocab_size
+            for ids in batch:
+                if not isinstance(ids, list) or not all(
+                        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                        for t in ids):
+                    raise ValueError(f"input_ids must be lists of token ids in [0, {vocab})")
+        if not batch:
+            raise ValueError(f"{name} must not be an empty list")
+        limit = self.info.context_length
+        for ids in batch:
+            if not ids:
+                raise ValueError(f"{name} is empty")
+            if len(ids) >= limit:
+                raise ValueError(f"{name} has {len(ids)} tokens; the context length is {limit}, "
+                                 "which must also leave room for at least one new token")
+        return batch
+
+    def _params(self, sampling_params: Any, count: int) -> list[SamplingParams]:
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != count:
+                raise ValueError(f"sampling_params has {len(sampling_params)} entries for "
+                                 f"{count} prompts")
+            items = sampling_params
+        else:
+            items = [sampling_params] * count
+        out = []
+        for item in items:
+            params = item if isinstance(item, SamplingParams) else SamplingParams.from_dict(item)
+            params.check_vocab(self.info.vocab_size)
+            out.append(params)
+        return out
+
+    # ------------------------------------------------------------------ submitting
+    def _submit(self, ids: list[int], params: SamplingParams, namespace: str | None,
+                rid: str | None, sink: Callable[[StreamChunk], None]) -> list[_Fork]:
+        if self._closed:
+            raise RuntimeError("the engine is shut down")
+        rid = rid or uuid.uuid4().hex
+        now = time.time()
+        forks = []
+        for i in range(params.n):
+            core_rid = rid if params.n == 1 else f"{rid}/{i}"
+            fork = _Fork(core_rid, rid, i, params,
+                         IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+                         StopMatcher(params.stop) if params.stop else None, sink, now)
+            self._forks[core_rid] = fork
+            forks.append(fork)
+            self._send(GenerateRequest(core_rid, ids, params, request_seed(params.seed, i),
+                                       namespace, now))
+        return forks
+
+    def abort(self, rid: str) -> None:
+        """Stop a request (all its choices); its KV is freed at once."""
+        for fork in [f for f in self._forks.values() if f.rid == rid]:
+            self._send(AbortRequest(fork.core_rid))
+
+    def generate(self, prompt: str | list[str] | None = None,
+                 sampling_params: dict | list[dict] | SamplingParams | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None,
+                 namespace: str | None = None) -> dict | list[dict]:
+        """Blocking generation. One prompt and n=1 gives a dict; otherwise a list of dicts
+        (each prompt's n choices in order)."""
+        batch = self._prepare(prompt, input_ids)
+        params = self._params(sampling_params, len(batch))
+        done = threading.Event()
+        chunks: dict[tuple[str, int], list[StreamChunk]] = {}
+        remaining = [sum(p.n for p in params)]
+
+        def sink(chunk: StreamChunk) -> None:  # runs on the receiver thread only
+            chunks.setdefault((chunk.rid, chunk.index), []).append(chunk)
+            if chunk.finished:
+                remaining[0] -= 1
+                if remaining[0] == 0:
+                    done.set()
+
+        forks: list[_Fork] = []
+        for ids, p in zip(batch, params):
+            forks.extend(self._submit(ids, p, namespace, None, sink))
+        while not done.wait(0.5) and not self._closed:
+            pass
+        out = []
+        for fork in forks:
+            got = chunks.get((fork.rid, fork.index), [])
+            if got:
+                got[-1].raise_error()
+            out.append(_result_from_chunks(got))
+        single = len(batch) == 1 and params[0].n == 1 and (
+            isinstance(prompt, str) or (input_ids is not None and not
+                                        (input_ids and isinstance(input_ids[0], list))))
+        return out[0] if single else out
+
+    async def stream(self, prompt: str | None = None,
+                     sampling_params: dict | SamplingParams | None = None,
+                     input_ids: list[int] | None = None, namespace: str | None = None,
+                     rid: str | None = None) -> AsyncIterator[StreamChunk]:
+        """Stream one prompt's chunks (all n choices interleaved, `chunk.index` tells which).
+
+        Raises ValueError (bad input) before the first chunk, RuntimeError if the core refused
+        or lost the request. Leaving the iteration early aborts whatever is unfinished.
+        """
+        if isinstance(prompt, list) or (input_ids and isinstance(input_ids[0], list)):
+            raise ValueError("stream takes one prompt")
+        ids = self._prepare(prompt, input_ids)[0]
+        params = self._params(sampling_params, 1)[0]
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[StreamChunk] = asyncio.Queue()
+        sink = lambda chunk: loop.call_soon_threadsafe(queue.put_nowait, chunk)  # noqa: E731
+        forks = self._submit(ids, params, namespace, rid, sink)
+        open_forks = len(forks)
+        try:
+            while open_forks:
+                chunk = await queue.get()
+                chunk.raise_error()
+                open_forks -= chunk.finished
+                yield chunk
+        finally:
+            for fork in forks:
+                if not fork.finished:
+                    self._send(AbortRequest(fork.core_rid))
+
+    async def generate_async(self, prompt: str | None = None,
+                             sampling_params: dict | SamplingParams | None = None,
+                             input_ids: list[int] | None = None, namespace: str | None = None,
+                             rid: str | None = None) -> dict | list[dict]:
+        forks: dict[int, list[StreamChunk]] = {}
+        async for chunk in self.stream(prompt, sampling_params, input_ids, namespace, rid):
+            forks.setdefault(chunk.index, []).append(chunk)
+        out = [_result_from_chunks(forks[i]) for i in sorted(forks)]
+        return out[0] if len(out) == 1 else out
+
+    # ------------------------------------------------------------------ control
+    def _control_future(self, kind: str, payload: Any = None) -> concurrent.futures.Future:
+        token = next(self._tokens)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._controls[token] = fut
+        self._send(ControlRequest(kind, token, payload))  # type: ignore[arg-type]
+        return fut
+
+    def _control(self, kind: str, payload: Any = None) -> Any:
+        return self._control_future(kind, payload).result(timeout=CONTROL_TIMEOUT_S)
+
+    async def _control_async(self, kind: str, payload: Any = None) -> Any:
+        return await asyncio.wrap_future(self._control_future(kind, payload))
+
+    def flush_cache(self) -> None:
+        """Empty the radix cache once running requests finish; new `instance_id`."""
+        self._control("flush_cache")
+        self.instance_id = uuid.uuid4().hex
+
+    async def flush_cache_async(self) -> None:
+        await self._control_async("flush_cache")
+        self.instance_id = uuid.uuid4().hex
+
+    def probe(self, input_ids: list[int], namespace: str | None = None) -> int:
+        """How many leading tokens of `input_ids` the radix cache holds now (read-only)."""
+        return self._control("probe", (list(input_ids), namespace))
+
+    async def probe_async(self, input_ids: list[int], namespace: str | None = None) -> int:
+        return await self._control_async("probe", (list(input_ids), namespace))
+
+    def kv_snapshot(self) -> tuple[int, list[int]]:
+        """(seq, every block hash the cache holds as of event `seq`)."""
+        return self._control("kv_snapshot")
+
+    async def kv_snapshot_async(self) -> tuple[int, list[int]]:
+        return await self._control_async("kv_snapshot")
+
+    def check_invariants(self) -> None:
+        """Raise if any KV slot leaked or a lock count is off (O(KV capacity))."""
+        try:
+            self._control("check_invariants")
+        except RuntimeError as exc:
+            raise AssertionError(str(exc)) from None
+
+    def stats(self) -> EngineStats:
+        if self._stats is None:
+            self._stats = self._control("stats")
+        return self._stats
+
+
+def _result_from_chunks(chunks: list[StreamChunk]) -> dict:
+    if not chunks:
+        return {"text": "", "output_ids": [], "meta_info": {"finish_reason": "abort"}}
+    last = chunks[-1]
+    meta = {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
+            "cached_tokens": last.cached_tokens, "finish_reason": last.finish_reason,
+            "matched_stop": last.matched_stop}
+    if any(c.logprobs for c in chunks):
+        meta["logprobs"] = [lp for c in chunks for lp in (c.logprobs or [])]
+        meta["top_logprobs"] = [t for c in chunks for t in (c.top_logprobs or [])]
+    return {"text": "".join(c.text for c in chunks),
+            "output_ids": [t for c in chunks for t in c.token_ids], "meta_info": meta}
+
+
+def _kill(process: subprocess.Popen, ipc_dir: str) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    shutil.rmtree(ipc_dir, ignore_errors=True)

@@ -1,0 +1,61 @@
+"""The front end's bounded log of radix-cache events, for the worker's `/kv_events` stream.
+
+Events arrive from the core process on the receiver thread; HTTP handlers read them on the event
+loop. A reader that fell behind the ring's start gets `None` from `events_since` and must resync
+from a snapshot (`Engine.kv_snapshot`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections import deque
+
+from radixpool.protocol.kv_blocks import KVEvent
+
+DEFAULT_CAPACITY = 65536
+
+
+class KVEventLog:
+    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+        self._events: deque[KVEvent] = deque(maxlen=capacity)
+        self._lock = threading.Lock()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self.last_seq = 0
+
+    def append(self, events: list[KVEvent]) -> None:
+        if not events:
+            return
+        with self._lock:
+            self._events.extend(events)
+            self.last_seq = events[-1].seq
+            waiters, self._waiters = self._waiters, []
+        for loop, fut in waiters:
+            loop.call_soon_threadsafe(_wake, fut)
+
+    def events_since(self, seq: int) -> list[KVEvent] | None:
+        """Events with `seq` greater than the argument, or None if some were already dropped."""
+        with self._lock:
+            if seq >= self.last_seq:
+                return []
+            first = self._events[0].seq if self._events else self.last_seq + 1
+            if seq < first - 1:
+                return None
+            return list(self._events)[seq - first + 1:]
+
+    async def wait(self, seq: int, timeout: float) -> None:
+        """Return once an event after `seq` exists, or after `timeout` seconds."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._lock:
+            if self.last_seq > seq:
+                return
+            self._waiters.append((loop, fut))
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(fut, timeout)
+
+
+def _wake(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
