@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 from starlette.requests import Request
@@ -24,15 +25,24 @@ from radixpool.worker.server.metrics import WorkerMetrics
 T = TypeVar("T")
 
 
+SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
+_UNKNOWN_FIELD = re.compile(r"unknown sampling field '(\w+)'")
+_LEADING_NAME = re.compile(r"^([a-z_]+)\b")
+
+
 def engine_error(exc: ValueError, renames: dict[str, str], default_param: str | None) -> APIError:
     """A ValueError from validation → 400 whose `param` is the API's name for the field."""
     message = str(exc)
-    first = message.split(" ", 1)[0].strip("'\":,")
-    param = renames.get(first, first if first.isidentifier() and first.islower() else None)
-    if param is None:
+    unknown = _UNKNOWN_FIELD.match(message)
+    lead = _LEADING_NAME.match(message)
+    if unknown:
+        param = unknown.group(1)
+    elif lead and lead.group(1) in SAMPLING_FIELDS:
+        name = lead.group(1)
+        param = renames.get(name, name)
+        message = param + message[len(name):]
+    else:
         param = default_param
-    elif first in renames:
-        message = renames[first] + message[len(first):]
     return bad_request(message, param=param)
 
 

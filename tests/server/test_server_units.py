@@ -1,0 +1,114 @@
+"""Pure pieces of the server: flags, error mapping, hit-rate window, lifecycle. No processes."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import pytest
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
+from radixpool.cli import build_parser
+from radixpool.worker.server.config import config_from_args
+from radixpool.worker.server.errors import field_path, validation_error
+from radixpool.worker.server.lifecycle import Lifecycle, Phase
+from radixpool.worker.server.metrics import HitRateWindow
+from radixpool.worker.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+
+ISSUE_FLAGS = ("--model", "--served-model-name", "--host", "--port", "--device", "--dtype",
+               "--kv-cache-tokens", "--mem-fraction", "--page-size", "--max-running-requests",
+               "--chunked-prefill-size", "--schedule-policy", "--api-key", "--log-level",
+               "--drain-timeout")
+
+
+def worker_parser():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return sub.choices["worker"]
+
+
+def test_every_flag_has_help():
+    parser = worker_parser()
+    flags = {opt: action for action in parser._actions for opt in action.option_strings}
+    for flag in ISSUE_FLAGS:
+        assert flag in flags, flag
+    for action in parser._actions:
+        assert action.help, action.option_strings
+
+
+def test_worker_help_is_torch_free():
+    code = ("import sys; from radixpool.cli import build_parser; build_parser(); "
+            "assert 'torch' not in sys.modules and 'fastapi' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_flags_become_a_validated_config():
+    args = build_parser().parse_args(["worker", "--model", "/models/qwen", "--page-size", "16",
+                                      "--kv-cache-tokens", "4096", "--schedule-policy", "fcfs"])
+    config = config_from_args(args)
+    assert config.served_model_name == "qwen"
+    assert config.engine.page_size == 16 and config.engine.kv_cache_tokens == 4096
+    assert config.engine.schedule_policy == "fcfs"
+    bad = build_parser().parse_args(["worker", "--model", "m", "--page-size", "3"])
+    with pytest.raises(ValueError, match="page_size"):
+        config_from_args(bad)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["worker", "--model", "m", "--kv-cache-tokens", "1",
+                                   "--mem-fraction", "0.5"])
+
+
+def test_field_paths():
+    assert field_path(("body", "messages", 0, "content")) == "messages[0].content"
+    assert field_path(("body",)) is None
+    assert field_path(("query", "since")) == "since"
+
+
+def as_api_error(model, body):
+    with pytest.raises(ValidationError) as info:
+        model.model_validate(body)
+    errors = [{**e, "loc": ("body", *e["loc"])} for e in info.value.errors()]
+    return validation_error(RequestValidationError(errors))
+
+
+@pytest.mark.parametrize(("model", "body", "param", "words"), [
+    (CompletionRequest, {"prompt": 5}, "prompt", "token ids"),
+    (CompletionRequest, {"prompt": "x", "temperature": 9}, "temperature", "less than"),
+    (CompletionRequest, {"prompt": "x", "typo": 1}, "typo", "unrecognized"),
+    (CompletionRequest, {}, "prompt", "required"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content", "text"),
+    (ChatCompletionRequest, {"messages": [{"role": "user"}], "tools": [{}]}, "tools",
+     "not supported"),
+])
+def test_validation_errors_name_the_field(model, body, param, words):
+    err = as_api_error(model, body)
+    assert err.status == 400 and err.param == param
+    assert words in err.message
+    assert err.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_hit_rate_window_forgets_old_requests():
+    window = HitRateWindow(size=2)
+    assert window.rate == 0.0
+    window.add(100, 0)
+    window.add(100, 50)
+    assert window.rate == 0.25
+    window.add(100, 100)
+    assert window.rate == 0.75
+
+
+def test_lifecycle_drain_waits_for_inflight():
+    async def scenario():
+        life = Lifecycle()
+        assert life.phase is Phase.LOADING and not life.serving
+        life.mark_ready()
+        life.request_started()
+        assert life.begin_drain() and not life.begin_drain()
+        assert not life.serving
+        assert not await life.wait_idle(0.01)
+        life.request_finished()
+        assert await life.wait_idle(0.01)
+
+    asyncio.run(scenario())
