@@ -34,39 +34,36 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, doc: dict[str, Any] | None) -> SamplingParams:
         """Build from a JSON-like dict; unknown fields and bad types raise ValueError."""
+        if doc is not None and not isinstance(doc, dict):
+            raise ValueError(f"sampling_params must be an object, got {type(doc).__name__}")
         doc = dict(doc or {})
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(doc) - known)
         if unknown:
             raise ValueError(f"unknown sampling field {unknown[0]!r}; "
                              f"expected one of: {', '.join(sorted(known))}")
-        if doc.get("stop") is not None:
-            stop = doc["stop"]
-            doc["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
-        else:
-            doc.pop("stop", None)
-        if doc.get("stop_token_ids") is not None:
-            doc["stop_token_ids"] = tuple(doc["stop_token_ids"])
-        else:
-            doc.pop("stop_token_ids", None)
         if doc.get("logit_bias") is not None:
-            bias = doc["logit_bias"]
-            if not isinstance(bias, dict):
-                raise ValueError("logit_bias must be an object mapping token ids to biases")
-            try:
-                doc["logit_bias"] = {int(k): float(v) for k, v in bias.items()}
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"logit_bias must map token ids to numbers: {exc}") from None
-        else:
-            doc.pop("logit_bias", None)
+            doc["logit_bias"] = _parse_logit_bias(doc["logit_bias"])
         for name in [k for k, v in doc.items() if v is None and k not in ("seed", "logprobs")]:
             doc.pop(name)
         return cls(**doc)
 
     def __post_init__(self) -> None:
+        # Lists from JSON become tuples (the params are immutable), and one string becomes one
+        # stop: a str is never iterated as a sequence of one-character stops.
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if isinstance(value, str) and name == "stop":
+                object.__setattr__(self, name, (value,))
+            elif isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
+            elif not isinstance(value, tuple):
+                kind = "a string or a list of strings" if name == "stop" else "a list of token ids"
+                raise ValueError(f"{name} must be {kind}, got {value!r}")
+
         def check_type(name: str, kinds: tuple[type, ...], label: str) -> None:
             value = getattr(self, name)
-            if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+            if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
                 raise ValueError(f"{name} must be {label}, got {value!r}")
 
         for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
@@ -112,7 +109,14 @@ class SamplingParams:
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0
                for t in self.stop_token_ids):
             fail("stop_token_ids", "a list of non-negative token ids")
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must be an object mapping token ids to biases, "
+                             f"got {self.logit_bias!r}")
         for token, bias in self.logit_bias.items():
+            if isinstance(token, bool) or not isinstance(token, int):
+                raise ValueError(f"logit_bias keys must be token ids, got {token!r}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+                raise ValueError(f"logit_bias[{token}] must be a number, got {bias!r}")
             if token < 0:
                 raise ValueError(f"logit_bias token id must be ≥ 0, got {token}")
             if not -100 <= bias <= 100:
@@ -129,3 +133,21 @@ class SamplingParams:
             if bad:
                 raise ValueError(f"{name} has token id {bad[0]} outside the vocabulary "
                                  f"(size {vocab_size})")
+
+
+def _parse_logit_bias(bias: Any) -> dict[int, float]:
+    """JSON object keys are strings: accept "123" or 123 as a token id, a number as the bias."""
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be an object mapping token ids to biases, got {bias!r}")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token = int(key) if isinstance(key, str) else key
+        except ValueError:
+            token = None
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"logit_bias[{key}] must be a number, got {value!r}")
+        out[token] = float(value)
+    return out
