@@ -81,6 +81,11 @@ def test_unsupported_architecture_is_named(tiny_model_factory, tmp_path):
         runner_for(path)
 
 
+def test_model_path_must_be_a_local_model_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match="local Hugging Face model directory"):
+        runner_for(tmp_path)
+
+
 def test_missing_and_unexpected_tensors_are_named(tiny_model_factory, tmp_path):
     path = copy_model(tiny_model_factory("mistral"), tmp_path / "m")
     tensors = load_file(path / "model.safetensors")

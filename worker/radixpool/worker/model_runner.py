@@ -85,6 +85,9 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if not (Path(config.model_path) / "config.json").is_file():
+            raise FileNotFoundError(f"model_path must be a local Hugging Face model directory "
+                                    f"with config.json, got {config.model_path!r}")
         hf_config = AutoConfig.from_pretrained(config.model_path)
         self.spec = model_spec(hf_config)
         self.architecture = self.spec.architecture
