@@ -30,6 +30,7 @@ from radixpool.tokenization import PromptTokenizer
 log = logging.getLogger("radixpool.gateway")
 
 KV_POLL_SECONDS = 5.0
+KV_RETRY_SECONDS = 0.5
 
 
 class Monitor:
@@ -140,14 +141,16 @@ class Monitor:
     async def _kv_events(self, worker: Worker) -> None:
         since: int | None = None
         instance: str | None = None
+        synced = False
         while not worker.removed:
             if not self._kv_usable(worker):
                 since = None
-                await asyncio.sleep(self.config.health_interval)
+                await asyncio.sleep(min(self.config.health_interval, KV_RETRY_SECONDS))
                 continue
             try:
                 if since is None:
-                    since, instance = await self._resync(worker)
+                    since, instance = await self._resync(worker, count=synced)
+                    synced = True
                     continue
                 status, doc = await self._get_json(
                     worker, f"/kv_events?since={since}&timeout={KV_POLL_SECONDS}",
@@ -165,13 +168,15 @@ class Monitor:
                     TypeError) as exc:
                 log.debug("kv events from %s: %r", worker.url, exc)
                 since = None
-                await asyncio.sleep(self.config.health_interval)
+                await asyncio.sleep(min(self.config.health_interval, KV_RETRY_SECONDS))
 
-    async def _resync(self, worker: Worker) -> tuple[int, str]:
+    async def _resync(self, worker: Worker, count: bool) -> tuple[int, str]:
+        """Replace the worker's tree by its snapshot; `count` a resync after the first sync."""
         status, doc = await self._get_json(worker, "/kv_events/snapshot", 30.0)
         if status != 200 or not isinstance(doc, dict):
             raise ValueError(f"snapshot answered {status}")
         self.gateway.index.load_snapshot(worker.url, from_hex(doc["blocks"]))
-        worker.corrected("kv_resync")
-        self.gateway.metrics.corrected(worker.url, "kv_resync")
+        if count:
+            worker.corrected("kv_resync")
+            self.gateway.metrics.corrected(worker.url, "kv_resync")
         return int(doc["seq"]), str(doc["instance_id"])

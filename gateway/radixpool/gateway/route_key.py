@@ -66,8 +66,11 @@ class KeyBuilder:
             if "prompt" not in doc:
                 raise BadRequest("'prompt' is required")
             return self._prompt(doc["prompt"], "prompt", model, salt)
-        if "input_ids" in doc and doc["input_ids"] is not None:
-            return self._ids(_first(doc["input_ids"], "input_ids"), "input_ids", model, salt)
+        ids = doc.get("input_ids")
+        if ids is not None:
+            if isinstance(ids, list) and ids and isinstance(ids[0], list):
+                ids = ids[0]  # a batch routes on its first prompt
+            return self._ids(ids, "input_ids", model, salt)
         if "text" not in doc:
             raise BadRequest("'text' or 'input_ids' is required")
         return self._prompt(doc["text"], "text", model, salt)
@@ -99,7 +102,7 @@ class KeyBuilder:
 
     def _ids(self, ids: object, field: str, model: str | None, salt: str | None) -> RouteKey:
         if not isinstance(ids, list) or not ids:
-            raise BadRequest(f"'{field}' must be a string or a non-empty array of token ids")
+            raise BadRequest(f"'{field}' must be a non-empty array of token ids")
         try:
             tokens = as_token_array(ids)
         except (TypeError, OverflowError) as exc:

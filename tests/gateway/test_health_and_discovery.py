@@ -1,0 +1,95 @@
+"""Health hysteresis, the circuit breaker, and EndpointSlice discovery (plain dicts, no cluster)."""
+
+from __future__ import annotations
+
+from radixpool.gateway.config import GatewayConfig
+from radixpool.gateway.discovery import EndpointSliceState, slice_endpoints
+from radixpool.gateway.health import CircuitBreaker, HealthHysteresis
+from radixpool.gateway.proxy import Gateway
+
+
+def test_hysteresis_needs_n_failures_down_and_m_successes_up():
+    h = HealthHysteresis(failures=3, successes=2)
+    assert [h.record(ok) for ok in (False, False, True, False, False)] == [False] * 5
+    assert h.healthy  # a success in between reset the run
+    assert h.record(False) and not h.healthy
+    assert not h.record(True) and not h.healthy
+    assert h.record(True) and h.healthy
+
+
+def test_breaker_opens_probes_once_half_open_and_closes_on_success():
+    b = CircuitBreaker(failures=2, open_seconds=10)
+    b.record(False, now=0)
+    assert b.allows(1)
+    b.record(False, now=1)
+    assert b.state == "open" and not b.allows(5)
+    assert b.allows(11) and b.state == "half_open"
+    b.on_dispatch()
+    assert not b.allows(11.5)            # one probe at a time
+    b.record(False, now=12)               # the probe failed: open again
+    assert b.state == "open" and not b.allows(13)
+    assert b.allows(22)
+    b.on_dispatch()
+    b.record(True, now=22)
+    assert b.state == "closed" and b.allows(22)
+
+
+def eps(name, endpoints, port=8000, port_name="http"):
+    return {"metadata": {"name": name},
+            "ports": [{"name": port_name, "port": port, "protocol": "TCP"}],
+            "endpoints": endpoints}
+
+
+def ep(address, ready=True, terminating=False):
+    conditions = {"ready": ready, "serving": ready or terminating, "terminating": terminating}
+    return {"addresses": [address], "conditions": conditions}
+
+
+def test_slice_splits_ready_terminating_and_not_ready():
+    s = eps("svc-1", [ep("10.0.0.1"), ep("10.0.0.2", ready=False, terminating=True),
+                      ep("10.0.0.3", ready=False), {"addresses": ["10.0.0.4"]},
+                      ep("fd00::5")])
+    ready, terminating = slice_endpoints(s)
+    assert ready == {"http://10.0.0.1:8000", "http://10.0.0.4:8000", "http://[fd00::5]:8000"}
+    assert terminating == {"http://10.0.0.2:8000"}
+    assert slice_endpoints(s, port_name="metrics") == (set(), set())
+
+
+def test_watch_events_maintain_the_worker_set_across_slices():
+    state = EndpointSliceState()
+    state.replace([eps("a", [ep("10.0.0.1")]), eps("b", [ep("10.0.0.2")])])
+    assert state.workers() == ({"http://10.0.0.1:8000", "http://10.0.0.2:8000"}, set())
+    state.apply("MODIFIED", eps("a", [ep("10.0.0.1", ready=False, terminating=True)]))
+    assert state.workers() == ({"http://10.0.0.2:8000"}, {"http://10.0.0.1:8000"})
+    state.apply("ADDED", eps("c", [ep("10.0.0.3")]))
+    state.apply("DELETED", eps("a", []))
+    assert state.workers() == ({"http://10.0.0.2:8000", "http://10.0.0.3:8000"}, set())
+    assert not state.apply("BOOKMARK", {"metadata": {"name": "x"}})
+
+
+def test_discovered_set_drains_terminating_and_removes_vanished_workers():
+    gw = Gateway(GatewayConfig(k8s_service="pool-workers"))
+    gw.reconcile({"http://10.0.0.1:8000", "http://10.0.0.2:8000"}, set())
+    assert {w.url for w in gw.workers.eligible(0)} == {"http://10.0.0.1:8000",
+                                                       "http://10.0.0.2:8000"}
+    w1 = gw.workers.get("http://10.0.0.1:8000")
+    w1.inflight = 1  # a stream in progress
+    gw.reconcile({"http://10.0.0.2:8000"}, {"http://10.0.0.1:8000"})
+    assert w1.terminating and not w1.removed and [w.url for w in gw.workers.eligible(0)] == \
+        ["http://10.0.0.2:8000"]
+    gw.reconcile({"http://10.0.0.2:8000"}, set())
+    assert w1.removed and gw.workers.get("http://10.0.0.1:8000") is None
+    assert w1.inflight == 1  # its stream is untouched and finishes on its own connection
+
+
+def test_config_validation_names_the_field():
+    import pytest
+
+    for kwargs, field in (({"cache_threshold": 2}, "cache_threshold"),
+                          ({"policy": "fastest"}, "policy"),
+                          ({"worker_urls": ("ftp://x:1",)}, "only http"),
+                          ({"worker_urls": ("http://x",)}, "HOST:PORT"),
+                          ({"balance_rel_threshold": 0.5}, "balance_rel_threshold")):
+        with pytest.raises(ValueError, match=field):
+            GatewayConfig(**kwargs)
+    assert GatewayConfig(worker_urls=("127.0.0.1:9/",)).worker_urls == ("http://127.0.0.1:9",)

@@ -1,0 +1,220 @@
+"""Routing decisions: thresholds, the imbalance switch, owners and ties, hot prefixes, the other
+policies, and the corrections that ground truth makes."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from radixpool.gateway.config import GatewayConfig
+from radixpool.gateway.feedback import first_missing_block, is_usage_only_event, usage_in
+from radixpool.gateway.policies import (
+    CacheAware,
+    Candidate,
+    PowerOfTwo,
+    PrefixHash,
+    RandomChoice,
+    RoundRobin,
+    make_policy,
+)
+from radixpool.gateway.prefix_index import PrefixIndex
+from radixpool.gateway.route_key import KeyBuilder
+from radixpool.protocol.kv_blocks import DEFAULT_BLOCK_SIZE
+
+BLOCK = DEFAULT_BLOCK_SIZE
+
+
+def key_of(tokens: list[int], salt: str | None = None):
+    return KeyBuilder(64, 256).build("/generate", {"input_ids": tokens, "cache_salt": salt})
+
+
+def cache_aware(workers=("a", "b", "c"), **config) -> CacheAware:
+    index = PrefixIndex()
+    for w in workers:
+        index.add_worker(w, 10_000)
+    return CacheAware(index, GatewayConfig(**config))
+
+
+def idle(*names: str, load: int = 0) -> list[Candidate]:
+    return [Candidate(n, load) for n in names]
+
+
+def tokens(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+def test_long_match_goes_to_its_owner_short_match_to_least_loaded():
+    policy = cache_aware()
+    prompt = tokens(0, 20 * BLOCK)
+    first = policy.select(idle("a", "b", "c"), key_of(prompt))
+    assert first.reason == "cache_miss"
+    again = policy.select(idle("a", "b", "c"), key_of(prompt + tokens(999, BLOCK)))
+    assert (again.worker, again.reason) == (first.worker, "cache_hit")
+    assert again.predicted_blocks == 20
+    # 2 of 20 blocks shared: below the 0.3 threshold, so least loaded (the owner is busier)
+    short = prompt[: 2 * BLOCK] + tokens(5000, 18 * BLOCK)
+    loads = [Candidate(n, 0 if n != first.worker else 3) for n in ("a", "b", "c")]
+    miss = policy.select(loads, key_of(short))
+    assert miss.reason == "cache_miss" and miss.worker != first.worker
+
+
+def test_threshold_is_the_match_ratio():
+    prompt = tokens(0, 10 * BLOCK)
+    for threshold, expected in ((0.35, "cache_hit"), (0.45, "cache_miss")):
+        policy = cache_aware(cache_threshold=threshold)
+        owner = policy.select(idle("a", "b"), key_of(prompt[: 4 * BLOCK])).worker
+        loads = [Candidate(n, 1 if n == owner else 0) for n in ("a", "b")]
+        assert policy.select(loads, key_of(prompt)).reason == expected
+
+
+def test_imbalance_needs_both_the_absolute_and_the_relative_gap():
+    prompt = tokens(0, 10 * BLOCK)
+    for loads, reason in (((70, 2), "imbalance"),      # gap 68 > 64 and 70 > 1.5 * 2
+                          ((130, 90), "cache_hit"),     # gap 40: not enough
+                          ((200, 140), "cache_hit")):   # gap 60 <= 64, ratio 1.43 <= 1.5
+        policy = cache_aware(("a", "b"))
+        policy.index.insert("a", key_of(prompt).hashes)
+        decision = policy.select([Candidate("a", loads[0]), Candidate("b", loads[1])],
+                                 key_of(prompt))
+        assert decision.reason == reason
+        assert decision.worker == ("b" if reason == "imbalance" else "a")
+
+
+def test_several_owners_the_least_loaded_wins():
+    policy = cache_aware(("a", "b", "c"))
+    prompt = tokens(0, 8 * BLOCK)
+    for w in ("a", "b"):
+        policy.index.insert(w, key_of(prompt).hashes)
+    cands = [Candidate("a", 5), Candidate("b", 2), Candidate("c", 0)]
+    decision = policy.select(cands, key_of(prompt + tokens(900, BLOCK)))
+    assert (decision.worker, decision.reason) == ("b", "cache_hit")
+
+
+def test_ties_among_equally_loaded_workers_rotate():
+    policy = cache_aware(("a", "b", "c", "d"))
+    picks = Counter(policy.select(idle("a", "b", "c", "d"), key_of(tokens(i * 1000, 3 * BLOCK)))
+                    .worker for i in range(40))
+    assert set(picks) == {"a", "b", "c", "d"}
+    assert max(picks.values()) - min(picks.values()) <= 1
+
+
+def test_a_prefix_every_worker_holds_does_not_count():
+    """Everyone holds the system prompt: the session's own history decides."""
+    policy = cache_aware(("a", "b"))
+    system = tokens(0, 30 * BLOCK)
+    for w in ("a", "b"):
+        policy.index.insert(w, key_of(system).hashes)
+    history = system + tokens(5000, 4 * BLOCK)
+    policy.index.insert("b", key_of(history).hashes)
+    decision = policy.select([Candidate("a", 0), Candidate("b", 1)],
+                             key_of(history + tokens(7000, 2 * BLOCK)))
+    # 34 of 36 blocks match on b but 30 are shared: b's own 4 of the remaining 6 still count
+    assert (decision.worker, decision.reason) == ("b", "cache_hit")
+
+
+def sessions_per_worker(policy: CacheAware, system: list[int]) -> Counter:
+    chosen: Counter = Counter()
+    inflight: Counter = Counter()
+    for session in range(60):
+        cands = [Candidate(w, inflight[w]) for w in "abcd"]
+        d = policy.select(cands, key_of(system + tokens(10_000 + 50 * session, 2 * BLOCK)))
+        chosen[d.worker] += 1
+        inflight[d.worker] += 1
+        if session % 4 == 3:
+            inflight.clear()  # requests finish
+    return chosen
+
+
+def test_a_hot_system_prompt_does_not_pin_new_sessions_to_one_worker():
+    system = tokens(0, 40 * BLOCK)
+    policy = cache_aware(("a", "b", "c", "d"))
+    chosen = sessions_per_worker(policy, system)
+    assert set(chosen) == {"a", "b", "c", "d"}
+    assert max(chosen.values()) <= 2 * min(chosen.values())
+    assert policy.hot_blocks(key_of(system).hashes, 4) == 40
+    # what the plain router does (no hot-prefix base): everyone piles onto the first owner
+    pinned = sessions_per_worker(cache_aware(("a", "b", "c", "d"), hot_prefix_factor=1e9), system)
+    assert max(pinned.values()) >= 55
+
+
+def test_failed_dispatch_removes_the_phantom_affinity():
+    policy = cache_aware(("a", "b"))
+    prompt = tokens(0, 10 * BLOCK)
+    d = policy.select(idle("a", "b"), key_of(prompt))
+    policy.failed(d, key_of(prompt))
+    assert policy.index.match(key_of(prompt).hashes) == {}
+
+
+def test_reported_miss_trims_the_tree_and_matching_report_does_not():
+    policy = cache_aware(("a",))
+    old = tokens(10_000, 6 * BLOCK)
+    policy.select(idle("a"), key_of(old))
+    prompt = tokens(0, 10 * BLOCK)
+    policy.select(idle("a"), key_of(prompt))
+    key = key_of(prompt + tokens(500, BLOCK))
+    d = policy.select(idle("a"), key)
+    assert d.predicted_blocks == 10
+    n = len(prompt) + BLOCK
+    assert first_missing_block(d, key, n, 10 * BLOCK) is None
+    assert first_missing_block(d, key, n, 10 * BLOCK - 1) == 9
+    missing = first_missing_block(d, key, n, 4 * BLOCK)
+    assert missing == 4
+    policy.index.trim_through("a", d.prior_epochs[missing])
+    # the worker lost block 4 of the prompt, so (LRU) the older prompt is gone as well
+    assert policy.index.match(key_of(old).hashes) == {}
+    assert policy.index.match(key.hashes) == {"a": 11}  # just recomputed: now really cached
+
+
+def test_a_whole_prompt_prediction_tolerates_the_unreusable_last_token():
+    policy = cache_aware(("a",))
+    prompt = tokens(0, 4 * BLOCK)
+    policy.select(idle("a"), key_of(prompt))
+    d = policy.select(idle("a"), key_of(prompt))
+    assert first_missing_block(d, key_of(prompt), len(prompt), len(prompt) - 1) is None
+
+
+def test_round_robin_random_and_power_of_two():
+    key = key_of(tokens(0, 40))
+    rr = RoundRobin()
+    assert Counter(rr.select(idle("a", "b", "c"), key).worker for _ in range(30)) == \
+        {"a": 10, "b": 10, "c": 10}
+    rnd = RandomChoice(random.Random(1))
+    assert {rnd.select(idle("a", "b", "c"), key).worker for _ in range(50)} == {"a", "b", "c"}
+    p2 = PowerOfTwo(random.Random(1))
+    loads = [Candidate("a", 9), Candidate("b", 0), Candidate("c", 9)]
+    picks = Counter(p2.select(loads, key).worker for _ in range(60))
+    assert picks["b"] > 30 and "b" in picks
+    assert all(p2.select([Candidate("a", 0), Candidate("b", 5)], key).worker == "a"
+               for _ in range(10))
+
+
+def test_prefix_hash_is_sticky_and_bounded():
+    policy = PrefixHash(load_factor=1.25)
+    names = ("a", "b", "c", "d")
+    owners = {policy.select(idle(*names), key_of(tokens(i * 1000, 300))).worker
+              for i in range(40)}
+    assert len(owners) >= 3  # keys spread over the ring
+    key = key_of(tokens(0, 300))
+    owner = policy.select(idle(*names), key).worker
+    assert policy.select(idle(*names), key_of(tokens(0, 256) + [7] * 50)).worker == owner
+    busy = [Candidate(n, 10 if n == owner else 0) for n in names]
+    d = policy.select(busy, key)
+    assert d.worker != owner and d.reason == "overflow"
+
+
+@pytest.mark.parametrize("name", ["cache_aware", "round_robin", "random", "power_of_two",
+                                  "prefix_hash"])
+def test_every_policy_is_constructible_by_name(name):
+    policy = make_policy(GatewayConfig(policy=name), PrefixIndex())
+    assert policy.name == name
+
+
+def test_usage_is_read_from_bodies_and_streams():
+    assert usage_in(b'{"usage": {"prompt_tokens": 12, "prompt_tokens_details": '
+                    b'{"cached_tokens": 8}}}') == (12, 8)
+    assert usage_in(b'{"meta_info": {"prompt_tokens": 5, "cached_tokens": 0}}') == (5, 0)
+    assert usage_in(b'{"choices": []}') is None
+    assert is_usage_only_event(b'data: {"choices": [], "usage": {"prompt_tokens": 1}}')
+    assert not is_usage_only_event(b'data: {"choices": [{"delta": {}}], "usage": null}')

@@ -1,0 +1,56 @@
+"""The route key: token-exact (the same block hashes the worker announces) or text fallback,
+and 400s that name the field for bodies the gateway cannot route."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixpool.gateway.route_key import BadRequest, KeyBuilder
+from radixpool.gateway.simcache import SimCache, sim_tokenizer_files
+from radixpool.tokenization import PromptTokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return PromptTokenizer(sim_tokenizer_files())
+
+
+def test_chat_key_is_the_workers_own_block_hashes(tokenizer):
+    keys = KeyBuilder(64, 256)
+    keys.use_tokenizer(tokenizer, 16)
+    messages = [{"role": "system", "content": " ".join(f"w{i}" for i in range(100))},
+                {"role": "user", "content": "w7 w8 w9"}]
+    key = keys.build("/v1/chat/completions", {"messages": messages, "cache_salt": "t1"})
+    worker_cache = SimCache(10_000, 16)
+    ids = tokenizer.encode_chat(messages)
+    assert key.exact and key.units == len(ids)
+    assert key.hashes == worker_cache.hashes(ids, "t1")
+    same_ids = keys.build("/generate", {"input_ids": ids, "cache_salt": "t1"})
+    assert same_ids.hashes == key.hashes
+
+
+def test_without_tokenizer_routing_falls_back_to_text_bytes():
+    keys = KeyBuilder(8, 256)
+    a = keys.build("/v1/completions", {"prompt": "x" * 40 + "tail one"})
+    b = keys.build("/v1/completions", {"prompt": "x" * 40 + "tail two"})
+    assert not a.exact and a.units == 48
+    assert a.hashes[:5] == b.hashes[:5] and a.hashes[5] != b.hashes[5]
+    chat = keys.build("/v1/chat/completions",
+                      {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]})
+    assert chat.units > 0
+
+
+@pytest.mark.parametrize("path,body,message", [
+    ("/v1/chat/completions", [], "JSON object"),
+    ("/v1/chat/completions", {"messages": []}, "'messages'"),
+    ("/v1/chat/completions", {"messages": ["hi"]}, r"messages\[0\]"),
+    ("/v1/completions", {}, "'prompt' is required"),
+    ("/v1/completions", {"prompt": 5}, "'prompt'"),
+    ("/generate", {}, "'text' or 'input_ids'"),
+    ("/generate", {"input_ids": ["a"]}, "integer token ids"),
+    ("/generate", {"text": "x", "cache_salt": 3}, "'cache_salt'"),
+    ("/generate", {"text": "x", "model": 3}, "'model'"),
+])
+def test_unroutable_bodies_are_rejected_with_the_field_named(path, body, message):
+    with pytest.raises(BadRequest, match=message):
+        KeyBuilder(64, 256).build(path, body)
