@@ -83,3 +83,13 @@ def test_example_pools_are_valid_against_the_crd_schema():
             if doc and doc.get("kind") == api.KIND:
                 assert doc["apiVersion"] == api.API_VERSION, path
                 parse_pool(doc)  # raises InvalidPool naming the field
+
+
+def test_docs_spec_reference_is_current_and_lists_every_field():
+    from radixpool.operator.crd import DOCS, SPEC, spec_reference
+
+    docs = (REPO / DOCS).read_text()
+    assert spec_reference() in docs, "run `python -m radixpool.operator.crd` to refresh the docs"
+    for path, _ in _walk(SPEC, "spec"):
+        if path != "spec" and not path.endswith("[]"):
+            assert f"| `{path}` |" in docs, path

@@ -2,8 +2,9 @@
 
 create / update / resume apply the spec; a timer re-runs the same reconciliation so drift is put
 back and status follows the pods; delete needs no work because every owned object carries an
-owner reference (it is `optional`, so no finalizer holds a pool hostage when the operator is
-down). Importing this module registers the handlers with kopf.
+owner reference. kopf puts its finalizer on each pool for the timer's sake and lifts it as soon as
+the pool is deleted, so delete pools before uninstalling the operator (or clear
+`metadata.finalizers` by hand). Importing this module registers the handlers with kopf.
 """
 
 from __future__ import annotations
