@@ -52,7 +52,7 @@ def desired_gateway_role_binding(pool: Pool) -> dict[str, Any]:
 def gateway_args(pool: Pool) -> list[str]:
     gw = pool.gateway
     args = ["gateway", "--k8s-service", api.worker_service_name(pool.name),
-            "--namespace", pool.namespace, "--policy", gw["policy"],
+            "--namespace", pool.namespace, "--k8s-port-name", "http", "--policy", gw["policy"],
             "--cache-threshold", str(gw["cacheThreshold"]),
             "--balance-abs-threshold", str(gw["balanceAbsThreshold"]),
             "--balance-rel-threshold", str(gw["balanceRelThreshold"]),

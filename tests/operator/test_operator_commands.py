@@ -1,0 +1,60 @@
+"""The command lines the operator writes into pods are accepted by the real parsers and mean what
+the pool says (the worker and gateway commands are built in parallel: a missing one is skipped)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+import pytest
+
+from radixpool.operator.gateway import gateway_args
+from radixpool.operator.spec import parse_pool
+from radixpool.operator.workers import worker_args
+
+
+def parse(module: str, command: str, argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="radixpool", exit_on_error=False)
+    subparsers = parser.add_subparsers(dest="command")
+    try:
+        importlib.import_module(module).register(subparsers)
+    except ImportError as error:
+        pytest.skip(f"{module} not importable yet: {error}")
+    if command not in subparsers.choices:
+        pytest.skip(f"`radixpool {command}` is not registered by {module} yet")
+    return parser.parse_args(argv)
+
+
+FULL = {
+    "replicas": 2, "apiKeySecret": {"name": "key"},
+    "model": {"uri": "pvc://models/llama", "servedName": "llama-3"},
+    "engine": {"device": "cuda", "dtype": "bfloat16", "kvCacheTokens": 100000, "pageSize": 16,
+               "maxRunningRequests": 64, "chunkedPrefillSize": 4096, "schedulePolicy": "fcfs",
+               "logLevel": "debug"},
+    "gateway": {"policy": "power_of_two", "cacheThreshold": 0.4, "balanceAbsThreshold": 8,
+                "balanceRelThreshold": 2.0},
+    "lifecycle": {"drainTimeoutSeconds": 45},
+}
+
+
+@pytest.mark.parametrize("spec", [{}, FULL], ids=["default", "full"])
+def test_gateway_accepts_the_operator_command_line(pool_body, spec):
+    pool = parse_pool(pool_body(**spec) if spec else pool_body())
+    args = parse("radixpool.gateway.cli", "gateway", gateway_args(pool))
+    assert args.k8s_service == "llama-workers" and args.namespace == "ml"
+    assert args.policy == pool.gateway["policy"]
+    assert args.cache_threshold == pool.gateway["cacheThreshold"]
+    assert args.balance_abs_threshold == pool.gateway["balanceAbsThreshold"]
+    assert args.balance_rel_threshold == pool.gateway["balanceRelThreshold"]
+    assert args.port == 8080 and args.host == "0.0.0.0"
+    assert args.k8s_port_name == "http"
+
+
+@pytest.mark.parametrize("spec", [{}, FULL], ids=["default", "full"])
+def test_worker_accepts_the_operator_command_line(pool_body, spec):
+    pool = parse_pool(pool_body(**spec) if spec else pool_body())
+    args = parse("radixpool.worker.cli", "worker", worker_args(pool))
+    assert args.port == 8000 and args.host == "0.0.0.0"
+    assert args.page_size == pool.engine["pageSize"]
+    assert args.schedule_policy == pool.engine["schedulePolicy"]
+    assert args.drain_timeout == pool.lifecycle["drainTimeoutSeconds"]
