@@ -81,13 +81,21 @@ def reconcile_pool(body: dict[str, Any], cluster: Cluster, config: OperatorConfi
     observed = cluster.observe(meta.get("namespace", "default"), meta["name"])
     status = pool_status(
         body, verdict, observed,
-        desired_replicas=pool.replicas if pool else _observed_replicas(observed.worker_deployment),
+        desired_replicas=pool.replicas if pool else _requested_replicas(body, observed),
         desired_gateways=(pool.gateway["replicas"] if pool
                           else _observed_replicas(observed.gateway_deployment)),
         served_name=pool.model.served_name if pool else _served_name(body),
         now=now or _now(),
     )
     return Outcome(status=status, events=transition_events(body, status), applied=applied)
+
+
+def _requested_replicas(body: dict[str, Any], observed: Observed) -> int:
+    """For a rejected pool: what it asks for if that much is readable, else what runs."""
+    asked = (body.get("spec") or {}).get("replicas", 1)
+    if isinstance(asked, int) and not isinstance(asked, bool) and asked >= 0:
+        return asked
+    return _observed_replicas(observed.worker_deployment)
 
 
 def _observed_replicas(deployment: dict[str, Any] | None) -> int:
