@@ -11,8 +11,8 @@ sequence is `req_to_token[row, :seq_len]` once this layer's K/V are stored.
 - DECODE: one batched call. Every request's K/V is gathered into `[batch, max_seq_len]`
   (positions past a request's length point at valid but unused slots and are masked out).
 
-GQA without copying K/V: the `group = num_heads // num_kv_heads` query heads that share a KV head
-are laid out as extra query rows of that head, so attention runs per KV head.
+GQA: the `group = num_heads // num_kv_heads` query heads that share a KV head are laid out under
+it (`[kv_heads, group, ...]`), and that head's K/V are broadcast to them as a view.
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ class ExtendSpan:
     start: int                # first token of the request in the step's flat token order
     end: int
     kv_slots: torch.Tensor    # [seq_len] slots of the request's whole sequence
-    mask: torch.Tensor        # [group * extend_len, seq_len] True where a query may attend
+    # [extend_len, seq_len], True where a query may attend; None when there is no prefix
+    # (plain causal attention, which SDPA's fused kernels do without a mask).
+    mask: torch.Tensor | None
 
 
 @dataclass
@@ -55,16 +57,17 @@ class TorchAttentionBackend(AttentionBackend):
         return DecodePlan(kv_slots, mask[:, None, None, :])
 
     def _plan_extend(self, batch: ForwardBatch) -> list[ExtendSpan]:
-        group = self.shape.num_heads // self.shape.num_kv_heads
         device = batch.req_to_token.device
         spans, start = [], 0
         for row, prefix, extend in zip(batch.req_rows.tolist(), batch.prefix_lens,
                                        batch.extend_lens):
             seq_len = prefix + extend
-            query_pos = torch.arange(prefix, seq_len, device=device)
-            mask = torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]
+            mask = None
+            if prefix:
+                query_pos = torch.arange(prefix, seq_len, device=device)
+                mask = torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]
             spans.append(ExtendSpan(start, start + extend, batch.req_to_token[row, :seq_len],
-                                    mask.repeat(group, 1)))
+                                    mask))
             start += extend
         return spans
 
@@ -96,12 +99,13 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         for span in spans:
             n = span.end - span.start
-            # [n, heads, dim] → [kv_heads, group * n, dim]: row g * n + i is query i, head g.
+            # [n, heads, dim] → [kv_heads, group, n, dim]; each KV head serves its group.
             qs = q[span.start:span.end].view(n, kv_heads, group, dim).permute(1, 2, 0, 3)
             k = k_cache[span.kv_slots].transpose(0, 1).to(q.dtype)  # [kv_heads, seq_len, dim]
             v = v_cache[span.kv_slots].transpose(0, 1).to(q.dtype)
-            o = F.scaled_dot_product_attention(qs.reshape(kv_heads, group * n, dim), k, v,
-                                               attn_mask=span.mask, scale=self.shape.scale)
-            out[span.start:span.end] = o.view(kv_heads, group, n, dim).permute(2, 0, 1, 3).reshape(
-                n, -1, dim)
+            k, v = (t.unsqueeze(1).expand(-1, group, -1, -1) for t in (k, v))
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=span.mask,
+                                               is_causal=span.mask is None,
+                                               scale=self.shape.scale)
+            out[span.start:span.end] = o.permute(2, 0, 1, 3).reshape(n, -1, dim)
         return out.reshape(q.shape[0], -1)
