@@ -11,7 +11,7 @@ from typing import Any
 
 from . import api
 from .spec import Pool
-from .workers import api_key_env, container_security, pod_security
+from .workers import HOME, api_key_env, container_security, pod_security
 
 
 def gateway_labels(pool: Pool) -> dict[str, str]:
@@ -70,13 +70,14 @@ def desired_gateway_deployment(pool: Pool, image: str) -> dict[str, Any]:
         "imagePullPolicy": gw.get("imagePullPolicy", "IfNotPresent"),
         "command": ["radixpool"], "args": gateway_args(pool),
         "ports": [{"name": "http", "containerPort": api.GATEWAY_PORT, "protocol": "TCP"}],
-        "env": api_key_env(pool),
+        "env": [{"name": "HOME", "value": HOME}, *api_key_env(pool)],
         "resources": {
             "requests": {"cpu": str(gw["resources"]["cpu"]),
                          "memory": str(gw["resources"]["memory"])},
             "limits": {"memory": str(gw["resources"]["memory"])}},
         "securityContext": container_security(),
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"},
+                         {"name": "cache", "mountPath": f"{HOME}/.cache"}],
         "readinessProbe": {"httpGet": health, "periodSeconds": 5, "timeoutSeconds": 2},
         "livenessProbe": {"httpGet": health, "periodSeconds": 10, "timeoutSeconds": 5,
                           "failureThreshold": 6},
@@ -88,7 +89,7 @@ def desired_gateway_deployment(pool: Pool, image: str) -> dict[str, Any]:
         "securityContext": pod_security(),
         "terminationGracePeriodSeconds": 30,
         "containers": [container],
-        "volumes": [{"name": "tmp", "emptyDir": {}}],
+        "volumes": [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}],
     }
     for key in ("nodeSelector", "tolerations"):
         if gw.get(key):

@@ -50,7 +50,7 @@ class KubeCluster:
         read = {"Secret": self.core.read_namespaced_secret,
                 "PersistentVolumeClaim": self.core.read_namespaced_persistent_volume_claim}[kind]
         try:
-            read(name, namespace)
+            read(name, namespace, _preload_content=False).release_conn()  # never parse contents
         except ApiException as error:
             if error.status == 404:
                 return False
@@ -62,7 +62,8 @@ class KubeCluster:
         if time.monotonic() - checked_at < CRD_RECHECK_SECONDS:
             return present
         try:
-            self.extensions.read_custom_resource_definition(SERVICE_MONITOR_CRD)
+            self.extensions.read_custom_resource_definition(
+                SERVICE_MONITOR_CRD, _preload_content=False).release_conn()
             present = True
         except ApiException as error:
             if error.status != 404:
