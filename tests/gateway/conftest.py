@@ -33,6 +33,13 @@ class LoopThread:
         return self.run(wrapper())
 
     def close(self) -> None:
+        async def cancel_rest() -> None:
+            current = asyncio.current_task()
+            rest = [t for t in asyncio.all_tasks() if t is not current]
+            for task in rest:
+                task.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
+        self.run(cancel_rest())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
 
@@ -61,6 +68,11 @@ class Stack:
         monitor = self.server.monitor
         for worker in self.gateway.workers:
             self.loop.run(monitor.check(worker))
+
+    def settle(self) -> None:
+        """Let the gateway finish its bookkeeping: a client can read an answer before the
+        gateway's loop has run the lines after sending it."""
+        self.loop.run(asyncio.sleep(0))
 
     def worker_of(self, response: httpx.Response) -> int:
         return self.fleet.urls.index(response.headers["x-radixpool-worker"])

@@ -1,0 +1,264 @@
+"""The proxy as a client sees it: streaming, errors, retries, failures, admin, auth, metrics."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+
+import httpx
+import openai
+
+from radixpool.gateway.simfleet import SimFleet, kill
+from radixpool.gateway.simworker import SimConfig
+from tests.gateway.conftest import words
+
+
+def sdk(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+
+
+def served(stack) -> int:
+    return sum(w.requests for w in stack.fleet.workers)
+
+
+def test_streams_pass_through_and_the_added_usage_event_is_stripped(make_stack):
+    stack = make_stack(2)
+    client = sdk(stack)
+    messages = [{"role": "user", "content": words(0, 100)}]
+    chunks = list(client.chat.completions.create(model="sim-model", messages=messages,
+                                                 max_tokens=5, stream=True))
+    assert "".join(c.choices[0].delta.content for c in chunks) == "w0 w1 w2 w3 w4 "
+    assert all(c.choices for c in chunks)  # the client did not ask for usage: none arrives
+    with_usage = list(client.chat.completions.create(
+        model="sim-model", messages=messages, max_tokens=5, stream=True,
+        stream_options={"include_usage": True}))
+    assert with_usage[-1].choices == [] and with_usage[-1].usage.prompt_tokens_details \
+        .cached_tokens > 0
+    stack.settle()
+    fleet = stack.client.get("/workers").json()["fleet"]
+    assert fleet["prompt_tokens"] == 2 * with_usage[-1].usage.prompt_tokens  # both learned
+    text = list(client.completions.create(model="sim-model", prompt=words(5, 40), max_tokens=3,
+                                          stream=True))
+    assert "".join(c.choices[0].text for c in text) == "w0 w1 w2 "
+    with stack.client.stream("POST", "/generate", json={"text": words(0, 20), "stream": True,
+                                                        "max_tokens": 2}) as r:
+        events = [line for line in r.iter_lines() if line.startswith("data:")]
+    assert events[-1] == "data: [DONE]" and '"meta_info"' in events[0]
+
+
+def test_non_streamed_endpoints_and_models(make_stack):
+    stack = make_stack(2)
+    r = stack.client.post("/generate", json={"input_ids": list(range(40)), "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["meta_info"]["prompt_tokens"] == 40
+    completion = sdk(stack).completions.create(model="sim-model", prompt=words(0, 10),
+                                               max_tokens=2)
+    assert completion.choices[0].text == "w0 w1"
+    assert [m.id for m in sdk(stack).models.list()] == ["sim-model"]
+
+
+def test_bad_input_gets_a_4xx_without_reaching_a_worker(make_stack):
+    stack = make_stack(2, max_body_bytes=10_000)
+    c = stack.client
+    cases = [
+        (c.post("/v1/chat/completions", content=b"{not json"), 400, "malformed JSON"),
+        (c.post("/v1/chat/completions", json={"messages": "hi"}), 400, "'messages'"),
+        (c.post("/v1/completions", json={"model": "sim-model"}), 400, "'prompt'"),
+        (c.post("/v2/everything", json={}), 404, "unknown path"),
+        (c.get("/v1/chat/completions"), 405, "accepts POST"),
+        (c.post("/generate", json={"text": "x" * 20_000}), 413, "exceeds the limit"),
+    ]
+    for response, status, message in cases:
+        assert response.status_code == status, response.text
+        assert message in response.json()["error"]["message"]
+    assert served(stack) == 0
+    assert c.get("/health").status_code == 200  # and the gateway keeps serving
+
+
+def test_a_workers_4xx_passes_through_unchanged(make_stack):
+    stack = make_stack(1)
+    body = {"model": "sim-model", "messages": [{"role": "user", "content": "w1"}],
+            "max_tokens": -1}
+    direct = httpx.post(stack.fleet.urls[0] + "/v1/chat/completions", json=body)
+    via = stack.client.post("/v1/chat/completions", json=body)
+    assert via.status_code == direct.status_code == 400
+    assert via.content == direct.content
+    try:
+        sdk(stack).chat.completions.create(**body)
+    except openai.BadRequestError as exc:
+        assert "max_tokens" in str(exc)
+    else:
+        raise AssertionError("expected a 400")
+
+
+def test_503_is_retried_on_another_worker_and_the_draining_worker_is_skipped(make_stack):
+    stack = make_stack(3)
+    stack.client.post(stack.fleet.urls[0] + "/sim/fail", json={"requests": True})
+    for i in range(12):
+        r = stack.client.post("/generate", json={"text": words(i * 50, 40)})
+        assert r.status_code == 200
+        assert stack.worker_of(r) != 0
+    stack.settle()
+    assert stack.gateway.workers.get(stack.fleet.urls[0]).draining
+    metrics = stack.client.get("/metrics").text
+    assert "radixpool_gateway_retries_total 1.0" in metrics
+    stack.client.post(stack.fleet.urls[0] + "/sim/fail", json={})
+    stack.check_all()  # its /health says 200 again: back in rotation
+    assert stack.gateway.workers.get(stack.fleet.urls[0]).eligible(stack.gateway.clock())
+
+
+def test_killing_a_worker_mid_run_loses_no_request(make_stack):
+    stack = make_stack(3, sim=SimConfig(prefill_us_per_token=200.0))
+    results: list[int] = []
+    errors: list[str] = []
+
+    def client_thread(t: int) -> None:
+        with httpx.Client(base_url=stack.url, timeout=30) as c:
+            for i in range(10):
+                try:
+                    r = c.post("/generate", json={"text": words(t * 1000 + i * 60, 50)})
+                    results.append(r.status_code)
+                except httpx.HTTPError as exc:
+                    errors.append(repr(exc))
+
+    threads = [threading.Thread(target=client_thread, args=(t,)) for t in range(6)]
+    for t in threads:
+        t.start()
+    while len(results) < 12:
+        threading.Event().wait(0.005)
+    stack.loop.run(kill(stack.fleet.workers[1]))
+    for t in threads:
+        t.join(60)
+    assert errors == [] and results == [200] * 60
+    stack.settle()
+    assert 'reason="retry"' in stack.client.get("/metrics").text  # some were cut and retried
+    survivors = stack.fleet.workers[0].requests + stack.fleet.workers[2].requests
+    for i in range(6):  # and the others keep being served
+        assert stack.client.post("/generate", json={"text": words(i, 30)}).status_code == 200
+    assert stack.fleet.workers[0].requests + stack.fleet.workers[2].requests == survivors + 6
+    stack.check_all()
+    stack.check_all()
+    stack.check_all()
+    assert stack.client.get("/workers").json()["workers"][1]["healthy"] is False
+
+
+def test_active_health_checks_take_a_worker_out_after_n_failures(make_stack):
+    stack = make_stack(2, health_failures=2, health_successes=2)
+    bad = stack.fleet.urls[1]
+    stack.client.post(bad + "/sim/fail", json={"health": True})
+    stack.check_all()
+    worker = stack.gateway.workers.get(bad)
+    assert worker.draining and worker.health.healthy  # out of rotation at once, not yet down
+    stack.check_all()
+    healthy_series = 'radixpool_gateway_worker_healthy{worker="' + bad + '"} 0.0'
+    assert healthy_series in stack.client.get("/metrics").text
+    for i in range(4):
+        assert stack.worker_of(stack.client.post("/generate", json={"text": words(i, 20)})) == 0
+    stack.client.post(bad + "/sim/fail", json={})
+    stack.check_all()
+    assert not stack.gateway.workers.get(bad).health.healthy   # one success is not enough
+    stack.check_all()
+    assert stack.gateway.workers.get(bad).health.healthy
+
+
+def test_admin_adds_and_removes_workers_and_removal_lets_streams_finish(make_stack):
+    stack = make_stack(1, sim=SimConfig(decode_ms_per_token=20.0))
+    extra = SimFleet(1, SimConfig(decode_ms_per_token=20.0))
+    stack.loop.run(extra.start())
+    try:
+        added = stack.client.post("/workers", json={"url": extra.urls[0]})
+        assert added.status_code == 200 and added.json()["url"] == extra.urls[0]
+        assert len(stack.client.get("/workers").json()["workers"]) == 2
+        assert stack.client.post("/workers", json={"nope": 1}).status_code == 400
+        assert stack.client.delete("/workers", params={"url": "http://127.0.0.1:1"}) \
+            .status_code == 404
+        with stack.client.stream("POST", "/v1/completions", json={
+                "prompt": words(0, 10), "max_tokens": 15, "stream": True}) as r:
+            lines = r.iter_lines()
+            first = next(lines)
+            owner = r.headers["x-radixpool-worker"]
+            removed = stack.client.delete("/workers", params={"url": owner})
+            assert removed.json() == {"removed": owner, "inflight_finishing": 1}
+            rest = [line for line in lines if line.startswith("data:")]
+        assert first.startswith("data:") and rest[-1] == "data: [DONE]" and len(rest) == 15
+        remaining = [w["url"] for w in stack.client.get("/workers").json()["workers"]]
+        assert owner not in remaining and len(remaining) == 1
+        r = stack.client.post("/generate", json={"text": words(0, 10)})
+        assert r.headers["x-radixpool-worker"] == remaining[0]
+    finally:
+        stack.loop.run(extra.stop())
+
+
+def test_api_key_guards_everything_but_health_and_metrics(make_stack):
+    stack = make_stack(1, api_key="s3cret")
+    r = stack.client.post("/generate", json={"text": "w1"})
+    assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+    assert stack.client.get("/workers").status_code == 401
+    assert stack.client.get("/health").status_code == 200
+    assert stack.client.get("/metrics").status_code == 200
+    ok = openai.OpenAI(base_url=stack.url + "/v1", api_key="s3cret", max_retries=0)
+    assert ok.completions.create(model="sim-model", prompt="w1", max_tokens=1).choices
+
+
+def test_no_worker_means_503_and_unhealthy_gateway(make_stack):
+    stack = make_stack(1)
+    stack.loop.run(kill(stack.fleet.workers[0]))
+    r = stack.client.post("/generate", json={"text": "w1 w2"})
+    assert r.status_code == 502 and "attempts failed" in r.json()["error"]["message"]
+    for _ in range(3):
+        stack.check_all()
+    assert stack.client.get("/health").status_code == 503
+    r = stack.client.post("/generate", json={"text": "w1 w2"})
+    assert r.status_code == 503 and "no healthy worker" in r.json()["error"]["message"]
+
+
+def test_metrics_carry_the_contract_names(make_stack):
+    from radixpool.protocol.metrics import GATEWAY_METRICS
+
+    stack = make_stack(2)
+    client = sdk(stack)
+    for i in range(3):
+        client.chat.completions.create(model="sim-model", max_tokens=1, messages=[
+            {"role": "user", "content": words(0, 64) + f" w{100 + i}"}])
+    stack.settle()
+    text = stack.client.get("/metrics").text
+    for spec in GATEWAY_METRICS:
+        if spec.name != "radixpool_gateway_retries_total":
+            assert spec.series[0] in text, spec.name
+    assert 'reason="cache_hit"' in text and 'reason="cache_miss"' in text
+    assert 'radixpool_gateway_hit_rate{kind="actual",worker="all"}' in text
+
+
+def test_gateway_never_imports_torch():
+    code = ("import sys, radixpool.gateway.server, radixpool.gateway.cli, "
+            "radixpool.gateway.simfleet; assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_cli_runs_the_gateway_and_rejects_bad_flags(loop_thread, tmp_path):
+    import socket
+
+    bad = subprocess.run([sys.executable, "-m", "radixpool.cli", "gateway", "--cache-threshold",
+                          "7"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "cache_threshold" in bad.stderr
+    fleet = SimFleet(1, SimConfig())
+    loop_thread.run(fleet.start())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "radixpool.cli", "gateway", "--worker-urls",
+                             fleet.urls[0], "--host", "127.0.0.1", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        for _ in range(200):
+            try:
+                r = httpx.post(f"http://127.0.0.1:{port}/generate", json={"text": "w1 w2"})
+                break
+            except httpx.ConnectError:
+                threading.Event().wait(0.05)
+        assert r.status_code == 200 and json.loads(r.content)["meta_info"]["prompt_tokens"] == 2
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
+        loop_thread.run(fleet.stop())

@@ -1,0 +1,132 @@
+"""Routing quality and self-correction, end to end on loopback: a real gateway in front of
+simulated workers that speak the worker protocol, driven with the official `openai` SDK."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+
+from radixpool.gateway.simworker import SimConfig
+from tests.gateway.conftest import words
+
+
+def chat(client: openai.OpenAI, system: str, question: str):
+    return client.chat.completions.with_raw_response.create(
+        model="sim-model", max_tokens=2,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": question}])
+
+
+def run_groups(stack, groups: int = 4, per_group: int = 8) -> dict[int, set[int]]:
+    """Interleaved shared-prefix traffic; returns group → workers that served it."""
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+    served: dict[int, set[int]] = {g: set() for g in range(groups)}
+    for q in range(per_group):
+        for g in range(groups):
+            raw = chat(client, words(g * 500, 300), words(3000 + q * 7 + g * 100, 6))
+            assert raw.parse().usage.prompt_tokens > 300
+            if q:  # the first request of a group may land anywhere
+                served[g].add(stack.worker_of(raw.http_response))
+    return served
+
+
+def test_shared_prefix_groups_stay_on_one_worker_and_beat_round_robin(make_stack):
+    aware = make_stack(3)
+    served = run_groups(aware)
+    assert all(len(workers) == 1 for workers in served.values()), served
+    aware_rate = aware.fleet.stats()["hit_rate"]
+    rr = make_stack(3, policy="round_robin")
+    run_groups(rr)
+    rr_rate = rr.fleet.stats()["hit_rate"]
+    aware.settle()
+    assert aware_rate > 0.8 and aware_rate > rr_rate + 0.15, (aware_rate, rr_rate)
+    doc = aware.client.get("/workers").json()
+    assert doc["routing_on"] == "tokens"
+    fleet = doc["fleet"]
+    # predicted and actual agree closely when nothing disturbs the workers' caches
+    assert fleet["actual_hit_rate"] == pytest.approx(aware_rate, abs=0.01)
+    assert abs(fleet["predicted_hit_rate"] - fleet["actual_hit_rate"]) < 0.05
+
+
+def test_a_flushed_worker_is_noticed_and_the_hit_rate_recovers(make_stack):
+    stack = make_stack(2, kv_events=False)
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+    system = words(0, 400)
+    first = chat(client, system, words(3000, 5))
+    owner = stack.worker_of(first.http_response)
+    assert chat(client, system, words(3100, 5)).parse().usage.prompt_tokens_details \
+        .cached_tokens >= 384
+    stack.settle()
+    stack.client.post(stack.fleet.urls[owner] + "/flush_cache")
+    stack.check_all()   # the next health round sees the new instance id
+    row = stack.client.get("/workers").json()["workers"][owner]
+    assert row["tree_corrections"] == {"instance_id": 1} and row["tree_blocks"] == 0
+    before = stack.gateway.workers.get(stack.fleet.urls[owner]).predicted_tokens
+    cold = chat(client, system, words(3200, 5))
+    assert cold.parse().usage.prompt_tokens_details.cached_tokens == 0
+    stack.settle()
+    # the gateway predicted the miss (its tree was emptied), so nothing needed trimming
+    assert stack.gateway.workers.get(stack.fleet.urls[owner]).predicted_tokens == before
+    warm = chat(client, system, words(3300, 5))
+    assert warm.parse().usage.prompt_tokens_details.cached_tokens >= 384
+
+
+def test_a_miss_the_tree_did_not_expect_trims_it(make_stack):
+    """Another router (or a client going around the gateway) churns a worker's cache; the
+    gateway learns it from cached_tokens, not from waiting for its own LRU."""
+    stack = make_stack(1, sim=SimConfig(kv_capacity_tokens=1024), kv_events=False)
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+    system = words(0, 300)
+    chat(client, system, words(3000, 5))
+    worker_url = stack.fleet.urls[0]
+    for i in range(8):  # someone else's traffic evicts our prefix on the worker
+        stack.client.post(worker_url + "/generate", json={"text": words(1000 + i * 200, 200)})
+    raw = chat(client, system, words(3100, 5))
+    assert raw.parse().usage.prompt_tokens_details.cached_tokens == 0
+    stack.settle()
+    worker = stack.gateway.workers.get(worker_url)
+    assert worker.corrections.get("cached_tokens") == 1
+    doc = stack.client.get("/metrics").text
+    assert 'radixpool_gateway_tree_corrections_total{source="cached_tokens"' in doc
+
+
+def test_kv_events_keep_the_tree_exact_under_worker_eviction(make_stack):
+    stack = make_stack(1, sim=SimConfig(kv_capacity_tokens=1024))
+    worker_url = stack.fleet.urls[0]
+    sim = stack.fleet.workers[0]
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+    chat(client, words(0, 300), words(3000, 5))
+    for i in range(8):
+        stack.client.post(worker_url + "/generate", json={"text": words(1000 + i * 200, 200)})
+
+    def synced() -> bool:
+        return set(stack.gateway.index._trees[worker_url].lru) == set(sim.cache.blocks)
+
+    for _ in range(50):
+        if synced():
+            break
+        stack.loop.run(asyncio.sleep(0.05))
+    assert synced()  # the gateway's tree holds exactly what the worker's cache holds
+    before = stack.gateway.workers.get(worker_url).predicted_tokens
+    raw = chat(client, words(0, 300), words(3100, 5))
+    assert raw.parse().usage.prompt_tokens_details.cached_tokens == 0
+    stack.settle()
+    assert stack.gateway.workers.get(worker_url).predicted_tokens == before  # no false hit
+
+
+def test_multi_turn_sessions_stick_to_their_worker(make_stack):
+    stack = make_stack(3)
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+    homes: dict[int, set[int]] = {s: set() for s in range(6)}
+    history: dict[int, list[dict]] = {s: [] for s in range(6)}
+    for turn in range(4):
+        for s in range(6):
+            history[s].append({"role": "user", "content": words(s * 600 + turn * 40, 40)})
+            raw = client.chat.completions.with_raw_response.create(
+                model="sim-model", max_tokens=2, messages=history[s])
+            history[s].append({"role": "assistant",
+                               "content": raw.parse().choices[0].message.content})
+            homes[s].add(stack.worker_of(raw.http_response))
+    assert all(len(h) == 1 for h in homes.values()), homes
+    assert len(set().union(*homes.values())) == 3  # and sessions are spread over the fleet
