@@ -30,6 +30,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
+
 from radixpool.worker.penalties import PenaltyState, one_call_key
 from radixpool.worker.sampling_params import SamplingParams
 
@@ -234,34 +235,36 @@ class Sampler:
         return x.add_(_gumbel(self._vocab_keys, keys)).argmax(-1)
 
     def _sample_candidates(self, x: torch.Tensor, keys: torch.Tensor, top_k: torch.Tensor,
-                           top_p_min_p: torch.Tensor, top_k_list: list[int],
-                           full_sort: bool = False) -> torch.Tensor:
+                           top_p_min_p: torch.Tensor, top_k_list: list[int]) -> torch.Tensor:
         """Gumbel-max over the tokens that survive top-k, top-p and min-p."""
         vocab = self.vocab_size
+        top_p = top_p_min_p[:, 0:1]
         top_p_only = any(k == vocab for k in top_k_list)
         width = max((k for k in top_k_list if k < vocab), default=1)
+        whole = None
         if top_p_only:
             width = max(width, min(vocab, TOP_P_CANDIDATES))
-        if full_sort or width == vocab:
-            width = vocab
-            values, ids = x.sort(dim=-1, descending=True)
-        else:
-            values, ids = x.topk(width, dim=-1)
+            whole = torch.logsumexp(x, dim=-1, keepdim=True)
+        while True:
+            if width < vocab:
+                values, ids = x.topk(width, dim=-1)
+            else:
+                values, ids = x.sort(dim=-1, descending=True)
+            if whole is None or width == vocab:
+                break
+            # A row without top-k keeps tokens past the window if the window holds < top_p.
+            mass = (torch.logsumexp(values, dim=-1, keepdim=True) - whole).exp_()
+            if not bool(((mass < top_p) & (top_k.unsqueeze(1) >= vocab)).any()):
+                break
+            width = width * 8 if width * 16 < vocab else vocab
         in_top_k = self._positions[:width] < top_k.unsqueeze(1)
-        values = values.masked_fill(in_top_k.logical_not(), -math.inf)
+        values = values.masked_fill_(in_top_k.logical_not(), -math.inf)
         # top-p sees the top-k renormalised distribution; rows without top-k the whole one
         log_total = torch.logsumexp(values, dim=-1, keepdim=True)
-        if top_p_only:
-            whole = torch.logsumexp(x, dim=-1, keepdim=True)
+        if whole is not None:
             log_total = torch.where(top_k.unsqueeze(1) >= vocab, whole, log_total)
         probs = (values - log_total).exp_()
-        cumulative = probs.cumsum(dim=-1)
-        top_p = top_p_min_p[:, 0:1]
-        if top_p_only and width < vocab and bool(
-                ((cumulative[:, -1:] < top_p) & (top_k.unsqueeze(1) >= vocab)).any()):
-            # the candidates hold less than top_p of some row's mass: the kept set is wider
-            return self._sample_candidates(x, keys, top_k, top_p_min_p, top_k_list, True)
-        keep = (cumulative - probs) < top_p
+        keep = (probs.cumsum(dim=-1) - probs) < top_p
         keep &= values >= values[:, :1] + top_p_min_p[:, 1:2]
         keep[:, 0] = True
         token_keys = (ids * _TOKEN_MULTIPLIER).bitwise_and_(_MASK32)
