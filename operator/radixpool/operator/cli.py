@@ -36,6 +36,9 @@ def register(subparsers: Any) -> None:
                                                "(default: $RADIXPOOL_WORKER_IMAGE)")
     parser.add_argument("--gateway-image", help="gateway image for pools that name none "
                                                 "(default: $RADIXPOOL_GATEWAY_IMAGE)")
+    parser.add_argument("--resync-seconds", type=float, default=15.0,
+                        help="how often each pool is re-checked: drift healed, status refreshed "
+                             "(default: %(default)s)")
     parser.add_argument("--verbose", action="store_true")
     parser.set_defaults(func=run_operator)
 
@@ -47,7 +50,7 @@ def run_operator(args: argparse.Namespace) -> int:
     import kopf
     from kubernetes.config import ConfigException
 
-    from . import handlers  # noqa: F401  (registers the handlers)
+    from . import handlers  # registers the event handlers
     from .desired import OperatorConfig
     from .kube import KubeCluster, load_api_client
 
@@ -64,6 +67,7 @@ def run_operator(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, worker_image=args.worker_image)
     if args.gateway_image:
         config = dataclasses.replace(config, gateway_image=args.gateway_image)
+    handlers.register_periodic_check(args.resync_seconds)
     kopf.configure(verbose=args.verbose)
     try:
         kopf.run(

@@ -38,6 +38,7 @@ def load_api_client(kubeconfig: str | None = None) -> client.ApiClient:
 
 class KubeCluster:
     def __init__(self, api_client: client.ApiClient):
+        self.api_client = api_client
         self.core = client.CoreV1Api(api_client)
         self.extensions = client.ApiextensionsV1Api(api_client)
         self.dynamic = DynamicClient(api_client)

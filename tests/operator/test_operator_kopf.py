@@ -1,0 +1,106 @@
+"""`radixpool operator` as a real process (kopf, its watches, its patches) against the fake API
+server: a pool appears → objects and status; spec edits and drift are acted on; deletion lifts the
+finalizer; SIGTERM stops it cleanly. The live-cluster version of this is e2e/test_operator_live.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from fake_apiserver import FakeAPIServer
+
+POOL = "apis/radixpool.io/v1alpha1/namespaces/ml/inferencepools/llama"
+WORKER = "apis/apps/v1/namespaces/ml/deployments/llama-worker"
+WORKER_SERVICE = "api/v1/namespaces/ml/services/llama-workers"
+
+
+def wait_for(what: str, check: Callable[[], Any], process: subprocess.Popen,
+             timeout: float = 20) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = check()
+        if result:
+            return result
+        if process.poll() is not None:
+            pytest.fail(f"operator exited with {process.returncode} while waiting for {what}")
+        time.sleep(0.1)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def condition(store, kind: str) -> dict:
+    for cond in store.objects.get(POOL, {}).get("status", {}).get("conditions", []):
+        if cond["type"] == kind:
+            return cond
+    return {}
+
+
+@pytest.mark.slow
+def test_operator_process_reconciles_heals_and_stops(tmp_path, pool_body):
+    with FakeAPIServer() as fake:
+        store = fake.store
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(fake.kubeconfig())
+        store.put("api/v1/namespaces/ml", {"apiVersion": "v1", "kind": "Namespace",
+                                          "metadata": {"name": "ml"}})
+        store.put(POOL, pool_body(replicas=2))
+        port = free_port()
+        log = (tmp_path / "operator.log").open("w")
+        process = subprocess.Popen(
+            [sys.executable, "-m", "radixpool.cli", "operator", "--namespace", "ml",
+             "--standalone", "--kubeconfig", str(kubeconfig), "--resync-seconds", "1",
+             "--liveness", f"http://127.0.0.1:{port}/healthz"],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TMPDIR": str(tmp_path)})
+        try:
+            wait_for("the worker Deployment", lambda: WORKER in store.objects, process)
+            accepted = wait_for("Accepted=True", lambda: condition(store, "Accepted").get(
+                "status") == "True", process)
+            assert accepted
+            pool = store.objects[POOL]
+            assert pool["status"]["selector"] == (
+                "app.kubernetes.io/component=worker,radixpool.io/pool=llama")
+            assert pool["metadata"]["finalizers"]
+            assert store.objects[WORKER]["spec"]["replicas"] == 2
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as reply:
+                assert reply.status == 200
+
+            scaled = pool_body(replicas=3)
+            scaled["metadata"] = {**store.objects[POOL]["metadata"]}
+            store.put(POOL, {**scaled, "status": store.objects[POOL]["status"]})
+            wait_for("scale to 3", lambda: store.objects[WORKER]["spec"]["replicas"] == 3,
+                     process)
+
+            store.delete(WORKER_SERVICE)
+            wait_for("the deleted Service put back", lambda: WORKER_SERVICE in store.objects,
+                     process)
+            store.objects[WORKER]["status"] = {"replicas": 3, "readyReplicas": 3,
+                                               "updatedReplicas": 3, "observedGeneration": 99}
+            wait_for("WorkersReady from observation", lambda: condition(
+                store, "WorkersReady").get("status") == "True", process)
+
+            store.delete(POOL)
+            wait_for("finalizer lifted and pool gone", lambda: POOL not in store.objects, process)
+        finally:
+            process.send_signal(signal.SIGTERM)
+            try:
+                code = process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                raise
+            log.close()
+        output = (tmp_path / "operator.log").read_text()
+        assert code == 0, output[-3000:]
