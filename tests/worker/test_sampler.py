@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
@@ -135,6 +137,41 @@ def test_top_p_wider_than_the_candidate_window_is_exact():
     assert len(distinct) > 300  # sampled wide, not from the first window only
 
 
+PARAMS = st.fixed_dictionaries({
+    "temperature": st.sampled_from([0.0, 0.3, 1.0, 1.7]),
+    "top_k": st.sampled_from([-1, 0, 1, 5, 60, 500]),
+    "top_p": st.sampled_from([1.0, 0.95, 0.6, 0.1]),
+    "min_p": st.sampled_from([0.0, 0.05, 0.5]),
+    "repetition_penalty": st.sampled_from([1.0, 1.3]),
+    "frequency_penalty": st.sampled_from([0.0, 0.5]),
+})
+
+
+@settings(max_examples=60, deadline=None)
+@given(params=PARAMS, others=st.lists(PARAMS, max_size=5), seed=st.integers(0, 2**64 - 1),
+       position=st.integers(0, 5), step=st.integers(0, 40))
+def test_a_row_is_sampled_the_same_in_any_batch_and_only_from_allowed_tokens(
+        params, others, seed, position, step):
+    vocab = 200
+    sampler = Sampler(vocab, (EOS,))
+    logits = torch.randn(1 + len(others), vocab, generator=gen(step)) * 2
+    output = [7] * step
+    mine = row(seed, output, [1, 2, 3], **params)
+    alone = sampler.sample(logits[:1], [mine]).token_ids[0]
+    position = min(position, len(others))
+    batch = [row(i, [5] * i, [4], **p) for i, p in enumerate(others)]
+    batch.insert(position, mine)
+    order = [*range(1, position + 1), 0, *range(position + 1, len(others) + 1)]
+    assert sampler.sample(logits[order], batch).token_ids[position] == alone
+    penalised = RepetitionPenaltyLogitsProcessor(params["repetition_penalty"])(
+        torch.tensor([[1, 2, 3, *output]]), logits[:1].clone())[0]
+    penalised[7] -= step * params["frequency_penalty"] + 0.0
+    p = SamplingParams(**params)
+    allowed = (penalised == penalised.max() if p.greedy
+               else reference_warp(penalised, p).isfinite())
+    assert allowed[alone]
+
+
 def test_same_seed_same_tokens_anywhere_in_any_batch():
     vocab = 1000
     sampler = Sampler(vocab, (EOS,))
@@ -249,6 +286,8 @@ def test_vocab_mask_limits_choices_in_one_batch():
     rows = [row(s, temperature=0 if s % 2 else 1.0) for s in range(40)]
     tokens = sampler.sample(logits, rows, vocab_mask=mask).token_ids
     assert all(t in allowed[i].tolist() for i, t in enumerate(tokens))
+    mask[:2] = False  # nothing allowed (a finished grammar): the row ends with eos
+    assert sampler.sample(logits, rows, vocab_mask=mask).token_ids[:2] == [EOS, EOS]
 
 
 def test_logprobs_are_the_models_log_probabilities():

@@ -6,7 +6,8 @@ One step, each stage a batched tensor op over the rows that need it:
      convention of the OpenAI API and of vLLM's default); a token the filters allowed but the
      model found unlikely shows up as such.
   2. repetition / frequency / presence penalties (penalties.py), logit_bias, the min_new_tokens
-     ban on eos and stop_token_ids, then `vocab_mask` (grammar hook: False = not allowed).
+     ban on eos and stop_token_ids, then `vocab_mask` (grammar hook: False = not allowed; a
+     row left with no allowed token at all gets the first eos id).
   3. greedy rows (temperature 0, below GREEDY_TEMPERATURE, or top_k 1): argmax.
   4. sampled rows: logits / temperature; top-k, then top-p over the top-k renormalised
      distribution, then min-p (the Hugging Face order); then Gumbel-max over the kept tokens.
@@ -174,6 +175,10 @@ class Sampler:
                 tokens[self._long(sampled)] = chosen
             else:
                 tokens = chosen
+        if vocab_mask is not None and self.eos_token_ids:
+            # A row the mask left with no token at all (a grammar that has ended) gets eos.
+            dead = work.amax(-1) == -math.inf
+            tokens = tokens.masked_fill(dead, self.eos_token_ids[0])
         if logprobs is None:
             return SampleResult(tokens.tolist())
         return self._with_logprobs(tokens, logprobs, rows, want_logprobs)
@@ -211,14 +216,14 @@ class Sampler:
         keys = _hash32(keys ^ ints[:, 2])
         keys = _hash32(keys ^ ints[:, 1]).unsqueeze(1)
 
-        truncated = [j for j, (k, r) in enumerate(zip(top_k, rows, strict=True))
-                     if k < vocab or r.params.top_p < 1]
+        truncated, whole = [], []
+        for j, (k, r) in enumerate(zip(top_k, rows, strict=True)):
+            (truncated if k < vocab or r.params.top_p < 1 else whole).append(j)
         if not truncated:
             return self._sample_full(x, keys, floats[:, 2:3], rows)
-        if len(truncated) == len(rows):
+        if not whole:
             return self._sample_candidates(x, keys, ints[:, 0], floats[:, 1:3], top_k)
         out = torch.empty(len(rows), dtype=torch.long, device=self.device)
-        whole = [j for j in range(len(rows)) if j not in set(truncated)]
         t_idx, w_idx = self._long(truncated), self._long(whole)
         out[t_idx] = self._sample_candidates(x[t_idx], keys[t_idx], ints[t_idx, 0],
                                              floats[t_idx, 1:3], [top_k[j] for j in truncated])
