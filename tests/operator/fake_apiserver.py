@@ -26,8 +26,10 @@ RESOURCES = {
     "apis/policy/v1": [("poddisruptionbudgets", "PodDisruptionBudget")],
     "apis/apiextensions.k8s.io/v1": [("customresourcedefinitions", "CustomResourceDefinition")],
     "apis/radixpool.io/v1alpha1": [("inferencepools", "InferencePool")],
+    "apis/kopf.dev/v1": [("kopfpeerings", "KopfPeering"),
+                         ("clusterkopfpeerings", "ClusterKopfPeering")],
 }
-CLUSTER_SCOPED = {"CustomResourceDefinition", "Namespace"}
+CLUSTER_SCOPED = {"CustomResourceDefinition", "Namespace", "ClusterKopfPeering"}
 PLURALS = {plural for group in RESOURCES.values() for plural, _ in group}
 WATCH_SECONDS = 5.0
 
@@ -216,10 +218,13 @@ class Handler(BaseHTTPRequestHandler):
                 if not fresh:
                     self.store.changed.wait(timeout=0.2)
                     continue
-            for rv, kind, obj in fresh:
-                self.wfile.write(json.dumps({"type": kind, "object": obj}).encode() + b"\n")
-                since = rv
-            self.wfile.flush()
+            try:
+                for rv, kind, obj in fresh:
+                    self.wfile.write(json.dumps({"type": kind, "object": obj}).encode() + b"\n")
+                    since = rv
+                self.wfile.flush()
+            except (BrokenPipeError, ConnectionResetError):
+                return  # the client stopped watching
 
     def do_POST(self) -> None:
         path, _ = self._route("POST")

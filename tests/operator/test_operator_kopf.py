@@ -104,3 +104,40 @@ def test_operator_process_reconciles_heals_and_stops(tmp_path, pool_body):
             log.close()
         output = (tmp_path / "operator.log").read_text()
         assert code == 0, output[-3000:]
+
+
+@pytest.mark.slow
+def test_two_replicas_never_fight(tmp_path, pool_body):
+    """With peering, the replica with the higher priority works and the other one waits."""
+    with FakeAPIServer() as fake:
+        store = fake.store
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(fake.kubeconfig())
+        store.put("api/v1/namespaces/ml", {"apiVersion": "v1", "kind": "Namespace",
+                                          "metadata": {"name": "ml"}})
+        store.put("apis/kopf.dev/v1/namespaces/ml/kopfpeerings/radixpool", {
+            "apiVersion": "kopf.dev/v1", "kind": "KopfPeering",
+            "metadata": {"name": "radixpool", "namespace": "ml"}})
+        logs, processes = [], []
+        for priority in (10, 20):
+            logs.append(tmp_path / f"operator-{priority}.log")
+            processes.append(subprocess.Popen(
+                [sys.executable, "-m", "radixpool.cli", "operator", "--namespace", "ml",
+                 "--priority", str(priority), "--kubeconfig", str(kubeconfig),
+                 "--liveness", f"http://127.0.0.1:{free_port()}/healthz"],
+                stdout=logs[-1].open("w"), stderr=subprocess.STDOUT,
+                env={**os.environ, "TMPDIR": str(tmp_path)}))
+        try:
+            wait_for("both replicas in the peering object", lambda: len(
+                store.objects["apis/kopf.dev/v1/namespaces/ml/kopfpeerings/radixpool"].get(
+                    "status") or {}) == 2, processes[0])
+            store.put(POOL, pool_body())
+            wait_for("the worker Deployment", lambda: WORKER in store.objects, processes[1])
+            time.sleep(1)
+        finally:
+            for process in processes:
+                process.send_signal(signal.SIGTERM)
+            for process in processes:
+                process.wait(timeout=20)
+        handled = ["Handler 'apply_pool' succeeded" in log.read_text() for log in logs]
+        assert handled == [False, True]
