@@ -27,6 +27,7 @@ CUSTOM = {
     "dashboards": {"enabled": True, "namespace": "monitoring"},
     "nodeSelector": {"kubernetes.io/os": "linux"},
     "logVerbose": True,
+    "resyncSeconds": 30,
 }
 
 
@@ -88,7 +89,7 @@ def test_custom_values_reach_the_objects():
     assert deployment["spec"]["replicas"] == 2
     assert container["image"] == "registry.example.com/rp/control:1.2.3"
     assert "--namespace=team-a" in container["args"] and "--namespace=team-b" in container["args"]
-    assert "--verbose" in container["args"]
+    assert "--verbose" in container["args"] and "--resync-seconds=30" in container["args"]
     env = {e["name"]: e["value"] for e in container["env"]}
     assert env["RADIXPOOL_WORKER_IMAGE"] == "registry.example.com/rp/worker:1.2.3"
     assert pod["imagePullSecrets"] == [{"name": "regcred"}]
