@@ -14,6 +14,7 @@ feeds the metrics and the tree correction (`feedback.first_missing_block` → `t
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import uuid
@@ -283,10 +284,14 @@ class Gateway:
         self.metrics.usage(worker.url, prompt, cached, predicted)
 
 
+_REQUEST_IDS = itertools.count()
+_ID_PREFIX = uuid.uuid4().hex[:12].encode()
+
+
 def _forwarded_headers(request: Request) -> Headers:
     headers = [(k, v) for k, v in request.headers.items() if k not in HOP_BY_HOP]
     if b"x-request-id" not in request.headers:
-        headers.append((b"x-request-id", uuid.uuid4().hex.encode()))
+        headers.append((b"x-request-id", b"%s-%x" % (_ID_PREFIX, next(_REQUEST_IDS))))
     return headers
 
 

@@ -12,8 +12,6 @@ import logging
 import signal
 import socket
 
-from prometheus_client import disable_created_metrics
-
 from radixpool.gateway.config import GatewayConfig
 from radixpool.gateway.http_server import bound_port, serve
 from radixpool.gateway.monitor import Monitor
@@ -78,7 +76,6 @@ async def _main(config: GatewayConfig, tokenizer: PromptTokenizer | None) -> Non
 def run(config: GatewayConfig) -> int:
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    disable_created_metrics()  # no `_created` twin for every counter: this process is the gateway
     tokenizer = PromptTokenizer.from_dir(config.tokenizer) if config.tokenizer else None
     try:
         import uvloop

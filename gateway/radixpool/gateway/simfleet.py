@@ -22,6 +22,8 @@ class SimFleet:
         files = sim_tokenizer_files()
         tokenizer = PromptTokenizer(files)
         self.workers = [SimWorker(config, tokenizer, files) for _ in range(count)]
+        for worker in self.workers:
+            worker.fleet_stats = self._stats_endpoint
         self.samples = 0
         self.idle_while_queued = 0
         self._sampler: asyncio.Task | None = None
@@ -63,6 +65,12 @@ class SimFleet:
             "busy_samples": self.samples,
             "idle_while_queued_samples": self.idle_while_queued,
         }
+
+    def _stats_endpoint(self, reset: bool) -> dict:
+        stats = self.stats()
+        if reset:
+            self.reset_stats()
+        return stats
 
     def reset_stats(self) -> None:
         for w in self.workers:

@@ -8,8 +8,9 @@ cursor) and `/kv_events/snapshot`. Service time models a GPU: prefills run one a
 cost `prefill_us_per_token` per *uncached* prompt token, so routing quality shows as latency;
 decode costs `decode_ms_per_token` per output token and overlaps freely. With both at zero a
 request is answered at once (the gateway-overhead benchmark). `/sim/fail` makes a worker answer
-503 to requests and/or health (retry and drain tests); `SimFleet` runs N workers in one loop and
-counts samples where one worker sat idle while another had prefills queued.
+503 to requests and/or health (retry and drain tests); `SimFleet` runs N workers in one loop,
+counts samples where one worker sat idle while another had prefills queued, and serves its
+fleet-wide numbers at `GET /sim/stats` on every worker (`DELETE /sim/stats` reads and resets).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import contextlib
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import parse_qs
 
@@ -67,6 +69,7 @@ class SimWorker:
         self._events_changed = asyncio.Event()
         self.server: asyncio.Server | None = None
         self.connections: set[HttpProtocol] = set()
+        self.fleet_stats: Callable[[bool], dict] | None = None  # set by SimFleet
 
     @property
     def port(self) -> int:
@@ -118,6 +121,8 @@ class SimWorker:
                                                 "blocks": to_hex(list(self.cache.blocks))}))
         elif path == "/kv_events":
             await self.kv_events(request, respond)
+        elif path == "/sim/stats" and self.fleet_stats is not None:
+            await respond.send(*json_body(200, self.fleet_stats(request.method == "DELETE")))
         elif path == "/sim/fail":
             doc = json.loads(request.body or b"{}")
             self.fail_requests = bool(doc.get("requests"))

@@ -38,6 +38,7 @@ class _Connection(asyncio.Protocol):
         self.headers: Headers = []
         self.chunks: deque[bytes] = deque()
         self.done = False
+        self.keep_alive = False
         self.got_bytes = False
         self._headers_ready: asyncio.Future | None = None
         self._waiter: asyncio.Future | None = None
@@ -73,6 +74,7 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        self.keep_alive = self.parser.should_keep_alive()  # only valid inside the callback
         self.done = True
         self._wake()
 
@@ -89,6 +91,7 @@ class _Connection(asyncio.Protocol):
     def begin(self, data: bytes) -> asyncio.Future:
         self.parser = httptools.HttpResponseParser(self)
         self.status, self.headers, self.done, self.got_bytes = 0, [], False, False
+        self.keep_alive = False
         self.chunks.clear()
         self._error = None
         self._headers_ready = asyncio.get_running_loop().create_future()
@@ -108,7 +111,7 @@ class _Connection(asyncio.Protocol):
 
     @property
     def reusable(self) -> bool:
-        return self.done and not self.closed and self.parser.should_keep_alive()
+        return self.done and self.keep_alive and not self.closed
 
     def close(self) -> None:
         self.closed = True

@@ -1,0 +1,302 @@
+"""Routing benchmark: a fleet of simulated workers behind a real gateway, on loopback.
+
+    python bench/routing.py quality            # 2-16 workers x 3 workloads x 2 policies
+    python bench/routing.py quality --workers 4 --workloads shared-prefix --policies cache_aware
+    python bench/routing.py overhead           # what the gateway itself adds (zero-time workers)
+
+Three processes: the simulated fleet (`radixpool sim-worker --count N`: each worker a modelled
+bounded radix cache whose prefills run one at a time and cost `--prefill-us-per-token` per
+uncached token, so routing quality shows up as latency), the gateway (`radixpool gateway`, whose
+CPU time is read from /proc), and this load generator (closed loop, `--concurrency-per-worker`
+clients per worker, streamed requests).
+
+`quality` prints, per run: throughput, latency and TTFT percentiles, the fleet's actual hit rate
+(cached / prompt tokens as the workers reported them), the gateway's predicted hit rate, gateway
+CPU per request, and the share of busy time some worker sat idle while another had prefills
+queued (flagged `IDLE!` above 5%: a routing failure).
+
+Workloads (token counts exact: the simulated tokenizer is one token per word):
+  shared-prefix  a 128-token system prompt common to all + one of 2N 768-token group prompts
+                 + a 32-token question
+  multi-turn     4N conversations, each turn adds a 64-token user message to the whole history
+  random         unrelated 512-token prompts
+
+`overhead` measures, with zero-service-time workers: p50 added latency of a non-streamed request
+(via gateway minus direct, sequential), the same for the first byte of a stream, and peak
+throughput with the gateway's CPU time per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from radixpool.gateway.upstream import UpstreamPool
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+HEADERS = [(b"content-type", b"application/json")]
+
+
+def words(start: int, n: int) -> str:
+    return " ".join(f"w{(start + i) % 4096}" for i in range(n))
+
+
+# --- processes ------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_fleet(n: int, args: argparse.Namespace, zero: bool = False):
+    cmd = [sys.executable, "-m", "radixpool.cli", "sim-worker", "--count", str(n),
+           "--kv-capacity-tokens", str(args.kv_capacity_tokens),
+           "--prefill-us-per-token", "0" if zero else str(args.prefill_us_per_token),
+           "--decode-ms-per-token", "0" if zero else str(args.decode_ms_per_token)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    urls = json.loads(proc.stdout.readline())["urls"]
+    return proc, urls
+
+
+def spawn_gateway(urls: list[str], policy: str, extra: list[str] = ()):
+    port = free_port()
+    cmd = [sys.executable, "-m", "radixpool.cli", "gateway", "--worker-urls", *urls,
+           "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+           "--log-level", "warning", *extra]
+    proc = subprocess.Popen(cmd)
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(400):
+        try:
+            doc = httpx.get(base + "/workers", timeout=1).json()
+            if doc["routing_on"] == "tokens":
+                return proc, port
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        time.sleep(0.025)
+    proc.kill()
+    raise RuntimeError("gateway did not come up with the workers' tokenizer")
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+# --- workloads ------------------------------------------------------------------------------------
+@dataclass
+class Workload:
+    name: str
+    workers: int
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
+    sessions: dict[int, list[dict]] = field(default_factory=dict)
+    counter: int = 0
+
+    def next(self, client: int, max_tokens: int) -> dict:
+        self.counter += 1
+        n = self.counter
+        if self.name == "shared-prefix":
+            group = self.rng.randrange(2 * self.workers)
+            messages = [{"role": "system", "content": words(0, 128) + " " +
+                         words(200 + group * 768, 768)},
+                        {"role": "user", "content": words(n * 32, 32)}]
+        elif self.name == "random":
+            messages = [{"role": "user", "content": words(n * 512 + self.rng.randrange(4096),
+                                                          512)}]
+        else:
+            sid = client + self.rng.randrange(4) * 1000
+            history = self.sessions.setdefault(sid, [])
+            if len(history) >= 16:
+                history.clear()
+            history.append({"role": "user", "content": words(n * 64, 64)})
+            messages = list(history)
+            history.append({"role": "assistant", "content": words(4000, max_tokens)})
+        return {"model": "sim-model", "messages": messages, "max_tokens": max_tokens,
+                "stream": True}
+
+
+# --- load generation ------------------------------------------------------------------------------
+@dataclass
+class Sample:
+    latency: float
+    ttft: float
+
+
+async def one(pool: UpstreamPool, path: str, body: bytes) -> Sample:
+    start = time.perf_counter()
+    response = await pool.request("POST", path, HEADERS, body)
+    first = None
+    while (chunk := await response.read()) is not None:
+        if first is None:
+            first = time.perf_counter()
+    if response.status != 200:
+        raise RuntimeError(f"HTTP {response.status}")
+    end = time.perf_counter()
+    return Sample(end - start, (first or end) - start)
+
+
+async def closed_loop(port: int, make, clients: int, total: int | None,
+                      seconds: float | None) -> tuple[list[Sample], float]:
+    pool = UpstreamPool("127.0.0.1", port, 5.0, max_idle=clients)
+    samples: list[Sample] = []
+    started = time.perf_counter()
+    deadline = started + (seconds or 1e9)
+    remaining = [total or 10**12]
+
+    async def client(i: int) -> None:
+        while remaining[0] > 0 and time.perf_counter() < deadline:
+            remaining[0] -= 1
+            path, body = make(i)
+            samples.append(await one(pool, path, body))
+
+    await asyncio.gather(*(client(i) for i in range(clients)))
+    elapsed = time.perf_counter() - started
+    pool.close()
+    return samples, elapsed
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+# --- quality --------------------------------------------------------------------------------------
+def quality_run(n: int, workload: str, policy: str, args: argparse.Namespace) -> str:
+    fleet, urls = spawn_fleet(n, args)
+    gateway, port = spawn_gateway(urls, policy)
+    try:
+        wl = Workload(workload, n)
+
+        def make(i: int) -> tuple[str, bytes]:
+            return "/v1/chat/completions", json.dumps(wl.next(i, args.max_tokens)).encode()
+
+        httpx.delete(urls[0] + "/sim/stats")
+        cpu0 = cpu_seconds(gateway.pid)
+        total = args.requests_per_worker * n
+        samples, elapsed = asyncio.run(closed_loop(port, make, args.concurrency_per_worker * n,
+                                                   total, None))
+        cpu = cpu_seconds(gateway.pid) - cpu0
+        stats = httpx.get(urls[0] + "/sim/stats").json()
+        fleet_doc = httpx.get(f"http://127.0.0.1:{port}/workers").json()["fleet"]
+    finally:
+        stop(gateway)
+        stop(fleet)
+    lat = [s.latency * 1e3 for s in samples]
+    ttft = [s.ttft * 1e3 for s in samples]
+    idle = stats["idle_while_queued_samples"] / max(1, stats["busy_samples"])
+    spread = stats["requests"]
+    return (f"{n:>3} {workload:<13} {policy:<12} {len(samples) / elapsed:8.1f} "
+            f"{pct(lat, 0.5):7.1f} {pct(lat, 0.99):7.1f} {pct(ttft, 0.5):7.1f} "
+            f"{pct(ttft, 0.99):7.1f} {stats['hit_rate']:6.3f} "
+            f"{fleet_doc['predicted_hit_rate']:6.3f} {cpu / len(samples) * 1e6:7.0f} "
+            f"{idle:6.1%}{' IDLE!' if idle > 0.05 else ''}  min/max per worker "
+            f"{min(spread)}/{max(spread)}")
+
+
+def quality(args: argparse.Namespace) -> None:
+    print(f"# simulated workers: prefill {args.prefill_us_per_token} us/uncached token "
+          f"(one prefill at a time), decode {args.decode_ms_per_token} ms/token x "
+          f"{args.max_tokens}, KV {args.kv_capacity_tokens} tokens/worker; "
+          f"{args.concurrency_per_worker} clients/worker, {args.requests_per_worker} req/worker")
+    print("  N workload      policy          req/s  lat50ms  lat99  ttft50  ttft99 actual "
+          "predic  cpu_us idle-q")
+    for n in args.workers:
+        for workload in args.workloads:
+            for policy in args.policies:
+                print(quality_run(n, workload, policy, args), flush=True)
+
+
+# --- overhead -------------------------------------------------------------------------------------
+def overhead(args: argparse.Namespace) -> None:
+    fleet, urls = spawn_fleet(1, args, zero=True)
+    worker_port = int(urls[0].rsplit(":", 1)[1])
+    gateway, port = spawn_gateway(urls, "cache_aware")
+    plain = json.dumps({"model": "sim-model", "prompt": words(0, 32), "max_tokens": 1}).encode()
+    streamed = json.dumps({"model": "sim-model", "prompt": words(0, 32), "max_tokens": 1,
+                           "stream": True}).encode()
+    try:
+        def seq(target: int, body: bytes) -> list[Sample]:
+            samples, _ = asyncio.run(closed_loop(
+                target, lambda i: ("/v1/completions", body), 1, args.sequential, None))
+            return samples
+
+        seq(port, plain)  # warm up both paths
+        seq(worker_port, plain)
+        direct = seq(worker_port, plain)
+        via = seq(port, plain)
+        direct_s = seq(worker_port, streamed)
+        via_s = seq(port, streamed)
+        cpu0 = cpu_seconds(gateway.pid)
+        samples, elapsed = asyncio.run(closed_loop(
+            port, lambda i: ("/v1/completions", plain), args.concurrency, None, args.seconds))
+        cpu = cpu_seconds(gateway.pid) - cpu0
+    finally:
+        stop(gateway)
+        stop(fleet)
+    added = (statistics.median(s.latency for s in via)
+             - statistics.median(s.latency for s in direct)) * 1e6
+    added_ttfb = (statistics.median(s.ttft for s in via_s)
+                  - statistics.median(s.ttft for s in direct_s)) * 1e6
+    print(f"# gateway overhead, zero-service-time simulated worker, 32-token prompts, "
+          f"{os.cpu_count()} CPUs")
+    print(f"non-streamed p50: direct {statistics.median(s.latency for s in direct) * 1e6:.0f} us,"
+          f" via gateway {statistics.median(s.latency for s in via) * 1e6:.0f} us, "
+          f"added {added:.0f} us (target < 500)")
+    print(f"stream first byte p50: direct {statistics.median(s.ttft for s in direct_s) * 1e6:.0f}"
+          f" us, via gateway {statistics.median(s.ttft for s in via_s) * 1e6:.0f} us, "
+          f"added {added_ttfb:.0f} us (target < 1000)")
+    print(f"throughput: {len(samples) / elapsed:.0f} req/s at concurrency {args.concurrency} "
+          f"(target >= 2000); gateway CPU {cpu / len(samples) * 1e6:.0f} us/request "
+          f"(target < 300); p50 latency {pct([s.latency for s in samples], 0.5) * 1e3:.2f} ms")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="mode", required=True)
+    q = sub.add_parser("quality", help="routing quality across fleets, workloads and policies")
+    q.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8, 16])
+    q.add_argument("--workloads", nargs="+", default=["shared-prefix", "multi-turn", "random"],
+                   choices=["shared-prefix", "multi-turn", "random"])
+    q.add_argument("--policies", nargs="+", default=["cache_aware", "round_robin"])
+    q.add_argument("--requests-per-worker", type=int, default=40)
+    q.add_argument("--concurrency-per-worker", type=int, default=2)
+    q.add_argument("--prefill-us-per-token", type=float, default=20.0)
+    q.add_argument("--decode-ms-per-token", type=float, default=0.5)
+    q.add_argument("--max-tokens", type=int, default=8)
+    q.add_argument("--kv-capacity-tokens", type=int, default=8192)
+    o = sub.add_parser("overhead", help="what the gateway adds, with zero-time workers")
+    o.add_argument("--sequential", type=int, default=2000)
+    o.add_argument("--concurrency", type=int, default=32)
+    o.add_argument("--seconds", type=float, default=5.0)
+    o.add_argument("--kv-capacity-tokens", type=int, default=65536)
+    args = p.parse_args()
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    quality(args) if args.mode == "quality" else overhead(args)
+
+
+if __name__ == "__main__":
+    main()
