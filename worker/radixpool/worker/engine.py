@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import itertools
 import json
+import logging
 import os
 import pickle
 import shutil
@@ -54,6 +56,7 @@ from radixpool.worker.sampler import request_seed
 from radixpool.worker.sampling_params import SamplingParams
 from radixpool.worker.stop_strings import StopMatcher
 
+log = logging.getLogger("radixpool.engine")
 STARTUP_TIMEOUT_S = 900.0
 CONTROL_TIMEOUT_S = 600.0
 
@@ -255,7 +258,7 @@ class Engine:
         if finished:
             fork.finished = True
             self._forks.pop(fork.core_rid, None)
-        fork.sink(chunk)
+        _deliver(fork, chunk)
 
     def _finish_fork(self, fork: _Fork, reason: str, error: str | None = None,
                      delta: TokenDelta | None = None, internal: bool = False) -> None:
@@ -268,7 +271,7 @@ class Engine:
             finish_reason=reason, completion_tokens=len(fork.output_ids),
             prompt_tokens=delta.prompt_tokens if delta else 0, arrival_time=fork.arrival_time,
             error=error, internal_error=internal)
-        fork.sink(chunk)
+        _deliver(fork, chunk)
 
     # ------------------------------------------------------------------ validation
     def _prepare(self, prompt: Any, input_ids: Any) -> list[list[int]]:
@@ -279,6 +282,8 @@ class Engine:
             prompts = [prompt] if isinstance(prompt, str) else prompt
             if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
                 raise ValueError("prompt must be a string or a list of strings")
+            if any(not p for p in prompts):
+                raise ValueError("prompt is empty")
             batch = [self.tokenizer.encode(p) for p in prompts]
             name = "prompt"
         else:
@@ -390,7 +395,11 @@ class Engine:
         params = self._params(sampling_params, 1)[0]
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[StreamChunk] = asyncio.Queue()
-        sink = lambda chunk: loop.call_soon_threadsafe(queue.put_nowait, chunk)  # noqa: E731
+        def sink(chunk: StreamChunk) -> None:
+            # The caller's loop may be gone (it stopped iterating and closed): drop the chunk.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(queue.put_nowait, chunk)
+
         forks = self._submit(ids, params, namespace, rid, sink)
         open_forks = len(forks)
         try:
@@ -462,6 +471,14 @@ class Engine:
         if self._stats is None:
             self._stats = self._control("stats")
         return self._stats
+
+
+def _deliver(fork: _Fork, chunk: StreamChunk) -> None:
+    """Hand a chunk to its consumer; a failing consumer must not stop the receiver thread."""
+    try:
+        fork.sink(chunk)
+    except Exception:
+        log.exception("dropping output of request %s: its consumer failed", fork.rid)
 
 
 def _result_from_chunks(chunks: list[StreamChunk]) -> dict:

@@ -1,0 +1,158 @@
+"""The offline Engine API, with its core in a real separate process."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from radixpool.worker import Engine
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    with Engine(str(tiny_model), device="cpu", kv_cache_tokens=4096,
+                debug_invariants=True) as eng:
+        yield eng
+
+
+def test_generate_forms_and_shapes(engine):
+    one = engine.generate("The cache token prefix", {"max_new_tokens": 5, "temperature": 0})
+    assert set(one) == {"text", "output_ids", "meta_info"}
+    assert len(one["output_ids"]) == one["meta_info"]["completion_tokens"] <= 5
+    meta = one["meta_info"]
+    assert meta["prompt_tokens"] > 0 and meta["finish_reason"] in ("stop", "length")
+
+    batch = engine.generate(["a b c", "d e f"], {"max_new_tokens": 3})
+    assert isinstance(batch, list) and len(batch) == 2
+    forks = engine.generate("x y z", {"max_new_tokens": 4, "n": 3, "temperature": 1.0})
+    assert len(forks) == 3
+    ids = engine.generate(input_ids=[1, 50, 60, 70], sampling_params={"max_new_tokens": 2})
+    assert ids["meta_info"]["prompt_tokens"] == 4
+
+
+def test_same_seed_same_output_different_seed_differs(engine):
+    params = {"max_new_tokens": 12, "temperature": 1.0, "seed": 1234, "ignore_eos": True}
+    a = engine.generate("seeded sampling", params)
+    b = engine.generate("seeded sampling", params)
+    c = engine.generate("seeded sampling", {**params, "seed": 99})
+    assert a["output_ids"] == b["output_ids"]
+    assert a["output_ids"] != c["output_ids"]
+
+
+def test_second_identical_prompt_reports_cached_tokens(engine):
+    prompt = "model serve request worker gateway radix tree memory batch stream route " * 3
+    params = {"max_new_tokens": 2, "temperature": 0}
+    first = engine.generate(prompt, params)["meta_info"]
+    second = engine.generate(prompt, params)["meta_info"]
+    assert first["cached_tokens"] < first["prompt_tokens"] - 1
+    assert second["cached_tokens"] == second["prompt_tokens"] - 1
+
+
+def test_max_and_min_new_tokens(engine):
+    out = engine.generate("hello", {"max_new_tokens": 7, "min_new_tokens": 7})
+    assert out["meta_info"]["completion_tokens"] == 7
+    assert out["meta_info"]["finish_reason"] == "length"
+
+
+def test_stop_token_ids_end_generation(engine):
+    free = engine.generate("stop here", {"max_new_tokens": 6, "temperature": 0,
+                                         "ignore_eos": True})
+    token = free["output_ids"][2]
+    out = engine.generate("stop here", {"max_new_tokens": 6, "temperature": 0,
+                                        "ignore_eos": True, "stop_token_ids": [token]})
+    assert out["output_ids"] == free["output_ids"][:free["output_ids"].index(token) + 1]
+    assert out["meta_info"]["finish_reason"] == "stop"
+    assert out["meta_info"]["matched_stop"] == token
+
+
+@pytest.mark.parametrize("params, field", [
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"temperature": -1}, "temperature"),
+    ({"bogus": 1}, "bogus"),
+    ({"max_new_tokens": "ten"}, "max_new_tokens"),
+    ({"logit_bias": {"5000": 1}}, "logit_bias"),
+])
+def test_bad_sampling_params_name_the_field_and_engine_keeps_serving(engine, params, field):
+    with pytest.raises(ValueError, match=field):
+        engine.generate("hello", params)
+    assert engine.generate("still serving", {"max_new_tokens": 1})["meta_info"][
+        "completion_tokens"] == 1
+
+
+def test_prompt_over_context_length_is_refused(engine):
+    too_long = [5] * engine.info.context_length
+    with pytest.raises(ValueError, match="context length"):
+        engine.generate(input_ids=too_long, sampling_params={"max_new_tokens": 1})
+    with pytest.raises(ValueError, match="input_ids"):
+        engine.generate(input_ids=[1, -3], sampling_params={})
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate("", {})
+
+
+def test_stream_abort_frees_kv_and_keeps_invariants(engine):
+    async def partial() -> int:
+        seen = 0
+        async for chunk in engine.stream("abort me midway", {"max_new_tokens": 500,
+                                                            "ignore_eos": True}):
+            seen += len(chunk.token_ids)
+            if seen >= 3:
+                break
+        return seen
+
+    assert asyncio.run(partial()) >= 3
+    engine.generate("sync point", {"max_new_tokens": 1})  # the abort is processed before this
+    stats = engine.stats()
+    assert stats.running == 0 and stats.waiting == 0
+    engine.check_invariants()
+
+
+def test_streamed_text_equals_generated_text(engine):
+    params = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
+
+    async def collect() -> tuple[str, list[int]]:
+        text, ids = [], []
+        async for chunk in engine.stream("東京 café 🚀 stream", params):
+            text.append(chunk.text)
+            ids += chunk.token_ids
+        return "".join(text), ids
+
+    text, ids = asyncio.run(collect())
+    full = engine.generate("東京 café 🚀 stream", params)
+    assert ids == full["output_ids"]
+    assert text == full["text"] == engine.tokenizer.decode(ids)
+
+
+def test_events_probe_and_snapshot_agree_with_the_cache(engine):
+    prompt_ids = [1, *range(200, 264)]  # 65 tokens: four whole 16-token blocks get cached
+    engine.generate(input_ids=prompt_ids, sampling_params={"max_new_tokens": 1})
+    assert engine.probe(prompt_ids) >= 64
+    assert engine.probe([1, 999, 998]) <= 1
+    seq, blocks = engine.kv_snapshot()
+    from radixpool.protocol.kv_blocks import prefix_block_hashes
+
+    assert set(prefix_block_hashes(prompt_ids, engine.info.kv_block_size).tolist()) <= set(blocks)
+    replayed: set[int] = set()
+    for event in engine.kv_events.events_since(0):
+        if event.seq > seq:
+            break
+        if event.type == "stored":
+            replayed |= set(event.blocks)
+        elif event.type == "removed":
+            replayed -= set(event.blocks)
+        else:
+            replayed.clear()
+    assert replayed == set(blocks)
+
+
+def test_flush_empties_cache_and_changes_instance_id(engine):
+    prompt_ids = [1, *range(300, 340)]
+    engine.generate(input_ids=prompt_ids, sampling_params={"max_new_tokens": 1})
+    before = engine.instance_id
+    engine.flush_cache()
+    assert engine.instance_id != before
+    assert engine.probe(prompt_ids) == 0
+    assert engine.stats().radix_cache_tokens == 0
+    assert engine.kv_events.events_since(0)[-1].type == "cleared"
