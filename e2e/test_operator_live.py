@@ -21,6 +21,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -56,14 +57,11 @@ def kube() -> Any:
     from kubernetes import client, config
 
     api_client = config.new_client_from_config(config_file=KUBECONFIG)
-    return type("Kube", (), {
-        "core": client.CoreV1Api(api_client), "apps": client.AppsV1Api(api_client),
-        "rbac": client.RbacAuthorizationV1Api(api_client),
-        "policy": client.PolicyV1Api(api_client),
-        "custom": client.CustomObjectsApi(api_client),
-        "ext": client.ApiextensionsV1Api(api_client),
-        "errors": client.exceptions,
-    })
+    return SimpleNamespace(
+        core=client.CoreV1Api(api_client), apps=client.AppsV1Api(api_client),
+        rbac=client.RbacAuthorizationV1Api(api_client), policy=client.PolicyV1Api(api_client),
+        custom=client.CustomObjectsApi(api_client), ext=client.ApiextensionsV1Api(api_client),
+        errors=client.exceptions)
 
 
 @pytest.fixture(scope="module")

@@ -96,6 +96,9 @@ class Store:
             before = self.objects.get(path)
             obj = copy.deepcopy(obj)
             meta = obj.setdefault("metadata", {})
+            parts = path.split("/")
+            if "namespaces" in parts[:-2]:
+                meta["namespace"] = parts[parts.index("namespaces") + 1]
             meta["resourceVersion"] = str(self.version)
             meta.setdefault("uid", f"uid-{self.version}")
             meta.setdefault("creationTimestamp",
@@ -264,7 +267,7 @@ class Handler(BaseHTTPRequestHandler):
         obj = self.store.delete(path)
         if obj is None:
             return self._status(404, "NotFound")
-        return self._send(200, {"kind": "Status", "status": "Success"})
+        return self._send(200, obj)
 
 
 class FakeAPIServer:
