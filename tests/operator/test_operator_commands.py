@@ -58,3 +58,13 @@ def test_worker_accepts_the_operator_command_line(pool_body, spec):
     assert args.page_size == pool.engine["pageSize"]
     assert args.schedule_policy == pool.engine["schedulePolicy"]
     assert args.drain_timeout == pool.lifecycle["drainTimeoutSeconds"]
+
+
+def test_worker_reads_the_api_key_from_the_environment_the_pod_sets(pool_body, monkeypatch):
+    from radixpool.operator.workers import api_key_env
+
+    pool = parse_pool(pool_body(**FULL))
+    assert [e["name"] for e in api_key_env(pool)] == ["RADIXPOOL_API_KEY"]
+    monkeypatch.setenv("RADIXPOOL_API_KEY", "s3cret")
+    args = parse("radixpool.worker.cli", "worker", worker_args(pool))
+    assert args.api_key == "s3cret"

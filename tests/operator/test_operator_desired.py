@@ -105,8 +105,7 @@ def test_full_spec_reaches_the_worker_and_gateway_command_lines(pool_body):
                         ("--kv-cache-tokens", "400000"), ("--page-size", "16"),
                         ("--max-running-requests", "256"), ("--chunked-prefill-size", "8192"),
                         ("--schedule-policy", "lpm"), ("--device", "cuda"),
-                        ("--dtype", "bfloat16"), ("--port", "8000"),
-                        ("--api-key", "$(RADIXPOOL_API_KEY)")]:
+                        ("--dtype", "bfloat16"), ("--port", "8000")]:
         assert args[args.index(flag) + 1] == value, flag
     assert args[0] == "worker" and "--mem-fraction" not in args
     pod = objs["Deployment/llama-8b-worker"]["spec"]["template"]["spec"]
@@ -129,9 +128,13 @@ def test_full_spec_reaches_the_worker_and_gateway_command_lines(pool_body):
 def test_api_key_comes_from_the_secret_never_inline(pool_body):
     objs = objects_of(pool_body(apiKeySecret={"name": "key", "key": "token"}))
     for deployment in ("llama-worker", "llama-gateway"):
-        env = objs[f"Deployment/{deployment}"]["spec"]["template"]["spec"]["containers"][0]["env"]
-        key = next(e for e in env if e["name"] == "RADIXPOOL_API_KEY")
+        container = objs[f"Deployment/{deployment}"]["spec"]["template"]["spec"]["containers"][0]
+        key = next(e for e in container["env"] if e["name"] == "RADIXPOOL_API_KEY")
         assert key["valueFrom"] == {"secretKeyRef": {"name": "key", "key": "token"}}
+        assert "--api-key" not in container["args"] or (
+            container["args"][container["args"].index("--api-key") + 1] == "$(RADIXPOOL_API_KEY)")
+    worker = objs["Deployment/llama-worker"]["spec"]["template"]["spec"]["containers"][0]
+    assert "--api-key" not in worker["args"]  # the worker reads $RADIXPOOL_API_KEY itself
 
 
 def test_hf_model_is_downloaded_by_an_init_container_into_the_cache_volume(pool_body):

@@ -62,13 +62,13 @@ def worker_args(pool: Pool) -> list[str]:
         args += ["--chunked-prefill-size", str(engine["chunkedPrefillSize"])]
     args += ["--schedule-policy", engine["schedulePolicy"], "--log-level", engine["logLevel"],
              "--drain-timeout", str(pool.lifecycle["drainTimeoutSeconds"])]
-    if pool.api_key:
-        args += ["--api-key", "$(RADIXPOOL_API_KEY)"]
     return args + list(engine.get("args", []))
 
 
 def api_key_env(pool: Pool) -> list[dict[str, Any]]:
-    """The API key as an env var; args reference it as $(RADIXPOOL_API_KEY), never inline."""
+    """The API key from its Secret as $RADIXPOOL_API_KEY, which `radixpool worker` reads itself
+    (so the key never shows in the pod spec or the process list); the gateway's args reference
+    it as $(RADIXPOOL_API_KEY)."""
     if not pool.api_key:
         return []
     ref = {"name": pool.api_key.name, "key": pool.api_key.key}
