@@ -76,6 +76,9 @@ def test_worker_pod_is_hardened_probed_and_drains(pool_body):
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     mounted = {m["mountPath"] for m in container["volumeMounts"]}
     assert {"/tmp", "/home/radixpool/.cache", "/dev/shm"} <= mounted
+    for env in container["env"]:  # every cache directory is on a writable volume
+        if env["name"].endswith(("_HOME", "_DIR", "_PATH")) and env["name"] != "HOME":
+            assert any(env["value"].startswith(path) for path in mounted), env
     assert container["readinessProbe"]["httpGet"]["path"] == "/health"
     startup = container["startupProbe"]
     assert startup["httpGet"]["path"] == "/health"

@@ -170,7 +170,12 @@ def desired_worker_deployment(pool: Pool, image: str) -> dict[str, Any]:
         "command": ["radixpool"], "args": worker_args(pool),
         "ports": [{"name": "http", "containerPort": api.WORKER_PORT, "protocol": "TCP"}],
         "env": [{"name": "HOME", "value": HOME},
+                # Every cache the stack writes (HF, Triton, FlashInfer JIT, CUDA) lands on the
+                # writable cache volume; the root filesystem is read-only.
+                {"name": "XDG_CACHE_HOME", "value": f"{HOME}/.cache"},
                 {"name": "HF_HOME", "value": f"{HOME}/.cache/huggingface"},
+                {"name": "TRITON_CACHE_DIR", "value": f"{HOME}/.cache/triton"},
+                {"name": "CUDA_CACHE_PATH", "value": f"{HOME}/.cache/nv"},
                 {"name": "HF_HUB_OFFLINE", "value": "1"},
                 *api_key_env(pool), *engine.get("env", [])],
         "resources": _resources(pool),
