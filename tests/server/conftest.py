@@ -1,25 +1,55 @@
 """Real `radixpool worker` processes on loopback ports, with the tiny model.
 
-`worker` is one server shared by every test that does not stop or reconfigure it; tests that need
-their own flags (drain, API key, fuzzing with a small context) start their own. Each process is
-stopped by its own PID, never by name.
+Three servers, each started once per session and only if a collected test needs it:
+- `worker`: default flags, shared by every test that neither stops nor reconfigures it;
+- `secured`: `--api-key`, for the auth tests and the SIGTERM drain (which ends it);
+- `fuzz_worker`: a 32-token context, so fuzzed generations stay short on a CPU.
+They are launched together (startup is mostly waiting on imports and model loading) and stopped
+together, each by its own PID.
 """
 
 from __future__ import annotations
 
 import httpx
 import pytest
-from worker_process import WorkerProcess
+from worker_process import API_KEY, WorkerProcess
+
+SERVERS: dict[str, tuple[str, ...]] = {
+    "worker": (),
+    "secured": ("--api-key", API_KEY, "--drain-timeout", "60"),
+    "fuzz_worker": ("--context-length", "32", "--max-running-requests", "32"),
+}
 
 
 @pytest.fixture(scope="session")
-def worker(tiny_model, tmp_path_factory):
-    """The shared server: default flags, the tiny llama model."""
-    proc = WorkerProcess(tiny_model, tmp_path_factory.mktemp("worker") / "worker.log")
+def worker_pool(request, tiny_model, tmp_path_factory):
+    needed = [name for name in SERVERS
+              if any(name in item.fixturenames for item in request.session.items)]
+    logs = tmp_path_factory.mktemp("workers")
+    procs = {name: WorkerProcess(tiny_model, logs / f"{name}.log", *SERVERS[name])
+             for name in needed}
     try:
-        yield proc.wait_ready()
+        yield procs
     finally:
-        proc.stop()
+        for proc in procs.values():
+            proc.begin_stop()
+        for proc in procs.values():
+            proc.stop()
+
+
+@pytest.fixture(scope="session")
+def worker(worker_pool) -> WorkerProcess:
+    return worker_pool["worker"].wait_ready()
+
+
+@pytest.fixture(scope="session")
+def secured(worker_pool) -> WorkerProcess:
+    return worker_pool["secured"].wait_ready()
+
+
+@pytest.fixture(scope="session")
+def fuzz_worker(worker_pool) -> WorkerProcess:
+    return worker_pool["fuzz_worker"].wait_ready()
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 
 STARTUP_TIMEOUT_S = 180
+API_KEY = "sk-test-key"
 
 
 def free_port() -> int:
@@ -50,12 +51,15 @@ class WorkerProcess:
             time.sleep(0.2)
         raise RuntimeError(f"worker not ready after {STARTUP_TIMEOUT_S} s:\n{self.log()}")
 
-    def stop(self) -> None:
+    def begin_stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+
+    def stop(self) -> None:
+        self.begin_stop()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
         self._log.close()

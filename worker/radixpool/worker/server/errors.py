@@ -79,7 +79,9 @@ def _short(value: Any, limit: int = 60) -> str:
 
 _FORMS = {
     "str": "a string", "int": "an integer", "float": "a number", "bool": "true or false",
-    "list[str]": "a list of strings", "list[constrained-int]": "a list of token ids",
+    "list[str]": "a list of strings",
+    "list[constrained-str]": "a list of non-empty strings",
+    "list[constrained-int]": "a list of token ids",
     "list[list[constrained-int]]": "a list of token-id lists",
     "list[TextPart]": 'a list of {"type": "text", "text": ...} parts',
 }

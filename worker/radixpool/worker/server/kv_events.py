@@ -9,7 +9,6 @@ touches the engine core.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Annotated
 
 from fastapi import APIRouter, Query
@@ -56,7 +55,7 @@ def router(state: WorkerState) -> APIRouter:
 
     @r.get("/kv_events/snapshot")
     async def kv_snapshot() -> dict:
-        seq, blocks = await asyncio.to_thread(state.engine.kv_snapshot)
+        seq, blocks = await state.engine.kv_snapshot_async()
         return {"instance_id": state.engine.instance_id, "seq": seq, "blocks": to_hex(blocks)}
 
     return r

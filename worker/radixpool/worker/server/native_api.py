@@ -141,8 +141,11 @@ def router(state: WorkerState) -> APIRouter:
     @r.get("/health")
     async def health() -> JSONResponse:
         lifecycle = state.lifecycle
-        if lifecycle.serving:
+        if lifecycle.serving and state.engine.alive:
             return JSONResponse({"status": "ok"})
+        if lifecycle.serving:
+            return JSONResponse({"status": "failed", "message": "the engine core process died"},
+                                status_code=503)
         return JSONResponse({"status": lifecycle.phase.value,
                              "message": lifecycle.unavailable_reason()}, status_code=503,
                             headers={"Retry-After": "5"})
@@ -164,7 +167,7 @@ def router(state: WorkerState) -> APIRouter:
     @r.post("/flush_cache")
     async def flush_cache() -> dict:
         try:
-            await asyncio.to_thread(state.engine.flush_cache)
+            await state.engine.flush_cache_async()
         except RuntimeError as exc:
             raise APIError(409, f"cannot flush the cache now: {exc}", code="flush_refused") \
                 from None
@@ -208,7 +211,7 @@ def router(state: WorkerState) -> APIRouter:
             ids = await state.encode(body.text)
         else:
             ids = await state.encode_chat([m.template_dict() for m in body.messages])
-        cached = await asyncio.to_thread(state.engine.probe, ids, body.cache_salt)
+        cached = await state.engine.probe_async(ids, body.cache_salt)
         return {"prompt_tokens": len(ids), "cached_tokens": cached}
 
     return r

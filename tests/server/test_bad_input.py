@@ -1,0 +1,94 @@
+"""Bad input gets a 4xx naming the field, and everyone else keeps being served."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+MSG = [{"role": "user", "content": "hi"}]
+
+# (path, body, status, param)
+BAD = [
+    ("/v1/chat/completions", b"{not json", 400, None),
+    ("/v1/chat/completions", {"model": "gpt-9", "messages": MSG}, 404, "model"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400,
+     "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400,
+     "messages[0].content"),
+    ("/v1/chat/completions", {"messages": MSG, "temperature": -1}, 400, "temperature"),
+    ("/v1/chat/completions", {"messages": MSG, "temperature": "hot"}, 400, "temperature"),
+    ("/v1/chat/completions", {"messages": MSG, "top_p": 0}, 400, "top_p"),
+    ("/v1/chat/completions", {"messages": MSG, "n": 0}, 400, "n"),
+    ("/v1/chat/completions", {"messages": MSG, "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": MSG, "max_tokens": 10**6}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": MSG, "max_tokens": "many"}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": MSG, "frequency_penalty": 3}, 400,
+     "frequency_penalty"),
+    ("/v1/chat/completions", {"messages": MSG, "top_logprobs": 99, "logprobs": True}, 400,
+     "top_logprobs"),
+    ("/v1/chat/completions", {"messages": MSG, "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {"messages": MSG, "logit_bias": {"99999999": 1}}, 400,
+     "logit_bias"),
+    ("/v1/chat/completions", {"messages": MSG, "stop": [""]}, 400, "stop"),
+    ("/v1/chat/completions", {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("/v1/chat/completions", {"messages": MSG, "bogus_field": 1}, 400, "bogus_field"),
+    ("/v1/chat/completions", {"messages": MSG, "stream": "yes"}, 400, "stream"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 5000}]}, 400,
+     "messages"),
+    ("/v1/completions", {"prompt": 7}, 400, "prompt"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2, 99999999]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [-1]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "seed": 1.5}, 400, "seed"),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ("/generate", {"sampling_params": {}}, 400, None),
+    ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": -1}}, 400,
+     "sampling_params.max_new_tokens"),
+    ("/generate", {"text": "x", "sampling_params": {"temprature": 1}}, 400,
+     "sampling_params.temprature"),
+    ("/generate", {"input_ids": []}, 400, "input_ids"),
+    ("/prefix_probe", {"text": "x", "input_ids": [1]}, 400, None),
+]
+
+
+def test_bad_input_is_answered_while_a_stream_completes(client, http):
+    streamed: list[str] = []
+    finish: list[str | None] = []
+
+    def stream() -> None:
+        for chunk in client.completions.create(model="tiny", prompt="a long story", stream=True,
+                                               max_tokens=100, temperature=0,
+                                               extra_body={"ignore_eos": True}):
+            streamed.append(chunk.choices[0].text)
+            finish.append(chunk.choices[0].finish_reason)
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    failures = []
+    for path, body, status, param in BAD:
+        if isinstance(body, bytes):
+            r = http.post(path, content=body, headers={"content-type": "application/json"})
+        else:
+            r = http.post(path, json=body)
+        error = r.json().get("error", {}) if r.headers.get("content-type", "").startswith(
+            "application/json") else {}
+        if r.status_code != status or error.get("param") != param or not error.get("message"):
+            failures.append((path, body if len(str(body)) < 80 else "...", r.status_code,
+                             r.text[:300]))
+        assert error.get("type") == "invalid_request_error" or r.status_code >= 500
+    thread.join(timeout=120)
+    assert not failures, "\n".join(map(str, failures))
+    assert finish[-1] == "length" and len(streamed) >= 1
+    assert http.get("/health").status_code == 200
+
+
+def test_unknown_route_and_method(http):
+    r = http.get("/v2/nothing")
+    assert r.status_code == 404 and r.json()["error"]["message"]
+    r = http.get("/v1/chat/completions")
+    assert r.status_code == 405

@@ -1,0 +1,103 @@
+"""API key, client disconnects, and draining on SIGTERM — against real worker processes."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from openai import OpenAI
+from worker_process import API_KEY as KEY
+
+pytestmark = pytest.mark.slow
+
+
+def wait_until(predicate, timeout_s: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        result = predicate()
+        if result:
+            return result
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_api_key_protects_everything_but_health_and_metrics(secured):
+    url = secured.url
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.get(f"{url}/metrics").status_code == 200
+    for path in ("/v1/models", "/server_info", "/load", "/tokenizer", "/kv_events/snapshot"):
+        r = httpx.get(f"{url}{path}")
+        assert r.status_code == 401, path
+        assert r.json()["error"]["code"] == "invalid_api_key"
+        wrong = httpx.get(f"{url}{path}", headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401, path
+        assert httpx.get(f"{url}{path}", headers={"Authorization": f"Bearer {KEY}"}
+                         ).status_code == 200, path
+    assert httpx.post(f"{url}/generate", json={"text": "x"}).status_code == 401
+    client = OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=2)
+    assert r.choices[0].message.content is not None
+    bad = OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(Exception, match="401"):
+        bad.models.list()
+
+
+def test_sigterm_drains_running_requests_then_exits_zero(secured):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    client = OpenAI(base_url=f"{secured.url}/v1", api_key=KEY, max_retries=0, timeout=300)
+    started = threading.Event()
+    chunks: list = []
+
+    def stream() -> None:
+        for chunk in client.completions.create(model="tiny", prompt="drain me", stream=True,
+                                               max_tokens=400, temperature=0,
+                                               extra_body={"ignore_eos": True},
+                                               stream_options={"include_usage": True}):
+            chunks.append(chunk)
+            started.set()
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert started.wait(60)
+    secured.proc.send_signal(signal.SIGTERM)
+    wait_until(lambda: httpx.get(f"{secured.url}/health").status_code == 503,
+               what="/health to turn 503")
+    r = httpx.post(f"{secured.url}/v1/completions", headers=headers,
+                   json={"model": "tiny", "prompt": "too late", "max_tokens": 2})
+    assert r.status_code == 503 and r.headers["retry-after"]
+    assert r.json()["error"]["code"] == "draining"
+    thread.join(300)
+    assert chunks[-1].usage.completion_tokens == 400
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert secured.proc.wait(60) == 0
+    assert "draining" in secured.log()
+
+
+def test_disconnected_stream_is_aborted_and_frees_its_kv(worker, http):
+    aborted_before = _abort_count(http)
+    body = {"model": "tiny", "prompt": "never mind", "max_tokens": 1500, "stream": True,
+            "ignore_eos": True}
+    with httpx.Client(base_url=worker.url, timeout=60) as c, \
+            c.stream("POST", "/v1/completions", json=body) as r:
+        events = 0
+        for line in r.iter_lines():
+            events += line.startswith("data: ")
+            if events >= 3:
+                break
+        assert http.get("/load").json()["running"] == 1
+    wait_until(lambda: _abort_count(http) == aborted_before + 1, what="the request's abort")
+    # nothing holds KV any more: a flush (which waits for running requests) leaves none in use
+    assert http.post("/flush_cache").status_code == 200
+    load = http.get("/load").json()
+    assert (load["running"], load["waiting"], load["kv_usage"]) == (0, 0, 0)
+
+
+def _abort_count(http) -> float:
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith('radixpool_requests_total{finish_reason="abort"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0

@@ -1,0 +1,124 @@
+"""Native endpoints: /generate, /server_info, /tokenizer, /load, /prefix_probe, KV events."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from radixpool.protocol.kv_blocks import KVEvent, prefix_block_hashes
+from radixpool.protocol.server_info import ServerInfo
+from radixpool.tokenization import PromptTokenizer
+
+pytestmark = pytest.mark.slow
+
+
+def fresh_ids(n: int) -> list[int]:
+    rng = random.Random()
+    return [rng.randrange(5, 1000) for _ in range(n)]
+
+
+def test_generate_text_and_input_ids(http):
+    one = http.post("/generate", json={"text": "hello world", "sampling_params": {
+        "max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}).json()
+    assert len(one["output_ids"]) == 6 and isinstance(one["text"], str)
+    meta = one["meta_info"]
+    assert meta["completion_tokens"] == 6 and meta["finish_reason"] == "length"
+    assert meta["prompt_tokens"] > 0 and meta["cached_tokens"] >= 0
+    tokenizer = PromptTokenizer(http.get("/tokenizer").json()["files"])
+    ids = tokenizer.encode("hello world")
+    again = http.post("/generate", json={"input_ids": ids, "sampling_params": {
+        "max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}).json()
+    assert again["output_ids"] == one["output_ids"]
+
+
+def test_generate_batch_and_n(http):
+    out = http.post("/generate", json={"input_ids": [[5, 6, 7], [8, 9, 10]], "sampling_params": {
+        "max_new_tokens": 3, "n": 2, "temperature": 1.0, "seed": 3}}).json()
+    assert isinstance(out, list) and len(out) == 4
+    assert all(1 <= len(r["output_ids"]) <= 3 for r in out)
+
+
+def test_generate_stream(http):
+    body = {"input_ids": [5, 6, 7, 8], "stream": True,
+            "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}
+    events = []
+    with http.stream("POST", "/generate", json=body) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    ids = [t for e in events for t in e["output_ids"]]
+    full = http.post("/generate", json={**body, "stream": False}).json()
+    assert ids == full["output_ids"]
+    assert events[-1]["meta_info"]["finish_reason"] == "length"
+    assert "".join(e["text"] for e in events) == full["text"]
+
+
+def test_server_info_and_tokenizer(http, worker):
+    info = ServerInfo.from_json(http.get("/server_info").json())
+    assert info.served_model_name == "tiny"
+    assert info.context_length > 0 and info.kv_capacity_tokens > 0
+    assert info.page_size >= 1 and info.kv_block_size >= info.page_size
+    assert info.instance_id and info.version
+    files = http.get("/tokenizer").json()["files"]
+    tokenizer = PromptTokenizer(files)
+    assert tokenizer.chat_template
+    messages = [{"role": "user", "content": "hi there"}]
+    probe = http.post("/prefix_probe", json={"messages": messages}).json()
+    assert probe["prompt_tokens"] == len(tokenizer.encode_chat(messages))
+
+
+def test_health_and_load(http):
+    assert http.get("/health").status_code == 200
+    assert http.get("/health_generate").status_code == 200
+    load = http.get("/load").json()
+    assert set(load) >= {"running", "waiting", "kv_usage", "instance_id"}
+    assert 0 <= load["kv_usage"] <= 1
+
+
+def test_probe_and_events_agree_with_cache(http):
+    info = http.get("/server_info").json()
+    block = info["kv_block_size"]
+    snap = http.get("/kv_events/snapshot").json()
+    ids = fresh_ids(5 * block + 3)
+    salt = "probe-test"
+    assert http.post("/prefix_probe", json={"input_ids": ids, "cache_salt": salt}
+                     ).json() == {"prompt_tokens": len(ids), "cached_tokens": 0}
+    http.post("/generate", json={"input_ids": ids, "cache_salt": salt,
+                                 "sampling_params": {"max_new_tokens": 1}})
+    cached = http.post("/prefix_probe", json={"input_ids": ids, "cache_salt": salt}
+                       ).json()["cached_tokens"]
+    assert cached >= 5 * block   # every whole block of the prompt is held
+    # the same salt on a real request reports what the probe said
+    again = http.post("/generate", json={"input_ids": ids, "cache_salt": salt,
+                                         "sampling_params": {"max_new_tokens": 1}}).json()
+    assert again["meta_info"]["cached_tokens"] == min(cached, len(ids) - 1) or \
+        again["meta_info"]["cached_tokens"] == cached
+    # the event stream announced exactly the prompt's blocks, in the salt's namespace
+    r = http.get("/kv_events", params={"since": snap["seq"], "timeout": 0}).json()
+    assert r["instance_id"] == snap["instance_id"]
+    events = [KVEvent.from_json(e) for e in r["events"]]
+    assert [e.seq for e in events] == list(range(snap["seq"] + 1, r["next"] + 1))
+    stored = {h for e in events if e.type == "stored" for h in e.blocks}
+    hashes = [int(h) for h in prefix_block_hashes(ids, block, salt)]
+    assert set(hashes[:5]) <= stored
+    unsalted = [int(h) for h in prefix_block_hashes(ids, block)]
+    assert not set(unsalted) & stored
+    snapshot = {int(h, 16) for h in http.get("/kv_events/snapshot").json()["blocks"]}
+    assert set(hashes[:5]) <= snapshot
+
+
+def test_kv_events_resync_and_flush(http):
+    last = http.get("/kv_events/snapshot").json()
+    r = http.get("/kv_events", params={"since": last["seq"] + 1000, "timeout": 0})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "resync_required"
+    before = http.get("/server_info").json()["instance_id"]
+    assert http.post("/flush_cache").status_code == 200
+    after = http.get("/server_info").json()
+    assert after["instance_id"] != before
+    events = http.get("/kv_events", params={"since": last["seq"], "timeout": 0})
+    if events.status_code == 200:
+        assert "cleared" in [e["type"] for e in events.json()["events"]]
+    assert http.get("/kv_events/snapshot").json()["blocks"] == []

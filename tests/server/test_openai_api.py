@@ -1,0 +1,162 @@
+"""The OpenAI-compatible API, driven with the official `openai` SDK against a real worker."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+WORDS = ("river", "mountain", "city", "winter", "garden", "music", "paper", "window", "story",
+         "market", "engine")
+
+
+def fresh_text(n_words: int = 40) -> str:
+    """A prompt no other test sent (so nothing of it is cached yet)."""
+    tag = uuid.uuid4().int
+    return " ".join(WORDS[(tag >> (3 * i)) % len(WORDS)] for i in range(n_words))
+
+
+def chat(client, content: str, **kw):
+    return client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": content}], **kw)
+
+
+def test_models_lists_the_served_name(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+
+def test_chat_completion(client):
+    r = chat(client, "hello there", max_tokens=8, temperature=0)
+    choice = r.choices[0]
+    assert r.object == "chat.completion" and r.model == "tiny"
+    assert choice.message.role == "assistant"
+    assert isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("stop", "length")
+    assert 1 <= r.usage.completion_tokens <= 8
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_chat_stream_matches_non_stream(client):
+    kw = {"max_tokens": 12, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    full = chat(client, "stream me a story", **kw)
+    chunks = list(chat(client, "stream me a story", stream=True,
+                       stream_options={"include_usage": True}, **kw))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_completion_stream_and_batch(client):
+    r = client.completions.create(model="tiny", prompt=["one two", "three four"], max_tokens=5,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert r.usage.completion_tokens == 10
+    stream = client.completions.create(model="tiny", prompt="one two", max_tokens=5,
+                                       temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    text = "".join(c.choices[0].text for c in stream if c.choices)
+    assert text == next(c.text for c in r.choices if c.index == 0)
+
+
+def test_n_choices(client):
+    r = chat(client, "pick a word", n=3, max_tokens=6, temperature=1.0, seed=7,
+             extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert r.usage.completion_tokens == 18
+    streamed = list(chat(client, "pick a word", n=3, max_tokens=6, temperature=1.0, seed=7,
+                         stream=True, extra_body={"ignore_eos": True}))
+    per_choice = {i: "" for i in range(3)}
+    for c in streamed:
+        for ch in c.choices:
+            per_choice[ch.index] += ch.delta.content or ""
+    assert per_choice == {c.index: c.message.content for c in r.choices}
+
+
+def test_seed_reproducible(client):
+    kw = {"max_tokens": 16, "temperature": 1.0, "extra_body": {"ignore_eos": True}}
+    a = chat(client, "tell me something", seed=1234, **kw).choices[0].message.content
+    b = chat(client, "tell me something", seed=1234, **kw).choices[0].message.content
+    c = chat(client, "tell me something", seed=4321, **kw).choices[0].message.content
+    assert a == b
+    assert a != c
+
+
+def test_stop_string_spanning_tokens_is_trimmed(client, http):
+    from radixpool.tokenization import PromptTokenizer
+
+    tokenizer = PromptTokenizer(http.get("/tokenizer").json()["files"])
+    prompt = "the garden and the river"
+    base = http.post("/generate", json={"text": prompt, "sampling_params": {
+        "max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}).json()
+    text, ids = base["text"], base["output_ids"]
+    # a stop string made of the last character of one token and the first of the next
+    stop = None
+    for i in range(len(ids) - 2, 1, -1):
+        k = len(tokenizer.decode(ids[:i]))
+        piece = text[k - 1:k + 1]
+        if text.startswith(tokenizer.decode(ids[:i])) and len(piece) == 2 and "\ufffd" not in piece:
+            stop = piece
+            break
+    assert stop, f"no token boundary to stop on in {text!r}"
+    expected = text[: text.index(stop)]
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
+                                  stop=[stop], extra_body={"ignore_eos": True})
+    assert r.choices[0].text == expected
+    assert r.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model="tiny", prompt=prompt, max_tokens=24,
+                                         temperature=0, stop=stop, stream=True,
+                                         extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed) == expected
+
+
+def test_logprobs(client):
+    r = chat(client, "hello", max_tokens=5, temperature=0, logprobs=True, top_logprobs=3,
+             extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == 5
+    for entry in content:
+        assert entry.logprob <= 0
+        assert len(entry.top_logprobs) == 3
+        # greedy: the chosen token is the most likely one
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-4)
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+    legacy = client.completions.create(model="tiny", prompt="hello", max_tokens=4, temperature=0,
+                                       logprobs=2, extra_body={"ignore_eos": True})
+    lp = legacy.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert all(len(top) <= 2 for top in lp.top_logprobs)
+    assert lp.text_offset == sorted(lp.text_offset)
+
+
+def test_repeated_prompt_reports_cached_tokens(client):
+    text, salt = fresh_text(), uuid.uuid4().hex   # a namespace of its own: nothing cached yet
+    kw = {"max_tokens": 4, "temperature": 0, "extra_body": {"cache_salt": salt}}
+    first = chat(client, text, **kw)
+    second = chat(client, text, **kw)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    prompt = second.usage.prompt_tokens
+    assert prompt - 2 <= cached < prompt   # all but the token that must be recomputed
+
+
+def test_cache_salt_separates_namespaces(client):
+    text, a, b = fresh_text(), uuid.uuid4().hex, uuid.uuid4().hex
+    chat(client, text, max_tokens=2, extra_body={"cache_salt": a})
+    other = chat(client, text, max_tokens=2, extra_body={"cache_salt": b})
+    same = chat(client, text, max_tokens=2, extra_body={"cache_salt": a})
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    assert same.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_extensions_are_accepted(client):
+    r = chat(client, "hi", max_tokens=4, temperature=0.7,
+             extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True,
+                         "min_tokens": 4})
+    assert r.usage.completion_tokens == 4
