@@ -145,7 +145,7 @@ async def one(pool: UpstreamPool, path: str, body: bytes) -> Sample:
     start = time.perf_counter()
     response = await pool.request("POST", path, HEADERS, body)
     first = None
-    while (chunk := await response.read()) is not None:
+    while await response.read() is not None:
         if first is None:
             first = time.perf_counter()
     if response.status != 200:

@@ -1,0 +1,176 @@
+"""End to end with real `radixpool worker` processes (tiny model, CPU) behind the gateway, driven
+by the official `openai` SDK: group affinity vs round robin, a flushed worker, a killed worker."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from radixpool.gateway.config import GatewayConfig
+from radixpool.gateway.server import GatewayServer
+
+pytest.importorskip("torch", reason="the real worker needs the `worker` extra (torch)")
+pytestmark = pytest.mark.slow
+
+_TEXT = ("the of and to in is was for on that with as by at from his her it an were are which "
+         "this be or has had not first one their its new after but who they been have also two "
+         "time year city school world group music state house water light river stone paper "
+         "cache token prefix model serve request worker gateway radix tree memory batch")
+VOCAB = _TEXT.split()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def real_workers(tiny_model):
+    procs, urls = [], []
+    for _ in range(3):
+        port = free_port()
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "radixpool.cli", "worker", "--model", str(tiny_model),
+             "--served-model-name", "tiny", "--port", str(port), "--kv-cache-tokens", "4096",
+             "--log-level", "warning"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        urls.append(f"http://127.0.0.1:{port}")
+    deadline = time.monotonic() + 150
+    for proc, url in zip(procs, urls):
+        while True:
+            assert proc.poll() is None, f"worker {url} exited with {proc.returncode}"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "workers did not start"
+            time.sleep(0.2)
+    yield procs, urls
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+
+
+@pytest.fixture
+def gateway(loop_thread, real_workers):
+    servers = []
+
+    def make(**config) -> str:
+        urls = real_workers[1]
+        for url in urls:
+            httpx.post(url + "/flush_cache")  # each run starts from cold caches
+        config.setdefault("health_interval", 3600.0)
+        server = GatewayServer(GatewayConfig(worker_urls=tuple(urls), host="127.0.0.1", port=0,
+                                             **config))
+        loop_thread.run(server.start())
+        for worker in server.gateway.workers:
+            loop_thread.run(server.monitor.check(worker))
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        loop_thread.run(server.stop())
+
+
+def group_prompt(group: int) -> str:
+    rng = random.Random(group)
+    return " ".join(rng.choice(VOCAB) for _ in range(160))
+
+
+def ask(client: openai.OpenAI, group: int, question: int):
+    return client.chat.completions.with_raw_response.create(
+        model="tiny", max_tokens=2, temperature=0,
+        messages=[{"role": "system", "content": group_prompt(group)},
+                  {"role": "user", "content": f"question {question} about {VOCAB[question]}"}])
+
+
+def run(server: GatewayServer, per_group: int = 4, groups: int = 4) -> tuple[float, dict]:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x",
+                           max_retries=0)
+    prompt = cached = 0
+    homes: dict[int, set[str]] = {g: set() for g in range(groups)}
+    for q in range(per_group):
+        for g in range(groups):
+            raw = ask(client, g, q)
+            usage = raw.parse().usage
+            prompt += usage.prompt_tokens
+            cached += usage.prompt_tokens_details.cached_tokens
+            if q:
+                homes[g].add(raw.http_response.headers["x-radixpool-worker"])
+    return cached / prompt, homes
+
+
+def test_groups_stay_on_one_real_worker_and_beat_round_robin(gateway):
+    aware_rate, homes = run(gateway())
+    assert all(len(h) == 1 for h in homes.values()), homes
+    rr_rate, _ = run(gateway(policy="round_robin"))
+    assert aware_rate > 0.6 and aware_rate > rr_rate + 0.2, (aware_rate, rr_rate)
+
+
+def test_a_flushed_real_worker_is_noticed_and_the_hit_rate_recovers(gateway, loop_thread):
+    server = gateway()
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x",
+                           max_retries=0)
+    owner = ask(client, 0, 0).http_response.headers["x-radixpool-worker"]
+    assert ask(client, 0, 1).parse().usage.prompt_tokens_details.cached_tokens > 100
+    httpx.post(owner + "/flush_cache")
+    worker = server.gateway.workers.get(owner)
+    loop_thread.run(server.monitor.check(worker))
+    assert sum(worker.corrections.values()) >= 1  # new instance id (or the KV-event resync)
+    assert server.gateway.index.size(owner) == 0
+    predicted = sum(w.predicted_tokens for w in server.gateway.workers)
+    cold = ask(client, 0, 2)
+    assert cold.parse().usage.prompt_tokens_details.cached_tokens < 20
+    loop_thread.run(asyncio.sleep(0))  # let the gateway finish its bookkeeping
+    assert sum(w.predicted_tokens for w in server.gateway.workers) == predicted  # no false hit
+    recovered = ask(client, 0, 3)
+    assert recovered.http_response.headers["x-radixpool-worker"] == \
+        cold.http_response.headers["x-radixpool-worker"]
+    assert recovered.parse().usage.prompt_tokens_details.cached_tokens > 100
+
+
+def test_killing_a_real_worker_mid_run_loses_no_request(gateway, real_workers):
+    server = gateway()
+    procs, urls = real_workers
+    statuses: list[int] = []
+    errors: list[str] = []
+
+    def client(t: int) -> None:
+        sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x",
+                            max_retries=0)
+        for i in range(5):
+            try:
+                ask(sdk, t, i)
+                statuses.append(200)
+            except openai.OpenAIError as exc:
+                errors.append(repr(exc))
+
+    threads = [threading.Thread(target=client, args=(t,)) for t in range(6)]
+    for t in threads:
+        t.start()
+    while len(statuses) + len(errors) < 6:
+        time.sleep(0.01)
+    os.kill(procs[1].pid, signal.SIGKILL)
+    procs[1].wait(10)
+    for t in threads:
+        t.join(120)
+    assert errors == [] and len(statuses) == 30
+    sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x",
+                        max_retries=0)
+    served = {ask(sdk, 9, i).http_response.headers["x-radixpool-worker"] for i in range(4)}
+    assert urls[1] not in served
