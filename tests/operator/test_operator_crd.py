@@ -144,3 +144,20 @@ def test_cel_rules_agree_with_the_operator_validation(name, spec, valid):
         operator_ok = False
     assert cel_ok == operator_ok == valid
     assert len(_cel_rules()) == 4
+
+
+def test_autoscaling_examples_target_the_scale_subresource_with_exported_metrics(
+        assert_k8s_valid):
+    from radixpool.protocol.metrics import ALL_METRICS
+
+    exported = {series for spec in ALL_METRICS for series in spec.series}
+    docs = list(yaml.safe_load_all((REPO / "examples/autoscaling.yaml").read_text()))
+    hpa = next(d for d in docs if d["kind"] == "HorizontalPodAutoscaler")
+    assert_k8s_valid(hpa)
+    for doc in docs:
+        target = doc["spec"]["scaleTargetRef"]
+        assert (target["apiVersion"], target["kind"]) == (api.API_VERSION, api.KIND)
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] in exported
+    keda = next(d for d in docs if d["kind"] == "ScaledObject")
+    query = keda["spec"]["triggers"][0]["metadata"]["query"]
+    assert query.split("(", 1)[1].split("{", 1)[0] in exported
