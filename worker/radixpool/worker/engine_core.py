@@ -9,6 +9,7 @@ cache events, queue stats) comes back as one `StepOutput`.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +30,21 @@ from radixpool.worker.sampler import Sampler, SamplingRow
 from radixpool.worker.scheduler.scheduler import ScheduledBatch, Scheduler
 
 
+@dataclass
+class StepTimes:
+    """Cumulative wall time per phase of `step`, in seconds (for benchmarks and profiling)."""
+
+    schedule: float = 0.0   # choosing the batch, allocating KV, building the forward batch
+    forward: float = 0.0    # the model
+    sample: float = 0.0
+    process: float = 0.0    # applying tokens: finishes, cache inserts, lock hand-over, events
+    steps: int = 0
+
+    @property
+    def bookkeeping(self) -> float:
+        return self.schedule + self.process
+
+
 def kv_block_size(page_size: int) -> int:
     """Event block size: the protocol default, rounded up to whole pages."""
     return -(-DEFAULT_BLOCK_SIZE // page_size) * page_size
@@ -44,7 +60,7 @@ class EngineCore:
                                    self.runner.context_length, self.runner.eos_token_ids)
         self.sampler = Sampler(self.runner.vocab_size, self.runner.eos_token_ids,
                                self.runner.device)
-        self.steps = 0
+        self.times = StepTimes()
 
     def ready_message(self) -> CoreReady:
         r = self.runner
@@ -84,31 +100,41 @@ class EngineCore:
     @torch.inference_mode()
     def step(self) -> StepOutput:
         out = StepOutput()
+        t0 = time.perf_counter()
         batch = self.scheduler.next_batch()
         if batch is not None:
-            self.steps += 1
-            out.deltas = self._run(batch)
+            self.times.steps += 1
+            out.deltas = self._run(batch, t0)
+        t = time.perf_counter()
         out.events = self.cache.drain_events()
         for event in out.events:
             if event.type == "stored":
                 self.scheduler.waiting.on_stored(event.blocks)
         out.stats = self.stats()
+        self.times.process += time.perf_counter() - t
         return out
 
-    def _run(self, batch: ScheduledBatch) -> list[TokenDelta]:
-        runner = self.runner
+    def _run(self, batch: ScheduledBatch, t0: float) -> list[TokenDelta]:
+        runner, times = self.runner, self.times
         fb = ForwardBatch.build(batch.mode, batch.token_ids, batch.prefix_lens,
                                 batch.out_cache_loc, [r.row for r in batch.reqs], batch.sample,
                                 runner.req_to_token_pool.table, runner.kv_pool)
+        t1 = time.perf_counter()
         logits = runner.forward(fb)
+        t2 = time.perf_counter()
         rows = [SamplingRow(r.params, r.seed, r.input_ids, r.output_ids, r.rid)
                 for r, wants in zip(batch.reqs, batch.sample) if wants]
-        if rows:
-            result = self.sampler.sample(logits, rows)
+        result = self.sampler.sample(logits, rows) if rows else None
+        t3 = time.perf_counter()
+        if result is not None:
             deltas = self.scheduler.process(batch, result.token_ids, result.logprobs,
                                             result.top_logprobs)
         else:
             deltas = self.scheduler.process(batch, [])
+        times.schedule += t1 - t0
+        times.forward += t2 - t1
+        times.sample += t3 - t2
+        times.process += time.perf_counter() - t3
         for delta in deltas:
             if delta.finished:
                 self.sampler.release(delta.rid)

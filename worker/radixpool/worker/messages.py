@@ -46,7 +46,7 @@ class ControlReply:
     error: str | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenDelta:
     """What happened to one request in one step."""
 

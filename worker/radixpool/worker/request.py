@@ -25,7 +25,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Req:
     rid: str
     input_ids: list[int]
@@ -55,14 +55,19 @@ class Req:
     version: int = 0                      # bumps on every priority change (stale heap entries)
     queue_epoch: int = 0                  # bumps on every enqueue (stale arrival entries)
 
+    seq_len: int = 0                      # len(input_ids) + len(output_ids), kept by append
+
+    def __post_init__(self) -> None:
+        self.seq_len = len(self.input_ids) + len(self.output_ids)
+
+    def append(self, token: int) -> None:
+        self.output_ids.append(token)
+        self.seq_len += 1
+
     @property
     def fill_ids(self) -> list[int]:
         """Every token of the sequence so far: prompt, then generated."""
         return self.input_ids + self.output_ids
-
-    @property
-    def seq_len(self) -> int:
-        return len(self.input_ids) + len(self.output_ids)
 
     @property
     def uncomputed(self) -> int:

@@ -107,9 +107,10 @@ class Scheduler:
     # ------------------------------------------------------------------ scheduling
     def next_batch(self, now: float | None = None) -> ScheduledBatch | None:
         now = time.time() if now is None else now
-        decode = self._make_room_for_decode()
-        prefill, takes = self._admit(now, self.config.max_prefill_tokens - len(decode),
-                                     decode_slots=len(decode))
+        decode, chunking, reserved = self._make_room_for_decode()
+        prefill, takes = self._admit(now, self.config.max_prefill_tokens - len(decode), chunking,
+                                     kv_budget=self.pool.available_size()
+                                     + self.cache.evictable_size - len(decode) - reserved)
         if not decode and not prefill:
             return None
         reqs = prefill + decode
@@ -121,8 +122,16 @@ class Scheduler:
         mode = ForwardMode.EXTEND if prefill else ForwardMode.DECODE
         return ScheduledBatch(mode, reqs, token_ids, prefix_lens, slots, sample)
 
-    def _make_room_for_decode(self) -> list[Req]:
-        decode = [r for r in self.running.values() if r.uncomputed == 1]
+    def _make_room_for_decode(self) -> tuple[list[Req], list[Req], int]:
+        """Decode-ready requests (a slot each ensured), prompts mid-prefill, and the KV to
+        reserve for the running requests' growth."""
+        decode, chunking, growth = [], [], 0
+        for r in self.running.values():
+            if r.seq_len - r.kv_len == 1:
+                decode.append(r)
+            else:
+                chunking.append(r)
+            growth += min(r.params.max_new_tokens - len(r.output_ids), RESERVE_CAP)
         while decode and not self._ensure_free(len(decode)):
             victim = max(decode, key=lambda r: r.seq)  # youngest first
             decode.remove(victim)
@@ -134,7 +143,7 @@ class Scheduler:
                 self._pending_deltas.append(self._delta(victim, []))
             else:
                 self._retract(victim)
-        return decode
+        return decode, chunking, int(growth * self.new_token_ratio)
 
     def _ensure_free(self, num_tokens: int) -> bool:
         short = num_tokens - self.pool.available_size()
@@ -142,18 +151,13 @@ class Scheduler:
             self.cache.evict(short)
         return self.pool.available_size() >= num_tokens
 
-    def _reserved_for_decode(self) -> int:
-        total = sum(min(r.remaining_new_tokens(), RESERVE_CAP) for r in self.running.values())
-        return int(total * self.new_token_ratio)
-
-    def _admit(self, now: float, budget: int, decode_slots: int) -> tuple[list[Req], list[int]]:
+    def _admit(self, now: float, budget: int, chunking: list[Req],
+               kv_budget: int) -> tuple[list[Req], list[int]]:
         admitted: list[Req] = []
         takes: list[int] = []
         chunk = self.config.chunked_prefill_size
         pending_blocks: set[int] = set()
-        state = {"budget": budget, "chunked": False,
-                 "kv": self.pool.available_size() + self.cache.evictable_size
-                 - decode_slots - self._reserved_for_decode()}
+        state = {"budget": budget, "chunked": False, "kv": kv_budget}
 
         def try_take(req: Req, take: int, resumed: bool) -> bool:
             if take <= 0 or take > state["kv"]:
@@ -166,8 +170,8 @@ class Scheduler:
             return True
 
         # A prompt being prefilled chunk by chunk continues first.
-        for req in self.running.values():
-            if req.uncomputed > 1 and state["budget"] > 0:
+        for req in chunking:
+            if state["budget"] > 0:
                 take = min(req.uncomputed, chunk, state["budget"])
                 state["chunked"] = take < req.uncomputed
                 try_take(req, take, resumed=True)
@@ -266,7 +270,7 @@ class Scheduler:
             lp = None if logprobs is None else logprobs[j]
             top = None if top_logprobs is None else top_logprobs[j]
             j += 1
-            req.output_ids.append(token)
+            req.append(token)
             if self._check_finished(req, token):
                 self.running.pop(req.rid)
                 self._release(req, keep_kv=True)
@@ -291,13 +295,12 @@ class Scheduler:
         req.status = Status.FINISHED
         return True
 
-    def _delta(self, req: Req, tokens: list[int], lp=None, top=None) -> TokenDelta:
+    @staticmethod
+    def _delta(req: Req, tokens: list[int], lp=None, top=None) -> TokenDelta:
         return TokenDelta(
-            rid=req.rid, token_ids=tokens,
-            logprobs=None if lp is None else [lp], top_logprobs=None if top is None else [top],
-            finished=req.status is Status.FINISHED, finish_reason=req.finish_reason,
-            matched_stop_token=req.matched_stop_token, prompt_tokens=len(req.input_ids),
-            cached_tokens=max(0, req.cached_tokens), queue_time=req.queue_time)
+            req.rid, tokens, None if lp is None else [lp], None if top is None else [top],
+            req.status is Status.FINISHED, req.finish_reason, req.matched_stop_token,
+            len(req.input_ids), max(0, req.cached_tokens), req.queue_time)
 
     # ------------------------------------------------------------------ KV hand-over
     def _cache_prefix(self, req: Req) -> None:
