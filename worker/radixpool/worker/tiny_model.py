@@ -8,7 +8,10 @@ The output is a pure function of (arch, seed): same files, same weights, same to
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
+import tempfile
 from pathlib import Path
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
@@ -126,5 +129,36 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0) -> 
     model.generation_config = GenerationConfig(
         bos_token_id=special["<s>"], pad_token_id=special["<pad>"],
         eos_token_id=[special["</s>"], special["<|im_end|>"]])
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+def cache_dir() -> Path:
+    """Where RadixPool keeps things it makes on first use (`$RADIXPOOL_CACHE_DIR`, else
+    `$XDG_CACHE_HOME/radixpool`, else `~/.cache/radixpool`)."""
+    if os.environ.get("RADIXPOOL_CACHE_DIR"):
+        return Path(os.environ["RADIXPOOL_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "radixpool"
+
+
+def default_tiny_model(arch: str = "llama", seed: int = 0) -> Path:
+    """The built-in tiny model, made once in the cache folder and reused afterwards."""
+    target = cache_dir() / f"tiny-{arch}-seed{seed}"
+    if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        make_tiny_model(staging, arch, seed)
+        try:
+            staging.rename(target)  # atomic: concurrent first uses never see a half model
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
