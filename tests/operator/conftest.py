@@ -9,6 +9,7 @@ import pytest
 
 from radixpool.operator import api
 from radixpool.operator.desired import ObjectRef
+from radixpool.operator.reconcile import ObjectRejected
 from radixpool.operator.status import Observed
 
 K8S_VERSION = "1.33"
@@ -34,6 +35,7 @@ class FakeCluster:
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
         self.service_monitors = service_monitors
         self.applies = 0
+        self.refuse: dict[str, str] = {}  # kind → the API server's message, on any apply
 
     def add(self, kind: str, namespace: str, name: str, obj: dict | None = None) -> None:
         self.objects[(kind, namespace, name)] = obj or {"metadata": {"name": name}}
@@ -50,7 +52,11 @@ class FakeCluster:
     def has_service_monitors(self) -> bool:
         return self.service_monitors
 
-    def apply(self, obj: dict[str, Any]) -> None:
+    def apply(self, obj: dict[str, Any], *, dry_run: bool = False) -> None:
+        if obj["kind"] in self.refuse:
+            raise ObjectRejected(self.refuse[obj["kind"]])
+        if dry_run:
+            return
         self.applies += 1
         key = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
         before = self.objects.get(key)

@@ -89,6 +89,7 @@ class Store:
         self.requests: list[tuple[str, str, dict[str, list[str]], str]] = []
         self.version = 0
         self.changed = threading.Condition()
+        self.refuse: dict[str, str] = {}  # path → message answered with 422 to any write
 
     def put(self, path: str, obj: dict[str, Any]) -> dict[str, Any]:
         with self.changed:
@@ -237,8 +238,12 @@ class Handler(BaseHTTPRequestHandler):
         self._send(201, self.store.put(f"{path}/{name}", body))
 
     def do_PATCH(self) -> None:
-        path, _ = self._route("PATCH")
+        path, query = self._route("PATCH")
         body = self._body()
+        if path in self.store.refuse:
+            return self._send(422, {"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                                    "reason": "Invalid", "code": 422,
+                                    "message": self.store.refuse[path]})
         content_type = self.headers.get("Content-Type", "")
         status_only = path.endswith("/status")
         path = path.removesuffix("/status")
@@ -260,6 +265,8 @@ class Handler(BaseHTTPRequestHandler):
             has_status_subresource = "/inferencepools/" in path
             merged = merge(current, {key: value for key, value in body.items()
                                      if key != "status" or not has_status_subresource})
+        if query.get("dryRun"):
+            return self._send(200, merged)
         self._send(200, self.store.put(path, merged))
 
     def do_DELETE(self) -> None:

@@ -42,7 +42,7 @@ def test_timer_applies_a_valid_pool(cluster, pool_body, posted):
 
 def test_api_failures_become_retries(pool_body, make_cluster, posted):
     class Unavailable(make_cluster):
-        def apply(self, obj):
+        def apply(self, obj, *, dry_run=False):
             raise ApiException(status=503, reason="Service Unavailable")
 
     with pytest.raises(kopf.TemporaryError, match="503"):

@@ -38,8 +38,12 @@ def kube_cluster(server):
 def test_reconcile_applies_every_object_server_side_with_force(server, kube_cluster, pool_body):
     store, _ = server
     outcome = reconcile_pool(pool_body(), kube_cluster, OperatorConfig())
-    applies = [(path, query, ctype) for method, path, query, ctype in store.requests
+    patches = [(path, query, ctype) for method, path, query, ctype in store.requests
                if method == "PATCH"]
+    dry_runs = [p for p in patches if p[1].get("dryRun") == ["All"]]
+    applies = [p for p in patches if "dryRun" not in p[1]]
+    assert len(dry_runs) == len(applies) == 8
+    assert patches.index(dry_runs[-1]) < patches.index(applies[0])  # every dry run comes first
     assert {path for path, _, _ in applies} == {
         "/api/v1/namespaces/ml/services/llama-workers",
         "/api/v1/namespaces/ml/services/llama-gateway",
@@ -98,3 +102,16 @@ def test_turning_the_pdb_off_deletes_it_and_monitors_follow_their_crd(server, ku
         r[:2] for r in store.requests]
     assert "apis/policy/v1/namespaces/ml/poddisruptionbudgets/llama-worker" not in (
         store.objects)
+
+
+def test_a_refusal_is_reported_with_the_servers_message(server, kube_cluster, pool_body):
+    store, _ = server
+    store.refuse["apis/apps/v1/namespaces/ml/deployments/llama-worker"] = (
+        "spec.template.spec.containers[0].env[0].name: Invalid value: \"1X\"")
+    outcome = reconcile_pool(pool_body(engine={"env": [{"name": "1X", "value": "v"}]}),
+                             kube_cluster, OperatorConfig())
+    accepted = outcome.status["conditions"][0]
+    assert accepted["reason"] == "RejectedByAPIServer"
+    assert "Deployment llama-worker: spec.template.spec.containers[0].env[0].name" in (
+        accepted["message"])
+    assert not any(key.startswith("api") and "/services/" in key for key in store.objects)

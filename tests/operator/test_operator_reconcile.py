@@ -86,6 +86,19 @@ def test_bad_edit_of_a_running_pool_keeps_it_running_as_it_was(cluster, pool_bod
     assert cond["WorkersReady"]["status"] == "True"  # still observed, still serving
 
 
+def test_objects_the_api_server_refuses_leave_nothing_half_made(cluster, pool_body):
+    cluster.refuse["Deployment"] = (
+        'Deployment.apps "llama-worker" is invalid: spec.template.spec.tolerations[0].operator: '
+        'Unsupported value: "Sometimes"')
+    body = pool_body(engine={"tolerations": [{"key": "gpu", "operator": "Sometimes"}]})
+    outcome = reconcile_pool(body, cluster, CONFIG, now=T0)
+    assert cluster.objects == {}  # the Services before it in the list were not written either
+    accepted = conditions(outcome.status)["Accepted"]
+    assert accepted["reason"] == "RejectedByAPIServer"
+    assert "tolerations[0].operator" in accepted["message"]
+    assert [(e.type, e.reason) for e in outcome.events] == [("Warning", "RejectedByAPIServer")]
+
+
 def test_drift_is_put_back(cluster, pool_body):
     body = pool_body(replicas=3)
     reconcile_pool(body, cluster, CONFIG)

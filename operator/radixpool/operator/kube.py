@@ -15,10 +15,11 @@ from typing import Any
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic import DynamicClient
-from kubernetes.dynamic.exceptions import NotFoundError
+from kubernetes.dynamic.exceptions import DynamicApiError, NotFoundError
 
 from . import api
 from .desired import ObjectRef
+from .reconcile import ObjectRejected
 from .status import Observed
 
 SERVICE_MONITOR_CRD = "servicemonitors.monitoring.coreos.com"
@@ -73,11 +74,16 @@ class KubeCluster:
         self._monitors = (time.monotonic(), present)
         return present
 
-    def apply(self, obj: dict[str, Any]) -> None:
-        self.dynamic.server_side_apply(
-            self._resource(obj["apiVersion"], obj["kind"]), body=obj,
-            namespace=obj["metadata"]["namespace"], field_manager=api.FIELD_MANAGER,
-            force_conflicts=True)
+    def apply(self, obj: dict[str, Any], *, dry_run: bool = False) -> None:
+        try:
+            self.dynamic.server_side_apply(
+                self._resource(obj["apiVersion"], obj["kind"]), body=obj,
+                namespace=obj["metadata"]["namespace"], field_manager=api.FIELD_MANAGER,
+                force_conflicts=True, dry_run="All" if dry_run else None)
+        except DynamicApiError as error:
+            if error.status in (400, 422):
+                raise ObjectRejected(error.summary()) from error
+            raise
 
     def delete(self, ref: ObjectRef) -> None:
         with contextlib.suppress(NotFoundError):

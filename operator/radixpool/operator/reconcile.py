@@ -1,10 +1,11 @@
-"""One reconciliation of one pool: validate, check references, apply, observe, report.
+"""One reconciliation of one pool: validate, check references, dry-run, apply, observe, report.
 
-The order is the contract. Nothing is written to the cluster until the spec is valid and every
-Secret and PVC it names exists, so a rejected pool is never half-made (a pool that was valid and
-then gets a bad edit keeps running as it was, with `Accepted=False` saying why). Applying is
-idempotent and forceful (server-side apply), so running this on a timer puts back whatever was
-edited or deleted. Status is computed from what is observed *after* applying.
+The order is the contract. Nothing is written to the cluster until the spec is valid, every
+Secret and PVC it names exists, and the API server has accepted every object in a dry run, so a
+rejected pool is never half-made (a pool that was valid and then gets a bad edit keeps running as
+it was, with `Accepted=False` saying why). Applying is idempotent and forceful (server-side
+apply), so running this on a timer puts back whatever was edited or deleted. Status is computed
+from what is observed *after* applying.
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ from .spec import InvalidPool, Pool, parse_pool
 from .status import Event, Observed, Verdict, pool_status, transition_events
 
 
+class ObjectRejected(Exception):
+    """The API server refused an object the pool would own (400 / 422): a problem with the
+    spec's pass-through fields (env, volumes, tolerations, ...), not with the cluster."""
+
+
 class Cluster(Protocol):
     """The Kubernetes API as reconciliation needs it."""
 
@@ -28,8 +34,9 @@ class Cluster(Protocol):
     def has_service_monitors(self) -> bool:
         """Whether the monitoring.coreos.com ServiceMonitor CRD is installed."""
 
-    def apply(self, obj: dict[str, Any]) -> None:
-        """Create or update `obj`, taking ownership of every field it sets."""
+    def apply(self, obj: dict[str, Any], *, dry_run: bool = False) -> None:
+        """Create or update `obj`, taking ownership of every field it sets; with `dry_run` the
+        server validates and admits it without storing. Raises `ObjectRejected` on 400 / 422."""
 
     def delete(self, ref: ObjectRef) -> None:
         """Delete the object if it exists."""
@@ -71,12 +78,17 @@ def reconcile_pool(body: dict[str, Any], cluster: Cluster, config: OperatorConfi
 
     if pool is not None and verdict.accepted:
         monitors = cluster.has_service_monitors()
-        for obj in desired_objects(pool, config, service_monitors=monitors):
-            cluster.apply(obj)
-            applied.append(ObjectRef(obj["apiVersion"], obj["kind"], pool.namespace,
-                                     obj["metadata"]["name"]))
-        for ref in obsolete_objects(pool, service_monitors=monitors):
-            cluster.delete(ref)
+        objects = desired_objects(pool, config, service_monitors=monitors)
+        rejection = _dry_run(objects, cluster)
+        if rejection:
+            verdict = Verdict(False, "RejectedByAPIServer", rejection)
+        else:
+            for obj in objects:
+                cluster.apply(obj)
+                applied.append(ObjectRef(obj["apiVersion"], obj["kind"], pool.namespace,
+                                         obj["metadata"]["name"]))
+            for ref in obsolete_objects(pool, service_monitors=monitors):
+                cluster.delete(ref)
 
     observed = cluster.observe(meta.get("namespace", "default"), meta["name"])
     status = pool_status(
@@ -88,6 +100,17 @@ def reconcile_pool(body: dict[str, Any], cluster: Cluster, config: OperatorConfi
         now=now or _now(),
     )
     return Outcome(status=status, events=transition_events(body, status), applied=applied)
+
+
+def _dry_run(objects: list[dict[str, Any]], cluster: Cluster) -> str | None:
+    """Every object past the API server's validation and admission before any is written, so
+    a spec the server refuses leaves nothing half-made. The refusal, or None."""
+    for obj in objects:
+        try:
+            cluster.apply(obj, dry_run=True)
+        except ObjectRejected as rejected:
+            return f"{obj['kind']} {obj['metadata']['name']}: {rejected}"
+    return None
 
 
 def _requested_replicas(body: dict[str, Any], observed: Observed) -> int:
