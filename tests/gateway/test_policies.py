@@ -82,6 +82,16 @@ def test_imbalance_needs_both_the_absolute_and_the_relative_gap():
         assert decision.worker == ("b" if reason == "imbalance" else "a")
 
 
+def test_a_swamped_worker_elsewhere_does_not_break_affinity():
+    policy = cache_aware(("a", "b", "c"))
+    prompt = tokens(0, 10 * BLOCK)
+    policy.index.insert("a", key_of(prompt).hashes)
+    cands = [Candidate("a", 5), Candidate("b", 100), Candidate("c", 0)]
+    assert policy.select(cands, key_of(prompt)).worker == "a"
+    cands = [Candidate("a", 100), Candidate("b", 5), Candidate("c", 0)]
+    assert policy.select(cands, key_of(prompt)).reason == "imbalance"
+
+
 def test_several_owners_the_least_loaded_wins():
     policy = cache_aware(("a", "b", "c"))
     prompt = tokens(0, 8 * BLOCK)

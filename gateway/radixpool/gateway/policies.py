@@ -2,20 +2,24 @@
 pick one. Pure: no I/O, no clock; the proxy owns the loop around them.
 
 `cache_aware` (default), per request:
-1. Imbalance: if max load − min load > `balance_abs_threshold` AND max load > min load ×
-   `balance_rel_threshold`, go to the least-loaded worker (reason `imbalance`). Both must hold, so a
-   small absolute gap at low traffic and a small ratio at high traffic both keep cache affinity.
-2. Otherwise match the prompt's block hashes against every worker's tree (`PrefixIndex`). The part
-   that counts is the match *beyond a base*: the prefix every eligible worker already holds, or a
-   hot prefix every worker can cheaply hold — one carrying at least `hot_prefix_factor` workers'
-   share of recent traffic (a common system prompt). Without that, whoever first cached the
-   system prompt would "match" every new session and the rest of the fleet would sit idle.
-3. If the best effective match covers more than `cache_threshold` of the prompt beyond the base,
-   route to the owner of that match (reason `cache_hit`); several owners → the least loaded.
-   Else route to the least-loaded worker (reason `cache_miss`), preferring a longer raw match.
-4. Ties among equally loaded workers rotate (never always the first). The prompt is inserted into
-   the chosen worker's tree at selection time; `failed` undoes that if the request never reached
-   the worker, and the proxy trims the tree when the worker reports fewer cached tokens.
+1. Match the prompt's block hashes against every worker's tree (`PrefixIndex`). The part that
+   counts is the match *beyond a base*: the prefix every eligible worker already holds, or a hot
+   prefix every worker can cheaply hold — one carrying at least `hot_prefix_factor` workers' share
+   of recent traffic (a common system prompt). Without that, whoever first cached the system
+   prompt would "match" every new session and the rest of the fleet would sit idle.
+2. If the best effective match covers more than `cache_threshold` of the prompt beyond the base,
+   the owner of that match is the candidate (several owners → the least loaded of them).
+3. Imbalance: if that owner's in-flight load exceeds the least-loaded worker's by more than
+   `balance_abs_threshold` AND by a factor above `balance_rel_threshold`, go to the least-loaded
+   worker instead (reason `imbalance`); else to the owner (reason `cache_hit`). Both gaps must
+   hold, so a small absolute gap at low traffic and a small ratio at high traffic both keep
+   affinity. Unlike the router in the seeds, the detector looks at the worker this request would
+   go to, not the fleet's max: a swamped worker elsewhere does not cost this request its cache.
+4. No owner above the threshold: the least-loaded worker (reason `cache_miss`), preferring a
+   longer raw match. Ties among equally loaded workers rotate (never always the first).
+5. The prompt is inserted into the chosen worker's tree at selection time; `failed` undoes that
+   if the request never reached the worker, and the proxy trims the tree when the worker reports
+   fewer cached tokens than predicted.
 
 Others: `round_robin`, `random`, `power_of_two` (two random workers, the less loaded), and
 `prefix_hash` (consistent hashing of the first `prefix_token_count` tokens, with bounded load:
@@ -147,21 +151,20 @@ class CacheAware(Policy):
     def select(self, candidates: Sequence[Candidate], key: RouteKey) -> Decision:
         depth = self.index.match(key.hashes) if key.hashes else {}
         matched = [depth.get(c.name, 0) for c in candidates]
-        loads = [c.load for c in candidates]
-        low, high = min(loads), max(loads)
         everyone = range(len(candidates))
-        if high - low > self.abs_gap and high > low * self.rel_gap:
-            pick, reason = self._least_loaded(candidates, everyone, matched), "imbalance"
+        base = max(min(matched), self.hot_blocks(key.hashes, len(candidates)))
+        beyond = [max(0, m - base) for m in matched]
+        best = max(beyond)
+        rest = key.blocks - base
+        if rest > 0 and best / rest > self.threshold:
+            owners = [i for i in everyone if beyond[i] == best]
+            pick, reason = self._least_loaded(candidates, owners, matched), "cache_hit"
+            low = min(c.load for c in candidates)
+            load = candidates[pick].load
+            if load - low > self.abs_gap and load > low * self.rel_gap:
+                pick, reason = self._least_loaded(candidates, everyone, matched), "imbalance"
         else:
-            base = max(min(matched), self.hot_blocks(key.hashes, len(candidates)))
-            beyond = [max(0, m - base) for m in matched]
-            best = max(beyond)
-            rest = key.blocks - base
-            if rest > 0 and best / rest > self.threshold:
-                owners = [i for i in everyone if beyond[i] == best]
-                pick, reason = self._least_loaded(candidates, owners, matched), "cache_hit"
-            else:
-                pick, reason = self._least_loaded(candidates, everyone, matched), "cache_miss"
+            pick, reason = self._least_loaded(candidates, everyone, matched), "cache_miss"
         self._count_demand(key.hashes)
         worker = candidates[pick].name
         prior = self.index.insert(worker, key.hashes, matched[pick])

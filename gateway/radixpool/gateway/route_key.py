@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from radixpool.gateway.chat_tokens import ChatEncoder
 from radixpool.protocol.kv_blocks import DEFAULT_BLOCK_SIZE, as_token_array, prefix_block_hashes
 from radixpool.tokenization import PromptTokenizer
 
@@ -45,10 +46,12 @@ class KeyBuilder:
         self.text_block_bytes = text_block_bytes
         self.prefix_token_count = prefix_token_count
         self.tokenizer: PromptTokenizer | None = None
+        self.chat: ChatEncoder | None = None
         self.block_size = DEFAULT_BLOCK_SIZE
 
     def use_tokenizer(self, tokenizer: PromptTokenizer, block_size: int) -> None:
         self.tokenizer = tokenizer
+        self.chat = ChatEncoder(tokenizer) if tokenizer.chat_template else None
         self.block_size = block_size
 
     def build(self, path: str, doc: object) -> RouteKey:
@@ -82,13 +85,15 @@ class KeyBuilder:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise BadRequest(f"messages[{i}] must be an object with a string 'role'")
-        if self.tokenizer is not None and self.tokenizer.chat_template:
+        if self.chat is not None:
+            kwargs = doc.get("chat_template_kwargs")
             try:
-                ids = self.tokenizer.encode_chat(messages)
+                ids = self.chat.encode_chat(messages, doc.get("add_generation_prompt", True) is not
+                                            False, **(kwargs if isinstance(kwargs, dict) else {}))
             except Exception:  # the worker will answer with its own 4xx; route on text meanwhile
                 ids = None
             if ids is not None:
-                return self._token_key(as_token_array(ids), model, salt)
+                return self._token_key(ids, model, salt)
         text = "".join(f"{m['role']}\n{_content_text(m.get('content'))}\n" for m in messages)
         return self._text_key(text, model, salt)
 
