@@ -77,18 +77,9 @@ def reconcile_pool(body: dict[str, Any], cluster: Cluster, config: OperatorConfi
         pool, verdict = None, Verdict(False, "InvalidSpec", str(invalid))
 
     if pool is not None and verdict.accepted:
-        monitors = cluster.has_service_monitors()
-        objects = desired_objects(pool, config, service_monitors=monitors)
-        rejection = _dry_run(objects, cluster)
-        if rejection:
+        applied, rejection = _apply(pool, cluster, config)
+        if rejection is not None:
             verdict = Verdict(False, "RejectedByAPIServer", rejection)
-        else:
-            for obj in objects:
-                cluster.apply(obj)
-                applied.append(ObjectRef(obj["apiVersion"], obj["kind"], pool.namespace,
-                                         obj["metadata"]["name"]))
-            for ref in obsolete_objects(pool, service_monitors=monitors):
-                cluster.delete(ref)
 
     observed = cluster.observe(meta.get("namespace", "default"), meta["name"])
     status = pool_status(
@@ -100,6 +91,28 @@ def reconcile_pool(body: dict[str, Any], cluster: Cluster, config: OperatorConfi
         now=now or _now(),
     )
     return Outcome(status=status, events=transition_events(body, status), applied=applied)
+
+
+def _apply(pool: Pool, cluster: Cluster,
+           config: OperatorConfig) -> tuple[list[ObjectRef], str | None]:
+    """Apply the pool's objects and remove obsolete ones: (what was applied, the API server's
+    refusal or None)."""
+    monitors = cluster.has_service_monitors()
+    objects = desired_objects(pool, config, service_monitors=monitors)
+    rejection = _dry_run(objects, cluster)
+    if rejection is not None:
+        return [], rejection
+    applied = []
+    for obj in objects:
+        try:
+            cluster.apply(obj)
+        except ObjectRejected as rejected:  # admission changed since the dry run
+            return applied, f"{obj['kind']} {obj['metadata']['name']}: {rejected}"
+        applied.append(ObjectRef(obj["apiVersion"], obj["kind"], pool.namespace,
+                                 obj["metadata"]["name"]))
+    for ref in obsolete_objects(pool, service_monitors=monitors):
+        cluster.delete(ref)
+    return applied, None
 
 
 def _dry_run(objects: list[dict[str, Any]], cluster: Cluster) -> str | None:
