@@ -262,3 +262,33 @@ def test_cli_runs_the_gateway_and_rejects_bad_flags(loop_thread, tmp_path):
         proc.terminate()
         assert proc.wait(30) == 0
         loop_thread.run(fleet.stop())
+
+
+def test_expect_100_continue_is_answered_at_once(make_stack):
+    import socket as sock
+
+    stack = make_stack(1)
+    body = json.dumps({"text": words(0, 300)}).encode()
+    with sock.create_connection(("127.0.0.1", stack.server.port), timeout=5) as s:
+        s.sendall(b"POST /generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"expect: 100-continue\r\ncontent-length: %d\r\n\r\n" % len(body))
+        assert s.recv(100).startswith(b"HTTP/1.1 100 Continue")
+        s.sendall(body)
+        answer = b""
+        while b'"finish_reason"' not in answer:
+            answer += s.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 200")
+
+
+def test_a_client_that_hangs_up_mid_stream_frees_the_worker(make_stack):
+    stack = make_stack(1, sim=SimConfig(decode_ms_per_token=10.0))
+    with stack.client.stream("POST", "/v1/completions", json={
+            "prompt": words(0, 10), "max_tokens": 200, "stream": True}) as r:
+        assert next(r.iter_lines()).startswith("data:")
+    for _ in range(100):  # the gateway notices at the next event and closes the upstream
+        stack.settle()
+        if stack.gateway.workers.get(stack.fleet.urls[0]).inflight == 0:
+            break
+        threading.Event().wait(0.02)
+    assert stack.gateway.workers.get(stack.fleet.urls[0]).inflight == 0
+    assert stack.client.post("/generate", json={"text": "w1"}).status_code == 200

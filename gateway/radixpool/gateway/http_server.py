@@ -167,6 +167,8 @@ class HttpProtocol(asyncio.Protocol):
         if length is not None and length.isdigit() and int(length) > self.max_body:
             self._reject(413, f"request body of {int(length)} bytes exceeds the limit of "
                               f"{self.max_body} bytes", drain=True)
+        elif self._headers.get(b"expect", b"").lower() == b"100-continue" and self.transport:
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # curl waits 1 s without it
 
     def on_body(self, body: bytes) -> None:
         if self._rejected:

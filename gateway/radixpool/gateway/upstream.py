@@ -19,8 +19,10 @@ import httptools
 
 from radixpool.gateway.http_server import Headers, set_nodelay
 
+# Not forwarded in either direction: hop-by-hop headers, framing the proxy redoes itself, and
+# `expect` (the gateway already answered the client's 100-continue and sends the body at once).
 HOP_BY_HOP = frozenset((b"connection", b"keep-alive", b"transfer-encoding", b"content-length",
-                        b"host", b"upgrade", b"proxy-connection", b"te", b"trailer"))
+                        b"host", b"upgrade", b"proxy-connection", b"te", b"trailer", b"expect"))
 
 
 class UpstreamError(ConnectionError):
