@@ -202,32 +202,36 @@ class Sampler:
     def _sample_rows(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Sample one token per row of (already penalised and masked) logits x [m, V]."""
         vocab = self.vocab_size
-        top_k = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
-        floats = torch.tensor(
-            [(r.params.temperature,
-              r.params.top_p if r.params.top_p < 1 else math.inf,
-              math.log(r.params.min_p) if r.params.min_p > 0 else -math.inf) for r in rows],
-            dtype=torch.float32, device=self.device)
-        ints = torch.tensor(
-            [(k, r.seed & _MASK32, (r.seed >> 32) & _MASK32, len(r.output_ids) & _MASK32)
-             for k, r in zip(top_k, rows, strict=True)], dtype=torch.long, device=self.device)
-        x = x / floats[:, 0:1]
-        keys = _hash32(ints[:, 3] ^ 0x9E3779B9)
-        keys = _hash32(keys ^ ints[:, 2])
-        keys = _hash32(keys ^ ints[:, 1]).unsqueeze(1)
+        top_k: list[int] = []
+        floats: list[tuple[float, float, float]] = []
+        ints: list[tuple[int, int, int, int]] = []
+        truncated: list[int] = []
+        whole: list[int] = []
+        for j, r in enumerate(rows):
+            p = r.params
+            k = p.top_k if 0 < p.top_k < vocab else vocab
+            top_k.append(k)
+            floats.append((p.temperature, p.top_p if p.top_p < 1 else math.inf,
+                           math.log(p.min_p) if p.min_p > 0 else -math.inf))
+            ints.append((k, r.seed & _MASK32, (r.seed >> 32) & _MASK32,
+                         len(r.output_ids) & _MASK32))
+            (truncated if k < vocab or p.top_p < 1 else whole).append(j)
+        floats_t = torch.tensor(floats, dtype=torch.float32, device=self.device)
+        ints_t = torch.tensor(ints, dtype=torch.long, device=self.device)
+        x = x / floats_t[:, 0:1]
+        keys = _hash32(ints_t[:, 3] ^ 0x9E3779B9)
+        keys = _hash32(keys ^ ints_t[:, 2])
+        keys = _hash32(keys ^ ints_t[:, 1]).unsqueeze(1)
 
-        truncated, whole = [], []
-        for j, (k, r) in enumerate(zip(top_k, rows, strict=True)):
-            (truncated if k < vocab or r.params.top_p < 1 else whole).append(j)
         if not truncated:
-            return self._sample_full(x, keys, floats[:, 2:3], rows)
+            return self._sample_full(x, keys, floats_t[:, 2:3], rows)
         if not whole:
-            return self._sample_candidates(x, keys, ints[:, 0], floats[:, 1:3], top_k)
+            return self._sample_candidates(x, keys, ints_t[:, 0], floats_t[:, 1:3], top_k)
         out = torch.empty(len(rows), dtype=torch.long, device=self.device)
         t_idx, w_idx = self._long(truncated), self._long(whole)
-        out[t_idx] = self._sample_candidates(x[t_idx], keys[t_idx], ints[t_idx, 0],
-                                             floats[t_idx, 1:3], [top_k[j] for j in truncated])
-        out[w_idx] = self._sample_full(x[w_idx], keys[w_idx], floats[w_idx, 2:3],
+        out[t_idx] = self._sample_candidates(x[t_idx], keys[t_idx], ints_t[t_idx, 0],
+                                             floats_t[t_idx, 1:3], [top_k[j] for j in truncated])
+        out[w_idx] = self._sample_full(x[w_idx], keys[w_idx], floats_t[w_idx, 2:3],
                                        [rows[j] for j in whole])
         return out
 
