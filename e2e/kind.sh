@@ -38,3 +38,16 @@ RADIXPOOL_E2E_KUBECONFIG="$kubeconfig" \
 RADIXPOOL_E2E_WORKER_IMAGE="radixpool-worker:$tag" \
 RADIXPOOL_E2E_GATEWAY_IMAGE="radixpool-control:$tag" \
   python -m pytest -v -rs e2e/test_operator_live.py
+
+# The chart, installed for real once the suite (which runs its own operator) is done.
+if command -v helm >/dev/null; then
+  helm upgrade --install radixpool charts/radixpool --kubeconfig "$kubeconfig" \
+    --namespace radixpool-system --create-namespace --wait --timeout 5m \
+    --set image.repository=radixpool-control --set image.tag="$tag" \
+    --set workerImage.repository=radixpool-worker --set workerImage.tag="$tag" \
+    --set gatewayImage.repository=radixpool-control --set gatewayImage.tag="$tag"
+  kubectl --kubeconfig "$kubeconfig" -n radixpool-system rollout status deploy/radixpool --timeout=120s
+  kubectl --kubeconfig "$kubeconfig" get llmpool -A
+else
+  echo "helm not on PATH: skipped installing the chart into the kind cluster"
+fi
