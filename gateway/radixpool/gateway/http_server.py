@@ -205,7 +205,7 @@ class HttpProtocol(asyncio.Protocol):
                     await respond.send_error(500, f"internal gateway error: {exc!r}")
                 else:
                     self._close()
-            if not request.keep_alive:
+            if not respond.keep_alive:  # the client asked, or the app cut a stream short
                 self._close()
         self._busy = False
 
