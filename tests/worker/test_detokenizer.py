@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from radixpool.tokenization import PromptTokenizer
-from radixpool.worker.detokenizer import IncrementalDetokenizer
+from radixpool.worker.detokenizer import MAX_PENDING_TOKENS, IncrementalDetokenizer
 from radixpool.worker.stop_strings import StopMatcher
 
 WORDS = ["東京", "🚀", "café", "naïve", "数据", "日本語", "😀🎉", "λ", "✓", "hello", " ", "\n",
@@ -83,6 +83,24 @@ def test_each_push_decodes_a_small_window(tokenizer):
     pieces = stream(IncrementalDetokenizer(Counting(tokenizer.files)), ids, list(range(len(ids))))
     assert "".join(pieces) == tokenizer.decode(ids)
     assert len(ids) > 400 and Counting.widest <= 8
+
+
+def test_a_stream_of_invalid_bytes_keeps_the_window_bounded(tokenizer):
+    """A broken model emitting only stray bytes: nothing ever completes, the cost stays linear."""
+    stray = next(t for t in range(tokenizer.vocab_size)
+                 if tokenizer.decode([t, t]) == "\ufffd\ufffd")
+    widest = 0
+
+    class Counting(PromptTokenizer):
+        def decode(self, ids, skip_special_tokens=True):
+            nonlocal widest
+            widest = max(widest, len(ids))
+            return super().decode(ids, skip_special_tokens)
+
+    detok = IncrementalDetokenizer(Counting(tokenizer.files))
+    text = "".join(detok.push([stray]) for _ in range(500)) + detok.flush()
+    assert text == "\ufffd" * 500
+    assert widest <= 2 * (MAX_PENDING_TOKENS + 1)
 
 
 def test_stop_string_split_across_chunks_is_trimmed():
