@@ -101,3 +101,11 @@ def _abort_count(http) -> float:
         if line.startswith('radixpool_requests_total{finish_reason="abort"}'):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def test_disconnected_non_streaming_request_is_aborted(worker, http):
+    aborted_before = _abort_count(http)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{worker.url}/v1/completions", timeout=1.0,
+                   json={"prompt": "never mind", "max_tokens": 1500, "ignore_eos": True})
+    wait_until(lambda: _abort_count(http) == aborted_before + 1, what="the request's abort")

@@ -94,8 +94,7 @@ def test_probe_and_events_agree_with_cache(http):
     # the same salt on a real request reports what the probe said
     again = http.post("/generate", json={"input_ids": ids, "cache_salt": salt,
                                          "sampling_params": {"max_new_tokens": 1}}).json()
-    assert again["meta_info"]["cached_tokens"] == min(cached, len(ids) - 1) or \
-        again["meta_info"]["cached_tokens"] == cached
+    assert again["meta_info"]["cached_tokens"] == min(cached, len(ids) - 1)
     # the event stream announced exactly the prompt's blocks, in the salt's namespace
     r = http.get("/kv_events", params={"since": snap["seq"], "timeout": 0}).json()
     assert r["instance_id"] == snap["instance_id"]

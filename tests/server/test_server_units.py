@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from radixpool.cli import build_parser
+from radixpool.protocol.metrics import WORKER_METRICS
 from radixpool.worker.server.config import config_from_args
 from radixpool.worker.server.errors import field_path, validation_error
 from radixpool.worker.server.lifecycle import Lifecycle, Phase
@@ -112,3 +114,9 @@ def test_lifecycle_drain_waits_for_inflight():
         assert await life.wait_idle(0.01)
 
     asyncio.run(scenario())
+
+
+def test_docs_list_every_worker_metric():
+    doc = (Path(__file__).parents[2] / "docs" / "worker.md").read_text()
+    for spec in WORKER_METRICS:
+        assert f"`{spec.series[0] if spec.kind == 'info' else spec.name}" in doc, spec.name
