@@ -8,7 +8,9 @@ Workloads per (batch, vocab):
   mixed    a quarter each: greedy; temperature + top-k 50 + top-p 0.9; temperature + min-p 0.05
            with repetition 1.1 / frequency 0.3 penalties (request ids: counts kept on the
            device); top-p 0.9 with 5 top logprobs. Outputs grow every step.
-Prints the median over the timed steps (logits are random; sampling cost does not depend on them).
+Logits: `peaked` (default) is LM-like, most mass on a few dozen tokens; `flat` (scaled Gaussian)
+spreads top-p 0.95 over thousands of tokens, so the top-p candidate window has to widen.
+Prints the median step time over the timed steps.
 """
 
 from __future__ import annotations
@@ -35,14 +37,23 @@ WORKLOADS = {
 }
 
 
-def bench(device: torch.device, batch: int, vocab: int, workload: str, steps: int,
+def make_logits(batch: int, vocab: int, shape: str, device: torch.device) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(batch, vocab, generator=generator) * (3.0 if shape == "flat" else 2.0)
+    if shape == "peaked":
+        favourites = torch.randint(vocab, (batch, 32), generator=generator)
+        logits.scatter_add_(1, favourites, torch.full((batch, 32), 11.0))
+    return logits.to(device)
+
+
+def bench(device: torch.device, batch: int, vocab: int, workload: str, shape: str, steps: int,
           budget_s: float) -> float:
     sampler = Sampler(vocab, (2,), device)
     kinds = WORKLOADS[workload]
     prompt = list(range(3, 515))
     rows = [SamplingRow(kinds[i % len(kinds)], seed=i, prompt_ids=prompt, output_ids=[],
                         key=f"req{i}") for i in range(batch)]
-    logits = torch.randn(batch, vocab, device=device) * 3
+    logits = make_logits(batch, vocab, shape, device)
     times = []
     started = time.perf_counter()
     for step in range(steps + 3):
@@ -65,16 +76,19 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--vocab", type=int, nargs="+", default=[32000, 152064])
+    parser.add_argument("--logits", choices=("peaked", "flat"), default="peaked")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--budget", type=float, default=10.0, help="seconds per configuration")
     args = parser.parse_args()
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"device: {name}, torch {torch.__version__}, threads {torch.get_num_threads()}")
+    print(f"device: {name}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
+          f"logits {args.logits}")
     print(f"{'vocab':>7} {'batch':>5} " + " ".join(f"{w + ' ms':>11}" for w in WORKLOADS))
     for vocab in args.vocab:
         for batch in args.batch:
-            cells = [bench(device, batch, vocab, w, args.steps, args.budget) for w in WORKLOADS]
+            cells = [bench(device, batch, vocab, w, args.logits, args.steps, args.budget)
+                     for w in WORKLOADS]
             print(f"{vocab:>7} {batch:>5} " + " ".join(f"{c:>11.3f}" for c in cells), flush=True)
 
 
