@@ -46,10 +46,6 @@ class PenaltyState:
         self._counts = torch.zeros(0, vocab_size, dtype=torch.float32, device=device)
         self._in_prompt = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
 
-    @property
-    def num_tracked(self) -> int:
-        return len(self._slots)
-
     def release(self, key: Hashable) -> None:
         slot = self._slots.pop(key, None)
         if slot is not None:
