@@ -18,6 +18,8 @@ queued (flagged `IDLE!` above 5%: a routing failure).
 Workloads (token counts exact: the simulated tokenizer is one token per word):
   shared-prefix  a 128-token system prompt common to all + one of 2N 768-token group prompts
                  + a 32-token question
+  common-prefix  one 1024-token system prompt shared by every request + a 64-token question
+                 (the case where pinning to the first holder would idle the fleet)
   multi-turn     4N conversations, each turn adds a 64-token user message to the whole history
   random         unrelated 512-token prompts
 
@@ -119,6 +121,9 @@ class Workload:
             messages = [{"role": "system", "content": words(0, 128) + " " +
                          words(200 + group * 768, 768)},
                         {"role": "user", "content": words(n * 32, 32)}]
+        elif self.name == "common-prefix":
+            messages = [{"role": "system", "content": words(0, 1024)},
+                        {"role": "user", "content": words(n * 64, 64)}]
         elif self.name == "random":
             messages = [{"role": "user", "content": words(n * 512 + self.rng.randrange(4096),
                                                           512)}]
@@ -182,7 +187,7 @@ def pct(values: list[float], q: float) -> float:
 # --- quality --------------------------------------------------------------------------------------
 def quality_run(n: int, workload: str, policy: str, args: argparse.Namespace) -> str:
     fleet, urls = spawn_fleet(n, args)
-    gateway, port = spawn_gateway(urls, policy)
+    gateway, port = spawn_gateway(urls, policy, args.gateway_arg)
     try:
         wl = Workload(workload, n)
 
@@ -213,6 +218,7 @@ def quality_run(n: int, workload: str, policy: str, args: argparse.Namespace) ->
 
 
 def quality(args: argparse.Namespace) -> None:
+    print(f"# gateway flags: {' '.join(args.gateway_arg) or '(defaults)'}")
     print(f"# simulated workers: prefill {args.prefill_us_per_token} us/uncached token "
           f"(one prefill at a time), decode {args.decode_ms_per_token} ms/token x "
           f"{args.max_tokens}, KV {args.kv_capacity_tokens} tokens/worker; "
@@ -275,7 +281,7 @@ def main() -> None:
     q = sub.add_parser("quality", help="routing quality across fleets, workloads and policies")
     q.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8, 16])
     q.add_argument("--workloads", nargs="+", default=["shared-prefix", "multi-turn", "random"],
-                   choices=["shared-prefix", "multi-turn", "random"])
+                   choices=["shared-prefix", "common-prefix", "multi-turn", "random"])
     q.add_argument("--policies", nargs="+", default=["cache_aware", "round_robin"])
     q.add_argument("--requests-per-worker", type=int, default=40)
     q.add_argument("--concurrency-per-worker", type=int, default=2)
@@ -283,6 +289,8 @@ def main() -> None:
     q.add_argument("--decode-ms-per-token", type=float, default=0.5)
     q.add_argument("--max-tokens", type=int, default=8)
     q.add_argument("--kv-capacity-tokens", type=int, default=8192)
+    q.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
+                   help="extra gateway flag, repeatable (--gateway-arg=--balance-abs-threshold=4)")
     o = sub.add_parser("overhead", help="what the gateway adds, with zero-time workers")
     o.add_argument("--sequential", type=int, default=2000)
     o.add_argument("--concurrency", type=int, default=32)

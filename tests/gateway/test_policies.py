@@ -92,6 +92,21 @@ def test_a_swamped_worker_elsewhere_does_not_break_affinity():
     assert policy.select(cands, key_of(prompt)).reason == "imbalance"
 
 
+def test_a_busy_owner_spills_to_an_idle_worker_only_when_its_queue_costs_more():
+    policy = cache_aware(("a", "b"))
+    prompt = tokens(0, 20 * BLOCK)
+    policy.index.insert("a", key_of(prompt).hashes)
+    key = key_of(prompt + tokens(900, 2 * BLOCK))   # 22 blocks, 20 cached on a
+    short_queue = [Candidate("a", 3, backlog=3 * 40.0), Candidate("b", 0)]
+    assert policy.select(short_queue, key).reason == "cache_hit"      # 120 + 32 < 352 cold
+    long_queue = [Candidate("a", 3, backlog=3 * 150.0), Candidate("b", 0)]
+    spilled = policy.select(long_queue, key)
+    assert (spilled.worker, spilled.reason) == ("b", "spill")          # 450 > 352 cold
+    assert policy.index.match(key.hashes) == {"a": 22, "b": 22}        # b now owns it too
+    both = [Candidate("a", 3, backlog=450.0), Candidate("b", 1, backlog=40.0)]
+    assert policy.select(both, key).worker == "b"  # two owners: the less loaded
+
+
 def test_several_owners_the_least_loaded_wins():
     policy = cache_aware(("a", "b", "c"))
     prompt = tokens(0, 8 * BLOCK)

@@ -9,6 +9,11 @@ pick one. Pure: no I/O, no clock; the proxy owns the loop around them.
    prompt would "match" every new session and the rest of the fleet would sit idle.
 2. If the best effective match covers more than `cache_threshold` of the prompt beyond the base,
    the owner of that match is the candidate (several owners → the least loaded of them).
+   Spill: if that owner is busy while some worker is idle, and computing the prompt cold on the
+   idle worker costs fewer tokens than the prefill work already waiting at the owner (its
+   in-flight count × its recent mean uncached tokens, plus this prompt's uncached part there),
+   go to the idle worker (reason `spill`). It then holds the prefix too, so a group too hot for
+   one worker gains owners in proportion to its load instead of queueing behind one.
 3. Imbalance: if that owner's in-flight load exceeds the least-loaded worker's by more than
    `balance_abs_threshold` AND by a factor above `balance_rel_threshold`, go to the least-loaded
    worker instead (reason `imbalance`); else to the owner (reason `cache_hit`). Both gaps must
@@ -37,7 +42,7 @@ from dataclasses import dataclass, field
 
 from radixpool.gateway.config import GatewayConfig
 from radixpool.gateway.prefix_index import PrefixIndex
-from radixpool.gateway.route_key import RouteKey
+from radixpool.gateway.route_key import BYTES_PER_TOKEN, RouteKey
 
 DEMAND_WINDOW = 512  # requests per demand window; hot-prefix shares cover the last two windows
 
@@ -46,6 +51,7 @@ DEMAND_WINDOW = 512  # requests per demand window; hot-prefix shares cover the l
 class Candidate:
     name: str
     load: int
+    backlog: float = 0.0  # estimated uncached prompt tokens queued ahead (in-flight x mean)
 
 
 @dataclass(slots=True)
@@ -163,12 +169,26 @@ class CacheAware(Policy):
             load = candidates[pick].load
             if load - low > self.abs_gap and load > low * self.rel_gap:
                 pick, reason = self._least_loaded(candidates, everyone, matched), "imbalance"
+            elif load and not low:
+                pick, reason = self._spill(candidates, matched, key, pick)
         else:
             pick, reason = self._least_loaded(candidates, everyone, matched), "cache_miss"
         self._count_demand(key.hashes)
         worker = candidates[pick].name
         prior = self.index.insert(worker, key.hashes, matched[pick])
         return Decision(worker, reason, matched[pick], prior)
+
+    def _spill(self, candidates: Sequence[Candidate], matched: list[int], key: RouteKey,
+               owner: int) -> tuple[int, str]:
+        """The owner is busy and some worker idles: go to the idle one when computing this
+        prompt cold there costs less than the prefill work waiting at the owner, in tokens."""
+        idle = [i for i in range(len(candidates)) if candidates[i].load == 0]
+        there = max(idle, key=lambda i: matched[i])
+        units = key.block_units if key.exact else key.block_units / BYTES_PER_TOKEN
+        at_owner = candidates[owner].backlog + (key.blocks - matched[owner]) * units
+        if (key.blocks - matched[there]) * units < at_owner:
+            return there, "spill"
+        return owner, "cache_hit"
 
     def failed(self, decision: Decision, key: RouteKey) -> None:
         self.index.remove(decision.worker, key.hashes[decision.predicted_blocks:])

@@ -183,7 +183,8 @@ class Gateway:
             if not ready:
                 break
             by_url = {w.url: w for w in ready}
-            decision = self.policy.select([Candidate(w.url, w.inflight) for w in ready], key)
+            decision = self.policy.select(
+                [Candidate(w.url, w.inflight, w.inflight * w.mean_uncached) for w in ready], key)
             worker = by_url[decision.worker]
             self.metrics.decision(worker.url, "retry" if attempt else decision.reason)
             if attempt:
@@ -272,6 +273,7 @@ class Gateway:
                cached: int) -> None:
         worker.prompt_tokens += prompt
         worker.cached_tokens += cached
+        worker.observe_uncached(prompt - cached)
         predicted = None
         if self.predicts:
             predicted = predicted_tokens(decision, key, prompt)

@@ -21,6 +21,7 @@ from radixpool.protocol.kv_blocks import DEFAULT_BLOCK_SIZE, as_token_array, pre
 from radixpool.tokenization import PromptTokenizer
 
 ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate")
+BYTES_PER_TOKEN = 4  # text-mode estimate: sizing byte trees, comparing bytes with tokens
 
 
 class BadRequest(ValueError):

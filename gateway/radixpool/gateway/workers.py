@@ -16,10 +16,10 @@ from urllib.parse import urlsplit
 from radixpool.gateway.config import GatewayConfig, normalize_worker_url
 from radixpool.gateway.health import CircuitBreaker, HealthHysteresis
 from radixpool.gateway.prefix_index import PrefixIndex
-from radixpool.gateway.route_key import KeyBuilder
+from radixpool.gateway.route_key import BYTES_PER_TOKEN, KeyBuilder
 from radixpool.protocol.server_info import ServerInfo
 
-BYTES_PER_TOKEN = 4  # sizing a text-mode tree (bytes) from a capacity in tokens
+UNCACHED_SMOOTHING = 0.2
 
 
 @dataclass(eq=False)
@@ -39,6 +39,7 @@ class Worker:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     predicted_tokens: int = 0
+    mean_uncached: float = 0.0  # recent uncached prompt tokens per request (moving average)
     corrections: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -52,6 +53,9 @@ class Worker:
     @property
     def model(self) -> str | None:
         return None if self.info is None else self.info.served_model_name
+
+    def observe_uncached(self, tokens: int) -> None:
+        self.mean_uncached += UNCACHED_SMOOTHING * (tokens - self.mean_uncached)
 
     def corrected(self, source: str) -> None:
         self.corrections[source] = self.corrections.get(source, 0) + 1
