@@ -27,6 +27,10 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=api.GROUP)
     settings.persistence.finalizer = f"{api.GROUP}/finalizer"
     settings.posting.level = logging.WARNING
+    # Watches reconnect regularly, so a silently dropped connection never stalls the operator.
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.watching.connect_timeout = 30
 
 
 @kopf.on.login()
