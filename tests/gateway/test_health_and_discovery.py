@@ -93,3 +93,48 @@ def test_config_validation_names_the_field():
         with pytest.raises(ValueError, match=field):
             GatewayConfig(**kwargs)
     assert GatewayConfig(worker_urls=("127.0.0.1:9/",)).worker_urls == ("http://127.0.0.1:9",)
+
+
+class FakeDiscoveryApi:
+    """LIST answers; the watch double below plays the events."""
+
+    def __init__(self, stop):
+        self.lists = 0
+        self.stop = stop
+
+    def list_namespaced_endpoint_slice(self, namespace, label_selector):
+        from types import SimpleNamespace
+
+        assert (namespace, label_selector) == ("llm", "kubernetes.io/service-name=pool")
+        self.lists += 1
+        if self.lists == 2:
+            self.stop.set()  # second LIST (after the watch expired): enough
+        items = [eps("a", [ep("10.0.0.1")]), eps("b", [ep("10.0.0.2")])]
+        return SimpleNamespace(items=items, metadata=SimpleNamespace(resource_version="7"))
+
+
+class FakeWatch:
+    def stream(self, func, namespace, label_selector, resource_version, timeout_seconds):
+        assert resource_version == "7"
+        yield {"type": "MODIFIED",
+               "raw_object": eps("a", [ep("10.0.0.1", ready=False, terminating=True)])}
+        yield {"type": "ADDED", "raw_object": eps("c", [ep("10.0.0.3")])}
+        yield {"type": "ERROR", "raw_object": {"code": 410}}
+        raise AssertionError("the shell must re-list after an ERROR event")
+
+
+def test_watch_shell_lists_then_follows_events_and_relists_on_expiry():
+    import threading
+
+    from radixpool.gateway.kubernetes_watch import watch_endpoint_slices
+
+    stop = threading.Event()
+    seen = []
+    api = FakeDiscoveryApi(stop)
+    watch_endpoint_slices(api, "pool", "llm", None, lambda r, t: seen.append((r, t)), stop,
+                          watcher=FakeWatch())
+    both = {"http://10.0.0.1:8000", "http://10.0.0.2:8000"}
+    assert seen[0] == (both, set())
+    assert seen[1] == ({"http://10.0.0.2:8000"}, {"http://10.0.0.1:8000"})
+    assert seen[2] == ({"http://10.0.0.2:8000", "http://10.0.0.3:8000"}, {"http://10.0.0.1:8000"})
+    assert seen[3] == (both, set()) and api.lists == 2   # the re-list replaced everything

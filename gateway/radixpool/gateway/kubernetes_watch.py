@@ -1,7 +1,7 @@
 """Kubernetes discovery, the I/O shell: LIST then WATCH the EndpointSlices of one Service
 (`kubernetes.io/service-name=<service>`) with the official client, in a daemon thread (the client
-is blocking), and hand every change to the event loop. A watch that expires (410 Gone) or breaks
-re-lists; nothing is polled. The rules live in `discovery.py`.
+is blocking), and hand every change to the event loop. A watch that expires (410 Gone, an ERROR
+event) or breaks re-lists; nothing is polled. The rules live in `discovery.py`.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections.abc import Callable
 
 from radixpool.gateway.discovery import EndpointSliceState
@@ -17,52 +16,60 @@ from radixpool.gateway.discovery import EndpointSliceState
 log = logging.getLogger("radixpool.gateway")
 
 OnChange = Callable[[set[str], set[str]], None]
+WATCH_SECONDS = 300
 
 
 def start_watch(service: str, namespace: str, port_name: str | None,
-                on_change: OnChange) -> threading.Thread:
-    """Watch the Service's EndpointSlices; `on_change(ready, terminating)` runs on this loop."""
-    loop = asyncio.get_running_loop()
-    thread = threading.Thread(target=_run, args=(service, namespace, port_name, on_change, loop),
-                              name=f"endpointslices-{service}", daemon=True)
-    thread.start()
-    return thread
-
-
-def _run(service: str, namespace: str, port_name: str | None, on_change: OnChange,
-         loop: asyncio.AbstractEventLoop) -> None:
-    from kubernetes import client, config, watch
-    from kubernetes.client.exceptions import ApiException
+                on_change: OnChange) -> threading.Event:
+    """Watch the Service's EndpointSlices; `on_change(ready, terminating)` runs on this loop.
+    Set the returned event to stop (the thread ends at its next wake-up)."""
+    from kubernetes import client, config
 
     try:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config()
-    api = client.DiscoveryV1Api()
-    plain = client.ApiClient().sanitize_for_serialization
+    loop = asyncio.get_running_loop()
+    stop = threading.Event()
+
+    def deliver(ready: set[str], terminating: set[str]) -> None:
+        loop.call_soon_threadsafe(on_change, ready, terminating)
+
+    threading.Thread(target=watch_endpoint_slices,
+                     args=(client.DiscoveryV1Api(), service, namespace, port_name, deliver, stop),
+                     name=f"endpointslices-{service}", daemon=True).start()
+    return stop
+
+
+def watch_endpoint_slices(api, service: str, namespace: str, port_name: str | None,
+                          deliver: OnChange, stop: threading.Event, watcher=None) -> None:
+    """The blocking LIST + WATCH loop; `api` is a `DiscoveryV1Api` and `watcher` a
+    `kubernetes.watch.Watch` (or test doubles)."""
+    from kubernetes.client import ApiClient
+
+    plain = ApiClient().sanitize_for_serialization
     state = EndpointSliceState(port_name)
     selector = f"kubernetes.io/service-name={service}"
-
-    def push() -> None:
-        loop.call_soon_threadsafe(on_change, *state.workers())
-
-    while not loop.is_closed():
+    while not stop.is_set():
         try:
             listed = api.list_namespaced_endpoint_slice(namespace, label_selector=selector)
             state.replace(plain(item) for item in listed.items)
-            push()
-            stream = watch.Watch().stream(
+            deliver(*state.workers())
+            stream = (watcher or _new_watch()).stream(
                 api.list_namespaced_endpoint_slice, namespace, label_selector=selector,
-                resource_version=listed.metadata.resource_version, timeout_seconds=300)
+                resource_version=listed.metadata.resource_version, timeout_seconds=WATCH_SECONDS)
             for event in stream:
-                if event["type"] == "ERROR":
-                    break  # typically 410 Gone: re-list
-                if state.apply(event["type"], plain(event["object"])):
-                    push()
-        except ApiException as exc:
-            log.warning("EndpointSlice watch for %s/%s: %s; re-listing", namespace, service,
-                        exc.reason)
-            time.sleep(1.0)
-        except Exception as exc:  # network trouble: keep the last known set, retry
-            log.warning("EndpointSlice watch for %s/%s failed: %r", namespace, service, exc)
-            time.sleep(2.0)
+                if stop.is_set() or event["type"] == "ERROR":
+                    break  # ERROR is typically 410 Gone: re-list
+                raw = event.get("raw_object") or plain(event["object"])
+                if state.apply(event["type"], raw):
+                    deliver(*state.workers())
+        except Exception as exc:  # API or network trouble: keep the last known set, re-list
+            log.warning("EndpointSlice watch for %s/%s: %r; re-listing", namespace, service, exc)
+            stop.wait(2.0)
+
+
+def _new_watch():
+    from kubernetes import watch
+
+    return watch.Watch()

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import signal
 import socket
+import threading
 
 from radixpool.gateway.config import GatewayConfig
 from radixpool.gateway.http_server import bound_port, serve
@@ -29,6 +30,7 @@ class GatewayServer:
         self.gateway = Gateway(config, tokenizer)
         self.monitor: Monitor | None = None
         self.server: asyncio.Server | None = None
+        self._discovery_stop: threading.Event | None = None
 
     @property
     def port(self) -> int:
@@ -41,14 +43,16 @@ class GatewayServer:
         if self.config.k8s_service:
             from radixpool.gateway.kubernetes_watch import start_watch
 
-            start_watch(self.config.k8s_service, self.config.namespace,
-                        self.config.k8s_port_name, self.gateway.reconcile)
+            self._discovery_stop = start_watch(self.config.k8s_service, self.config.namespace,
+                                               self.config.k8s_port_name, self.gateway.reconcile)
         self.server = await serve(self.gateway, self.config.host, self.config.port,
                                   self.config.max_body_bytes, sock)
 
     async def stop(self, drain_seconds: float = 0.0) -> None:
         if self.server is not None:
             self.server.close()
+        if self._discovery_stop is not None:
+            self._discovery_stop.set()
         deadline = asyncio.get_running_loop().time() + drain_seconds
         while (any(w.inflight for w in self.gateway.workers)
                and asyncio.get_running_loop().time() < deadline):
