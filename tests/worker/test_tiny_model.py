@@ -1,0 +1,53 @@
+"""`radixpool tiny-model`: real architectures, loadable offline, the same files for a seed."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+
+import pytest
+from transformers import AutoConfig, AutoTokenizer
+
+from radixpool.tokenization import PromptTokenizer
+
+
+def digest(path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(path.iterdir()) if p.is_file()}
+
+
+def test_cli_writes_the_same_model_for_the_same_seed(tmp_path, tiny_model_factory):
+    from radixpool.worker.tiny_model import make_tiny_model
+
+    subprocess.run([sys.executable, "-m", "radixpool.cli", "tiny-model", str(tmp_path / "cli"),
+                    "--arch", "qwen2", "--seed", "0"], check=True, capture_output=True)
+    make_tiny_model(tmp_path / "again", "qwen2", 0)
+    assert digest(tmp_path / "cli") == digest(tmp_path / "again")
+    assert digest(tmp_path / "cli") == digest(tiny_model_factory("qwen2", 0))
+    other = make_tiny_model(tmp_path / "other", "qwen2", 1)
+    assert digest(other)["model.safetensors"] != digest(tmp_path / "cli")["model.safetensors"]
+
+
+@pytest.mark.parametrize("arch, hf_class", [
+    ("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM"),
+    ("qwen3", "Qwen3ForCausalLM"), ("mistral", "MistralForCausalLM")])
+def test_every_arch_loads_offline_with_tokenizer_and_chat_template(tiny_model_factory, arch,
+                                                                    hf_class):
+    path = tiny_model_factory(arch)
+    config = AutoConfig.from_pretrained(path)
+    assert config.architectures == [hf_class]
+    hf_tok = AutoTokenizer.from_pretrained(path)
+    ours = PromptTokenizer.from_dir(path)
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": "héllo 東京 🚀"}]
+    expected = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if not isinstance(expected, list):
+        expected = expected["input_ids"]
+    assert ours.encode_chat(messages) == list(expected)
+    assert ours.encode("héllo world") == hf_tok("héllo world").input_ids
+    for token in ("bos_token", "eos_token", "pad_token"):
+        assert getattr(hf_tok, token) is not None
+    generation = json.loads((path / "generation_config.json").read_text())
+    assert hf_tok.convert_tokens_to_ids("<|im_end|>") in generation["eos_token_id"]
