@@ -75,8 +75,8 @@ def offline(args: argparse.Namespace) -> None:
     print(f"  generated tokens/s   {generated / elapsed:10.1f}")
     print(f"  total tokens/s       {(generated + prompt_tokens - cached) / elapsed:10.1f}"
           "   (computed prompt + generated)")
-    print(f"  cache hit rate       {cached / max(prompt_tokens, 1):10.3f}"
-          f"   (ideal {shared_len * (args.requests - args.groups) / (args.prompt_len * args.requests):.3f})")
+    ideal = shared_len * (args.requests - args.groups) / (args.prompt_len * args.requests)
+    print(f"  cache hit rate       {cached / max(prompt_tokens, 1):10.3f}   (ideal {ideal:.3f})")
     print(f"  steps                {t.steps:10d}   wall {elapsed:.2f} s")
     for name in ("schedule", "process", "forward", "sample"):
         print(f"  {name:<20} {1e3 * getattr(t, name) / max(t.steps, 1):10.3f} ms/step")
