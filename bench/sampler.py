@@ -5,7 +5,8 @@
 Workloads per (batch, vocab):
   greedy   every row temperature 0: the single-argmax fast path
   sampled  every row temperature 0.8, top_p 0.95 (no top-k: the top-p candidate window)
-  mixed    a quarter each: greedy; temperature + top-k 50 + top-p 0.9; temperature + min-p 0.05
+  mixed    a quarter each: temperature + top-k 50 + top-p 0.9 (batch 1: this row); greedy;
+           temperature + min-p 0.05
            with repetition 1.1 / frequency 0.3 penalties (request ids: counts kept on the
            device); top-p 0.9 with 5 top logprobs. Outputs grow every step.
 Logits: `peaked` (default) is LM-like, most mass on a few dozen tokens; `flat` (scaled Gaussian)
@@ -28,8 +29,8 @@ WORKLOADS = {
     "greedy": [SamplingParams(temperature=0)],
     "sampled": [SamplingParams(temperature=0.8, top_p=0.95)],
     "mixed": [
-        SamplingParams(temperature=0),
         SamplingParams(temperature=0.7, top_k=50, top_p=0.9),
+        SamplingParams(temperature=0),
         SamplingParams(temperature=1.0, min_p=0.05, repetition_penalty=1.1,
                        frequency_penalty=0.3),
         SamplingParams(temperature=0.9, top_p=0.9, logprobs=5),
