@@ -6,9 +6,9 @@ Workloads per (batch, vocab):
   greedy   every row temperature 0: the single-argmax fast path
   sampled  every row temperature 0.8, top_p 0.95 (no top-k: the top-p candidate window)
   mixed    a quarter each: temperature + top-k 50 + top-p 0.9 (batch 1: this row); greedy;
-           temperature + min-p 0.05
-           with repetition 1.1 / frequency 0.3 penalties (request ids: counts kept on the
-           device); top-p 0.9 with 5 top logprobs. Outputs grow every step.
+           temperature + min-p 0.05 with repetition 1.1 / frequency 0.3 penalties (request
+           ids: counts kept on the device); top-p 0.9 with 5 top logprobs.
+Outputs grow every step.
 Logits: `peaked` (default) is LM-like, most mass on a few dozen tokens; `flat` (scaled Gaussian)
 spreads top-p 0.95 over thousands of tokens, so the top-p candidate window has to widen.
 Prints the median step time over the timed steps.
