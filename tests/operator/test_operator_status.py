@@ -99,3 +99,11 @@ def test_status_validates_against_the_crd_status_schema():
     observed = Observed(worker_deployment=deployment("llama-worker", replicas=2, ready=1),
                         gateway_service={"spec": {"ports": [{"port": 8080}]}})
     assert validate(ROOT["properties"]["status"], status_for(observed), "status") == []
+
+
+def test_a_rollout_keeps_full_capacity_ready_while_it_progresses():
+    rolling = deployment("llama-worker", replicas=3, ready=2, updated=1)
+    rolling["status"]["readyReplicas"] = 2
+    status = status_for(Observed(worker_deployment=rolling), desired=2)
+    assert cond(status, "WorkersReady")["status"] == "True"
+    assert cond(status, "Progressing")["reason"] == "RollingOut"

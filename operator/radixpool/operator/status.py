@@ -2,7 +2,8 @@
 
 `pool_status` is pure. Conditions:
 - `Accepted`: the spec passed validation and every Secret / PVC it names exists.
-- `WorkersReady`: as many ready workers, on the current template, as `spec.replicas` asks.
+- `WorkersReady`: as many ready workers as `spec.replicas` asks (during a rollout, old and new
+  pods both count: the pool serves at full capacity).
 - `GatewayReady`: as many ready gateway pods as `spec.gateway.replicas` asks.
 - `Progressing`: a rollout or scale is under way (False once it completes or gets stuck).
 - `Degraded`: something needs a human: pods crash-looping, images not pulling, pods
@@ -72,7 +73,7 @@ def workers_ready(deployment: dict[str, Any] | None, desired: int) -> dict[str, 
         return _condition("WorkersReady", False, "NotCreated",
                           "the worker Deployment does not exist")
     seen = _replicas(deployment)
-    ready = min(seen["readyReplicas"], seen["updatedReplicas"])
+    ready = seen["readyReplicas"]  # serving capacity; the template rollout is `Progressing`
     if desired == 0:
         return _condition("WorkersReady", True, "ScaledToZero", "spec.replicas is 0")
     text = f"{seen['readyReplicas']}/{desired} workers ready, {seen['updatedReplicas']} updated"
