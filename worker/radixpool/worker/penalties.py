@@ -45,6 +45,7 @@ class PenaltyState:
         self._free: list[int] = []
         self._counts = torch.zeros(0, vocab_size, dtype=torch.float32, device=device)
         self._in_prompt = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
+        self._true = torch.ones((), dtype=torch.bool, device=device)
 
     def release(self, key: Hashable) -> None:
         slot = self._slots.pop(key, None)
@@ -108,7 +109,7 @@ class PenaltyState:
         if prompt_token:
             index = (torch.tensor(prompt_slot, dtype=torch.long, device=self.device),
                      torch.tensor(prompt_token, dtype=torch.long, device=self.device))
-            self._in_prompt.index_put_(index, torch.ones((), dtype=torch.bool, device=self.device))
+            self._in_prompt.index_put_(index, self._true)
         if count_token:
             index = (torch.tensor(count_slot, dtype=torch.long, device=self.device),
                      torch.tensor(count_token, dtype=torch.long, device=self.device))

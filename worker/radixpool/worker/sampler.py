@@ -103,6 +103,7 @@ class Sampler:
         ids = torch.arange(vocab_size, dtype=torch.long, device=self.device)
         self._positions = ids
         self._vocab_keys = (ids * _TOKEN_MULTIPLIER).bitwise_and_(_MASK32)
+        self._minus_inf = torch.tensor(-math.inf, device=self.device)
         self._penalties = PenaltyState(vocab_size, self.device, max_penalty_requests)
 
     def release(self, key: Hashable) -> None:
@@ -159,8 +160,7 @@ class Sampler:
             work.index_put_(index, torch.tensor(bias_values, dtype=torch.float32,
                                                 device=self.device), accumulate=True)
         if ban_rows:
-            work.index_put_((self._long(ban_rows), self._long(ban_tokens)),
-                            torch.tensor(-math.inf, device=self.device))
+            work.index_put_((self._long(ban_rows), self._long(ban_tokens)), self._minus_inf)
         if vocab_mask is not None:
             work.masked_fill_(vocab_mask.logical_not(), -math.inf)
 
@@ -285,7 +285,7 @@ class Sampler:
                        rows: Sequence[SamplingRow], index: list[int]) -> SampleResult:
         n, m = len(rows), len(index)
         chosen = logprobs.gather(1, tokens[self._long(index)].unsqueeze(1)).squeeze(1)
-        k = max(rows[i].params.logprobs for i in index)
+        k = min(max(rows[i].params.logprobs for i in index), self.vocab_size)
         parts = [tokens.double(), chosen.double()]
         if k:
             top_values, top_ids = logprobs.topk(k, dim=-1)
@@ -301,5 +301,5 @@ class Sampler:
             want = rows[i].params.logprobs
             out_lp[i] = chosen_lp[j]
             out_top[i] = [(int(top_ids_l[j * k + c]), top_values_l[j * k + c])
-                          for c in range(want)]
+                          for c in range(min(want, k))]
         return SampleResult(token_ids, out_lp, out_top)
