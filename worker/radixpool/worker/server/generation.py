@@ -20,7 +20,7 @@ from starlette.requests import Request
 
 from radixpool.worker.sampling_params import SamplingParams
 from radixpool.worker.server.errors import APIError, bad_request
-from radixpool.worker.server.metrics import WorkerMetrics
+from radixpool.worker.server.state import WorkerState
 
 T = TypeVar("T")
 
@@ -98,12 +98,15 @@ class EngineRun:
     """An engine stream with metrics. Start it with `await run.first()` (raises 400 on bad input),
     then iterate; `close()` aborts it if it has not finished."""
 
-    def __init__(self, engine: Any, metrics: WorkerMetrics, input_ids: list[int],
-                 params: SamplingParams, namespace: str | None, rid: str | None = None,
-                 renames: dict[str, str] | None = None, prompt_param: str | None = None) -> None:
-        self._stream = engine.stream(input_ids=input_ids, sampling_params=params,
-                                     namespace=namespace, rid=rid)
-        self._metrics = metrics
+    def __init__(self, state: WorkerState, input_ids: list[int], params: SamplingParams,
+                 namespace: str | None, rid: str, renames: dict[str, str] | None = None,
+                 prompt_param: str | None = None) -> None:
+        self.rid = rid
+        self._stream = state.engine.stream(input_ids=input_ids, sampling_params=params,
+                                           namespace=namespace, rid=rid)
+        self._metrics = state.metrics
+        self._active = state.active_rids
+        self._active.add(rid)
         self._renames = renames or {}
         self._prompt_param = prompt_param
         self._last: dict[int, float] = {}
@@ -149,6 +152,7 @@ class EngineRun:
             await self.close()
 
     async def close(self) -> None:
+        self._active.discard(self.rid)
         await self._stream.aclose()
         now = time.time()
         for _ in self._open:

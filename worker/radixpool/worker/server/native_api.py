@@ -121,7 +121,7 @@ def router(state: WorkerState) -> APIRouter:
             params.append(p)
         rid = body.rid or uuid.uuid4().hex
         rids = [f"{rid}-{i}" if batch else rid for i in range(len(inputs))]
-        runs = [EngineRun(state.engine, state.metrics, ids, p, body.cache_salt, rids[i])
+        runs = [EngineRun(state, ids, p, body.cache_salt, rids[i])
                 for i, (ids, p) in enumerate(zip(inputs, params, strict=True))]
         await start_all(runs)
         if body.stream:

@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse
 
-from radixpool.worker.server.errors import error_body
+from radixpool.worker.server.errors import bad_request, error_body
 from radixpool.worker.server.generation import (
     EngineRun,
     ForkOutput,
@@ -79,7 +79,7 @@ def router(state: WorkerState) -> APIRouter:
     async def models() -> dict:
         info = state.engine.info
         return {"object": "list", "data": [{
-            "id": state.config.served_model_name, "object": "model", "created": 0,
+            "id": state.config.served_model_name, "object": "model", "created": state.started_at,
             "owned_by": "radixpool", "root": state.config.engine.model_path,
             "max_model_len": info.context_length,
         }]}
@@ -96,8 +96,7 @@ def router(state: WorkerState) -> APIRouter:
         params = build_params(body.sampling_dict(max_new, body.logprobs_k), state.vocab_size,
                               CHAT_RENAMES)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        run = EngineRun(state.engine, state.metrics, input_ids, params, body.cache_salt, rid,
-                        CHAT_RENAMES, "messages")
+        run = EngineRun(state, input_ids, params, body.cache_salt, rid, CHAT_RENAMES, "messages")
         await run.first()
         created = int(time.time())
         head = {"id": rid, "created": created, "model": state.config.served_model_name}
@@ -124,8 +123,6 @@ def router(state: WorkerState) -> APIRouter:
         state.check_model(body.model)
         prompts = body.prompts()
         if not prompts:
-            from radixpool.worker.server.errors import bad_request
-
             raise bad_request("prompt must not be an empty list", param="prompt")
         inputs: list[list[int]] = []
         for i, prompt in enumerate(prompts):
@@ -140,7 +137,7 @@ def router(state: WorkerState) -> APIRouter:
         params = build_params(body.sampling_dict(body.max_tokens or 16, body.logprobs),
                               state.vocab_size, COMPLETION_RENAMES)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        runs = [EngineRun(state.engine, state.metrics, ids, params, body.cache_salt,
+        runs = [EngineRun(state, ids, params, body.cache_salt,
                           f"{rid}-{i}" if len(inputs) > 1 else rid, COMPLETION_RENAMES, "prompt")
                 for i, ids in enumerate(inputs)]
         await start_all(runs)

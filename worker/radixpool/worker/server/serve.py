@@ -21,6 +21,7 @@ from radixpool.worker.server.config import ServerConfig
 from radixpool.worker.server.state import WorkerState
 
 log = logging.getLogger("radixpool.worker.server")
+ABORT_GRACE_S = 5.0   # after a drain timeout, how long aborted requests get to send their end
 
 
 class WorkerServer(uvicorn.Server):
@@ -50,10 +51,14 @@ class WorkerServer(uvicorn.Server):
         timeout = self.state.config.drain_timeout_s
         log.info("SIGTERM: draining %d running request(s), up to %.0f s",
                  self.state.lifecycle.inflight, timeout)
-        if await self.state.lifecycle.wait_idle(timeout):
+        lifecycle = self.state.lifecycle
+        if await lifecycle.wait_idle(timeout):
             log.info("drained; shutting down")
         else:
-            log.warning("drain timeout: aborting %d request(s)", self.state.lifecycle.inflight)
+            aborted = self.state.abort_all()
+            log.warning("drain timeout: aborted %d running request(s)", aborted)
+            # their streams end with finish_reason "abort"; the rest is cut at shutdown
+            await lifecycle.wait_idle(ABORT_GRACE_S)
         self.config.timeout_graceful_shutdown = 1
         self.should_exit = True
 
@@ -83,6 +88,9 @@ class WorkerServer(uvicorn.Server):
 
 
 def run_worker(config: ServerConfig) -> int:
+    from prometheus_client import disable_created_metrics
+
+    disable_created_metrics()   # no `_created` series: they double the scrape for nothing
     level = config.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     state = WorkerState(config)

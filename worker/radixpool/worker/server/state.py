@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,8 @@ class WorkerState:
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
     engine: Any = None
     token_text: TokenText | None = None
+    started_at: int = field(default_factory=lambda: int(time.time()))
+    active_rids: set[str] = field(default_factory=set)   # engine requests not yet closed
     metrics: WorkerMetrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -39,6 +42,13 @@ class WorkerState:
         self.engine = engine
         self.token_text = TokenText(engine.tokenizer)
         self.lifecycle.mark_ready()
+
+    def abort_all(self) -> int:
+        """Abort every running request; their streams end with finish_reason "abort"."""
+        rids = list(self.active_rids)
+        for rid in rids:
+            self.engine.abort(rid)
+        return len(rids)
 
     @property
     def context_length(self) -> int:
