@@ -103,7 +103,13 @@ def test_503_is_retried_on_another_worker_and_the_draining_worker_is_skipped(mak
     assert stack.gateway.workers.get(stack.fleet.urls[0]).draining
     metrics = stack.client.get("/metrics").text
     assert "radixpool_gateway_retries_total 1.0" in metrics
-    stack.client.post(stack.fleet.urls[0] + "/sim/fail", json={})
+    for url in stack.fleet.urls:
+        stack.client.post(url + "/sim/fail", json={"requests": True})
+    stack.check_all()
+    everyone_busy = stack.client.post("/generate", json={"text": "w1"})
+    assert everyone_busy.status_code == 503 and everyone_busy.headers["retry-after"] == "1"
+    for url in stack.fleet.urls:
+        stack.client.post(url + "/sim/fail", json={})
     stack.check_all()  # its /health says 200 again: back in rotation
     assert stack.gateway.workers.get(stack.fleet.urls[0]).eligible(stack.gateway.clock())
 

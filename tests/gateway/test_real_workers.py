@@ -115,9 +115,19 @@ def run(server: GatewayServer, per_group: int = 4, groups: int = 4) -> tuple[flo
     return cached / prompt, homes
 
 
-def test_groups_stay_on_one_real_worker_and_beat_round_robin(gateway):
-    aware_rate, homes = run(gateway())
+def test_groups_stay_on_one_real_worker_and_beat_round_robin(gateway, loop_thread):
+    server = gateway()
+    aware_rate, homes = run(server)
     assert all(len(h) == 1 for h in homes.values()), homes
+    # token-exact: the gateway's tokenizer and block hashes are the worker's, so every predicted
+    # hit happened, and the worker (page size 1) reused less than a block more than predicted
+    loop_thread.run(asyncio.sleep(0))
+    workers = list(server.gateway.workers)
+    predicted = sum(w.predicted_tokens for w in workers)
+    actual = sum(w.cached_tokens for w in workers)
+    assert server.gateway.keys.tokenizer is not None
+    assert 0 <= actual - predicted < 16 * sum(w.requests for w in workers), (predicted, actual)
+    assert not any(w.corrections.get("cached_tokens") for w in workers)
     rr_rate, _ = run(gateway(policy="round_robin"))
     assert aware_rate > 0.6 and aware_rate > rr_rate + 0.2, (aware_rate, rr_rate)
 

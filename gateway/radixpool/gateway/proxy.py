@@ -162,8 +162,10 @@ class Gateway:
                 body, strip_usage = json.dumps(doc).encode(), True
         headers = _forwarded_headers(request)
         picked = await self._dispatch(request.path, headers, body, key)
-        if isinstance(picked, str):
-            await respond.send_error(502 if picked.startswith("all") else 503, picked)
+        if len(picked) == 2:
+            status, message = picked
+            _, error_headers, error_doc = error_body(status, message)
+            await respond.send(status, [(b"retry-after", b"1"), *error_headers], error_doc)
             return
         worker, decision, upstream = picked
         try:
@@ -171,12 +173,14 @@ class Gateway:
         finally:
             worker.inflight -= 1
 
-    async def _dispatch(self, path: str, headers: Headers, body: bytes,
-                        key: RouteKey) -> tuple[Worker, Decision, UpstreamResponse] | str:
+    async def _dispatch(self, path: str, headers: Headers, body: bytes, key: RouteKey
+                        ) -> tuple[Worker, Decision, UpstreamResponse] | tuple[int, str]:
         """Pick a worker and get its response headers, retrying connect errors and 503s on
-        others. Returns the worker (its in-flight count taken) or why none could answer."""
+        others. Returns the worker (its in-flight count taken), or the status and reason to
+        answer with: 502 when a worker failed, 503 when none was available or all were busy."""
         tried: set[str] = set()
         errors: list[str] = []
+        busy = 0
         for attempt in range(self.config.max_retries + 1):
             now = self.clock()
             ready = [w for w in self.workers.eligible(now, key.model) if w.url not in tried]
@@ -204,11 +208,14 @@ class Gateway:
                 worker.inflight -= 1
                 worker.draining = True  # cleared when its /health answers 200 again
                 errors.append(f"{worker.url}: 503 (draining or overloaded)")
+                busy += 1
             self.policy.failed(decision, key)
             tried.add(worker.url)
         if errors:
-            return f"all {len(errors)} attempts failed: " + "; ".join(errors)
-        return "no healthy worker available" + (f" for model {key.model!r}" if key.model else "")
+            return 503 if busy == len(errors) else 502, \
+                f"all {len(errors)} attempts failed: " + "; ".join(errors)
+        return 503, "no healthy worker available" + (
+            f" for model {key.model!r}" if key.model else "")
 
     async def _relay(self, worker: Worker, decision: Decision, key: RouteKey,
                      upstream: UpstreamResponse, respond: Responder, strip_usage: bool,
