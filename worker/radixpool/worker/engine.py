@@ -31,7 +31,7 @@ import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from typing import Any
 
 import zmq
@@ -52,55 +52,16 @@ from radixpool.worker.messages import (
     StepOutput,
     TokenDelta,
 )
+from radixpool.worker.request_output import RequestOutput, StreamChunk, result_from_chunks
 from radixpool.worker.sampler import request_seed
 from radixpool.worker.sampling_params import SamplingParams
 from radixpool.worker.stop_strings import StopMatcher
 
+__all__ = ["Engine", "StreamChunk"]
+
 log = logging.getLogger("radixpool.engine")
 STARTUP_TIMEOUT_S = 900.0
 CONTROL_TIMEOUT_S = 600.0
-
-
-@dataclass
-class StreamChunk:
-    rid: str
-    index: int                      # which of the n choices
-    text: str                       # new text since the previous chunk
-    token_ids: list[int]            # new tokens since the previous chunk
-    finished: bool = False
-    finish_reason: str | None = None
-    matched_stop: str | int | None = None
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    arrival_time: float = 0.0
-    first_token_time: float | None = None
-    queue_time: float | None = None
-    error: str | None = None        # the core refused the request (bad input) or was lost
-    internal_error: bool = False    # True when the engine, not the input, was at fault
-
-    def raise_error(self) -> None:
-        if self.error is not None:
-            raise (RuntimeError if self.internal_error else ValueError)(self.error)
-
-
-@dataclass
-class _Fork:
-    """Front-end state of one core request (one of a request's n choices)."""
-
-    core_rid: str
-    rid: str
-    index: int
-    params: SamplingParams
-    detok: IncrementalDetokenizer
-    stop: StopMatcher | None
-    sink: Callable[[StreamChunk], None]
-    arrival_time: float
-    output_ids: list[int] = field(default_factory=list)
-    first_token_time: float | None = None
-    finished: bool = False
 
 
 class Engine:
@@ -114,7 +75,7 @@ class Engine:
         self.tokenizer = PromptTokenizer.from_dir(self.config.model_path)
         self.kv_events = KVEventLog()
         self.instance_id = uuid.uuid4().hex
-        self._forks: dict[str, _Fork] = {}
+        self._forks: dict[str, RequestOutput] = {}
         self._controls: dict[int, concurrent.futures.Future] = {}
         self._tokens = itertools.count(1)
         self._stats: EngineStats | None = None
@@ -225,53 +186,19 @@ class Engine:
             fut.set_exception(RuntimeError("the engine core process died"))
         self._controls.clear()
 
-    def _apply(self, fork: _Fork, delta: TokenDelta) -> None:
-        if delta.error is not None:
-            self._finish_fork(fork, "abort", error=delta.error, delta=delta)
-            return
-        now = time.time()
-        if delta.token_ids and fork.first_token_time is None:
-            fork.first_token_time = now
-        fork.output_ids.extend(delta.token_ids)
-        text = fork.detok.push(delta.token_ids)
-        if delta.finished:
-            text += fork.detok.flush()
-        reason, matched = delta.finish_reason, delta.matched_stop_token
-        if fork.stop is not None:
-            check = fork.stop.feed(text)
-            text = check.text
-            if check.stop is not None:
-                reason, matched = "stop", check.stop
-                if not delta.finished:
-                    self._send(AbortRequest(fork.core_rid))
-            elif delta.finished:
-                text += fork.stop.flush()
-        finished = delta.finished or (fork.stop is not None and fork.stop.matched is not None)
-        chunk = StreamChunk(
-            rid=fork.rid, index=fork.index, text=text, token_ids=list(delta.token_ids),
-            finished=finished, finish_reason=reason if finished else None,
-            matched_stop=matched if finished else None,
-            logprobs=delta.logprobs, top_logprobs=delta.top_logprobs,
-            prompt_tokens=delta.prompt_tokens, cached_tokens=delta.cached_tokens,
-            completion_tokens=len(fork.output_ids), arrival_time=fork.arrival_time,
-            first_token_time=fork.first_token_time, queue_time=delta.queue_time)
-        if finished:
-            fork.finished = True
+    def _apply(self, fork: RequestOutput, delta: TokenDelta) -> None:
+        chunk, stop_matched = fork.apply(delta)
+        if stop_matched and not delta.finished:
+            self._send(AbortRequest(fork.core_rid))  # a stop string ended it: stop the core
+        if chunk.finished:
             self._forks.pop(fork.core_rid, None)
         _deliver(fork, chunk)
 
-    def _finish_fork(self, fork: _Fork, reason: str, error: str | None = None,
-                     delta: TokenDelta | None = None, internal: bool = False) -> None:
-        if fork.finished:
-            return
-        fork.finished = True
-        self._forks.pop(fork.core_rid, None)
-        chunk = StreamChunk(
-            rid=fork.rid, index=fork.index, text="", token_ids=[], finished=True,
-            finish_reason=reason, completion_tokens=len(fork.output_ids),
-            prompt_tokens=delta.prompt_tokens if delta else 0, arrival_time=fork.arrival_time,
-            error=error, internal_error=internal)
-        _deliver(fork, chunk)
+    def _finish_fork(self, fork: RequestOutput, reason: str, error: str,
+                     internal: bool = False) -> None:
+        if not fork.finished:
+            self._forks.pop(fork.core_rid, None)
+            _deliver(fork, fork.fail(reason, error, internal))
 
     # ------------------------------------------------------------------ validation
     def _prepare(self, prompt: Any, input_ids: Any) -> list[list[int]]:
@@ -323,7 +250,7 @@ class Engine:
 
     # ------------------------------------------------------------------ submitting
     def _submit(self, ids: list[int], params: SamplingParams, namespace: str | None,
-                rid: str | None, sink: Callable[[StreamChunk], None]) -> list[_Fork]:
+                rid: str | None, sink: Callable[[StreamChunk], None]) -> list[RequestOutput]:
         if self._closed:
             raise RuntimeError("the engine is shut down")
         rid = rid or uuid.uuid4().hex
@@ -331,9 +258,9 @@ class Engine:
         forks = []
         for i in range(params.n):
             core_rid = rid if params.n == 1 else f"{rid}/{i}"
-            fork = _Fork(core_rid, rid, i, params,
-                         IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
-                         StopMatcher(params.stop) if params.stop else None, sink, now)
+            fork = RequestOutput(core_rid, rid, i, params,
+                                 IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+                                 StopMatcher(params.stop) if params.stop else None, sink, now)
             self._forks[core_rid] = fork
             forks.append(fork)
             self._send(GenerateRequest(core_rid, ids, params, request_seed(params.seed, i),
@@ -364,7 +291,7 @@ class Engine:
                 if remaining[0] == 0:
                     done.set()
 
-        forks: list[_Fork] = []
+        forks: list[RequestOutput] = []
         for ids, p in zip(batch, params):
             forks.extend(self._submit(ids, p, namespace, None, sink))
         while not done.wait(0.5) and not self._closed:
@@ -374,7 +301,7 @@ class Engine:
             got = chunks.get((fork.rid, fork.index), [])
             if got:
                 got[-1].raise_error()
-            out.append(_result_from_chunks(got))
+            out.append(result_from_chunks(got))
         single = len(batch) == 1 and params[0].n == 1 and (
             isinstance(prompt, str) or (input_ids is not None and not
                                         (input_ids and isinstance(input_ids[0], list))))
@@ -420,7 +347,7 @@ class Engine:
         forks: dict[int, list[StreamChunk]] = {}
         async for chunk in self.stream(prompt, sampling_params, input_ids, namespace, rid):
             forks.setdefault(chunk.index, []).append(chunk)
-        out = [_result_from_chunks(forks[i]) for i in sorted(forks)]
+        out = [result_from_chunks(forks[i]) for i in sorted(forks)]
         return out[0] if len(out) == 1 else out
 
     # ------------------------------------------------------------------ control
@@ -473,26 +400,12 @@ class Engine:
         return self._stats
 
 
-def _deliver(fork: _Fork, chunk: StreamChunk) -> None:
+def _deliver(fork: RequestOutput, chunk: StreamChunk) -> None:
     """Hand a chunk to its consumer; a failing consumer must not stop the receiver thread."""
     try:
         fork.sink(chunk)
     except Exception:
         log.exception("dropping output of request %s: its consumer failed", fork.rid)
-
-
-def _result_from_chunks(chunks: list[StreamChunk]) -> dict:
-    if not chunks:
-        return {"text": "", "output_ids": [], "meta_info": {"finish_reason": "abort"}}
-    last = chunks[-1]
-    meta = {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
-            "cached_tokens": last.cached_tokens, "finish_reason": last.finish_reason,
-            "matched_stop": last.matched_stop}
-    if any(c.logprobs for c in chunks):
-        meta["logprobs"] = [lp for c in chunks for lp in (c.logprobs or [])]
-        meta["top_logprobs"] = [t for c in chunks for t in (c.top_logprobs or [])]
-    return {"text": "".join(c.text for c in chunks),
-            "output_ids": [t for c in chunks for t in c.token_ids], "meta_info": meta}
 
 
 def _kill(process: subprocess.Popen, ipc_dir: str) -> None:

@@ -1,0 +1,111 @@
+"""Turning the core's token deltas into what callers see: text chunks and final results.
+
+One `RequestOutput` per core request (one of a request's n choices) lives on the engine's
+receiver thread. It detokenizes incrementally (never a partial UTF-8 character), applies stop
+strings (held back while they might still match, trimmed when they do) and builds `StreamChunk`s.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from radixpool.worker.detokenizer import IncrementalDetokenizer
+from radixpool.worker.messages import TokenDelta
+from radixpool.worker.sampling_params import SamplingParams
+from radixpool.worker.stop_strings import StopMatcher
+
+
+@dataclass
+class StreamChunk:
+    rid: str
+    index: int                      # which of the n choices
+    text: str                       # new text since the previous chunk
+    token_ids: list[int]            # new tokens since the previous chunk
+    finished: bool = False
+    finish_reason: str | None = None
+    matched_stop: str | int | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    queue_time: float | None = None
+    error: str | None = None        # the core refused the request (bad input) or was lost
+    internal_error: bool = False    # True when the engine, not the input, was at fault
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise (RuntimeError if self.internal_error else ValueError)(self.error)
+
+
+@dataclass
+class RequestOutput:
+    core_rid: str
+    rid: str
+    index: int
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    stop: StopMatcher | None
+    sink: Callable[[StreamChunk], None]
+    arrival_time: float
+    output_ids: list[int] = field(default_factory=list)
+    first_token_time: float | None = None
+    finished: bool = False
+
+    def apply(self, delta: TokenDelta) -> tuple[StreamChunk, bool]:
+        """The chunk for this delta, and whether a stop string just ended the output."""
+        if delta.error is not None:
+            return self.fail("abort", delta.error, internal=False,
+                             prompt_tokens=delta.prompt_tokens), False
+        if delta.token_ids and self.first_token_time is None:
+            self.first_token_time = time.time()
+        self.output_ids.extend(delta.token_ids)
+        text = self.detok.push(delta.token_ids)
+        if delta.finished:
+            text += self.detok.flush()
+        reason, matched, stopped = delta.finish_reason, delta.matched_stop_token, False
+        if self.stop is not None:
+            check = self.stop.feed(text)
+            text = check.text
+            if check.stop is not None:
+                reason, matched, stopped = "stop", check.stop, True
+            elif delta.finished:
+                text += self.stop.flush()
+        self.finished = delta.finished or stopped
+        return StreamChunk(
+            rid=self.rid, index=self.index, text=text, token_ids=list(delta.token_ids),
+            finished=self.finished, finish_reason=reason if self.finished else None,
+            matched_stop=matched if self.finished else None,
+            logprobs=delta.logprobs, top_logprobs=delta.top_logprobs,
+            prompt_tokens=delta.prompt_tokens, cached_tokens=delta.cached_tokens,
+            completion_tokens=len(self.output_ids), arrival_time=self.arrival_time,
+            first_token_time=self.first_token_time, queue_time=delta.queue_time), stopped
+
+    def fail(self, reason: str, error: str, internal: bool,
+             prompt_tokens: int = 0) -> StreamChunk:
+        """The final chunk of a request the core refused or lost."""
+        self.finished = True
+        return StreamChunk(
+            rid=self.rid, index=self.index, text="", token_ids=[], finished=True,
+            finish_reason=reason, completion_tokens=len(self.output_ids),
+            prompt_tokens=prompt_tokens, arrival_time=self.arrival_time,
+            error=error, internal_error=internal)
+
+
+def result_from_chunks(chunks: list[StreamChunk]) -> dict:
+    """The offline result dict of one choice, from all its chunks."""
+    if not chunks:
+        return {"text": "", "output_ids": [], "meta_info": {"finish_reason": "abort"}}
+    last = chunks[-1]
+    meta = {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
+            "cached_tokens": last.cached_tokens, "finish_reason": last.finish_reason,
+            "matched_stop": last.matched_stop}
+    if any(c.logprobs for c in chunks):
+        meta["logprobs"] = [lp for c in chunks for lp in (c.logprobs or [])]
+        meta["top_logprobs"] = [t for c in chunks for t in (c.top_logprobs or [])]
+    return {"text": "".join(c.text for c in chunks),
+            "output_ids": [t for c in chunks for t in c.token_ids], "meta_info": meta}
