@@ -15,7 +15,6 @@ import os
 import pickle
 import sys
 import traceback
-from dataclasses import dataclass
 
 import zmq
 
@@ -26,16 +25,12 @@ from radixpool.worker.messages import (
     ControlRequest,
     CoreFailed,
     GenerateRequest,
+    Shutdown,
     StepOutput,
 )
 
 log = logging.getLogger("radixpool.core")
 IDLE_POLL_MS = 500
-
-
-@dataclass(frozen=True)
-class Shutdown:
-    pass
 
 
 def run_core(config: EngineConfig, in_addr: str, out_addr: str, parent_pid: int) -> None:

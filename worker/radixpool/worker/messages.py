@@ -28,6 +28,12 @@ class AbortRequest:
     rid: str
 
 
+@dataclass(frozen=True)
+class Shutdown:
+    """Tells the core loop to exit. Defined here, not in `core_process` (which runs as
+    `__main__`): an unpickled message must be the very class the loop tests against."""
+
+
 ControlKind = Literal["flush_cache", "kv_snapshot", "check_invariants", "stats", "probe"]
 
 
