@@ -101,7 +101,10 @@ def test_kv_events_keep_the_tree_exact_under_worker_eviction(make_stack):
         stack.client.post(worker_url + "/generate", json={"text": words(1000 + i * 200, 200)})
 
     def synced() -> bool:
-        return set(stack.gateway.index._trees[worker_url].lru) == set(sim.cache.blocks)
+        held = list(sim.cache.blocks)
+        index = stack.gateway.index
+        return index.size(worker_url) == len(held) and all(
+            index.match([h]) == {worker_url: 1} for h in held)
 
     for _ in range(50):
         if synced():
