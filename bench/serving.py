@@ -13,8 +13,9 @@ end-to-end latency percentiles and the cache hit rate the server reported in
 (conversations whose every turn resends the whole history). Prompt lengths are in words.
 
 `overhead` measures what the server adds to one request apart from the model: p50 latency of
-sequential `max_tokens=1` HTTP requests minus p50 time of the same request run in-process on the
-engine core (scheduler + forward + sampling, no HTTP, no tokenizer, no IPC).
+sequential `max_tokens=1` chat requests minus p50 time of the same token ids run in-process on
+the engine core (scheduler + forward + sampling; no HTTP, no chat template, no tokenizer, no IPC).
+Run it on an otherwise idle machine: on a busy one, both sides measure the CPU scheduler.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ _CORPUS = ("the of and to in is was for on that with as by at from his her they 
            "river mountain city winter summer garden music paper window story market engine "
            "signal harbor forest number silver bridge letter planet ocean kitchen doctor")
 WORDS = tuple(_CORPUS.split())
+WARMUP = 5
 
 
 @dataclass
@@ -216,8 +218,14 @@ async def run(args: argparse.Namespace) -> dict:
     return summary
 
 
-def engine_core_time(model: str, prompt_len: int, repeats: int) -> float:
-    """p50 seconds to run a one-token request on the engine core in-process (no HTTP, no IPC)."""
+def overhead_messages(count: int, words_per_prompt: int) -> list[list[dict]]:
+    rng = random.Random(1)
+    return [[{"role": "user", "content": words(rng, words_per_prompt)}] for _ in range(count)]
+
+
+def engine_core_time(model: str, prompts: list[list[int]]) -> list[float]:
+    """Seconds to run each one-token request on the engine core in-process: scheduler, forward
+    and sampling, with no HTTP, no tokenizer and no IPC."""
     from radixpool.worker.config import EngineConfig
     from radixpool.worker.engine_core import EngineCore
     from radixpool.worker.messages import GenerateRequest
@@ -226,37 +234,42 @@ def engine_core_time(model: str, prompt_len: int, repeats: int) -> float:
     core = EngineCore(EngineConfig(model_path=model, device="cpu", kv_cache_tokens=65536))
     params = SamplingParams(max_new_tokens=1, temperature=0)
     times = []
-    for i in range(repeats + 5):
-        ids = [5 + (i * 7 + k) % 200 for k in range(prompt_len)]   # a new prompt: no cache hit
+    for i, ids in enumerate(prompts):
         start = time.perf_counter()
         core.add_request(GenerateRequest(f"r{i}", ids, params, seed=0))
         while core.has_work:
             core.step()
-        if i >= 5:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        times.append(time.perf_counter() - start)
+    return times
 
 
 async def overhead(args: argparse.Namespace) -> dict:
+    """Sequential one-token chat requests (so tokenization and the chat template count), against
+    the engine core's time for the very same token ids."""
     client = Client(args)
     await client.resolve_model()
+    conversations = overhead_messages(args.requests + WARMUP, args.prompt_words)
     http_times = []
-    for i in range(args.requests + 5):
-        ids = [5 + (i * 7 + k) % 200 for k in range(args.prompt_len)]
+    for messages in conversations:
         start = time.perf_counter()
-        r = await client.http.post("/v1/completions", json={
-            "model": client.model, "prompt": ids, "max_tokens": 1, "temperature": 0})
+        r = await client.http.post("/v1/chat/completions", json={
+            "model": client.model, "messages": messages, "max_tokens": 1, "temperature": 0})
         r.raise_for_status()
-        if i >= 5:
-            http_times.append(time.perf_counter() - start)
+        http_times.append(time.perf_counter() - start)
     await client.http.aclose()
-    http_p50 = statistics.median(http_times)
-    summary = {"http_requests": len(http_times), "http_p50_ms": http_p50 * 1000,
+    http_times = http_times[WARMUP:]
+    summary = {"requests": len(http_times), "http_p50_ms": statistics.median(http_times) * 1000,
                "http_p90_ms": pct(http_times, 90) * 1000}
     if args.model:
-        core_p50 = engine_core_time(args.model, args.prompt_len, args.requests)
-        summary["engine_core_p50_ms"] = core_p50 * 1000
-        summary["server_overhead_p50_ms"] = (http_p50 - core_p50) * 1000
+        from radixpool.tokenization import PromptTokenizer
+
+        tokenizer = PromptTokenizer.from_dir(args.model)
+        ids = [tokenizer.encode_chat(m) for m in conversations]
+        core = engine_core_time(args.model, ids)[WARMUP:]
+        summary["prompt_tokens_p50"] = statistics.median(len(x) for x in ids)
+        summary["engine_core_p50_ms"] = statistics.median(core) * 1000
+        summary["server_overhead_p50_ms"] = (summary["http_p50_ms"]
+                                             - summary["engine_core_p50_ms"])
     print_summary(summary, [])
     return summary
 
@@ -295,7 +308,7 @@ def main() -> None:
     o.add_argument("--model", metavar="DIR",
                    help="the server's model directory, to time the engine core in-process")
     o.add_argument("--requests", type=int, default=200)
-    o.add_argument("--prompt-len", type=int, default=16, help="prompt tokens")
+    o.add_argument("--prompt-words", type=int, default=12, help="words per chat message")
     args = parser.parse_args()
     summary = asyncio.run(run(args) if args.command == "run" else overhead(args))
     if args.json:
