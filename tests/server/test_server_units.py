@@ -46,16 +46,21 @@ def test_worker_help_is_torch_free():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_flags_become_a_validated_config():
-    args = build_parser().parse_args(["worker", "--model", "/models/qwen", "--page-size", "16",
+def test_flags_become_a_validated_config(tmp_path):
+    model = tmp_path / "qwen"
+    model.mkdir()
+    args = build_parser().parse_args(["worker", "--model", str(model), "--page-size", "16",
                                       "--kv-cache-tokens", "4096", "--schedule-policy", "fcfs"])
     config = config_from_args(args)
     assert config.served_model_name == "qwen"
     assert config.engine.page_size == 16 and config.engine.kv_cache_tokens == 4096
     assert config.engine.schedule_policy == "fcfs"
-    bad = build_parser().parse_args(["worker", "--model", "m", "--page-size", "3"])
-    with pytest.raises(ValueError, match="page_size"):
+    bad = build_parser().parse_args(["worker", "--model", str(model), "--page-size", "3"])
+    with pytest.raises(ValueError, match="--page-size"):
         config_from_args(bad)
+    missing = build_parser().parse_args(["worker", "--model", str(tmp_path / "nope")])
+    with pytest.raises(ValueError, match=r"--model .* is not a directory"):
+        config_from_args(missing)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["worker", "--model", "m", "--kv-cache-tokens", "1",
                                    "--mem-fraction", "0.5"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -49,7 +50,7 @@ def _worker(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
     except ValueError as exc:
-        print(f"radixpool worker: error: {exc}")
+        print(f"radixpool worker: error: {exc}", file=sys.stderr)
         return 2
     return run_worker(config)
 

@@ -23,7 +23,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
-    drain_timeout_s: float = 30.0
+    drain_timeout: float = 30.0      # seconds
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -31,8 +31,8 @@ class ServerConfig:
             raise ValueError("served_model_name must be a non-empty name")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.drain_timeout_s < 0:
-            raise ValueError(f"drain_timeout must be ≥ 0 seconds, got {self.drain_timeout_s}")
+        if self.drain_timeout < 0:
+            raise ValueError(f"drain_timeout must be ≥ 0 seconds, got {self.drain_timeout}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
         if self.api_key is not None and not self.api_key:
@@ -94,8 +94,26 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                    help="log level (default: info)")
 
 
+def _as_flag(exc: ValueError) -> ValueError:
+    """`kv_cache_tokens must be ...` → `--kv-cache-tokens must be ...`."""
+    message = str(exc)
+    name = message.split(" ", 1)[0]
+    if name.isidentifier() and name == name.lower():
+        message = "--" + name.replace("_", "-") + message[len(name):]
+    return ValueError(message)
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    """Validate the flags once; a ValueError names the flag's field."""
+    """Validate the flags once; a ValueError names the flag."""
+    if not os.path.isdir(args.model):
+        raise ValueError(f"--model {args.model!r} is not a directory")
+    try:
+        return _config_from_args(args)
+    except ValueError as exc:
+        raise _as_flag(exc) from None
+
+
+def _config_from_args(args: argparse.Namespace) -> ServerConfig:
     engine = EngineConfig(
         model_path=args.model,
         device=args.device,
@@ -118,6 +136,6 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         host=args.host,
         port=args.port,
         api_key=args.api_key,
-        drain_timeout_s=args.drain_timeout,
+        drain_timeout=args.drain_timeout,
         log_level=args.log_level,
     )

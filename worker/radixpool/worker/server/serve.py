@@ -48,7 +48,7 @@ class WorkerServer(uvicorn.Server):
         task.add_done_callback(self._tasks.discard)
 
     async def _drain(self) -> None:
-        timeout = self.state.config.drain_timeout_s
+        timeout = self.state.config.drain_timeout
         log.info("SIGTERM: draining %d running request(s), up to %.0f s",
                  self.state.lifecycle.inflight, timeout)
         lifecycle = self.state.lifecycle
