@@ -249,6 +249,11 @@ async def overhead(args: argparse.Namespace) -> dict:
     client = Client(args)
     await client.resolve_model()
     conversations = overhead_messages(args.requests + WARMUP, args.prompt_words)
+    health_times = []
+    for _ in range(args.requests):
+        start = time.perf_counter()
+        (await client.http.get("/health")).raise_for_status()
+        health_times.append(time.perf_counter() - start)
     http_times = []
     for messages in conversations:
         start = time.perf_counter()
@@ -258,7 +263,9 @@ async def overhead(args: argparse.Namespace) -> dict:
         http_times.append(time.perf_counter() - start)
     await client.http.aclose()
     http_times = http_times[WARMUP:]
-    summary = {"requests": len(http_times), "http_p50_ms": statistics.median(http_times) * 1000,
+    summary = {"requests": len(http_times),
+               "health_round_trip_p50_ms": statistics.median(health_times) * 1000,
+               "http_p50_ms": statistics.median(http_times) * 1000,
                "http_p90_ms": pct(http_times, 90) * 1000}
     if args.model:
         from radixpool.tokenization import PromptTokenizer

@@ -127,13 +127,14 @@ class EngineRun:
 
     def _observe(self, chunk: Any) -> None:
         now = time.time()
-        prev = self._last.get(chunk.index)
-        if prev is None:
-            first_token = chunk.first_token_time or now
-            self._metrics.record_first_token(first_token - chunk.arrival_time, chunk.queue_time)
-        elif chunk.token_ids:
-            self._metrics.record_token_gap((now - prev) / len(chunk.token_ids))
-        self._last[chunk.index] = now
+        if chunk.token_ids:   # a choice aborted before its first token has no TTFT
+            prev = self._last.get(chunk.index)
+            if prev is None:
+                self._metrics.record_first_token(
+                    (chunk.first_token_time or now) - chunk.arrival_time, chunk.queue_time)
+            else:
+                self._metrics.record_token_gap((now - prev) / len(chunk.token_ids))
+            self._last[chunk.index] = now
         if chunk.finished:
             self._open.discard(chunk.index)
             self._metrics.record_finished(chunk.finish_reason, chunk.prompt_tokens,
