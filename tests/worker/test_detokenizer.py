@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from radixpool.tokenization import PromptTokenizer
 from radixpool.worker.detokenizer import MAX_PENDING_TOKENS, IncrementalDetokenizer
 from radixpool.worker.stop_strings import StopMatcher
+from radixpool.worker.tiny_model import SPECIAL_TOKENS
 
 WORDS = ["東京", "🚀", "café", "naïve", "数据", "日本語", "😀🎉", "λ", "✓", "hello", " ", "\n",
          "cache token", "Observation:", "ü"]
@@ -18,7 +19,7 @@ TEXT = st.lists(
     st.one_of(st.sampled_from(WORDS),
               st.text(st.characters(exclude_categories=("Cs",), exclude_characters="\ufffd"),
                       max_size=6)),
-    max_size=12).map("".join)
+    max_size=12).map("".join).filter(lambda t: not any(s in t for s in SPECIAL_TOKENS))
 SETTINGS = settings(max_examples=120, deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -43,6 +44,16 @@ def test_a_character_split_over_tokens_is_emitted_once_complete(tokenizer):
     assert all("\ufffd" not in p for p in pieces)
     assert "" in pieces  # some token completed nothing and was held
     assert "".join(pieces) + detok.flush() == "日本語 ok"
+
+
+def test_a_long_push_that_ends_inside_a_character(tokenizer):
+    ids = tokenizer.encode("日本語のテキスト" * 20, add_special_tokens=False)
+    cut = next(c for c in range(2 * MAX_PENDING_TOKENS, len(ids))
+               if tokenizer.decode(ids[:c]).endswith("\ufffd"))
+    detok = IncrementalDetokenizer(tokenizer)
+    first, rest = detok.push(ids[:cut]), detok.push(ids[cut:])
+    assert "\ufffd" not in first + rest
+    assert first + rest + detok.flush() == "日本語のテキスト" * 20
 
 
 @SETTINGS

@@ -9,12 +9,13 @@ re-decodes a small window, `ids[start:]`, and emits only its *stable* part:
     for bytes, so everything before that run is emitted and the run is held.
 The window keeps one emitted stretch of tokens in front as context (`ids[start:read]`, decoded
 once into `_context_text`), so decoders that treat the first token specially (SentencePiece's
-leading-space strip) decode the new tokens exactly as a full decode would. The window advances
-whenever the text ends on a real character, so it spans a few tokens: pushing N tokens costs O(N),
-not O(N²).
+leading-space strip) decode the new tokens exactly as a full decode would. The window advances to
+the last token boundary that ends a real character (found within the last BOUNDARY_LOOKBACK
+tokens when the text ends in U+FFFD), so it spans a few tokens: pushing N tokens costs O(N), not
+O(N²).
 
 Invariant: the concatenation of everything `push` and `flush` return equals
-`tokenizer.decode(all_ids, skip_special_tokens)`. The one exception is a stream of more than
+`tokenizer.decode(all_ids, skip_special_tokens)`. The one exception is a run of more than
 MAX_PENDING_TOKENS tokens none of which ends a character (only invalid bytes: a broken model);
 then the window is cut to bound the cost, and that garbage may decode to a different number of
 U+FFFD than a full decode gives.
@@ -28,6 +29,7 @@ from radixpool.tokenization import PromptTokenizer
 
 REPLACEMENT = "\ufffd"
 MAX_PENDING_TOKENS = 64
+BOUNDARY_LOOKBACK = 8  # an unfinished character is ≤ 3 bytes: a few tokens, maybe a special one
 
 
 class IncrementalDetokenizer:
@@ -43,17 +45,25 @@ class IncrementalDetokenizer:
     def push(self, token_ids: Iterable[int]) -> str:
         """Append tokens; return the text they completed (possibly "")."""
         self.ids.extend(token_ids)
-        if len(self.ids) == self._read:
+        end = len(self.ids)
+        if end == self._read:
             return ""
         text = self._decode(self.ids[self._start:])
         done = len(self._context_text) + self._sent
-        if not text.endswith(REPLACEMENT) or len(self.ids) - self._read > MAX_PENDING_TOKENS:
-            self._advance()
+        if not text.endswith(REPLACEMENT):
+            self._advance(end, 0)
             return text[done:]
-        stable = len(text.rstrip(REPLACEMENT))
-        if stable <= done:
-            return ""
-        self._sent += stable - done
+        stable = max(done, len(text.rstrip(REPLACEMENT)))
+        for boundary in range(end - 1, max(self._read, end - BOUNDARY_LOOKBACK - 1), -1):
+            head = self._decode(self.ids[self._start:boundary])
+            if not head.endswith(REPLACEMENT):
+                # ids[:boundary] ends a character: only the tokens after it stay in the window
+                self._advance(boundary, stable - len(head))
+                return text[done:stable]
+        if end - self._read > MAX_PENDING_TOKENS:  # nothing but stray bytes for a long while
+            self._advance(end, 0)
+            return text[done:]
+        self._sent = stable - len(self._context_text)
         return text[done:stable]
 
     def flush(self) -> str:
@@ -62,13 +72,14 @@ class IncrementalDetokenizer:
             return ""
         text = self._decode(self.ids[self._start:])
         done = len(self._context_text) + self._sent
-        self._advance()
+        self._advance(len(self.ids), 0)
         return text[done:]
 
-    def _advance(self) -> None:
-        self._start, self._read = self._read, len(self.ids)
+    def _advance(self, boundary: int, sent: int) -> None:
+        """Everything before `boundary` is final; `sent` characters after it were emitted."""
+        self._start, self._read = self._read, boundary
         self._context_text = self._decode(self.ids[self._start:self._read])
-        self._sent = 0
+        self._sent = sent
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
