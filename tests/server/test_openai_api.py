@@ -29,7 +29,8 @@ def test_models_lists_the_served_name(client):
 
 
 def test_chat_completion(client):
-    r = chat(client, "hello there", max_tokens=8, temperature=0)
+    r = chat(client, "hello there", max_tokens=8, temperature=0, user="user-1",
+             frequency_penalty=0.5, presence_penalty=0.5)
     choice = r.choices[0]
     assert r.object == "chat.completion" and r.model == "tiny"
     assert choice.message.role == "assistant"
@@ -160,3 +161,14 @@ def test_extensions_are_accepted(client):
              extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True,
                          "min_tokens": 4})
     assert r.usage.completion_tokens == 4
+
+
+def test_logit_bias_steers_the_output(client, http):
+    from radixpool.tokenization import PromptTokenizer
+
+    tokenizer = PromptTokenizer(http.get("/tokenizer").json()["files"])
+    token = 300
+    r = client.completions.create(model="tiny", prompt="hello", max_tokens=4, temperature=0,
+                                  logit_bias={str(token): 100}, logprobs=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].logprobs.tokens == [tokenizer.decode([token])] * 4
