@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "radixpool.worker.cli",
     "radixpool.operator.cli",
     "radixpool.gateway.cli",
+    "radixpool.fleet.cli",
 )
 
 
