@@ -5,9 +5,9 @@ the body is then read chunk by chunk as the worker sends it (`read`), so streams
 with no buffering. A connection goes back to the pool only after its response ended cleanly and
 the worker allowed keep-alive; anything else closes it. TCP_NODELAY is set on every connection.
 
-Errors before the response headers are `UpstreamError` with `connected` telling whether the
-request may have reached the worker. A pooled connection the worker closed while idle is retried
-once on a fresh one (that race is the ordinary end of a keep-alive, not a worker failure).
+Every failure to talk to the worker is an `UpstreamError`; before the response headers it is
+safe for the proxy to retry elsewhere. A pooled connection the worker closed while idle is
+retried on a fresh one (that race is the ordinary end of a keep-alive, not a worker failure).
 """
 
 from __future__ import annotations
@@ -26,9 +26,7 @@ HOP_BY_HOP = frozenset((b"connection", b"keep-alive", b"transfer-encoding", b"co
 
 
 class UpstreamError(ConnectionError):
-    def __init__(self, message: str, connected: bool) -> None:
-        super().__init__(message)
-        self.connected = connected
+    """The worker could not be reached, or the connection broke or spoke garbage."""
 
 
 class _Connection(asyncio.Protocol):
@@ -106,7 +104,7 @@ class _Connection(asyncio.Protocol):
             if self.done:
                 return None
             if self._error is not None:
-                raise UpstreamError(f"worker connection broke mid-response: {self._error}", True)
+                raise UpstreamError(f"worker connection broke mid-response: {self._error}")
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
         return self.chunks.popleft()
@@ -180,8 +178,7 @@ class UpstreamPool:
             _, conn = await asyncio.wait_for(
                 loop.create_connection(_Connection, self.host, self.port), self.connect_timeout)
         except (OSError, asyncio.TimeoutError) as exc:
-            raise UpstreamError(f"cannot connect to {self.host}:{self.port}: {exc!r}",
-                                False) from exc
+            raise UpstreamError(f"cannot connect to {self.host}:{self.port}: {exc!r}") from exc
         return conn
 
     def put_back(self, conn: _Connection) -> None:
@@ -225,6 +222,5 @@ class UpstreamPool:
             await (ready if timeout is None else asyncio.wait_for(ready, timeout))
         except (OSError, asyncio.TimeoutError, httptools.HttpParserError) as exc:
             conn.close()
-            raise UpstreamError(f"no response from {self.host}:{self.port}: {exc!r}",
-                                conn.got_bytes) from exc
+            raise UpstreamError(f"no response from {self.host}:{self.port}: {exc!r}") from exc
         return UpstreamResponse(self, conn)
