@@ -20,7 +20,7 @@ TEXT = st.lists(
               st.text(st.characters(exclude_categories=("Cs",), exclude_characters="\ufffd"),
                       max_size=6)),
     max_size=12).map("".join).filter(lambda t: not any(s in t for s in SPECIAL_TOKENS))
-SETTINGS = settings(max_examples=120, deadline=None,
+SETTINGS = settings(max_examples=80, deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 

@@ -90,7 +90,7 @@ def test_top_k_one_and_tiny_top_p_are_greedy():
     {"temperature": 1.2, "top_k": 10, "top_p": 0.9, "min_p": 0.05},
 ])
 def test_empirical_frequencies_match_the_promised_distribution(params):
-    vocab, count = 24, 12000
+    vocab, count = 24, 8000
     sampler = Sampler(vocab, (EOS,))
     logits = torch.randn(vocab, generator=gen(3)) * 1.5
     expected = torch.softmax(reference_warp(logits, SamplingParams(**params)), -1) * count
@@ -102,7 +102,7 @@ def test_empirical_frequencies_match_the_promised_distribution(params):
 
 
 def test_steps_of_one_request_are_independent_draws():
-    vocab, count = 12, 8000
+    vocab, count = 12, 6000
     sampler = Sampler(vocab, (EOS,))
     logits = torch.randn(vocab, generator=gen(4))
     rows = [row(7, output=range(step)) for step in range(count)]  # one seed, successive steps
@@ -116,7 +116,7 @@ def test_steps_of_one_request_are_independent_draws():
     {"top_k": 3}, {"top_p": 0.5}, {"min_p": 0.3}, {"top_k": 8, "top_p": 0.6, "min_p": 0.2},
 ])
 def test_truncation_never_emits_excluded_tokens_at_vocab_scale(params):
-    vocab, count = 4096, 256
+    vocab, count = 4096, 128
     sampler = Sampler(vocab, (EOS,))
     logits = torch.randn(count, vocab, generator=gen(5)) * 3
     tokens = sampler.sample(logits, [row(seed, **params) for seed in range(count)]).token_ids
@@ -147,7 +147,7 @@ PARAMS = st.fixed_dictionaries({
 })
 
 
-@settings(max_examples=60, deadline=None, derandomize=True)  # float ties at a boundary: no flakes
+@settings(max_examples=40, deadline=None, derandomize=True)  # float ties at a boundary: no flakes
 @given(params=PARAMS, others=st.lists(PARAMS, max_size=5), seed=st.integers(0, 2**64 - 1),
        position=st.integers(0, 5), step=st.integers(0, 40))
 def test_a_row_is_sampled_the_same_in_any_batch_and_only_from_allowed_tokens(
