@@ -35,6 +35,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import socket
 import statistics
 import subprocess
@@ -285,8 +286,8 @@ def main() -> None:
     q.add_argument("--policies", nargs="+", default=["cache_aware", "round_robin"])
     q.add_argument("--requests-per-worker", type=int, default=40)
     q.add_argument("--concurrency-per-worker", type=int, default=2)
-    q.add_argument("--prefill-us-per-token", type=float, default=20.0)
-    q.add_argument("--decode-ms-per-token", type=float, default=0.5)
+    q.add_argument("--prefill-us-per-token", type=float, default=100.0)
+    q.add_argument("--decode-ms-per-token", type=float, default=1.0)
     q.add_argument("--max-tokens", type=int, default=8)
     q.add_argument("--kv-capacity-tokens", type=int, default=8192)
     q.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
@@ -297,6 +298,7 @@ def main() -> None:
     o.add_argument("--seconds", type=float, default=5.0)
     o.add_argument("--kv-capacity-tokens", type=int, default=65536)
     args = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # run the finally blocks: stop children
     try:
         import uvloop
 

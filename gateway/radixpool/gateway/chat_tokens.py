@@ -30,7 +30,7 @@ from radixpool.tokenization import PromptTokenizer
 log = logging.getLogger("radixpool.gateway")
 
 CACHE_ENTRIES = 16384
-VERIFY_FIRST = 64
+VERIFY_FIRST = 16
 VERIFY_EVERY = 256
 
 
