@@ -249,8 +249,12 @@ def test_logit_bias_forces_and_bans_tokens():
     vocab = 500
     sampler = Sampler(vocab, (EOS,))
     logits = torch.randn(50, vocab, generator=gen(12)) * 4
+    before = logits.clone()
     forced = sampler.sample(logits, [row(s, logit_bias={123: 100.0}) for s in range(50)])
     assert forced.token_ids == [123] * 50
+    assert torch.equal(logits, before)  # the caller's logits are left alone
+    half = sampler.sample(logits.half(), [row(s, logit_bias={123: 100.0}) for s in range(50)])
+    assert half.token_ids == [123] * 50
     top = logits.argmax(-1).tolist()
     banned = sampler.sample(logits, [row(s, temperature=0, logit_bias={top[s]: -100.0})
                                      for s in range(50)])

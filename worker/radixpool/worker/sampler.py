@@ -116,6 +116,7 @@ class Sampler:
         n, vocab = len(rows), self.vocab_size
         if logits.shape != (n, vocab):
             raise ValueError(f"logits must be [{n}, {vocab}], got {list(logits.shape)}")
+        owned = logits.dtype != torch.float32  # the float32 copy is ours to modify
         logits = logits.float()
         greedy: list[int] = []
         sampled: list[int] = []
@@ -152,7 +153,7 @@ class Sampler:
         logprobs = None
         if want_logprobs:
             logprobs = torch.log_softmax(self._take(logits, want_logprobs, n), dim=-1)
-        work = logits.clone() if modifies else logits
+        work = logits.clone() if modifies and not owned else logits
         if penalised:
             self._apply_penalties(work, rows, penalised)
         if bias_rows:
