@@ -1,0 +1,94 @@
+"""The OpenAI API through the gateway of a local fleet, with the official `openai` SDK: chat and
+completions, streamed and not; cached tokens on a repeated prefix; the gateway's and the workers'
+token counters agree."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from fleet_probes import MODEL, eventually, scrape
+
+pytestmark = pytest.mark.slow
+
+WORDS = ("cache", "token", "prefix", "model", "serve", "request", "worker", "gateway", "radix",
+         "tree", "memory", "batch", "stream", "route", "cluster", "pool", "node", "page", "block")
+
+
+def long_text(seed: int, words: int = 200) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def test_chat_and_completions_streamed_and_not(sdk):
+    chat = sdk.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello there"}], max_tokens=6,
+        temperature=0)
+    assert chat.choices[0].finish_reason in ("length", "stop")
+    assert chat.usage.prompt_tokens > 0 and chat.usage.completion_tokens <= 6
+
+    stream = sdk.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello there"}], max_tokens=6,
+        temperature=0, stream=True)
+    chunks = list(stream)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == chat.choices[0].message.content  # greedy: the same answer either way
+    assert chunks[-1].choices[0].finish_reason == chat.choices[0].finish_reason
+    assert all(c.usage is None for c in chunks)  # not asked for, so not shown
+
+    completion = sdk.completions.create(model=MODEL, prompt="The radix tree", max_tokens=5,
+                                        temperature=0)
+    pieces = list(sdk.completions.create(model=MODEL, prompt="The radix tree", max_tokens=5,
+                                         temperature=0, stream=True,
+                                         stream_options={"include_usage": True}))
+    assert "".join(p.choices[0].text for p in pieces if p.choices) == completion.choices[0].text
+    assert pieces[-1].usage.prompt_tokens == completion.usage.prompt_tokens
+
+    assert [m.id for m in sdk.models.list().data] == [MODEL]
+
+
+def test_a_repeated_prefix_is_served_from_cache(sdk):
+    system = {"role": "system", "content": long_text(1)}
+    first = sdk.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[system, {"role": "user", "content": "first question"}],
+        max_tokens=2, temperature=0)
+    second = sdk.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[system, {"role": "user", "content": "another question"}],
+        max_tokens=2, temperature=0)
+    assert first.parse().usage.prompt_tokens_details.cached_tokens < 20
+    assert second.parse().usage.prompt_tokens_details.cached_tokens > 180
+    # the gateway sent the second request where the prefix was
+    assert second.headers["x-radixpool-worker"] == first.headers["x-radixpool-worker"]
+
+
+def test_gateway_and_worker_token_counters_agree(fleet, sdk):
+    def totals():
+        workers = [scrape(url) for url in fleet.worker_urls]
+        gateway = scrape(fleet.gateway.url)
+        return (gateway.get("radixpool_gateway_prompt_tokens_total", 0),
+                sum(w.get("radixpool_prompt_tokens_total", 0) for w in workers),
+                gateway.get("radixpool_gateway_cached_tokens_total", 0),
+                sum(w.get("radixpool_cached_prompt_tokens_total", 0) for w in workers))
+
+    before = totals()
+    client_prompt = client_cached = 0
+    for i in range(4):
+        messages = [{"role": "system", "content": long_text(10 + i % 2, 120)},
+                    {"role": "user", "content": f"question {i}"}]
+        answer = sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=3,
+                                             temperature=0)
+        client_prompt += answer.usage.prompt_tokens
+        client_cached += answer.usage.prompt_tokens_details.cached_tokens
+        chunks = list(sdk.completions.create(
+            model=MODEL, prompt=long_text(20 + i % 2, 100), max_tokens=3, temperature=0,
+            stream=True, stream_options={"include_usage": True}))
+        client_prompt += chunks[-1].usage.prompt_tokens
+        client_cached += chunks[-1].usage.prompt_tokens_details.cached_tokens
+
+    def moved():
+        return tuple(a - b for a, b in zip(totals(), before))
+
+    eventually(lambda: moved()[0] == client_prompt, "gateway counted every prompt token")
+    gw_prompt, w_prompt, gw_cached, w_cached = moved()
+    assert gw_prompt == w_prompt == client_prompt
+    assert gw_cached == w_cached == client_cached > 0
