@@ -112,30 +112,31 @@ class Workload:
     workers: int
     rng: random.Random = field(default_factory=lambda: random.Random(0))
     sessions: dict[int, list[dict]] = field(default_factory=dict)
-    counter: int = 0
+
+    def text(self, n: int, seed: int | None = None) -> str:
+        """`n` words: fixed for a given `seed`, fresh (random) without one."""
+        rng = random.Random(seed) if seed is not None else self.rng
+        return " ".join(f"w{rng.randrange(4096)}" for _ in range(n))
 
     def next(self, client: int, max_tokens: int) -> dict:
-        self.counter += 1
-        n = self.counter
         if self.name == "shared-prefix":
             group = self.rng.randrange(2 * self.workers)
-            messages = [{"role": "system", "content": words(0, 128) + " " +
-                         words(200 + group * 768, 768)},
-                        {"role": "user", "content": words(n * 32, 32)}]
+            messages = [{"role": "system", "content": self.text(128, seed=-1) + " " +
+                         self.text(768, seed=group)},
+                        {"role": "user", "content": self.text(32)}]
         elif self.name == "common-prefix":
-            messages = [{"role": "system", "content": words(0, 1024)},
-                        {"role": "user", "content": words(n * 64, 64)}]
+            messages = [{"role": "system", "content": self.text(1024, seed=-1)},
+                        {"role": "user", "content": self.text(64)}]
         elif self.name == "random":
-            messages = [{"role": "user", "content": words(n * 512 + self.rng.randrange(4096),
-                                                          512)}]
+            messages = [{"role": "user", "content": self.text(512)}]
         else:
             sid = client + self.rng.randrange(4) * 1000
             history = self.sessions.setdefault(sid, [])
             if len(history) >= 16:
                 history.clear()
-            history.append({"role": "user", "content": words(n * 64, 64)})
+            history.append({"role": "user", "content": self.text(64)})
             messages = list(history)
-            history.append({"role": "assistant", "content": words(4000, max_tokens)})
+            history.append({"role": "assistant", "content": self.text(max_tokens, seed=-2)})
         return {"model": "sim-model", "messages": messages, "max_tokens": max_tokens,
                 "stream": True}
 
@@ -203,6 +204,7 @@ def quality_run(n: int, workload: str, policy: str, args: argparse.Namespace) ->
         cpu = cpu_seconds(gateway.pid) - cpu0
         stats = httpx.get(urls[0] + "/sim/stats").json()
         fleet_doc = httpx.get(f"http://127.0.0.1:{port}/workers").json()["fleet"]
+        reasons = decision_counts(httpx.get(f"http://127.0.0.1:{port}/metrics").text)
     finally:
         stop(gateway)
         stop(fleet)
@@ -215,7 +217,17 @@ def quality_run(n: int, workload: str, policy: str, args: argparse.Namespace) ->
             f"{pct(ttft, 0.99):7.1f} {stats['hit_rate']:6.3f} "
             f"{fleet_doc['predicted_hit_rate']:6.3f} {cpu / len(samples) * 1e6:7.0f} "
             f"{idle:6.1%}{' IDLE!' if idle > 0.05 else ''}  min/max per worker "
-            f"{min(spread)}/{max(spread)}")
+            f"{min(spread)}/{max(spread)}  {reasons}")
+
+
+def decision_counts(metrics: str) -> str:
+    """`cache_hit=120 cache_miss=40 ...` from the gateway's route-decision counters."""
+    counts: dict[str, float] = {}
+    for line in metrics.splitlines():
+        if line.startswith("radixpool_gateway_route_decisions_total{"):
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            counts[reason] = counts.get(reason, 0) + float(line.rsplit(" ", 1)[1])
+    return " ".join(f"{k}={int(v)}" for k, v in sorted(counts.items()))
 
 
 def quality(args: argparse.Namespace) -> None:
