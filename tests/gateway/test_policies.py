@@ -164,6 +164,19 @@ def test_a_hot_system_prompt_does_not_pin_new_sessions_to_one_worker():
     assert max(pinned.values()) >= 55
 
 
+def test_at_low_traffic_new_sessions_spread_instead_of_following_the_system_prompt():
+    """Sequential sessions (every worker idle) sharing a hot system prompt: each new session
+    starts on the next worker, so no worker collects every conversation's history."""
+    policy = cache_aware(("a", "b", "c", "d"))
+    system = tokens(0, 40 * BLOCK)
+    firsts = Counter()
+    for session in range(40):
+        first = policy.select(idle("a", "b", "c", "d"),
+                              key_of(system + tokens(10_000 + 100 * session, 3 * BLOCK)))
+        firsts[first.worker] += 1
+    assert min(firsts.values()) >= 8, firsts
+
+
 def test_failed_dispatch_removes_the_phantom_affinity():
     policy = cache_aware(("a", "b"))
     prompt = tokens(0, 10 * BLOCK)

@@ -21,7 +21,9 @@ pick one. Pure: no I/O, no clock; the proxy owns the loop around them.
    affinity. Unlike the router in the seeds, the detector looks at the worker this request would
    go to, not the fleet's max: a swamped worker elsewhere does not cost this request its cache.
 4. No owner above the threshold: the least-loaded worker (reason `cache_miss`), preferring a
-   longer raw match. Ties among equally loaded workers rotate (never always the first).
+   longer match beyond the base (not the raw match: then, at low traffic, every new session
+   would go to the first holder of a common system prompt and its history would pin it there).
+   Remaining ties among equally loaded workers rotate (never always the first).
 5. The prompt is inserted into the chosen worker's tree at selection time; `failed` undoes that
    if the request never reached the worker, and the proxy trims the tree when the worker reports
    fewer cached tokens than predicted.
@@ -164,15 +166,15 @@ class CacheAware(Policy):
         rest = key.blocks - base
         if rest > 0 and best / rest > self.threshold:
             owners = [i for i in everyone if beyond[i] == best]
-            pick, reason = self._least_loaded(candidates, owners, matched), "cache_hit"
+            pick, reason = self._least_loaded(candidates, owners, beyond), "cache_hit"
             low = min(c.load for c in candidates)
             load = candidates[pick].load
             if load - low > self.abs_gap and load > low * self.rel_gap:
-                pick, reason = self._least_loaded(candidates, everyone, matched), "imbalance"
+                pick, reason = self._least_loaded(candidates, everyone, beyond), "imbalance"
             elif load and not low:
                 pick, reason = self._spill(candidates, matched, key, pick)
         else:
-            pick, reason = self._least_loaded(candidates, everyone, matched), "cache_miss"
+            pick, reason = self._least_loaded(candidates, everyone, beyond), "cache_miss"
         self._count_demand(key.hashes)
         worker = candidates[pick].name
         prior = self.index.insert(worker, key.hashes, matched[pick])
@@ -194,12 +196,12 @@ class CacheAware(Policy):
         self.index.remove(decision.worker, key.hashes[decision.predicted_blocks:])
 
     def _least_loaded(self, candidates: Sequence[Candidate], among: Sequence[int],
-                      matched: list[int]) -> int:
+                      beyond: list[int]) -> int:
         low = min(candidates[i].load for i in among)
         ties = [i for i in among if candidates[i].load == low]
         if len(ties) > 1:
-            top = max(matched[i] for i in ties)
-            ties = [i for i in ties if matched[i] == top]
+            top = max(beyond[i] for i in ties)
+            ties = [i for i in ties if beyond[i] == top]
         self._turn += 1
         return ties[self._turn % len(ties)]
 
