@@ -138,9 +138,9 @@ class SimWorker:
         query = parse_qs(request.query)
         since = int(query.get("since", ["0"])[0])
         timeout = float(query.get("timeout", ["10"])[0])
+        self._events_changed.clear()
         events = self.cache.events_since(since)
         if events == []:
-            self._events_changed.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._events_changed.wait(), timeout)
             events = self.cache.events_since(since)
