@@ -14,6 +14,7 @@ feeds the metrics and the tree correction (`feedback.first_missing_block` → `t
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import time
@@ -204,8 +205,9 @@ class Gateway:
             else:
                 if upstream.status != 503 or attempt == self.config.max_retries:
                     return worker, decision, upstream
-                await upstream.body()
                 worker.inflight -= 1
+                with contextlib.suppress(UpstreamError):
+                    await upstream.body()  # read to the end so the connection can be reused
                 worker.draining = True  # cleared when its /health answers 200 again
                 errors.append(f"{worker.url}: 503 (draining or overloaded)")
                 busy += 1
