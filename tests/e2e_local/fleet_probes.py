@@ -3,6 +3,7 @@ worker, and the memory of a process with its descendants."""
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -11,6 +12,14 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "tiny"  # the name the e2e fleet serves the tiny model as
+WORDS = ("cache", "token", "prefix", "model", "serve", "request", "worker", "gateway", "radix",
+         "tree", "memory", "batch", "stream", "route", "cluster", "pool", "node", "page", "block")
+
+
+def long_text(seed: int, words: int = 200) -> str:
+    """A prompt of about `words` tokens, the same for the same seed."""
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
 def scrape(url: str) -> dict[str, float]:

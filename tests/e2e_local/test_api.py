@@ -4,21 +4,10 @@ token counters agree."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
-from fleet_probes import MODEL, eventually, scrape
+from fleet_probes import MODEL, eventually, long_text, scrape
 
 pytestmark = pytest.mark.slow
-
-WORDS = ("cache", "token", "prefix", "model", "serve", "request", "worker", "gateway", "radix",
-         "tree", "memory", "batch", "stream", "route", "cluster", "pool", "node", "page", "block")
-
-
-def long_text(seed: int, words: int = 200) -> str:
-    rng = random.Random(seed)
-    return " ".join(rng.choice(WORDS) for _ in range(words))
-
 
 def test_chat_and_completions_streamed_and_not(sdk):
     chat = sdk.chat.completions.create(
