@@ -62,10 +62,10 @@ class PenaltyState:
         slots = self._update(keys, prompts, outputs)
         slot_t = torch.tensor(slots, dtype=torch.long, device=self.device)
         rows_t = torch.tensor(row_index, dtype=torch.long, device=self.device)
-        x = logits.index_select(0, rows_t)
-        counts = self._counts.index_select(0, slot_t)
+        x = logits[rows_t]
+        counts = self._counts[slot_t]
         generated = counts > 0
-        seen = self._in_prompt.index_select(0, slot_t).logical_or_(generated)
+        seen = self._in_prompt[slot_t].logical_or_(generated)
         rep, freq, pres = factors[:, 0:1], factors[:, 1:2], factors[:, 2:3]
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
         x -= counts * freq + generated * pres

@@ -188,7 +188,7 @@ class Sampler:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def _take(self, x: torch.Tensor, index: list[int], n: int) -> torch.Tensor:
-        return x if len(index) == n else x.index_select(0, self._long(index))
+        return x if len(index) == n else x[self._long(index)]  # (faster than index_select on CPU)
 
     def _apply_penalties(self, work: torch.Tensor, rows: Sequence[SamplingRow],
                          index: list[int]) -> None:
