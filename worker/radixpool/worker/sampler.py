@@ -18,8 +18,10 @@ hash(seed, step = len(output_ids), v), so a row's token depends only on its own 
 seed and step, never on what else is in the batch or where the row sits. Gumbel-max keyed by
 token id also makes the result independent of how many top-k candidates the batch gathered, so
 rows are free to take the cheap candidate path or the full-vocabulary path. A request resumed
-after retraction replays the same randomness. (Exact float ties between tokens are the one place
-the batch could matter: they are broken by position.)
+after retraction replays the same randomness. The low 64 bits of the seed count. The promise is
+for the same logits: exact float ties between tokens, and a top-p boundary that the rounding of a
+batched sum could move, are the only places a batch could matter (the model's own logits may of
+course differ with the batch on a GPU).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from radixpool.worker.penalties import PenaltyState, one_call_key
 from radixpool.worker.sampling_params import SamplingParams
 
 GREEDY_TEMPERATURE = 1e-5  # below this, logits / T overflows float32 for ordinary logits
-TOP_P_CANDIDATES = 1024    # top-p without top-k looks at this many tokens before a full sort
+TOP_P_CANDIDATES = 1024    # top-p without top-k first looks at this many tokens (then 8x more)
 _MASK32 = 0xFFFFFFFF
 _TOKEN_MULTIPLIER = 0x61C88647  # 2^32 / golden ratio, odd: spreads consecutive token ids
 
