@@ -15,7 +15,9 @@ end-to-end latency percentiles and the cache hit rate the server reported in
 `overhead` measures what the server adds to one request apart from the model: p50 latency of
 sequential `max_tokens=1` chat requests minus p50 time of the same token ids run in-process on
 the engine core (scheduler + forward + sampling; no HTTP, no chat template, no tokenizer, no IPC).
-Run it on an otherwise idle machine: on a busy one, both sides measure the CPU scheduler.
+It also prints the CPU time the server's HTTP process spent per request (from its
+`process_cpu_seconds_total`: HTTP, validation, chat template, tokenizer, IPC, detokenizer), which
+a busy machine does not distort the way it distorts latencies.
 """
 
 from __future__ import annotations
@@ -218,6 +220,15 @@ async def run(args: argparse.Namespace) -> dict:
     return summary
 
 
+async def server_cpu_seconds(client: Client) -> float | None:
+    """CPU time of the server's HTTP process (`process_cpu_seconds_total`), if it exports it."""
+    r = await client.http.get("/metrics")
+    for line in r.text.splitlines() if r.status_code == 200 else ():
+        if line.startswith("process_cpu_seconds_total "):
+            return float(line.split()[1])
+    return None
+
+
 def overhead_messages(count: int, words_per_prompt: int) -> list[list[dict]]:
     rng = random.Random(1)
     return [[{"role": "user", "content": words(rng, words_per_prompt)}] for _ in range(count)]
@@ -254,6 +265,7 @@ async def overhead(args: argparse.Namespace) -> dict:
         start = time.perf_counter()
         (await client.http.get("/health")).raise_for_status()
         health_times.append(time.perf_counter() - start)
+    cpu_before = await server_cpu_seconds(client)
     http_times = []
     for messages in conversations:
         start = time.perf_counter()
@@ -261,12 +273,16 @@ async def overhead(args: argparse.Namespace) -> dict:
             "model": client.model, "messages": messages, "max_tokens": 1, "temperature": 0})
         r.raise_for_status()
         http_times.append(time.perf_counter() - start)
+    cpu_after = await server_cpu_seconds(client)
     await client.http.aclose()
     http_times = http_times[WARMUP:]
     summary = {"requests": len(http_times),
                "health_round_trip_p50_ms": statistics.median(health_times) * 1000,
                "http_p50_ms": statistics.median(http_times) * 1000,
                "http_p90_ms": pct(http_times, 90) * 1000}
+    if cpu_before is not None and cpu_after is not None:
+        summary["server_cpu_ms_per_request"] = ((cpu_after - cpu_before) * 1000
+                                                / len(conversations))
     if args.model:
         from radixpool.tokenization import PromptTokenizer
 

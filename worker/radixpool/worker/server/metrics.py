@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
@@ -113,6 +113,7 @@ class WorkerMetrics:
         self.queue_time = _histogram(spec.QUEUE_TIME, r)
         self.hit_rate = HitRateWindow()
         r.register(EngineCollector(engine_fn, model, version, self.hit_rate))
+        ProcessCollector(registry=r)   # process_cpu_seconds_total etc. of the HTTP front end
 
     def record_first_token(self, ttft_s: float, queue_time_s: float | None) -> None:
         self.ttft.observe(max(ttft_s, 0.0))

@@ -101,7 +101,7 @@ def run_worker(config: ServerConfig) -> int:
     )
     server = WorkerServer(uv_config, state)
     try:
-        asyncio.run(server.serve())
+        server.run()   # uvicorn's loop factory: uvloop when installed
     finally:
         if state.engine is not None:
             state.engine.shutdown()
