@@ -60,7 +60,9 @@ def rss_bytes(pid: int) -> int:
         p = todo.pop()
         try:
             status = Path(f"/proc/{p}/status").read_text()
-            children = Path(f"/proc/{p}/task/{p}/children").read_text().split()
+            # each thread lists the children it started (the engine core comes from a thread)
+            children = [c for task in Path(f"/proc/{p}/task").iterdir()
+                        for c in (task / "children").read_text().split()]
         except OSError:
             continue
         for line in status.splitlines():
