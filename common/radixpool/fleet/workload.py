@@ -40,10 +40,10 @@ class Job:
 @dataclass(frozen=True)
 class WorkloadShape:
     groups: int = 12              # shared-prefix system prompts
-    questions: int = 16           # questions per group
+    questions: int = 32           # questions per group
     system_words: int = 1000      # length of each system prompt (about one token per word)
-    conversations: int = 8
-    turns: int = 5
+    conversations: int = 12
+    turns: int = 6
     context_words: int = 600      # a conversation's own opening context
     turn_words: int = 32
     answer_tokens: int = 8
