@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import openai
 import pytest
 
@@ -133,3 +134,27 @@ def test_multi_turn_sessions_stick_to_their_worker(make_stack):
             homes[s].add(stack.worker_of(raw.http_response))
     assert all(len(h) == 1 for h in homes.values()), homes
     assert len(set().union(*homes.values())) == 3  # and sessions are spread over the fleet
+
+
+def test_a_cold_start_burst_on_one_prefix_is_spread_not_queued_on_one_worker(make_stack):
+    """Eight clients start at once with the same long system prompt: the first request makes
+    one worker its owner, but with nothing answered yet every queued request counts as a full
+    prompt of work there, so the burst spills over the idle workers."""
+    import threading
+
+    stack = make_stack(4, sim=SimConfig(prefill_us_per_token=50.0))
+    system = words(0, 600)
+
+    def client(i: int) -> None:
+        with httpx.Client(base_url=stack.url, timeout=30) as c:
+            c.post("/v1/chat/completions", json={"model": "sim-model", "max_tokens": 1,
+                   "messages": [{"role": "system", "content": system},
+                                {"role": "user", "content": words(2000 + 10 * i, 8)}]})
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    served = [w.requests for w in stack.fleet.workers]
+    assert max(served) <= 4 and sum(served) == 8, served

@@ -16,7 +16,6 @@ capacity, the model's tokenizer, and the KV-event stream. All of them feed the p
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 
@@ -46,13 +45,14 @@ class Monitor:
             self._membership(worker, True)
 
     async def stop(self) -> None:
-        tasks = [t for ts in self._tasks.values() for t in ts]
+        pending = {t for ts in self._tasks.values() for t in ts}
         self._tasks.clear()
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        while pending:
+            # cancel again until done: Python 3.11's wait_for can swallow a cancellation that
+            # races with its inner future finishing, and the watcher would sleep on
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=0.1)
 
     def _membership(self, worker: Worker, added: bool) -> None:
         if added:

@@ -13,7 +13,8 @@ pick one. Pure: no I/O, no clock; the proxy owns the loop around them.
    idle worker costs fewer tokens than the prefill work already waiting at the owner (its
    in-flight count × its recent mean uncached tokens, plus this prompt's uncached part there),
    go to the idle worker (reason `spill`). It then holds the prefix too, so a group too hot for
-   one worker gains owners in proportion to its load instead of queueing behind one.
+   one worker gains owners in proportion to its load instead of queueing behind one. (Before a
+   worker has answered, the proxy counts each request in flight there as a whole prompt.)
 3. Imbalance: if that owner's in-flight load exceeds the least-loaded worker's by more than
    `balance_abs_threshold` AND by a factor above `balance_rel_threshold`, go to the least-loaded
    worker instead (reason `imbalance`); else to the owner (reason `cache_hit`). Both gaps must

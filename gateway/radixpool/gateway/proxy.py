@@ -33,7 +33,13 @@ from radixpool.gateway.http_server import Headers, Request, Responder, error_bod
 from radixpool.gateway.metrics import GatewayMetrics
 from radixpool.gateway.policies import CacheAware, Candidate, Decision, make_policy
 from radixpool.gateway.prefix_index import PrefixIndex
-from radixpool.gateway.route_key import ROUTED_PATHS, BadRequest, KeyBuilder, RouteKey
+from radixpool.gateway.route_key import (
+    BYTES_PER_TOKEN,
+    ROUTED_PATHS,
+    BadRequest,
+    KeyBuilder,
+    RouteKey,
+)
 from radixpool.gateway.upstream import HOP_BY_HOP, UpstreamError, UpstreamPool, UpstreamResponse
 from radixpool.gateway.workers import Worker, WorkerSet
 from radixpool.tokenization import PromptTokenizer
@@ -188,8 +194,9 @@ class Gateway:
             if not ready:
                 break
             by_url = {w.url: w for w in ready}
+            tokens = key.units if key.exact else key.units / BYTES_PER_TOKEN
             decision = self.policy.select(
-                [Candidate(w.url, w.inflight, w.inflight * w.mean_uncached) for w in ready], key)
+                [Candidate(w.url, w.inflight, w.backlog(tokens)) for w in ready], key)
             worker = by_url[decision.worker]
             self.metrics.decision(worker.url, "retry" if attempt else decision.reason)
             if attempt:

@@ -39,7 +39,7 @@ class Worker:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     predicted_tokens: int = 0
-    mean_uncached: float = 0.0  # recent uncached prompt tokens per request (moving average)
+    mean_uncached: float | None = None  # recent uncached prompt tokens per request (average)
     corrections: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -55,7 +55,16 @@ class Worker:
         return None if self.info is None else self.info.served_model_name
 
     def observe_uncached(self, tokens: int) -> None:
-        self.mean_uncached += UNCACHED_SMOOTHING * (tokens - self.mean_uncached)
+        if self.mean_uncached is None:
+            self.mean_uncached = float(tokens)
+        else:
+            self.mean_uncached += UNCACHED_SMOOTHING * (tokens - self.mean_uncached)
+
+    def backlog(self, prompt_tokens: float) -> float:
+        """Estimated uncached prompt tokens queued here; before the worker has answered
+        anything, each request in flight counts as a whole prompt (a cold start's first wave)."""
+        mean = prompt_tokens if self.mean_uncached is None else self.mean_uncached
+        return self.inflight * mean
 
     def corrected(self, source: str) -> None:
         self.corrections[source] = self.corrections.get(source, 0) + 1
