@@ -34,11 +34,11 @@ class LoopThread:
 
     def close(self) -> None:
         async def cancel_rest() -> None:
-            current = asyncio.current_task()
-            rest = [t for t in asyncio.all_tasks() if t is not current]
-            for task in rest:
-                task.cancel()
-            await asyncio.gather(*rest, return_exceptions=True)
+            pending = asyncio.all_tasks() - {asyncio.current_task()}
+            while pending:  # again until done: 3.11's wait_for can swallow a cancellation
+                for task in pending:
+                    task.cancel()
+                _, pending = await asyncio.wait(pending, timeout=0.1)
         self.run(cancel_rest())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
