@@ -3,7 +3,8 @@
 Three servers, each started once per session and only if a collected test needs it:
 - `worker`: default flags, shared by every test that neither stops nor reconfigures it;
 - `secured`: `--api-key`, for the auth tests and the SIGTERM drain (which ends it);
-- `fuzz_worker`: a 32-token context, so fuzzed generations stay short on a CPU.
+- `fuzz_worker`: a 32-token context, so fuzzed generations stay short on a CPU;
+- `impatient`: a 0.5 s drain timeout, to see requests cut short by a drain.
 They are launched together (startup is mostly waiting on imports and model loading) and stopped
 together, each by its own PID.
 """
@@ -18,6 +19,7 @@ SERVERS: dict[str, tuple[str, ...]] = {
     "worker": (),
     "secured": ("--api-key", API_KEY, "--drain-timeout", "60"),
     "fuzz_worker": ("--context-length", "32", "--max-running-requests", "32"),
+    "impatient": ("--drain-timeout", "0.5"),
 }
 
 
@@ -50,6 +52,11 @@ def secured(worker_pool) -> WorkerProcess:
 @pytest.fixture(scope="session")
 def fuzz_worker(worker_pool) -> WorkerProcess:
     return worker_pool["fuzz_worker"].wait_ready()
+
+
+@pytest.fixture(scope="session")
+def impatient(worker_pool) -> WorkerProcess:
+    return worker_pool["impatient"].wait_ready()
 
 
 @pytest.fixture(scope="session")

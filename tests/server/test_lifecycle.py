@@ -77,6 +77,30 @@ def test_sigterm_drains_running_requests_then_exits_zero(secured):
     assert "draining" in secured.log()
 
 
+def test_drain_timeout_ends_running_streams_cleanly(impatient):
+    client = OpenAI(base_url=f"{impatient.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    started = threading.Event()
+    chunks: list = []
+
+    def stream() -> None:
+        for chunk in client.completions.create(model="tiny", prompt="too long", stream=True,
+                                               max_tokens=1500, temperature=0,
+                                               extra_body={"ignore_eos": True},
+                                               stream_options={"include_usage": True}):
+            chunks.append(chunk)
+            started.set()
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert started.wait(60)
+    impatient.proc.send_signal(signal.SIGTERM)
+    thread.join(300)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "abort"
+    assert chunks[-1].usage.completion_tokens < 1500   # the stream ended properly, with usage
+    assert impatient.proc.wait(60) == 0
+
+
 def test_disconnected_stream_is_aborted_and_frees_its_kv(worker, http):
     aborted_before = _abort_count(http)
     body = {"model": "tiny", "prompt": "never mind", "max_tokens": 1500, "stream": True,
