@@ -53,7 +53,7 @@ class UsageTally:
 
     def add(self, prompt_index: int, chunk: Any) -> None:
         cached = self.cached.get(prompt_index)
-        if chunk.prompt_tokens:   # chunks before admission may not know the cache hit yet
+        if chunk.token_ids:   # an abort before admission carries no cache hit
             self.cached[prompt_index] = (chunk.cached_tokens if cached is None
                                          else min(cached, chunk.cached_tokens))
         self.completion[(prompt_index, chunk.index)] = chunk.completion_tokens
@@ -66,10 +66,6 @@ class UsageTally:
     def doc(self) -> dict:
         return usage(sum(self.prompt_lengths), sum(self.completion.values()),
                      sum(self.cached.values()))
-
-
-def _finish(fork_or_chunk: Any) -> str | None:
-    return fork_or_chunk.finish_reason
 
 
 def router(state: WorkerState) -> APIRouter:
@@ -113,7 +109,7 @@ def router(state: WorkerState) -> APIRouter:
                 "logprobs": (chat_logprobs(state.token_text, fork.token_ids, fork.logprobs,
                                            fork.top_logprobs)
                              if params.logprobs is not None else None),
-                "finish_reason": _finish(fork),
+                "finish_reason": fork.finish_reason,
             })
         return JSONResponse({**head, "object": "chat.completion", "choices": choices,
                              "usage": tally.doc(), "system_fingerprint": None})
@@ -164,7 +160,7 @@ def router(state: WorkerState) -> APIRouter:
                     "index": p * params.n + fork.index,
                     "text": echo[p] + text if body.echo else text,
                     "logprobs": logprobs,
-                    "finish_reason": _finish(fork),
+                    "finish_reason": fork.finish_reason,
                 })
         return JSONResponse({**head, "object": "text_completion", "choices": choices,
                              "usage": tally.doc(), "system_fingerprint": None})
