@@ -66,7 +66,7 @@ def run_up(spec: FleetSpec) -> int:
     status = StatusLine()
     try:
         try:
-            fleet.start(lambda r: (status.show(readiness_text(r)),
+            fleet.start(lambda r: (status.show(readiness_text(r), final=r.gateway_ready),
                                    _raise_if(interrupts.count > 0)))
         except ChildFailed as exc:
             status.done()
