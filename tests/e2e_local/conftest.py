@@ -13,9 +13,9 @@ import pytest
 
 pytest.importorskip("torch", reason="real workers need the `worker` extra (torch)")
 
-from fleet_probes import MODEL
-
 from radixpool.fleet.fleet import FleetSpec, LocalFleet
+
+from .fleet_probes import MODEL
 
 WORKERS = 3
 

@@ -5,7 +5,8 @@ token counters agree."""
 from __future__ import annotations
 
 import pytest
-from fleet_probes import MODEL, eventually, long_text, scrape
+
+from .fleet_probes import MODEL, eventually, long_text, scrape
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import openai
 import pytest
-from fleet_probes import MODEL, eventually, gateway_view, long_text, server_info
+
+from .fleet_probes import MODEL, eventually, gateway_view, long_text, server_info
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import openai
 import pytest
-from fleet_probes import MODEL, eventually, long_text, rss_bytes, scrape
+
+from .fleet_probes import MODEL, eventually, long_text, rss_bytes, scrape
 
 pytestmark = pytest.mark.slow
 

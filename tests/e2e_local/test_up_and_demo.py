@@ -13,11 +13,12 @@ from pathlib import Path
 
 import openai
 import pytest
-from fleet_probes import MODEL
 
 from radixpool.fleet.demo import QUICK_SHAPE, run_jobs
 from radixpool.fleet.report import summarize
 from radixpool.fleet.workload import demo_jobs
+
+from .fleet_probes import MODEL
 
 pytestmark = pytest.mark.slow
 

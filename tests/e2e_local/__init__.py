@@ -1,0 +1,1 @@
+"""End-to-end tests of a local fleet (a package, so its fleet fixture ends with the folder)."""
