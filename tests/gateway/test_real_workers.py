@@ -7,9 +7,6 @@ import asyncio
 import os
 import random
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -17,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from radixpool.fleet.process import ChildProcess, free_port, radixpool_argv
 from radixpool.gateway.config import GatewayConfig
 from radixpool.gateway.server import GatewayServer
 
@@ -30,39 +28,27 @@ _TEXT = ("the of and to in is was for on that with as by at from his her it an w
 VOCAB = _TEXT.split()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def real_workers(tiny_model):
-    procs, urls = [], []
-    for _ in range(2):
+def real_workers(tiny_model, tmp_path_factory):
+    """Two real workers, each in its own process group, stopped (with their engine cores)
+    by PID even when startup fails."""
+    logs = tmp_path_factory.mktemp("real-workers")
+    workers = []
+    for i in range(2):
         port = free_port()
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "radixpool.cli", "worker", "--model", str(tiny_model),
-             "--served-model-name", "tiny", "--port", str(port), "--kv-cache-tokens", "4096",
-             "--log-level", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        urls.append(f"http://127.0.0.1:{port}")
-    deadline = time.monotonic() + 150
-    for proc, url in zip(procs, urls):
-        while True:
-            assert proc.poll() is None, f"worker {url} exited with {proc.returncode}"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "workers did not start"
-            time.sleep(0.2)
-    yield procs, urls
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(10)
+        workers.append(ChildProcess(f"worker {i}", radixpool_argv(
+            "worker", "--model", str(tiny_model), "--served-model-name", "tiny", "--port",
+            str(port), "--kv-cache-tokens", "4096", "--log-level", "warning"), port,
+            logs / f"worker-{i}.log"))
+    try:
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.wait_ready(150)
+        yield [w.proc for w in workers], [w.url for w in workers]
+    finally:
+        for w in workers:
+            w.reap()
 
 
 @pytest.fixture

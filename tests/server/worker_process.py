@@ -1,65 +1,42 @@
-"""A real `radixpool worker` process on a free loopback port, stopped by its own PID."""
+"""A real `radixpool worker` process on a free loopback port, stopped by its own PID.
+
+Built on the product's launcher (`radixpool.fleet.process.ChildProcess`, which `radixpool up`
+uses too): the worker runs in its own process group, so stopping it also ends its engine core.
+"""
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
+from radixpool.fleet.process import ChildProcess, free_port, radixpool_argv
 
 STARTUP_TIMEOUT_S = 180
 API_KEY = "sk-test-key"
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["API_KEY", "STARTUP_TIMEOUT_S", "WorkerProcess", "free_port"]
 
 
-class WorkerProcess:
+class WorkerProcess(ChildProcess):
     def __init__(self, model: Path, log_path: Path, *flags: str, name: str = "tiny") -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.name = name
-        self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        cmd = [sys.executable, "-m", "radixpool.cli", "worker", "--model", str(model),
-               "--served-model-name", name, "--port", str(self.port), "--device", "cpu",
-               "--kv-cache-tokens", "8192", "--log-level", "info", *flags]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        port = free_port()
+        argv = radixpool_argv("worker", "--model", str(model), "--served-model-name", name,
+                              "--port", str(port), "--device", "cpu", "--kv-cache-tokens", "8192",
+                              "--log-level", "info", *flags)
+        super().__init__(name, argv, port, log_path)
+        self.start()
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
     def wait_ready(self, headers: dict | None = None) -> WorkerProcess:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"worker exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"worker not ready after {STARTUP_TIMEOUT_S} s:\n{self.log()}")
+        super().wait_ready(STARTUP_TIMEOUT_S)
+        return self
 
     def begin_stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
+        self.signal(signal.SIGINT)
 
     def stop(self) -> None:
         self.begin_stop()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
+        self.wait(60)
+        self.reap()
