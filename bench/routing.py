@@ -252,6 +252,8 @@ def overhead(args: argparse.Namespace) -> None:
     plain = json.dumps({"model": "sim-model", "prompt": words(0, 32), "max_tokens": 1}).encode()
     streamed = json.dumps({"model": "sim-model", "prompt": words(0, 32), "max_tokens": 1,
                            "stream": True}).encode()
+    streamed8 = json.dumps({"model": "sim-model", "prompt": words(0, 32), "max_tokens": 8,
+                            "stream": True}).encode()
     try:
         def seq(target: int, body: bytes) -> list[Sample]:
             samples, _ = asyncio.run(closed_loop(
@@ -268,6 +270,11 @@ def overhead(args: argparse.Namespace) -> None:
         samples, elapsed = asyncio.run(closed_loop(
             port, lambda i: ("/v1/completions", plain), args.concurrency, None, args.seconds))
         cpu = cpu_seconds(gateway.pid) - cpu0
+        cpu0 = cpu_seconds(gateway.pid)
+        streams, stream_elapsed = asyncio.run(closed_loop(
+            port, lambda i: ("/v1/completions", streamed8), args.concurrency, None,
+            args.seconds))
+        stream_cpu = cpu_seconds(gateway.pid) - cpu0
     finally:
         stop(gateway)
         stop(fleet)
@@ -286,6 +293,8 @@ def overhead(args: argparse.Namespace) -> None:
     print(f"throughput: {len(samples) / elapsed:.0f} req/s at concurrency {args.concurrency} "
           f"(target >= 2000); gateway CPU {cpu / len(samples) * 1e6:.0f} us/request "
           f"(target < 300); p50 latency {pct([s.latency for s in samples], 0.5) * 1e3:.2f} ms")
+    print(f"streams of 8 tokens (10 SSE events): {len(streams) / stream_elapsed:.0f} req/s, "
+          f"gateway CPU {stream_cpu / len(streams) * 1e6:.0f} us/request")
 
 
 def main() -> None:

@@ -31,6 +31,10 @@ def test_streams_pass_through_and_the_added_usage_event_is_stripped(make_stack):
                                                  max_tokens=5, stream=True))
     assert "".join(c.choices[0].delta.content for c in chunks) == "w0 w1 w2 w3 w4 "
     assert all(c.choices for c in chunks)  # the client did not ask for usage: none arrives
+    declined = list(client.chat.completions.create(
+        model="sim-model", messages=messages, max_tokens=2, stream=True,
+        stream_options={"include_usage": False}))
+    assert len(declined) == 2 and all(c.choices for c in declined)
     with_usage = list(client.chat.completions.create(
         model="sim-model", messages=messages, max_tokens=5, stream=True,
         stream_options={"include_usage": True}))
@@ -38,7 +42,7 @@ def test_streams_pass_through_and_the_added_usage_event_is_stripped(make_stack):
         .cached_tokens > 0
     stack.settle()
     fleet = stack.client.get("/workers").json()["fleet"]
-    assert fleet["prompt_tokens"] == 2 * with_usage[-1].usage.prompt_tokens  # both learned
+    assert fleet["prompt_tokens"] == 3 * with_usage[-1].usage.prompt_tokens  # all learned
     text = list(client.completions.create(model="sim-model", prompt=words(5, 40), max_tokens=3,
                                           stream=True))
     assert "".join(c.choices[0].text for c in text) == "w0 w1 w2 "

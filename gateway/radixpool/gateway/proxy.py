@@ -164,8 +164,12 @@ class Gateway:
         body, strip_usage = request.body, False
         if doc.get("stream") is True and request.path != "/generate":
             options = doc.get("stream_options")
-            if options is None or (isinstance(options, dict) and not options.get("include_usage")):
-                doc["stream_options"] = {**(options or {}), "include_usage": True}
+            if options is None:  # splice, no re-encoding: the object has a "stream" member
+                start = body.index(b"{") + 1
+                body = body[:start] + b'"stream_options":{"include_usage":true},' + body[start:]
+                strip_usage = True
+            elif isinstance(options, dict) and not options.get("include_usage"):
+                doc["stream_options"] = {**options, "include_usage": True}
                 body, strip_usage = json.dumps(doc).encode(), True
         headers = _forwarded_headers(request)
         picked = await self._dispatch(request.path, headers, body, key)
@@ -248,7 +252,11 @@ class Gateway:
             if not respond.started:
                 await respond.send_error(502, f"worker {worker.url} failed before answering")
             else:
-                respond.keep_alive = False  # a cut stream: closing tells the client it is short
+                # A cut stream: one last event says why (the openai SDK raises it as an APIError
+                # instead of a bare "Connection error"), then the connection closes without the
+                # final chunk, so even a client that ignores the event learns it is short.
+                await respond.write(_cut_stream_event(worker.url))
+                respond.keep_alive = False
             self.metrics.answered(worker.url, 502, time.perf_counter() - started, ttfb)
             return
         finally:
@@ -300,6 +308,12 @@ class Gateway:
                 worker.corrected("cached_tokens")
                 self.metrics.corrected(worker.url, "cached_tokens")
         self.metrics.usage(worker.url, prompt, cached, predicted)
+
+
+def _cut_stream_event(worker_url: str) -> bytes:
+    error = {"message": f"worker {worker_url} failed mid-stream; the answer is incomplete",
+             "type": "server_error", "code": "worker_failed"}
+    return b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
 
 
 _REQUEST_IDS = itertools.count()
