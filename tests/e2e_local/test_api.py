@@ -4,6 +4,10 @@ token counters agree."""
 
 from __future__ import annotations
 
+import json
+import re
+
+import openai
 import pytest
 
 from .fleet_probes import MODEL, eventually, long_text, scrape
@@ -82,3 +86,19 @@ def test_gateway_and_worker_token_counters_agree(fleet, sdk):
     gw_prompt, w_prompt, gw_cached, w_cached = moved()
     assert gw_prompt == w_prompt == client_prompt
     assert gw_cached == w_cached == client_cached > 0
+
+
+def test_structured_output_or_a_clear_refusal(sdk):
+    schema = {"type": "object", "required": ["answer"], "additionalProperties": False,
+              "properties": {"answer": {"type": "string", "pattern": "^[a-z]{1,8}$"}}}
+    try:
+        reply = sdk.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "answer in JSON"}], max_tokens=40,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "answer", "schema": schema}})
+    except openai.BadRequestError as exc:
+        assert "response_format" in str(exc)  # the worker names what it does not support
+        pytest.skip("structured output has not landed in the worker: response_format "
+                    "json_schema is refused with 400 (checked through the gateway)")
+    doc = json.loads(reply.choices[0].message.content)
+    assert set(doc) == {"answer"} and re.fullmatch("[a-z]{1,8}", doc["answer"])

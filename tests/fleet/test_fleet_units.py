@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import io
 import math
+import socket
 import subprocess
 import sys
 
 import pytest
 
 from radixpool.fleet.client import ChatResult
-from radixpool.fleet.fleet import FleetSpec, Readiness
+from radixpool.fleet.fleet import FleetSpec, LocalFleet, Readiness
+from radixpool.fleet.process import PortInUse, port_is_free
 from radixpool.fleet.progress import StatusLine, bar, readiness_text
 from radixpool.fleet.report import format_table, percentile, summarize, verdict
 from radixpool.fleet.workload import MULTI_TURN, SHARED_PREFIX, WorkloadShape, demo_jobs
@@ -103,3 +105,16 @@ def test_importing_the_fleet_does_not_import_torch():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_taken_port_is_refused_before_anything_starts(model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert not port_is_free("127.0.0.1", port)
+        fleet = LocalFleet(FleetSpec(model=model_dir, workers=1, port=port))
+        with pytest.raises(PortInUse, match=f"port {port} \\(gateway\\) already in use"):
+            fleet.start()
+    assert fleet.workers[0].proc is None and fleet.gateway.proc is None
+    assert not fleet.log_dir.exists()

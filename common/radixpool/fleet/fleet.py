@@ -19,7 +19,14 @@ from pathlib import Path
 
 import httpx
 
-from radixpool.fleet.process import ChildFailed, ChildProcess, free_port, radixpool_argv
+from radixpool.fleet.process import (
+    ChildFailed,
+    ChildProcess,
+    PortInUse,
+    free_port,
+    port_is_free,
+    radixpool_argv,
+)
 
 HOST = "127.0.0.1"
 WORKER_START_TIMEOUT_S = 300.0   # a cold start imports torch and loads the model
@@ -124,6 +131,9 @@ class LocalFleet:
         On any failure, stops what it started and raises `ChildFailed`."""
         started = time.monotonic()
         try:
+            busy = [c for c in (*self.workers, self.gateway) if not port_is_free(HOST, c.port)]
+            if busy:
+                raise PortInUse(busy)
             for w in self.workers:
                 w.start()
             self._wait_workers(started, progress)

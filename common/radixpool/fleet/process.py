@@ -30,6 +30,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def port_is_free(host: str, port: int) -> bool:
+    """Whether a server could bind `host:port` now (nothing listens there)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def radixpool_argv(*args: str) -> list[str]:
     """The command line that runs `radixpool ARGS...` with this interpreter."""
     return [sys.executable, "-m", "radixpool.cli", *args]
@@ -153,3 +164,10 @@ class ChildFailed(RuntimeError):
         super().__init__(f"{child.name} ({child.url}, pid {child.pid}) {what}; "
                          f"log {child.log_path}" + (f":\n{tail}" if tail else ""))
         self.child = child
+
+
+class PortInUse(ValueError):
+    def __init__(self, children: list[ChildProcess]) -> None:
+        taken = ", ".join(f"{c.port} ({c.name})" for c in children)
+        super().__init__(f"port {taken} already in use on 127.0.0.1: stop what listens there, "
+                         "or pick others (--port 0 / --worker-port-base)")

@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 
 from radixpool.fleet.fleet import FleetSpec, LocalFleet
-from radixpool.fleet.process import ChildFailed
+from radixpool.fleet.process import ChildFailed, PortInUse
 from radixpool.fleet.progress import StatusLine, readiness_text
 
 BUILTIN_MODEL_NAME = "tiny-llama"
@@ -72,6 +72,9 @@ def run_up(spec: FleetSpec) -> int:
             status.done()
             print(f"radixpool up: {exc}", file=sys.stderr)
             return 1
+        except PortInUse as exc:
+            print(f"radixpool up: {exc}", file=sys.stderr)
+            return 2
         except _Interrupted:
             status.done()
             return 130
