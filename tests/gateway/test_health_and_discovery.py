@@ -138,3 +138,35 @@ def test_watch_shell_lists_then_follows_events_and_relists_on_expiry():
     assert seen[1] == ({"http://10.0.0.2:8000"}, {"http://10.0.0.1:8000"})
     assert seen[2] == ({"http://10.0.0.2:8000", "http://10.0.0.3:8000"}, {"http://10.0.0.1:8000"})
     assert seen[3] == (both, set()) and api.lists == 2   # the re-list replaced everything
+
+
+def test_a_new_instance_id_empties_that_workers_tree_at_once():
+    from radixpool.gateway.monitor import Monitor
+    from radixpool.protocol.server_info import ServerInfo
+
+    gw = Gateway(GatewayConfig(worker_urls=("http://10.0.0.1:8000", "http://10.0.0.2:8000")))
+    monitor = Monitor(gw)
+    a, b = gw.workers.get("http://10.0.0.1:8000"), gw.workers.get("http://10.0.0.2:8000")
+
+    def info(instance: str) -> ServerInfo:
+        return ServerInfo("m", "m", 4096, 65536, 1, 16, instance, "test")
+
+    for worker in (a, b):
+        monitor.observe_identity(worker, info(f"{worker.url}-1"))
+        gw.index.insert(worker.url, [1, 2, 3])
+    monitor.observe_identity(a, info(f"{a.url}-1"))          # same instance: nothing happens
+    assert gw.index.size(a.url) == 3
+    monitor.observe_identity(a, info(f"{a.url}-2"))          # restarted or flushed
+    assert gw.index.size(a.url) == 0 and gw.index.size(b.url) == 3
+    assert a.corrections == {"instance_id": 1}
+    assert gw.index.capacity(a.url) == 65536 // 16              # sized from its KV capacity
+
+
+def test_requests_naming_a_model_go_to_workers_serving_it():
+    from radixpool.protocol.server_info import ServerInfo
+
+    gw = Gateway(GatewayConfig(worker_urls=("http://10.0.0.1:8000", "http://10.0.0.2:8000")))
+    for url, model in (("http://10.0.0.1:8000", "llama"), ("http://10.0.0.2:8000", "qwen")):
+        gw.workers.set_info(gw.workers.get(url), ServerInfo(model, model, 1, 1, 1, 16, "i", "v"))
+    assert [w.url for w in gw.workers.eligible(0, "qwen")] == ["http://10.0.0.2:8000"]
+    assert len(gw.workers.eligible(0, "unknown")) == 2  # nobody serves it: the worker says 404

@@ -7,6 +7,8 @@ import random
 from collections import Counter
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from radixpool.gateway.config import GatewayConfig
 from radixpool.gateway.feedback import first_missing_block, is_usage_only_event, usage_in
@@ -256,3 +258,25 @@ def test_usage_is_read_from_bodies_and_streams():
     assert usage_in(b'{"choices": []}') is None
     assert is_usage_only_event(b'data: {"choices": [], "usage": {"prompt_tokens": 1}}')
     assert not is_usage_only_event(b'data: {"choices": [{"delta": {}}], "usage": null}')
+
+
+@settings(max_examples=80, deadline=None)
+@given(loads=st.lists(st.integers(0, 200), min_size=1, max_size=6),
+       held=st.lists(st.integers(0, 12), min_size=6, max_size=6),
+       abs_gap=st.integers(0, 80), rel_gap=st.floats(1.0, 3.0))
+def test_cache_aware_decisions_respect_load_whatever_the_trees(loads, held, abs_gap, rel_gap):
+    names = [f"w{i}" for i in range(len(loads))]
+    policy = cache_aware(names, balance_abs_threshold=abs_gap, balance_rel_threshold=rel_gap)
+    prompt = tokens(0, 12 * BLOCK)
+    for name, blocks in zip(names, held):
+        policy.index.insert(name, key_of(prompt).hashes[:blocks])
+    cands = [Candidate(n, load) for n, load in zip(names, loads)]
+    d = policy.select(cands, key_of(prompt))
+    chosen = loads[names.index(d.worker)]
+    low = min(loads)
+    if d.reason in ("imbalance", "cache_miss", "spill"):
+        assert chosen == low
+    else:
+        assert d.reason == "cache_hit"
+        assert not (chosen - low > abs_gap and chosen > low * rel_gap)
+    assert policy.index.match(key_of(prompt).hashes)[d.worker] == 12  # learned at selection
