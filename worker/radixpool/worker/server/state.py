@@ -67,8 +67,8 @@ class WorkerState:
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = self.vocab_size
-        bad = next((t for t in ids if t >= vocab), None)
-        if bad is not None:
+        if ids and max(ids) >= vocab:   # max() runs in C; find the culprit only on failure
+            bad = next(t for t in ids if t >= vocab)
             raise bad_request(f"token id {bad} is outside the vocabulary (size {vocab})",
                               param=param)
 
