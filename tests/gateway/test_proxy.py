@@ -211,6 +211,18 @@ def test_api_key_guards_everything_but_health_and_metrics(make_stack):
     assert ok.completions.create(model="sim-model", prompt="w1", max_tokens=1).choices
 
 
+def test_the_gateway_presents_its_worker_key_to_keyed_workers(make_stack):
+    stack = make_stack(2, sim=SimConfig(api_key="worker-key"), api_key="client-key",
+                       worker_api_key="worker-key")
+    workers = stack.client.get("/workers", headers={"authorization": "Bearer client-key"}).json()
+    assert workers["routing_on"] == "tokens"  # its checks could read /server_info, /tokenizer
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="client-key", max_retries=0)
+    assert client.completions.create(model="sim-model", prompt="w1", max_tokens=1).choices
+    direct = httpx.post(stack.fleet.urls[0] + "/generate", json={"text": "w1"},
+                        headers={"authorization": "Bearer client-key"})
+    assert direct.status_code == 401  # the workers really do check
+
+
 def test_no_worker_means_503_and_unhealthy_gateway(make_stack):
     stack = make_stack(1)
     stack.loop.run(kill(stack.fleet.workers[0]))

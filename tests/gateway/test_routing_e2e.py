@@ -142,11 +142,14 @@ def test_a_cold_start_burst_on_one_prefix_is_spread_not_queued_on_one_worker(mak
     prompt of work there, so the burst spills over the idle workers."""
     import threading
 
-    stack = make_stack(4, sim=SimConfig(prefill_us_per_token=50.0))
+    stack = make_stack(4, sim=SimConfig(prefill_us_per_token=300.0))  # cold: ~0.2 s
     system = words(0, 600)
+    start = threading.Barrier(8)
 
     def client(i: int) -> None:
         with httpx.Client(base_url=stack.url, timeout=30) as c:
+            c.get("/health")  # connect first, so the eight requests leave together
+            start.wait()
             c.post("/v1/chat/completions", json={"model": "sim-model", "max_tokens": 1,
                    "messages": [{"role": "system", "content": system},
                                 {"role": "user", "content": words(2000 + 10 * i, 8)}]})

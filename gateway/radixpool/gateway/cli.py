@@ -55,6 +55,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--host", default=D.host)
     s.add_argument("--port", type=int, default=D.port)
     s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
+    s.add_argument("--worker-api-key", default=None,
+                   help="key the gateway presents to workers (default: --api-key)")
     s.add_argument("--max-body-bytes", type=int, default=D.max_body_bytes)
     s.add_argument("--health-interval", type=float, default=D.health_interval, help="seconds")
     s.add_argument("--health-timeout", type=float, default=D.health_timeout, help="seconds")
@@ -92,7 +94,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         balance_rel_threshold=args.balance_rel_threshold,
         hot_prefix_factor=args.hot_prefix_factor, prefix_token_count=args.prefix_token_count,
         prefix_hash_load_factor=args.prefix_hash_load_factor, tokenizer=args.tokenizer,
-        host=args.host, port=args.port, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+        host=args.host, port=args.port, api_key=args.api_key, worker_api_key=args.worker_api_key,
+        max_body_bytes=args.max_body_bytes,
         health_interval=args.health_interval, health_timeout=args.health_timeout,
         health_failures=args.health_failures, health_successes=args.health_successes,
         breaker_failures=args.breaker_failures, breaker_open_seconds=args.breaker_open_seconds,

@@ -44,6 +44,7 @@ class GatewayConfig:
     host: str = "0.0.0.0"
     port: int = 8080
     api_key: str | None = None
+    worker_api_key: str | None = None
     max_body_bytes: int = 32 * 1024 * 1024
     health_interval: float = 2.0
     health_timeout: float = 1.0
@@ -74,6 +75,8 @@ class GatewayConfig:
         _check(self.prefix_token_count > 0, "prefix_token_count", "> 0")
         _check(self.prefix_hash_load_factor >= 1.0, "prefix_hash_load_factor", ">= 1")
         _check(0 <= self.port < 65536, "port", "within [0, 65535]")
+        _check(self.api_key != "", "api_key", "non-empty (omit it to serve without a key)")
+        _check(self.worker_api_key != "", "worker_api_key", "non-empty")
         _check(self.max_body_bytes > 0, "max_body_bytes", "> 0")
         _check(self.health_interval > 0, "health_interval", "> 0")
         _check(self.health_timeout > 0, "health_timeout", "> 0")
@@ -85,6 +88,11 @@ class GatewayConfig:
         _check(self.connect_timeout > 0, "connect_timeout", "> 0")
         _check(self.tree_capacity_tokens > 0, "tree_capacity_tokens", "> 0")
         _check(self.text_block_bytes > 0, "text_block_bytes", "> 0")
+
+    @property
+    def upstream_key(self) -> str | None:
+        """The key the gateway presents to workers: `worker_api_key`, else its own `api_key`."""
+        return self.worker_api_key or self.api_key
 
     @property
     def static_mode(self) -> bool:

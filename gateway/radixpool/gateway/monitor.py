@@ -65,7 +65,8 @@ class Monitor:
 
     async def _get_json(self, worker: Worker, path: str, timeout: float) -> tuple[int, object]:
         async def call() -> tuple[int, object]:
-            upstream = await self.gateway.pool(worker).request("GET", path)
+            upstream = await self.gateway.pool(worker).request(
+                "GET", path, self.gateway.upstream_auth)
             body = await upstream.body()
             try:
                 return upstream.status, json.loads(body) if body else None

@@ -15,6 +15,7 @@ feeds the metrics and the tree correction (`feedback.first_missing_block` → `t
 from __future__ import annotations
 
 import contextlib
+import hmac
 import itertools
 import json
 import time
@@ -61,6 +62,8 @@ class Gateway:
         self.pools: dict[str, UpstreamPool] = {}
         self.clock = time.monotonic
         self._auth = f"Bearer {config.api_key}".encode() if config.api_key else None
+        key = config.upstream_key
+        self.upstream_auth: Headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
         self.membership_hooks: list[Callable[[Worker, bool], None]] = []
         for url in config.worker_urls:
             self.add_worker(url)
@@ -110,7 +113,7 @@ class Gateway:
     async def __call__(self, request: Request, respond: Responder) -> None:
         path, method = request.path, request.method
         if self._auth is not None and path not in OPEN_PATHS \
-                and request.headers.get(b"authorization") != self._auth:
+                and not hmac.compare_digest(request.headers.get(b"authorization", b""), self._auth):
             await respond.send(*error_body(401, "missing or wrong API key (Authorization: Bearer)",
                                            "invalid_api_key"))
         elif path in ROUTED_PATHS:
@@ -141,7 +144,7 @@ class Gateway:
         worker = min(ready, key=lambda w: w.inflight)
         try:
             upstream = await self.pool(worker).request("GET", "/v1/models",
-                                                       _forwarded_headers(request))
+                                                       self.forwarded_headers(request))
             body = await upstream.body()
         except UpstreamError as exc:
             await respond.send_error(502, f"worker {worker.url} failed: {exc}")
@@ -171,7 +174,7 @@ class Gateway:
             elif isinstance(options, dict) and not options.get("include_usage"):
                 doc["stream_options"] = {**options, "include_usage": True}
                 body, strip_usage = json.dumps(doc).encode(), True
-        headers = _forwarded_headers(request)
+        headers = self.forwarded_headers(request)
         picked = await self._dispatch(request.path, headers, body, key)
         if len(picked) == 2:
             status, message = picked
@@ -293,6 +296,16 @@ class Gateway:
             await respond.write(pending)
         return usage, ttfb
 
+    def forwarded_headers(self, request: Request) -> Headers:
+        """The client's end-to-end headers, with the gateway's worker key (when it has one) in
+        place of the client's, and a request id."""
+        skip = HOP_BY_HOP if not self.upstream_auth else HOP_BY_HOP | {b"authorization"}
+        headers = [(k, v) for k, v in request.headers.items() if k not in skip]
+        headers.extend(self.upstream_auth)
+        if b"x-request-id" not in request.headers:
+            headers.append((b"x-request-id", b"%s-%x" % (_ID_PREFIX, next(_REQUEST_IDS))))
+        return headers
+
     def _learn(self, worker: Worker, decision: Decision, key: RouteKey, prompt: int,
                cached: int) -> None:
         worker.prompt_tokens += prompt
@@ -320,11 +333,7 @@ _REQUEST_IDS = itertools.count()
 _ID_PREFIX = uuid.uuid4().hex[:12].encode()
 
 
-def _forwarded_headers(request: Request) -> Headers:
-    headers = [(k, v) for k, v in request.headers.items() if k not in HOP_BY_HOP]
-    if b"x-request-id" not in request.headers:
-        headers.append((b"x-request-id", b"%s-%x" % (_ID_PREFIX, next(_REQUEST_IDS))))
-    return headers
+
 
 
 def _response_headers(upstream: UpstreamResponse, worker: Worker) -> Headers:

@@ -49,6 +49,7 @@ class SimConfig:
     decode_ms_per_token: float = 0.0
     default_max_tokens: int = 4
     kv_events: bool = True
+    api_key: str | None = None  # as on the worker: every path but /health and /metrics
 
 
 class SimWorker:
@@ -93,7 +94,11 @@ class SimWorker:
     # --- routing ------------------------------------------------------------------------------
     async def __call__(self, request: Request, respond: Responder) -> None:
         path = request.path
-        if path in ("/v1/chat/completions", "/v1/completions", "/generate"):
+        key = self.config.api_key
+        if key and path not in ("/health", "/metrics") and \
+                request.headers.get(b"authorization") != f"Bearer {key}".encode():
+            await respond.send(*error_body(401, "missing or wrong API key", "invalid_api_key"))
+        elif path in ("/v1/chat/completions", "/v1/completions", "/generate"):
             await self.generate(request, respond)
         elif path == "/health":
             bad = self.fail_health
