@@ -332,3 +332,18 @@ def test_a_stream_cut_by_a_dying_worker_ends_with_a_closed_connection(make_stack
     else:
         raise AssertionError("a cut stream must not look complete")
     assert "data: [DONE]" not in lines
+
+
+def test_cli_startup_errors_are_one_clear_line_and_exit_2(tmp_path):
+    import os
+
+    env = {**os.environ, "KUBECONFIG": str(tmp_path / "missing"),
+           "KUBERNETES_SERVICE_HOST": ""}
+    cases = [(["--k8s-service", "pool"], "no usable kubeconfig"),
+             (["--tokenizer", str(tmp_path)], "tokenizer.json")]
+    for flags, message in cases:
+        run = subprocess.run([sys.executable, "-m", "radixpool.cli", "gateway", "--host",
+                              "127.0.0.1", "--port", "0", *flags],
+                             capture_output=True, text=True, env=env, timeout=60)
+        assert run.returncode == 2 and message in run.stderr, run.stderr
+        assert "Traceback" not in run.stderr

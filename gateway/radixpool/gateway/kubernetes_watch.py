@@ -16,6 +16,10 @@ from radixpool.gateway.discovery import EndpointSliceState
 log = logging.getLogger("radixpool.gateway")
 
 OnChange = Callable[[set[str], set[str]], None]
+
+
+class DiscoveryUnavailable(RuntimeError):
+    """The Kubernetes API cannot be reached with any configuration we know of."""
 WATCH_SECONDS = 300
 
 
@@ -28,7 +32,12 @@ def start_watch(service: str, namespace: str, port_name: str | None,
     try:
         config.load_incluster_config()
     except config.ConfigException:
-        config.load_kube_config()
+        try:
+            config.load_kube_config()
+        except config.ConfigException as exc:
+            raise DiscoveryUnavailable(
+                f"--k8s-service {service}: no in-cluster service account and no usable "
+                f"kubeconfig ({exc})") from exc
     loop = asyncio.get_running_loop()
     stop = threading.Event()
 

@@ -80,11 +80,22 @@ async def _main(config: GatewayConfig, tokenizer: PromptTokenizer | None) -> Non
 def run(config: GatewayConfig) -> int:
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    tokenizer = PromptTokenizer.from_dir(config.tokenizer) if config.tokenizer else None
+    from radixpool.gateway.kubernetes_watch import DiscoveryUnavailable
+
+    try:
+        tokenizer = PromptTokenizer.from_dir(config.tokenizer) if config.tokenizer else None
+    except (OSError, ValueError) as exc:
+        log.error("--tokenizer %s: %s", config.tokenizer, exc)
+        return 2
     try:
         import uvloop
     except ImportError:  # Windows: the stock loop still works, only slower
-        asyncio.run(_main(config, tokenizer))
+        runner = asyncio.run
     else:
-        uvloop.run(_main(config, tokenizer))
+        runner = uvloop.run
+    try:
+        runner(_main(config, tokenizer))
+    except (DiscoveryUnavailable, OSError) as exc:  # bad discovery config, port in use, ...
+        log.error("%s", exc)
+        return 2
     return 0
