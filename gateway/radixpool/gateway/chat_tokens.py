@@ -30,6 +30,7 @@ from radixpool.tokenization import PromptTokenizer
 log = logging.getLogger("radixpool.gateway")
 
 CACHE_ENTRIES = 16384
+CACHE_CHARS = 64 << 20  # bound on the cached text too: one huge prompt must not pin gigabytes
 VERIFY_FIRST = 16
 VERIFY_EVERY = 256
 
@@ -42,6 +43,7 @@ class ChatEncoder:
         self._ids = {name: tokenizer.token_id(name) for name in names}
         self._split = re.compile("(" + "|".join(map(re.escape, names)) + ")") if names else None
         self._cache: dict[str, np.ndarray] = {}
+        self._cached_chars = 0
         self._calls = 0
         self.piecewise = self._split is not None
 
@@ -60,6 +62,7 @@ class ChatEncoder:
                             "this tokenizer; caching pieces is off from now on")
                 self.piecewise = False
                 self._cache.clear()
+                self._cached_chars = 0
                 return whole
         return ids
 
@@ -75,8 +78,17 @@ class ChatEncoder:
                 ids = [self._ids[piece]] if i % 2 else \
                     self.tokenizer.encode(piece, add_special_tokens=False)
                 cached = as_token_array(ids)
-                if len(cache) >= CACHE_ENTRIES:
-                    del cache[next(iter(cache))]  # oldest first
-                cache[piece] = cached
+                self._remember(piece, cached)
             parts.append(cached)
         return np.concatenate(parts) if parts else np.empty(0, dtype=np.uint64)
+
+    def _remember(self, piece: str, ids: np.ndarray) -> None:
+        cache = self._cache
+        while cache and (len(cache) >= CACHE_ENTRIES
+                         or self._cached_chars + len(piece) > CACHE_CHARS):
+            oldest = next(iter(cache))  # insertion order: oldest first
+            self._cached_chars -= len(oldest)
+            del cache[oldest]
+        if len(piece) <= CACHE_CHARS:
+            cache[piece] = ids
+            self._cached_chars += len(piece)
