@@ -9,23 +9,24 @@ pick one. Pure: no I/O, no clock; the proxy owns the loop around them.
    prompt would "match" every new session and the rest of the fleet would sit idle.
 2. If the best effective match covers more than `cache_threshold` of the prompt beyond the base,
    the owner of that match is the candidate (several owners → the least loaded of them).
-   Spill: if that owner is busy while some worker is idle, and computing the prompt cold on the
+3. Imbalance: if that owner's in-flight load exceeds the least-loaded worker's by more than
+   `balance_abs_threshold` AND by a factor above `balance_rel_threshold`, go to the least-loaded
+   worker instead (reason `imbalance`). Both gaps must hold, so a small absolute gap at low
+   traffic and a small ratio at high traffic both keep affinity. Unlike the router in the seeds,
+   the detector looks at the worker this request would go to, not the fleet's max: a swamped
+   worker elsewhere does not cost this request its cache.
+4. Spill: if the owner is busy while some worker is idle, and computing the prompt cold on the
    idle worker costs fewer tokens than the prefill work already waiting at the owner (its
    in-flight count × its recent mean uncached tokens, plus this prompt's uncached part there),
    go to the idle worker (reason `spill`). It then holds the prefix too, so a group too hot for
    one worker gains owners in proportion to its load instead of queueing behind one. (Before a
    worker has answered, the proxy counts each request in flight there as a whole prompt.)
-3. Imbalance: if that owner's in-flight load exceeds the least-loaded worker's by more than
-   `balance_abs_threshold` AND by a factor above `balance_rel_threshold`, go to the least-loaded
-   worker instead (reason `imbalance`); else to the owner (reason `cache_hit`). Both gaps must
-   hold, so a small absolute gap at low traffic and a small ratio at high traffic both keep
-   affinity. Unlike the router in the seeds, the detector looks at the worker this request would
-   go to, not the fleet's max: a swamped worker elsewhere does not cost this request its cache.
-4. No owner above the threshold: the least-loaded worker (reason `cache_miss`), preferring a
+   Otherwise the owner (reason `cache_hit`).
+5. No owner above the threshold: the least-loaded worker (reason `cache_miss`), preferring a
    longer match beyond the base (not the raw match: then, at low traffic, every new session
    would go to the first holder of a common system prompt and its history would pin it there).
    Remaining ties among equally loaded workers rotate (never always the first).
-5. The prompt is inserted into the chosen worker's tree at selection time; `failed` undoes that
+6. The prompt is inserted into the chosen worker's tree at selection time; `failed` undoes that
    if the request never reached the worker, and the proxy trims the tree when the worker reports
    fewer cached tokens than predicted.
 
