@@ -142,6 +142,7 @@ def run_demo(model: str | None = None, workers: int | None = None, quick: bool =
     print(verdict(runs[0], runs[1]))
     print(f"(whole demo: {time.perf_counter() - started:.0f} s, including starting and stopping "
           f"the fleet)")
+    print("Serve your own traffic: `radixpool up` prints an OpenAI base URL (docs/local-fleet.md).")
     for r in runs:
         if r.failed:
             print(f"radixpool demo: {r.failed} request(s) failed under {r.policy}; the first: "
