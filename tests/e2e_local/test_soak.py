@@ -107,8 +107,9 @@ def test_bounded_soak_leaves_no_leak(fleet, sdk):
         t.join(SOAK_S + 120)
     assert not any(t.is_alive() for t in threads), "a request hung"
     final = _memory(fleet)
-    print(f"\nsoak: {dict(outcomes)}; RSS MiB after warm-up -> end: " + ", ".join(
-        f"{name} {warm[name] >> 20} -> {final[name] >> 20}" for name in warm))
+    rate = sum(outcomes.values()) / SOAK_S
+    print(f"\nsoak: {dict(outcomes)} ({rate:.0f} requests/s); RSS MiB after warm-up -> end: " +
+          ", ".join(f"{name} {warm[name] >> 20} -> {final[name] >> 20}" for name in warm))
 
     assert failures == [], failures[:5]
     assert outcomes["ok"] > 100 and outcomes["refused"] > 0 and outcomes["abandoned"] > 0, \
