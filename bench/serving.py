@@ -14,7 +14,9 @@ end-to-end latency percentiles and the cache hit rate the server reported in
 
 `overhead` measures what the server adds to one request apart from the model: p50 latency of
 sequential `max_tokens=1` chat requests minus p50 time of the same token ids run in-process on
-the engine core (scheduler + forward + sampling; no HTTP, no chat template, no tokenizer, no IPC).
+the engine core (scheduler + forward + sampling; no HTTP, no chat template, no tokenizer, no IPC),
+split into the HTTP layer (HTTP latency minus `Engine.generate_async` in-process) and the engine's
+IPC and front end (`generate_async` minus the core).
 It also prints the CPU time the server's HTTP process spent per request (from its
 `process_cpu_seconds_total`: HTTP, validation, chat template, tokenizer, IPC, detokenizer), which
 a busy machine does not distort the way it distorts latencies.
@@ -281,6 +283,24 @@ def timed(fn, *args) -> float:
     return time.perf_counter() - start
 
 
+def engine_api_time(model: str, prompts: list[list[int]]) -> list[float]:
+    """Seconds per one-token request through `Engine.generate_async` in-process: the core plus
+    the IPC to its process and the front end's detokenizer, without HTTP."""
+    from radixpool.worker import Engine
+
+    async def measure(engine) -> list[float]:
+        times = []
+        for ids in prompts:
+            start = time.perf_counter()
+            await engine.generate_async(input_ids=ids,
+                                        sampling_params={"max_new_tokens": 1, "temperature": 0})
+            times.append(time.perf_counter() - start)
+        return times
+
+    with Engine(model, device="cpu", kv_cache_tokens=65536) as engine:
+        return asyncio.run(measure(engine))
+
+
 def overhead(args: argparse.Namespace) -> dict:
     """Sequential one-token chat requests (so the chat template and tokenizer count), against
     the engine core's time for the very same token ids."""
@@ -305,11 +325,16 @@ def overhead(args: argparse.Namespace) -> dict:
 
         tokenizer = PromptTokenizer.from_dir(args.model)
         ids = [tokenizer.encode_chat(m) for m in conversations]
+        api = engine_api_time(args.model, ids)[WARMUP:]
         core = engine_core_time(args.model, ids)[WARMUP:]
         summary["prompt_tokens_p50"] = statistics.median(len(x) for x in ids)
+        summary["engine_api_p50_ms"] = statistics.median(api) * 1000
         summary["engine_core_p50_ms"] = statistics.median(core) * 1000
         summary["server_overhead_p50_ms"] = (summary["http_p50_ms"]
                                              - summary["engine_core_p50_ms"])
+        summary["of_which_http_layer_ms"] = summary["http_p50_ms"] - summary["engine_api_p50_ms"]
+        summary["of_which_ipc_front_end_ms"] = (summary["engine_api_p50_ms"]
+                                                - summary["engine_core_p50_ms"])
     print_summary(summary, [])
     return summary
 
