@@ -16,7 +16,9 @@ end-to-end latency percentiles and the cache hit rate the server reported in
 sequential `max_tokens=1` chat requests minus p50 time of the same token ids run in-process on
 the engine core (scheduler + forward + sampling; no HTTP, no chat template, no tokenizer, no IPC),
 split into the HTTP layer (HTTP latency minus `Engine.generate_async` in-process) and the engine's
-IPC and front end (`generate_async` minus the core).
+IPC and front end (`generate_async` minus the core). Each HTTP request is paired with the same
+token ids on the in-process engines right after it, and the medians are of the per-request
+differences, so a busy machine skews all three alike.
 It also prints the CPU time the server's HTTP process spent per request (from its
 `process_cpu_seconds_total`: HTTP, validation, chat template, tokenizer, IPC, detokenizer), which
 a busy machine does not distort the way it distorts latencies.
@@ -224,29 +226,9 @@ async def run(args: argparse.Namespace) -> dict:
     return summary
 
 
-def overhead_messages(count: int, words_per_prompt: int) -> list[list[dict]]:
-    rng = random.Random(1)
+def overhead_messages(count: int, words_per_prompt: int, seed: int | None) -> list[list[dict]]:
+    rng = random.Random(seed)   # a fresh seed per run: a second run must not hit the cache
     return [[{"role": "user", "content": words(rng, words_per_prompt)}] for _ in range(count)]
-
-
-def engine_core_time(model: str, prompts: list[list[int]]) -> list[float]:
-    """Seconds to run each one-token request on the engine core in-process: scheduler, forward
-    and sampling, with no HTTP, no tokenizer and no IPC."""
-    from radixpool.worker.config import EngineConfig
-    from radixpool.worker.engine_core import EngineCore
-    from radixpool.worker.messages import GenerateRequest
-    from radixpool.worker.sampling_params import SamplingParams
-
-    core = EngineCore(EngineConfig(model_path=model, device="cpu", kv_cache_tokens=65536))
-    params = SamplingParams(max_new_tokens=1, temperature=0)
-    times = []
-    for i, ids in enumerate(prompts):
-        start = time.perf_counter()
-        core.add_request(GenerateRequest(f"r{i}", ids, params, seed=0))
-        while core.has_work:
-            core.step()
-        times.append(time.perf_counter() - start)
-    return times
 
 
 class LeanClient:
@@ -261,7 +243,8 @@ class LeanClient:
             self.headers["Authorization"] = f"Bearer {args.api_key}"
 
     def call(self, method: str, path: str, body: dict | None = None) -> bytes:
-        self.conn.request(method, path, json.dumps(body) if body is not None else None,
+        # bytes, not str: http.client then sends headers and body in one segment
+        self.conn.request(method, path, json.dumps(body).encode() if body is not None else None,
                           self.headers)
         response = self.conn.getresponse()
         data = response.read()
@@ -283,58 +266,83 @@ def timed(fn, *args) -> float:
     return time.perf_counter() - start
 
 
-def engine_api_time(model: str, prompts: list[list[int]]) -> list[float]:
-    """Seconds per one-token request through `Engine.generate_async` in-process: the core plus
-    the IPC to its process and the front end's detokenizer, without HTTP."""
-    from radixpool.worker import Engine
+class InProcessEngines:
+    """The same one-token request on the engine API (`Engine.generate_async`: core process, IPC,
+    detokenizer) and on the bare engine core (scheduler, forward, sampling), in this process."""
 
-    async def measure(engine) -> list[float]:
-        times = []
-        for ids in prompts:
-            start = time.perf_counter()
-            await engine.generate_async(input_ids=ids,
-                                        sampling_params={"max_new_tokens": 1, "temperature": 0})
-            times.append(time.perf_counter() - start)
-        return times
+    def __init__(self, model: str, kv_tokens: int) -> None:
+        from radixpool.worker import Engine
+        from radixpool.worker.config import EngineConfig
+        from radixpool.worker.engine_core import EngineCore
+        from radixpool.worker.sampling_params import SamplingParams
 
-    with Engine(model, device="cpu", kv_cache_tokens=65536) as engine:
-        return asyncio.run(measure(engine))
+        self.engine = Engine(model, device="cpu", kv_cache_tokens=kv_tokens)
+        self.core = EngineCore(EngineConfig(model_path=model, device="cpu",
+                                            kv_cache_tokens=kv_tokens))
+        self.params = SamplingParams(max_new_tokens=1, temperature=0)
+        self.loop = asyncio.new_event_loop()
+        self.count = 0
+
+    def api(self, ids: list[int]) -> None:
+        self.loop.run_until_complete(self.engine.generate_async(
+            input_ids=ids, sampling_params=self.params))
+
+    def bare_core(self, ids: list[int]) -> None:
+        from radixpool.worker.messages import GenerateRequest
+
+        self.count += 1
+        self.core.add_request(GenerateRequest(f"r{self.count}", ids, self.params, seed=0))
+        while self.core.has_work:
+            self.core.step()
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        self.loop.close()
 
 
 def overhead(args: argparse.Namespace) -> dict:
-    """Sequential one-token chat requests (so the chat template and tokenizer count), against
-    the engine core's time for the very same token ids."""
+    """Sequential one-token chat requests (so the chat template and tokenizer count). With
+    `--model`, each HTTP request is paired with the same token ids on the in-process engine API
+    and engine core, one right after the other, so all three see the same machine conditions;
+    the overhead is the median of the per-request differences."""
     client = LeanClient(args)
     model = args.model_name or json.loads(client.call("GET", "/v1/models"))["data"][0]["id"]
-    conversations = overhead_messages(args.requests + WARMUP, args.prompt_words)
+    conversations = overhead_messages(args.requests + WARMUP, args.prompt_words, args.seed)
     health = [timed(client.call, "GET", "/health") for _ in range(args.requests)]
+    local = None
+    if args.model:
+        from radixpool.tokenization import PromptTokenizer
+
+        kv_tokens = json.loads(client.call("GET", "/server_info"))["kv_capacity_tokens"]
+        local = InProcessEngines(args.model, kv_tokens)   # same KV size: they evict alike
+        tokenizer = PromptTokenizer.from_dir(args.model)
     cpu_before = client.cpu_seconds()
-    http_times = [timed(client.call, "POST", "/v1/chat/completions", {
-        "model": model, "messages": messages, "max_tokens": 1, "temperature": 0})
-        for messages in conversations][WARMUP:]
+    http_times, api_times, core_times = [], [], []
+    for messages in conversations:
+        http_times.append(timed(client.call, "POST", "/v1/chat/completions", {
+            "model": model, "messages": messages, "max_tokens": 1, "temperature": 0}))
+        if local is not None:
+            ids = tokenizer.encode_chat(messages)
+            api_times.append(timed(local.api, ids))
+            core_times.append(timed(local.bare_core, ids))
     cpu_after = client.cpu_seconds()
+    http_times = http_times[WARMUP:]
     summary = {"requests": len(http_times),
                "health_round_trip_p50_ms": statistics.median(health) * 1000,
                "http_p50_ms": statistics.median(http_times) * 1000,
                "http_p90_ms": pct(http_times, 90) * 1000}
-    if cpu_before is not None and cpu_after is not None:
+    if cpu_before is not None and cpu_after is not None:   # the server idles between requests
         summary["server_cpu_ms_per_request"] = ((cpu_after - cpu_before) * 1000
                                                 / len(conversations))
-    if args.model:
-        from radixpool.tokenization import PromptTokenizer
-
-        tokenizer = PromptTokenizer.from_dir(args.model)
-        ids = [tokenizer.encode_chat(m) for m in conversations]
-        api = engine_api_time(args.model, ids)[WARMUP:]
-        core = engine_core_time(args.model, ids)[WARMUP:]
-        summary["prompt_tokens_p50"] = statistics.median(len(x) for x in ids)
-        summary["engine_api_p50_ms"] = statistics.median(api) * 1000
-        summary["engine_core_p50_ms"] = statistics.median(core) * 1000
-        summary["server_overhead_p50_ms"] = (summary["http_p50_ms"]
-                                             - summary["engine_core_p50_ms"])
-        summary["of_which_http_layer_ms"] = summary["http_p50_ms"] - summary["engine_api_p50_ms"]
-        summary["of_which_ipc_front_end_ms"] = (summary["engine_api_p50_ms"]
-                                                - summary["engine_core_p50_ms"])
+    if local is not None:
+        local.close()
+        api_times, core_times = api_times[WARMUP:], core_times[WARMUP:]
+        summary["engine_api_p50_ms"] = statistics.median(api_times) * 1000
+        summary["engine_core_p50_ms"] = statistics.median(core_times) * 1000
+        pairs = list(zip(http_times, api_times, core_times, strict=True))
+        summary["server_overhead_p50_ms"] = statistics.median(h - c for h, _, c in pairs) * 1000
+        summary["of_which_http_layer_ms"] = statistics.median(h - a for h, a, _ in pairs) * 1000
+        summary["of_which_ipc_front_end_ms"] = statistics.median(a - c for _, a, c in pairs) * 1000
     print_summary(summary, [])
     return summary
 
@@ -374,6 +382,7 @@ def main() -> None:
                    help="the server's model directory, to time the engine core in-process")
     o.add_argument("--requests", type=int, default=200)
     o.add_argument("--prompt-words", type=int, default=12, help="words per chat message")
+    o.add_argument("--seed", type=int, help="prompt seed (default: new prompts every run)")
     args = parser.parse_args()
     summary = asyncio.run(run(args)) if args.command == "run" else overhead(args)
     if args.json:

@@ -160,6 +160,11 @@ class EngineRun:
             self._metrics.record_aborted(now - self._start)
         self._open.clear()
 
+    @property
+    def finished(self) -> bool:
+        """Every choice has finished (e.g. a one-token request, after `first()`)."""
+        return not self._open
+
     async def collect(self) -> list[ForkOutput]:
         forks: dict[int, ForkOutput] = {}
         async for chunk in self:
@@ -214,8 +219,11 @@ async def start_all(runs: list[EngineRun]) -> None:
         raise
 
 
-async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it (and so aborting its engine requests) if the client leaves."""
+async def until_disconnect(request: Request, work: Awaitable[T], runs: list[EngineRun]) -> T:
+    """Await `work`, cancelling it (and so aborting its engine requests) if the client leaves.
+    Runs that already finished have nothing left to abort: no watcher then."""
+    if all(run.finished for run in runs):
+        return await work
     task = asyncio.ensure_future(work)
 
     async def watch() -> None:

@@ -130,7 +130,7 @@ def router(state: WorkerState) -> APIRouter:
         async def collect_all() -> list[list[ForkOutput]]:
             return [await run.collect() for run in runs]
 
-        results = await until_disconnect(request, collect_all())
+        results = await until_disconnect(request, collect_all(), runs)
         out = [
             {"text": fork.full_text, "output_ids": fork.token_ids,
              "meta_info": _meta(fork, rids[i], params[i].logprobs is not None)}

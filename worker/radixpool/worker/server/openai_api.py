@@ -98,7 +98,7 @@ def router(state: WorkerState) -> APIRouter:
         head = {"id": rid, "created": created, "model": state.config.served_model_name}
         if body.stream:
             return EventStream(_chat_events(state, run, body, head, len(input_ids)))
-        forks = await until_disconnect(request, run.collect())
+        forks = await until_disconnect(request, run.collect(), [run])
         tally = UsageTally([len(input_ids)])
         choices = []
         for fork in forks:
@@ -145,7 +145,7 @@ def router(state: WorkerState) -> APIRouter:
         async def collect_all() -> list[list[ForkOutput]]:
             return [await run.collect() for run in runs]
 
-        results = await until_disconnect(request, collect_all())
+        results = await until_disconnect(request, collect_all(), runs)
         tally = UsageTally([len(ids) for ids in inputs])
         choices = []
         for p, forks in enumerate(results):
