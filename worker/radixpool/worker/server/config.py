@@ -80,8 +80,8 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-length", type=int, metavar="N",
                    help="cap the model's context length (may only shrink it)")
     p.add_argument("--attention-backend", default=_default("attention_backend"),
-                   help="attention backend: auto or torch (default: auto = torch; FlashInfer is not "
-                        "built yet)")
+                   help="attention backend: auto or torch (default: auto = torch; "
+                        "FlashInfer is not built yet)")
     p.add_argument("--debug-invariants", action="store_true",
                    help="check KV cache invariants whenever the engine goes idle (slow)")
     p.add_argument("--api-key", metavar="KEY", default=os.environ.get(API_KEY_ENV),
