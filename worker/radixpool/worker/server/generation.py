@@ -118,6 +118,7 @@ class EngineRun:
         try:
             self._first = await self._stream.__anext__()
         except ValueError as exc:
+            self._open.clear()   # refused, not aborted: it is no finished request
             await self.close()
             raise engine_error(exc, self._renames, self._prompt_param) from None
         except StopAsyncIteration:
