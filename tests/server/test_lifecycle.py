@@ -114,6 +114,8 @@ def test_disconnected_stream_is_aborted_and_frees_its_kv(worker, http):
                 break
         assert http.get("/load").json()["running"] == 1
     wait_until(lambda: _abort_count(http) == aborted_before + 1, what="the request's abort")
+    load = http.get("/load").json()
+    assert (load["running"], load["waiting"]) == (0, 0)
     # nothing holds KV any more: a flush (which waits for running requests) leaves none in use
     assert http.post("/flush_cache").status_code == 200
     load = http.get("/load").json()

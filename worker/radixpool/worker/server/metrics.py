@@ -4,13 +4,14 @@ Two sources, one registry per server:
 - per-request series (tokens, finished requests, latencies, hit rate) are recorded by the server
   as each request finishes (`WorkerMetrics.record_*`);
 - engine state (queue sizes, KV usage, radix size, retractions, evictions) and the info metric are
-  read from `engine.stats()` at scrape time by `EngineCollector`, so they are never stale.
+  read from the engine's latest stats at scrape time by `EngineCollector`.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
@@ -57,9 +58,10 @@ class HitRateWindow:
 class EngineCollector(Collector):
     """Engine gauges and counters, read at scrape time."""
 
-    def __init__(self, engine_fn: Callable[[], object | None], model: str, version: str,
-                 hit_rate: HitRateWindow) -> None:
+    def __init__(self, engine_fn: Callable[[], Any], stats_fn: Callable[[], Any], model: str,
+                 version: str, hit_rate: HitRateWindow) -> None:
         self.engine_fn = engine_fn
+        self.stats_fn = stats_fn
         self.model = model
         self.version = version
         self.hit_rate = hit_rate
@@ -78,7 +80,7 @@ class EngineCollector(Collector):
         info.add_metric([], {"model": self.model, "version": self.version,
                              "instance_id": engine.instance_id})
         yield info
-        stats = engine.stats()
+        stats = self.stats_fn()
         if stats is None:
             return
         capacity = stats.kv_capacity_tokens
@@ -100,7 +102,8 @@ class EngineCollector(Collector):
 
 
 class WorkerMetrics:
-    def __init__(self, model: str, version: str, engine_fn: Callable[[], object | None]) -> None:
+    def __init__(self, model: str, version: str, engine_fn: Callable[[], Any],
+                 stats_fn: Callable[[], Any]) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         self.prompt_tokens = _counter(spec.PROMPT_TOKENS, r)
@@ -112,7 +115,7 @@ class WorkerMetrics:
         self.e2e = _histogram(spec.E2E_REQUEST_LATENCY, r)
         self.queue_time = _histogram(spec.QUEUE_TIME, r)
         self.hit_rate = HitRateWindow()
-        r.register(EngineCollector(engine_fn, model, version, self.hit_rate))
+        r.register(EngineCollector(engine_fn, stats_fn, model, version, self.hit_rate))
         ProcessCollector(registry=r)   # process_cpu_seconds_total etc. of the HTTP front end
 
     def record_first_token(self, ttft_s: float, queue_time_s: float | None) -> None:

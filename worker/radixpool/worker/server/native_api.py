@@ -193,7 +193,7 @@ def router(state: WorkerState) -> APIRouter:
 
     @r.get("/load")
     async def load() -> dict:
-        stats = state.engine.stats()
+        stats = state.engine_stats()
         capacity = stats.kv_capacity_tokens if stats else 0
         return {
             "running": stats.running if stats else 0,

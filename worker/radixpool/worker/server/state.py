@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixpool.worker.messages import EngineStats
 from radixpool.worker.server.config import ServerConfig
 from radixpool.worker.server.errors import APIError, bad_request
 from radixpool.worker.server.lifecycle import Lifecycle
@@ -36,12 +38,21 @@ class WorkerState:
 
     def __post_init__(self) -> None:
         self.metrics = WorkerMetrics(self.config.served_model_name, self.version,
-                                     lambda: self.engine)
+                                     lambda: self.engine, self.engine_stats)
 
     def attach(self, engine: Any) -> None:
         self.engine = engine
         self.token_text = TokenText(engine.tokenizer)
         self.lifecycle.mark_ready()
+
+    def engine_stats(self) -> EngineStats | None:
+        """The engine's latest stats. The core reports them after each step, so once it goes
+        idle after an abort they still show the aborted request running; every engine request
+        comes through this server, so with none in flight here nothing is running there."""
+        stats = self.engine.stats() if self.engine is not None else None
+        if stats is not None and not self.active_rids and (stats.running or stats.waiting):
+            stats = dataclasses.replace(stats, running=0, waiting=0)
+        return stats
 
     def abort_all(self) -> int:
         """Abort every running request; their streams end with finish_reason "abort"."""
