@@ -161,6 +161,8 @@ def test_extensions_are_accepted(client):
              extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True,
                          "min_tokens": 4})
     assert r.usage.completion_tokens == 4
+    r = chat(client, "hi", max_completion_tokens=3, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
 
 
 def test_logit_bias_steers_the_output(client, http):
