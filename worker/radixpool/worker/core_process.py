@@ -77,6 +77,7 @@ class _Loop:
                 self.send(out)
             busy = self.core.has_work
             if self.was_busy and not busy:
+                self.send(StepOutput(stats=self.core.stats()))  # the front end sees it go idle
                 self._on_idle()
             self.was_busy = busy
 
@@ -95,7 +96,7 @@ class _Loop:
             if delta is not None:
                 early.append(delta)
         if early:
-            self.send(StepOutput(deltas=early))
+            self.send(StepOutput(deltas=early, stats=self.core.stats()))
 
     def _handle(self, msg):
         if isinstance(msg, GenerateRequest):

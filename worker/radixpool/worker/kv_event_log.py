@@ -52,8 +52,12 @@ class KVEventLog:
             if self.last_seq > seq:
                 return
             self._waiters.append((loop, fut))
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(fut, timeout)
+        try:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(fut, timeout)
+        finally:
+            with self._lock:  # a waiter that timed out or was cancelled must not linger
+                self._waiters = [w for w in self._waiters if w[1] is not fut]
 
 
 def _wake(fut: asyncio.Future) -> None:
