@@ -32,6 +32,29 @@ def test_generate_forms_and_shapes(engine):
     assert ids["meta_info"]["prompt_tokens"] == 4
 
 
+def test_n_forks_share_the_prompt_kv_however_short(engine):
+    prompt = [1, *range(700, 712)]  # 13 tokens: shorter than one KV block
+    forks = engine.generate(input_ids=prompt, sampling_params={
+        "max_new_tokens": 4, "n": 3, "temperature": 1.0, "seed": 5})
+    cached = sorted(f["meta_info"]["cached_tokens"] for f in forks)
+    assert cached[0] < 12 and cached[1:] == [12, 12], "forks 1..n-1 reuse what fork 0 computed"
+    assert len({tuple(f["output_ids"]) for f in forks}) > 1
+
+
+def test_aborting_a_forked_request_ends_every_fork(engine):
+    async def first_chunk_then_leave() -> None:
+        async for _ in engine.stream(input_ids=[1, *range(720, 760)], sampling_params={
+                "max_new_tokens": 300, "n": 3, "ignore_eos": True}):
+            break
+
+    asyncio.run(first_chunk_then_leave())
+    deadline = time.monotonic() + 10
+    while engine.stats().running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.stats().running == 0 and engine.stats().waiting == 0
+    engine.check_invariants()
+
+
 def test_same_seed_same_output_different_seed_differs(engine):
     params = {"max_new_tokens": 12, "temperature": 1.0, "seed": 1234, "ignore_eos": True}
     a = engine.generate("seeded sampling", params)

@@ -80,6 +80,7 @@ class Engine:
         self._tokens = itertools.count(1)
         self._stats: EngineStats | None = None
         self._send_lock = threading.Lock()
+        self._deferred_lock = threading.Lock()  # fork hand-off: receiver thread vs abort()
         self._closed = False
         self._start_core()
 
@@ -187,6 +188,8 @@ class Engine:
         self._controls.clear()
 
     def _apply(self, fork: RequestOutput, delta: TokenDelta) -> None:
+        if fork.deferred:
+            self._release_forks(fork, delta)
         chunk, stop_matched = fork.apply(delta)
         if stop_matched and not delta.finished:
             self._send(AbortRequest(fork.core_rid))  # a stop string ended it: stop the core
@@ -194,7 +197,20 @@ class Engine:
             self._forks.pop(fork.core_rid, None)
         _deliver(fork, chunk)
 
-    def _finish_fork(self, fork: RequestOutput, reason: str, error: str,
+    def _release_forks(self, first: RequestOutput, delta: TokenDelta) -> None:
+        """Send the sibling forks held back behind `first`, or end them if it ended early."""
+        with self._deferred_lock:
+            deferred, first.deferred = first.deferred, []
+        if delta.error is None and delta.finish_reason != "abort":
+            for request in deferred:
+                self._send(request)
+            return
+        for request in deferred:  # refused or aborted before its prompt was cached
+            sibling = self._forks.get(request.rid)
+            if sibling is not None:
+                self._finish_fork(sibling, "abort", delta.error)
+
+    def _finish_fork(self, fork: RequestOutput, reason: str, error: str | None,
                      internal: bool = False) -> None:
         if not fork.finished:
             self._forks.pop(fork.core_rid, None)
@@ -255,7 +271,7 @@ class Engine:
             raise RuntimeError("the engine is shut down")
         rid = rid or uuid.uuid4().hex
         now = time.time()
-        forks = []
+        forks, requests = [], []
         for i in range(params.n):
             core_rid = rid if params.n == 1 else f"{rid}/{i}"
             fork = RequestOutput(core_rid, rid, i, params,
@@ -263,14 +279,26 @@ class Engine:
                                  StopMatcher(params.stop) if params.stop else None, sink, now)
             self._forks[core_rid] = fork
             forks.append(fork)
-            self._send(GenerateRequest(core_rid, ids, params, request_seed(params.seed, i),
-                                       namespace, now))
+            requests.append(GenerateRequest(core_rid, ids, params, request_seed(params.seed, i),
+                                            namespace, now))
+        # Fork 0 goes first; the others follow once its prompt is in the radix cache (its first
+        # token), so every fork reuses the prompt's KV whatever its length.
+        forks[0].deferred = requests[1:]
+        self._send(requests[0])
         return forks
 
     def abort(self, rid: str) -> None:
         """Stop a request (all its choices); its KV is freed at once."""
-        for fork in [f for f in self._forks.values() if f.rid == rid]:
-            self._send(AbortRequest(fork.core_rid))
+        forks = [f for f in list(self._forks.values()) if f.rid == rid]
+        with self._deferred_lock:
+            held = {r.rid for f in forks for r in f.deferred}
+            for fork in forks:
+                fork.deferred = []
+        for fork in forks:
+            if fork.core_rid in held:
+                self._finish_fork(fork, "abort", None)  # never reached the core
+            else:
+                self._send(AbortRequest(fork.core_rid))
 
     def generate(self, prompt: str | list[str] | None = None,
                  sampling_params: dict | list[dict] | SamplingParams | None = None,
@@ -336,9 +364,8 @@ class Engine:
                 open_forks -= chunk.finished
                 yield chunk
         finally:
-            for fork in forks:
-                if not fork.finished:
-                    self._send(AbortRequest(fork.core_rid))
+            if any(not fork.finished for fork in forks):
+                self.abort(forks[0].rid)
 
     async def generate_async(self, prompt: str | None = None,
                              sampling_params: dict | SamplingParams | None = None,

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from radixpool.worker.detokenizer import IncrementalDetokenizer
-from radixpool.worker.messages import TokenDelta
+from radixpool.worker.messages import GenerateRequest, TokenDelta
 from radixpool.worker.sampling_params import SamplingParams
 from radixpool.worker.stop_strings import StopMatcher
 
@@ -55,6 +55,7 @@ class RequestOutput:
     output_ids: list[int] = field(default_factory=list)
     first_token_time: float | None = None
     finished: bool = False
+    deferred: list[GenerateRequest] = field(default_factory=list)  # sibling forks, sent later
 
     def apply(self, delta: TokenDelta) -> tuple[StreamChunk, bool]:
         """The chunk for this delta, and whether a stop string just ended the output."""
@@ -85,7 +86,7 @@ class RequestOutput:
             completion_tokens=len(self.output_ids), arrival_time=self.arrival_time,
             first_token_time=self.first_token_time, queue_time=delta.queue_time), stopped
 
-    def fail(self, reason: str, error: str, internal: bool,
+    def fail(self, reason: str, error: str | None, internal: bool,
              prompt_tokens: int = 0) -> StreamChunk:
         """The final chunk of a request the core refused or lost."""
         self.finished = True
