@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from . import api
+from .generated import write_copies
 from .openapi import (
     Schema,
     array,
@@ -318,14 +319,7 @@ def update_docs(repo_root: Path) -> Path:
 
 
 def write_crd_files(repo_root: Path) -> list[Path]:
-    written = []
-    for folder in CRD_DIRS:
-        for name, text in crd_files().items():
-            path = repo_root / folder / name
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-            written.append(path)
-    return written
+    return write_copies(repo_root, CRD_DIRS, crd_files())
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ from typing import Any
 
 from radixpool.protocol import metrics as m
 
+from .generated import write_copies
+
 POOL = 'namespace=~"$namespace", radixpool_io_pool=~"$pool"'
 WORKER = f'{POOL}, pod=~"$pod"'
 RATE = "[$__rate_interval]"
@@ -219,14 +221,7 @@ def dashboard_files() -> dict[str, str]:
 
 
 def write_dashboard_files(repo_root: Path) -> list[Path]:
-    written = []
-    for folder in DASHBOARD_DIRS:
-        for name, text in dashboard_files().items():
-            path = repo_root / folder / name
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-            written.append(path)
-    return written
+    return write_copies(repo_root, DASHBOARD_DIRS, dashboard_files())
 
 
 if __name__ == "__main__":
