@@ -168,29 +168,18 @@ def router(state: WorkerState) -> APIRouter:
     return r
 
 
-async def _chat_events(state: WorkerState, run: EngineRun, body: ChatCompletionRequest,
-                       head: dict, prompt_len: int) -> AsyncIterator[bytes]:
-    chunk_head = {**head, "object": "chat.completion.chunk", "system_fingerprint": None}
-    want_logprobs = body.logprobs_k is not None
-    tally = UsageTally([prompt_len])
-    for i in range(body.n):
-        yield sse({**chunk_head, "choices": [{
-            "index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-            "finish_reason": None}]})
+async def _framed(preamble: list[dict], choices: AsyncIterator[dict], body: Any,
+                  chunk_head: dict, tally: UsageTally) -> AsyncIterator[bytes]:
+    """One stream's SSE frames: the preamble choices, each choice event (with running usage when
+    asked), then the final usage event when asked and [DONE]. An engine failure mid-stream
+    becomes a single error event, so the client learns why the stream ended."""
+    for choice in preamble:
+        yield sse({**chunk_head, "choices": [choice]})
+    continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
     try:
-        async for chunk in run:
-            tally.add(0, chunk)
-            if not (chunk.text or chunk.finished or (want_logprobs and chunk.token_ids)):
-                continue   # text held back (a possible stop string or an unfinished character)
-            choice = {
-                "index": chunk.index,
-                "delta": {"content": chunk.text} if chunk.text else {},
-                "logprobs": (chat_logprobs(state.token_text, chunk.token_ids, chunk.logprobs or [],
-                                           chunk.top_logprobs) if want_logprobs else None),
-                "finish_reason": chunk.finish_reason if chunk.finished else None,
-            }
+        async for choice in choices:
             event = {**chunk_head, "choices": [choice]}
-            if body.stream_options and body.stream_options.continuous_usage_stats:
+            if continuous:
                 event["usage"] = tally.doc()
             yield sse(event)
     except Exception as exc:
@@ -198,23 +187,47 @@ async def _chat_events(state: WorkerState, run: EngineRun, body: ChatCompletionR
     else:
         if body.include_usage:
             yield sse({**chunk_head, "choices": [], "usage": tally.doc()})
+    finally:
+        await choices.aclose()  # a client gone mid-stream aborts the engine request now
     yield DONE
 
 
-async def _completion_events(state: WorkerState, runs: list[EngineRun], body: CompletionRequest,
-                             head: dict, inputs: list[list[int]],
-                             echo: list[str]) -> AsyncIterator[bytes]:
+def _chat_events(state: WorkerState, run: EngineRun, body: ChatCompletionRequest,
+                 head: dict, prompt_len: int) -> AsyncIterator[bytes]:
+    chunk_head = {**head, "object": "chat.completion.chunk", "system_fingerprint": None}
+    want_logprobs = body.logprobs_k is not None
+    tally = UsageTally([prompt_len])
+    preamble = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None} for i in range(body.n)]
+
+    async def choices() -> AsyncIterator[dict]:
+        async for chunk in run:
+            tally.add(0, chunk)
+            if not (chunk.text or chunk.finished or (want_logprobs and chunk.token_ids)):
+                continue   # text held back (a possible stop string or an unfinished character)
+            yield {
+                "index": chunk.index,
+                "delta": {"content": chunk.text} if chunk.text else {},
+                "logprobs": (chat_logprobs(state.token_text, chunk.token_ids, chunk.logprobs or [],
+                                           chunk.top_logprobs) if want_logprobs else None),
+                "finish_reason": chunk.finish_reason if chunk.finished else None,
+            }
+
+    return _framed(preamble, choices(), body, chunk_head, tally)
+
+
+def _completion_events(state: WorkerState, runs: list[EngineRun], body: CompletionRequest,
+                       head: dict, inputs: list[list[int]],
+                       echo: list[str]) -> AsyncIterator[bytes]:
     chunk_head = {**head, "object": "text_completion"}
     want_logprobs = body.logprobs is not None
     tally = UsageTally([len(ids) for ids in inputs])
-    offsets: dict[int, int] = {}
     n = body.n
-    if body.echo:
-        for p, text in enumerate(echo):
-            for i in range(n):
-                yield sse({**chunk_head, "choices": [{"index": p * n + i, "text": text,
-                                                      "logprobs": None, "finish_reason": None}]})
-    try:
+    preamble = [{"index": p * n + i, "text": text, "logprobs": None, "finish_reason": None}
+                for p, text in enumerate(echo) for i in range(n)] if body.echo else []
+
+    async def choices() -> AsyncIterator[dict]:
+        offsets: dict[int, int] = {}
         async for p, chunk in merge_streams(runs):
             tally.add(p, chunk)
             if not (chunk.text or chunk.finished or (want_logprobs and chunk.token_ids)):
@@ -225,15 +238,7 @@ async def _completion_events(state: WorkerState, runs: list[EngineRun], body: Co
                 logprobs, offsets[index] = completion_logprobs(
                     state.token_text, chunk.token_ids, chunk.logprobs or [], chunk.top_logprobs,
                     offsets.get(index, 0))
-            event = {**chunk_head, "choices": [{
-                "index": index, "text": chunk.text, "logprobs": logprobs,
-                "finish_reason": chunk.finish_reason if chunk.finished else None}]}
-            if body.stream_options and body.stream_options.continuous_usage_stats:
-                event["usage"] = tally.doc()
-            yield sse(event)
-    except Exception as exc:
-        yield sse(error_body(f"generation failed: {exc}", "server_error"))
-    else:
-        if body.include_usage:
-            yield sse({**chunk_head, "choices": [], "usage": tally.doc()})
-    yield DONE
+            yield {"index": index, "text": chunk.text, "logprobs": logprobs,
+                   "finish_reason": chunk.finish_reason if chunk.finished else None}
+
+    return _framed(preamble, choices(), body, chunk_head, tally)
