@@ -46,15 +46,15 @@ def test_api_key_protects_everything_but_health_and_metrics(secured):
         bad.models.list()
 
 
-def test_sigterm_drains_running_requests_then_exits_zero(secured):
-    headers = {"Authorization": f"Bearer {KEY}"}
-    client = OpenAI(base_url=f"{secured.url}/v1", api_key=KEY, max_retries=0, timeout=300)
+def _streaming(url: str, key: str, prompt: str) -> tuple[threading.Thread, list]:
+    """A 1,500-token completion streaming in a thread (long enough to still be running when a
+    signal lands, even on an idle fast machine), once its first chunk has arrived."""
+    client = OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=300)
     started = threading.Event()
     chunks: list = []
 
     def stream() -> None:
-        # Long enough to still be running when SIGTERM lands, even on an idle fast machine.
-        for chunk in client.completions.create(model="tiny", prompt="drain me", stream=True,
+        for chunk in client.completions.create(model="tiny", prompt=prompt, stream=True,
                                                max_tokens=1500, temperature=0,
                                                extra_body={"ignore_eos": True},
                                                stream_options={"include_usage": True}):
@@ -64,6 +64,12 @@ def test_sigterm_drains_running_requests_then_exits_zero(secured):
     thread = threading.Thread(target=stream)
     thread.start()
     assert started.wait(60)
+    return thread, chunks
+
+
+def test_sigterm_drains_running_requests_then_exits_zero(secured):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    thread, chunks = _streaming(secured.url, KEY, "drain me")
     secured.proc.send_signal(signal.SIGTERM)
     wait_until(lambda: httpx.get(f"{secured.url}/health").status_code == 503,
                what="/health to turn 503")
@@ -79,21 +85,7 @@ def test_sigterm_drains_running_requests_then_exits_zero(secured):
 
 
 def test_drain_timeout_ends_running_streams_cleanly(impatient):
-    client = OpenAI(base_url=f"{impatient.url}/v1", api_key="unused", max_retries=0, timeout=300)
-    started = threading.Event()
-    chunks: list = []
-
-    def stream() -> None:
-        for chunk in client.completions.create(model="tiny", prompt="too long", stream=True,
-                                               max_tokens=1500, temperature=0,
-                                               extra_body={"ignore_eos": True},
-                                               stream_options={"include_usage": True}):
-            chunks.append(chunk)
-            started.set()
-
-    thread = threading.Thread(target=stream)
-    thread.start()
-    assert started.wait(60)
+    thread, chunks = _streaming(impatient.url, "unused", "too long")
     impatient.proc.send_signal(signal.SIGTERM)
     thread.join(300)
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
