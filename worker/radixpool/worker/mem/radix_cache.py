@@ -194,14 +194,20 @@ class RadixCache:
         The caller keeps ownership of `slots[:returned]` (duplicates to free, or its own locked
         prefix) and hands the tree `slots[returned:aligned_len]`.
         """
+        return self.insert_path(key, slots, namespace)[0]
+
+    def insert_path(self, key: list[int], slots: torch.Tensor, namespace: str | None = None
+                    ) -> tuple[int, TreeNode, list[torch.Tensor]]:
+        """`insert`, also returning the node now ending at the aligned end of `key` (the one to
+        lock) and the tree's slot tensors for the already-present part, edge by edge."""
         length = self._aligned(min(len(key), len(slots)))
-        node, present, _ = self._walk(key[:length], namespace, split=True, touch=True)
+        node, present, values = self._walk(key[:length], namespace, split=True, touch=True)
         if present < length:
-            self._add_leaf(node, key, slots, present, length)
-        return present
+            node = self._add_leaf(node, key, slots, present, length)
+        return present, node, values
 
     def _add_leaf(self, parent: TreeNode, key: list[int], slots: torch.Tensor,
-                  start: int, end: int) -> None:
+                  start: int, end: int) -> TreeNode:
         bs = self.block_size
         first_block = start // bs  # first block that ends after `start`
         tokens = as_token_array(key[first_block * bs:end])
@@ -219,6 +225,7 @@ class RadixCache:
             parent_hash = None if first_block == 0 else \
                 int(publish(np.array([parent.chain_state()], dtype=np.uint64))[0])
             self._emit("stored", tuple(hashes.tolist()), parent_hash)
+        return leaf
 
     # ------------------------------------------------------------------ locks
     def lock(self, node: TreeNode) -> None:

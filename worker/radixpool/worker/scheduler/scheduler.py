@@ -309,16 +309,16 @@ class Scheduler:
         Slots the tree already had ([prefix_len, present)) are freed and the row re-pointed at
         the tree's copies; slots past the page-aligned end stay the request's.
         """
-        key = req.fill_ids[:req.kv_len]
         slots = self.rows.table[req.row, :req.kv_len]
-        present = self.cache.insert(key, slots, req.namespace)
-        if present > req.prefix_len:
+        present, node, tree_values = self.cache.insert_path(
+            req.fill_ids[:req.kv_len], slots, req.namespace)
+        if present > req.prefix_len:  # computed twice: free ours, point the row at the tree's
             self.pool.free(slots[req.prefix_len:present].clone())
-        match = self.cache.match_prefix(key, req.namespace)
-        self.rows.table[req.row, :match.length] = match.slots
-        self.cache.lock(match.node)
+            slots[req.prefix_len:present] = torch.cat(tree_values)[req.prefix_len:present]
+        self.cache.lock(node)
         self.cache.unlock(req.last_node)
-        req.last_node, req.prefix_len = match.node, match.length
+        req.last_node = node
+        req.prefix_len = req.kv_len - req.kv_len % self.pool.page_size
 
     def _release(self, req: Req, keep_kv: bool) -> None:
         """Give back the row, the lock and every slot the request owns (into the tree if kept)."""
