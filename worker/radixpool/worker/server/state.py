@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,13 +45,9 @@ class WorkerState:
         self.lifecycle.mark_ready()
 
     def engine_stats(self) -> EngineStats | None:
-        """The engine's latest stats. The core reports them after each step, so once it goes
-        idle after an abort they still show the aborted request running; every engine request
-        comes through this server, so with none in flight here nothing is running there."""
-        stats = self.engine.stats() if self.engine is not None else None
-        if stats is not None and not self.active_rids and (stats.running or stats.waiting):
-            stats = dataclasses.replace(stats, running=0, waiting=0)
-        return stats
+        """The engine's latest stats (the core reports them after every step, with every abort
+        or refusal, and when it goes idle)."""
+        return self.engine.stats() if self.engine is not None else None
 
     def abort_all(self) -> int:
         """Abort every running request; their streams end with finish_reason "abort"."""
