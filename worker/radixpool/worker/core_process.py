@@ -1,10 +1,10 @@
 """The engine core's process: a loop that never waits on HTTP, tokenizers or clients.
 
-The front end (`engine.py`) owns the process. Two ZMQ PUSH/PULL pipes over IPC sockets connect
-them: requests, aborts and controls in; `StepOutput`s and `ControlReply`s out. The loop drains its
-inbox without blocking while there is work, blocks (bounded) when idle, and exits when told to or
-when its parent dies. A flush waits until the engine is idle: admission pauses, running requests
-finish, then the tree is emptied.
+The front end (`engine.py`) owns the process. One Unix socket pair connects them (`ipc.py`):
+requests, aborts and controls in; `StepOutput`s and `ControlReply`s out. The loop drains its inbox
+without blocking while there is work, waits (bounded) when idle, never blocks on a write, and
+exits when told to or when its parent dies. A flush waits until the engine is idle: admission
+pauses, running requests finish, then the tree is emptied.
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import pickle
+import select
+import socket
 import sys
 import traceback
 
-import zmq
-
 from radixpool.worker.config import EngineConfig
+from radixpool.worker.ipc import Inbox, Outbox, PeerClosed
 from radixpool.worker.messages import (
     AbortRequest,
     ControlReply,
@@ -30,68 +30,86 @@ from radixpool.worker.messages import (
 )
 
 log = logging.getLogger("radixpool.core")
-IDLE_POLL_MS = 500
+IDLE_WAIT_S = 0.5
+SHUTDOWN_FLUSH_S = 5.0
 
 
-def run_core(config: EngineConfig, in_addr: str, out_addr: str, parent_pid: int) -> None:
-    """Process entry point (spawned by the front end)."""
+def run_core(config: EngineConfig, fd: int, parent_pid: int) -> None:
+    """Process entry point (spawned by the front end with its end of the socket pair)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    ctx = zmq.Context()
-    inbox = ctx.socket(zmq.PULL)
-    inbox.connect(in_addr)
-    outbox = ctx.socket(zmq.PUSH)
-    outbox.connect(out_addr)
-    send = lambda obj: outbox.send(pickle.dumps(obj, protocol=5))  # noqa: E731
+    sock = socket.socket(fileno=fd)
+    outbox = Outbox(sock)
     try:
         from radixpool.worker.engine_core import EngineCore
 
         core = EngineCore(config)
     except Exception as exc:  # report why, so the front end can raise it
-        send(CoreFailed(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        outbox.send(CoreFailed(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        outbox.drain(SHUTDOWN_FLUSH_S)
         return
-    send(core.ready_message())
-    _Loop(core, inbox, send, parent_pid).run()
-    ctx.destroy(linger=100)
+    outbox.send(core.ready_message())
+    loop = _Loop(core, Inbox(sock), outbox, parent_pid)
+    try:
+        loop.run()
+        outbox.drain(SHUTDOWN_FLUSH_S)
+    except PeerClosed:
+        pass   # the front end is gone: nobody to answer
+    sock.close()
 
 
 class _Loop:
-    def __init__(self, core, inbox: zmq.Socket, send, parent_pid: int) -> None:
+    def __init__(self, core, inbox: Inbox, outbox: Outbox, parent_pid: int) -> None:
         self.core = core
         self.inbox = inbox
-        self.send = send
+        self.outbox = outbox
+        self.send = outbox.send
         self.parent_pid = parent_pid
         self.pending_flushes: list[ControlRequest] = []
         self.running = True
         self.was_busy = False
+        self.poller = select.poll()
 
     def run(self) -> None:
         while self.running:
             busy = self.core.has_work
-            self._drain_inbox(block_ms=0 if busy else IDLE_POLL_MS)
+            self.outbox.flush()
+            self._drain_inbox(wait_s=0 if busy else IDLE_WAIT_S)
             if not self.running:
                 break
             if self.pending_flushes and not self.core.has_work:
                 self._flush()
             out = self.core.step() if self.core.has_work else None
-            if out is not None and (out.deltas or out.events):
-                self.send(out)
+            sent = out is not None and bool(out.deltas or out.events)
+            if sent:
+                self.send(out)   # its stats were taken after the step: idle ones if it went idle
             busy = self.core.has_work
             if self.was_busy and not busy:
-                self.send(StepOutput(stats=self.core.stats()))  # the front end sees it go idle
+                if not sent:
+                    self.send(StepOutput(stats=self.core.stats()))  # the front end sees it idle
                 self._on_idle()
             self.was_busy = busy
 
-    def _drain_inbox(self, block_ms: int) -> None:
-        if block_ms and not self.inbox.poll(block_ms):
+    def _wait(self, wait_s: float) -> bool:
+        """Until a message arrives (writing any backlog as the front end takes it)."""
+        events = select.POLLIN | (select.POLLOUT if self.outbox.pending else 0)
+        self.poller.register(self.inbox.sock, events)
+        ready = self.poller.poll(wait_s * 1000)
+        if ready and ready[0][1] & select.POLLOUT:
+            self.outbox.flush()
+        return bool(ready and ready[0][1] & (select.POLLIN | select.POLLHUP | select.POLLERR))
+
+    def _drain_inbox(self, wait_s: float) -> None:
+        if wait_s and not self._wait(wait_s):
             if os.getppid() != self.parent_pid:
                 self.running = False  # orphaned: the front end is gone
             return
+        try:
+            messages = self.inbox.read()
+        except PeerClosed:
+            self.running = False
+            return
         early: list = []
-        while True:
-            try:
-                msg = pickle.loads(self.inbox.recv(zmq.NOBLOCK))
-            except zmq.Again:
-                break
+        for msg in messages:
             delta = self._handle(msg)
             if delta is not None:
                 early.append(delta)
@@ -151,9 +169,9 @@ class _Loop:
 
 
 def main(argv: list[str]) -> None:
-    """`python -m radixpool.worker.core_process CONFIG_JSON IN_ADDR OUT_ADDR PARENT_PID`."""
+    """`python -m radixpool.worker.core_process CONFIG_JSON SOCKET_FD PARENT_PID`."""
     config = EngineConfig(**json.loads(argv[0]))
-    run_core(config, argv[1], argv[2], int(argv[3]))
+    run_core(config, int(argv[1]), int(argv[2]))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The offline and serving API of the engine: `Engine(model_path, ...)`.
 
 The engine core (scheduler, cache, model) runs in its own process; this front end tokenizes,
-sends requests over ZMQ, and turns the core's token deltas back into text on a receiver thread:
+sends requests over a Unix socket pair (`ipc.py`), and turns the core's token deltas back into
+text — on a receiver thread, or on a server's event loop once `bind_loop` is called:
 incremental detokenization (never a broken UTF-8 character), stop strings (trimmed even when
 split across tokens; the core is told to stop), `n` forks (separate core requests sharing the
 prompt's KV through the radix tree), logprobs. Three ways to call it:
@@ -21,11 +22,8 @@ import itertools
 import json
 import logging
 import os
-import pickle
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -34,12 +32,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import fields
 from typing import Any
 
-import zmq
-
 from radixpool.tokenization import PromptTokenizer
 from radixpool.worker.config import EngineConfig
 from radixpool.worker.core_process import Shutdown
 from radixpool.worker.detokenizer import IncrementalDetokenizer
+from radixpool.worker.ipc import Inbox, PeerClosed, frame, socket_pair
 from radixpool.worker.kv_event_log import KVEventLog
 from radixpool.worker.messages import (
     AbortRequest,
@@ -62,6 +59,7 @@ __all__ = ["Engine", "StreamChunk"]
 log = logging.getLogger("radixpool.engine")
 STARTUP_TIMEOUT_S = 900.0
 CONTROL_TIMEOUT_S = 600.0
+WATCH_INTERVAL_S = 0.2   # how often a loop-bound engine checks that its core is alive
 
 
 class Engine:
@@ -79,6 +77,11 @@ class Engine:
         self._controls: dict[int, concurrent.futures.Future] = {}
         self._tokens = itertools.count(1)
         self._stats: EngineStats | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None   # see bind_loop
+        self._loop_thread = 0
+        self._watch: asyncio.TimerHandle | None = None
+        self._receiver_stop = threading.Event()
+        self._dead = False   # the core process exited under us
         self._send_lock = threading.Lock()
         self._deferred_lock = threading.Lock()  # fork hand-off: receiver thread vs abort()
         self._closed = False
@@ -86,21 +89,19 @@ class Engine:
 
     # ------------------------------------------------------------------ process
     def _start_core(self) -> None:
-        self._ipc_dir = tempfile.mkdtemp(prefix="radixpool-")
-        to_core, from_core = f"ipc://{self._ipc_dir}/in", f"ipc://{self._ipc_dir}/out"
-        self._zmq = zmq.Context()
-        self._to_core = self._zmq.socket(zmq.PUSH)
-        self._to_core.bind(to_core)
-        self._from_core = self._zmq.socket(zmq.PULL)
-        self._from_core.bind(from_core)
+        self._sock, core_end = socket_pair()
+        self._inbox = Inbox(self._sock)
         # A fresh interpreter (not multiprocessing's spawn): it never re-imports the caller's
         # main module, so scripts need no `if __name__ == "__main__"` guard.
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "radixpool.worker.core_process",
-             json.dumps(dataclasses.asdict(self.config)), to_core, from_core, str(os.getpid())],
-            stdin=subprocess.DEVNULL)
-        self._finalizer = weakref.finalize(self, _kill, self._process, self._ipc_dir)
+        with core_end:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "radixpool.worker.core_process",
+                 json.dumps(dataclasses.asdict(self.config)), str(core_end.fileno()),
+                 str(os.getpid())],
+                stdin=subprocess.DEVNULL, pass_fds=(core_end.fileno(),))
+        self._finalizer = weakref.finalize(self, _kill, self._process, self._sock)
         self.info = self._await_ready()
+        self._stats = self.info.stats
         self._receiver = threading.Thread(target=self._receive_loop, name="radixpool-receiver",
                                           daemon=True)
         self._receiver.start()
@@ -108,14 +109,18 @@ class Engine:
     def _await_ready(self) -> CoreReady:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
-            if self._from_core.poll(200):
-                msg = pickle.loads(self._from_core.recv())
-                if isinstance(msg, CoreReady):
-                    return msg
-                if isinstance(msg, CoreFailed):
-                    self._finalizer()
-                    raise RuntimeError(f"engine core failed to start: {msg.error}")
-            elif self._process.poll() is not None:
+            if self._inbox.wait(0.2):
+                try:
+                    messages = self._inbox.read()
+                except PeerClosed:
+                    messages = []
+                for msg in messages:   # the core sends nothing else before either of these
+                    if isinstance(msg, CoreReady):
+                        return msg
+                    if isinstance(msg, CoreFailed):
+                        self._finalizer()
+                        raise RuntimeError(f"engine core failed to start: {msg.error}")
+            if self._process.poll() is not None:
                 self._finalizer()
                 raise RuntimeError(f"engine core exited with code {self._process.returncode} "
                                    "before it was ready")
@@ -123,8 +128,14 @@ class Engine:
         raise RuntimeError(f"engine core not ready after {STARTUP_TIMEOUT_S:.0f} s")
 
     def _send(self, msg: Any) -> None:
+        data = frame(msg)
         with self._send_lock:
-            self._to_core.send(pickle.dumps(msg, protocol=5))
+            if self._dead:
+                raise RuntimeError("the engine core process died")
+            try:
+                self._sock.sendall(data)
+            except OSError:
+                raise RuntimeError("the engine core process died") from None
 
     def shutdown(self) -> None:
         if self._closed:
@@ -133,12 +144,12 @@ class Engine:
         try:
             self._send(Shutdown())
             self._process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
+        except (RuntimeError, subprocess.TimeoutExpired):
             pass
         finally:
-            self._finalizer()
             self._receiver.join(timeout=2)
-            self._zmq.destroy(linger=0)
+            self._unbind_loop()
+            self._finalizer()
         for fork in list(self._forks.values()):
             self._finish_fork(fork, "abort", error="the engine was shut down", internal=True)
 
@@ -150,37 +161,93 @@ class Engine:
 
     @property
     def alive(self) -> bool:
-        return not self._closed and self._process.poll() is None
+        return not (self._closed or self._dead) and self._process.poll() is None
 
     # ------------------------------------------------------------------ receiving
     def _receive_loop(self) -> None:
-        while not self._closed:
-            try:
-                if not self._from_core.poll(200):
-                    if self._process.poll() is not None:
-                        self._core_died()
-                        return
-                    continue
-                msg = pickle.loads(self._from_core.recv())
-            except zmq.ZMQError:
+        while not self._closed and not self._receiver_stop.is_set():
+            if not self._inbox.wait(0.2):
+                if self._process.poll() is not None:
+                    self._core_died()
+                    return
+                continue
+            if not self._read():
                 return
-            if isinstance(msg, StepOutput):
-                self.kv_events.append(msg.events)
-                if msg.stats is not None:
-                    self._stats = msg.stats
-                for delta in msg.deltas:
-                    fork = self._forks.get(delta.rid)
-                    if fork is not None:
-                        self._apply(fork, delta)
-            elif isinstance(msg, ControlReply):
-                fut = self._controls.pop(msg.token, None)
-                if fut is not None:
-                    if msg.ok:
-                        fut.set_result(msg.payload)
-                    else:
-                        fut.set_exception(RuntimeError(msg.error))
+
+    def _read(self) -> bool:
+        """Handle every message that has arrived; False once the core is gone."""
+        try:
+            messages = self._inbox.read()
+        except (PeerClosed, OSError):
+            if not self._closed:
+                self._core_died()
+            return False
+        for msg in messages:
+            self._handle(msg)
+        return True
+
+    def bind_loop(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Receive the core's output on `loop` (the running one by default) instead of a
+        thread. A server calls this once from its event loop: every chunk then reaches its
+        stream without a thread hop and a cross-thread wake-up. Afterwards the blocking calls
+        (`generate`, `flush_cache`, `probe`, ...) must not run on that loop's thread (they would
+        wait on the loop they block); their `_async` forms are for it."""
+        loop = loop or asyncio.get_running_loop()
+        if self._loop is not None:
+            raise RuntimeError("the engine is already bound to an event loop")
+        self._receiver_stop.set()
+        self._receiver.join()
+        self._loop, self._loop_thread = loop, threading.get_ident()
+        loop.add_reader(self._sock.fileno(), self._on_readable)
+        self._watch = loop.call_later(WATCH_INTERVAL_S, self._watch_core)
+
+    def _on_readable(self) -> None:
+        if not self._read():
+            self._unbind_loop()
+
+    def _watch_core(self) -> None:
+        if self._closed:
+            return
+        if self._process.poll() is not None:
+            self._core_died()
+            self._unbind_loop()
+            return
+        self._watch = self._loop.call_later(WATCH_INTERVAL_S, self._watch_core)
+
+    def _unbind_loop(self) -> None:
+        loop, self._loop = self._loop, None
+        if loop is None or loop.is_closed():
+            return
+        self._watch.cancel()
+        with contextlib.suppress(Exception):   # the loop may be gone with its selector
+            loop.remove_reader(self._sock.fileno())
+
+    def _blocking_allowed(self, what: str) -> None:
+        if self._loop is not None and threading.get_ident() == self._loop_thread:
+            raise RuntimeError(f"{what} blocks; on the engine's event loop use its async form")
+
+    def _handle(self, msg: Any) -> None:
+        if isinstance(msg, StepOutput):
+            self.kv_events.append(msg.events)
+            if msg.stats is not None:
+                self._stats = msg.stats
+            for delta in msg.deltas:
+                fork = self._forks.get(delta.rid)
+                if fork is not None:
+                    self._apply(fork, delta)
+        elif isinstance(msg, ControlReply):
+            fut = self._controls.pop(msg.token, None)
+            if fut is not None:
+                if msg.ok:
+                    fut.set_result(msg.payload)
+                else:
+                    fut.set_exception(RuntimeError(msg.error))
 
     def _core_died(self) -> None:
+        with self._send_lock:
+            if self._dead:
+                return
+            self._dead = True
         for fork in list(self._forks.values()):
             self._finish_fork(fork, "abort", error="the engine core process died", internal=True)
         for fut in self._controls.values():
@@ -306,6 +373,7 @@ class Engine:
                  namespace: str | None = None) -> dict | list[dict]:
         """Blocking generation. One prompt and n=1 gives a dict; otherwise a list of dicts
         (each prompt's n choices in order)."""
+        self._blocking_allowed("generate")
         batch = self._prepare(prompt, input_ids)
         params = self._params(sampling_params, len(batch))
         done = threading.Event()
@@ -350,10 +418,14 @@ class Engine:
         params = self._params(sampling_params, 1)[0]
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[StreamChunk] = asyncio.Queue()
+
         def sink(chunk: StreamChunk) -> None:
             # The caller's loop may be gone (it stopped iterating and closed): drop the chunk.
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(queue.put_nowait, chunk)
+
+        if loop is self._loop:
+            sink = queue.put_nowait   # delivered on this very loop: no wake-up needed
 
         forks = self._submit(ids, params, namespace, rid, sink)
         open_forks = len(forks)
@@ -386,6 +458,7 @@ class Engine:
         return fut
 
     def _control(self, kind: str, payload: Any = None) -> Any:
+        self._blocking_allowed(kind)
         return self._control_future(kind, payload).result(timeout=CONTROL_TIMEOUT_S)
 
     async def _control_async(self, kind: str, payload: Any = None) -> Any:
@@ -435,7 +508,7 @@ def _deliver(fork: RequestOutput, chunk: StreamChunk) -> None:
         log.exception("dropping output of request %s: its consumer failed", fork.rid)
 
 
-def _kill(process: subprocess.Popen, ipc_dir: str) -> None:
+def _kill(process: subprocess.Popen, sock: Any) -> None:
     if process.poll() is None:
         process.terminate()
         try:
@@ -443,4 +516,4 @@ def _kill(process: subprocess.Popen, ipc_dir: str) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-    shutil.rmtree(ipc_dir, ignore_errors=True)
+    sock.close()

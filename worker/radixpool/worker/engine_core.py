@@ -70,14 +70,15 @@ class EngineCore:
             kv_capacity_tokens=r.kv_pool.capacity, page_size=self.config.page_size,
             kv_block_size=self.cache.block_size, eos_token_ids=tuple(r.eos_token_ids),
             device=str(r.device), dtype=str(r.dtype).removeprefix("torch."),
-            attention_backend=r.attention_backend_name)
+            attention_backend=r.attention_backend_name, stats=self.stats())
 
     # ------------------------------------------------------------------ intake
     def add_request(self, msg: GenerateRequest) -> TokenDelta | None:
         """Queue a request; returns an error delta if the core refuses it."""
         try:
             msg.params.check_vocab(self.runner.vocab_size)
-            if any(t < 0 or t >= self.runner.vocab_size for t in msg.input_ids):
+            ids = msg.input_ids   # min/max run in C: no per-token bytecode on long prompts
+            if ids and (min(ids) < 0 or max(ids) >= self.runner.vocab_size):
                 raise ValueError("input_ids contain a token id outside the vocabulary")
         except ValueError as exc:
             return TokenDelta(msg.rid, [], finished=True, finish_reason="abort",

@@ -103,6 +103,7 @@ class CoreReady:
     device: str
     dtype: str
     attention_backend: str
+    stats: EngineStats | None = None   # so the front end never has to ask before the first step
 
 
 @dataclass

@@ -1,0 +1,115 @@
+"""The pipe to the engine core (framing, a core that never blocks on a slow front end), and an
+engine whose output is read on an event loop (`bind_loop`), including its core dying under it."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+
+import pytest
+
+from radixpool.worker import Engine
+from radixpool.worker.ipc import Inbox, Outbox, PeerClosed, frame, socket_pair
+
+
+def test_messages_survive_any_split_of_the_byte_stream():
+    front, core = socket_pair()
+    messages = [{"i": i, "ids": list(range(i * 37 % 500))} for i in range(200)]
+    stream = b"".join(frame(m) for m in messages)
+    rng = random.Random(0)
+    inbox, got, pos = Inbox(front), [], 0
+    while pos < len(stream):   # arbitrary cuts, mid-header and mid-payload
+        step = rng.randint(1, 700)
+        core.sendall(stream[pos:pos + step])
+        pos += step
+        got.extend(inbox.read())
+    assert got == messages
+    assert inbox.read() == []   # nothing more, and the peer is still there
+
+
+def test_what_was_sent_before_the_peer_closed_is_still_delivered():
+    front, core = socket_pair()
+    Outbox(core).send("last words")
+    core.close()
+    inbox = Inbox(front)
+    assert inbox.wait(1.0)
+    assert inbox.read() == ["last words"]
+    with pytest.raises(PeerClosed):
+        inbox.read()
+
+
+def test_the_core_never_blocks_on_a_front_end_that_does_not_read():
+    front, core = socket_pair()
+    outbox = Outbox(core)
+    payload = [bytes([i % 256]) * 100_000 for i in range(300)]   # ~30 MB, far over the buffers
+    writer = threading.Thread(target=lambda: [outbox.send(item) for item in payload],
+                              daemon=True)
+    writer.start()
+    writer.join(30)
+    assert not writer.is_alive(), "a write blocked on a reader that does not read"
+    assert outbox.pending, "the socket cannot have taken it all"
+    inbox, got = Inbox(front), []
+    while len(got) < len(payload):
+        got.extend(inbox.read())
+        outbox.flush()
+    assert got == payload and not outbox.pending
+
+
+def test_a_front_end_that_went_away_is_reported():
+    front, core = socket_pair()
+    front.close()
+    with pytest.raises(PeerClosed):
+        Outbox(core).send("anyone?")
+
+
+@pytest.fixture
+def engine(tiny_model):
+    eng = Engine(str(tiny_model), device="cpu", kv_cache_tokens=2048)
+    yield eng
+    eng.shutdown()
+
+
+GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
+def test_a_loop_bound_engine_gives_the_same_tokens_and_refuses_to_block_its_loop(engine):
+    expected = engine.generate("the same prompt", GREEDY)["output_ids"]
+
+    async def main() -> None:
+        engine.bind_loop()
+        with pytest.raises(RuntimeError, match="already bound"):
+            engine.bind_loop()
+        out = await engine.generate_async("the same prompt", GREEDY)
+        assert out["output_ids"] == expected
+        streamed = [t async for chunk in engine.stream("the same prompt", GREEDY)
+                    for t in chunk.token_ids]
+        assert streamed == expected
+        for blocking in (lambda: engine.generate("x", GREEDY), lambda: engine.probe([1, 2]),
+                         engine.flush_cache):
+            with pytest.raises(RuntimeError, match="async form"):
+                blocking()
+        # another thread may still block: the loop delivers its output
+        other = await asyncio.to_thread(engine.generate, "the same prompt", GREEDY)
+        assert other["output_ids"] == expected
+        assert await engine.probe_async(engine.tokenizer.encode("the same prompt")) > 0
+
+    asyncio.run(main())
+
+
+def test_a_core_that_dies_ends_streams_with_an_error_and_refuses_new_work(engine):
+    async def main() -> None:
+        engine.bind_loop()
+        seen = 0
+        with pytest.raises(RuntimeError, match="died"):
+            async for chunk in engine.stream("long", {"max_new_tokens": 1500,
+                                                      "ignore_eos": True}):
+                seen += len(chunk.token_ids)
+                if seen >= 2:
+                    engine._process.kill()   # the core crashes mid-stream
+        with pytest.raises(RuntimeError, match="died"):
+            await engine.generate_async("after", GREEDY)
+        assert not engine.alive
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
