@@ -281,6 +281,7 @@ class InProcessEngines:
                                             kv_cache_tokens=kv_tokens))
         self.params = SamplingParams(max_new_tokens=1, temperature=0)
         self.loop = asyncio.new_event_loop()
+        self.engine.bind_loop(self.loop)   # as the server does: output read on the loop
         self.count = 0
 
     def api(self, ids: list[int]) -> None:

@@ -1,4 +1,5 @@
-"""The worker's ASGI app: routes, error handlers, `/metrics`, behind the lifecycle gate."""
+"""The worker's ASGI app: routes, error handlers, `/metrics`, the generation fast path, behind the
+lifecycle gate."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from starlette.responses import Response
 
 from radixpool.worker.server import kv_events, native_api, openai_api
 from radixpool.worker.server.errors import install_error_handlers
-from radixpool.worker.server.lifecycle import Gate
+from radixpool.worker.server.fast_path import FastRoutes
+from radixpool.worker.server.lifecycle import GENERATION_PATHS, Gate
 from radixpool.worker.server.state import WorkerState
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -21,12 +23,12 @@ def create_app(state: WorkerState) -> Gate:
     )
     app.state.worker = state
     install_error_handlers(app)
-    app.include_router(openai_api.router(state))
-    app.include_router(native_api.router(state))
-    app.include_router(kv_events.router(state))
+    routers = [openai_api.router(state), native_api.router(state), kv_events.router(state)]
+    for router in routers:
+        app.include_router(router)
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:
         return Response(state.metrics.exposition(), media_type=PROMETHEUS_CONTENT_TYPE)
 
-    return Gate(app, state.lifecycle, state.config.api_key)
+    return Gate(FastRoutes(app, routers, GENERATION_PATHS), state.lifecycle, state.config.api_key)

@@ -73,6 +73,7 @@ class WorkerServer(uvicorn.Server):
             self.state.lifecycle.mark_failed(str(exc))
             self.should_exit = True
             return
+        engine.bind_loop()   # the core's output is read on this loop: no receiver thread hop
         self.state.attach(engine)
         info = engine.info
         log.info("serving %s as '%s' on http://%s:%d — %s %s, context %d tokens, "

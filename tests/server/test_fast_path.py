@@ -1,0 +1,91 @@
+"""The generation fast path answers exactly as the FastAPI routes it stands in for. In-process ASGI
+calls, no engine: only requests that fail validation, which never reach the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from radixpool.worker.config import EngineConfig
+from radixpool.worker.server import fast_path
+from radixpool.worker.server.app import create_app
+from radixpool.worker.server.config import ServerConfig
+from radixpool.worker.server.fast_path import FastRoutes
+from radixpool.worker.server.state import WorkerState
+
+MSG = [{"role": "user", "content": "hi"}]
+INVALID = [
+    ("/v1/chat/completions", b"{not json"),
+    ("/v1/chat/completions", b"[]"),
+    ("/v1/chat/completions", b"{}"),
+    ("/v1/chat/completions", {"messages": []}),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}),
+    ("/v1/chat/completions", {"messages": MSG, "temperature": "hot"}),
+    ("/v1/chat/completions", {"messages": MSG, "n": 0}),
+    ("/v1/chat/completions", {"messages": MSG, "bogus_field": 1}),
+    ("/v1/chat/completions", {"messages": MSG, "tools": [{"type": "function"}]}),
+    ("/v1/completions", {"prompt": 7}),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}),
+    ("/v1/completions", {"prompt": [[1], "x"]}),
+    ("/generate", {"text": 5}),
+    ("/generate", {"text": "x", "input_ids": [[1], 2]}),
+]
+
+
+@pytest.fixture(scope="module")
+def gate():
+    return create_app(WorkerState(ServerConfig(EngineConfig(model_path="/nowhere"), "tiny")))
+
+
+def call(app, path: str, body: bytes, chunk: int | None = None) -> tuple[int, dict]:
+    parts = [body[i:i + chunk] for i in range(0, len(body), chunk)] if chunk else [body]
+    messages = [{"type": "http.request", "body": p, "more_body": i < len(parts) - 1}
+                for i, p in enumerate(parts)]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+    asyncio.run(app(scope, receive, send))
+    body_out = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return sent[0]["status"], json.loads(body_out)
+
+
+@pytest.mark.parametrize(("path", "body"), INVALID)
+def test_fast_path_errors_equal_the_fastapi_routes(gate, path, body):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    fast = gate.app
+    assert isinstance(fast, FastRoutes) and path in fast.routes
+    status, doc = call(fast, path, raw, chunk=5)   # a body in several ASGI messages
+    ref_status, ref_doc = call(fast.app, path, raw)   # the plain FastAPI app
+    assert status == ref_status and 400 <= status < 500
+    for key in ("param", "type", "code"):
+        assert doc["error"][key] == ref_doc["error"][key], key
+    assert doc["error"]["type"] == "invalid_request_error"
+    if doc["error"]["param"] is not None:   # whole-body errors: pydantic's JSON and Python
+        assert doc == ref_doc                 # modes word the detail apart
+
+
+
+def test_a_body_over_the_limit_is_refused(gate, monkeypatch):
+    monkeypatch.setattr(fast_path, "MAX_BODY_BYTES", 1024)
+    body = json.dumps({"messages": [{"role": "user", "content": "x" * 4096}]}).encode()
+    status, doc = call(gate.app, "/v1/chat/completions", body, chunk=512)
+    assert status == 413 and doc["error"]["code"] == "request_too_large"
+
+
+def test_only_post_to_the_generation_paths_takes_the_fast_path(gate):
+    fast = gate.app
+    assert set(fast.routes) == {"/v1/chat/completions", "/v1/completions", "/generate"}
+    status, doc = call(fast, "/prefix_probe", b"{}")   # served by FastAPI, same error shape
+    assert status == 400 and "error" in doc
