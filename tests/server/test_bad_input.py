@@ -46,6 +46,7 @@ BAD = [
     ("/v1/completions", {"prompt": [-1]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "seed": 1.5}, 400, "seed"),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
     ("/generate", {"sampling_params": {}}, 400, None),
     ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": -1}}, 400,
      "sampling_params.max_new_tokens"),

@@ -174,3 +174,14 @@ def test_logit_bias_steers_the_output(client, http):
                                   logit_bias={str(token): 100}, logprobs=0,
                                   extra_body={"ignore_eos": True})
     assert r.choices[0].logprobs.tokens == [tokenizer.decode([token])] * 4
+
+
+def test_echo_prepends_the_prompt_streamed_or_not(client):
+    prompt = fresh_text(8)
+    greedy = {"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0}
+    plain = client.completions.create(**greedy).choices[0].text
+    echoed = client.completions.create(**greedy, echo=True).choices[0].text
+    assert echoed == prompt + plain
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        **greedy, echo=True, stream=True) if c.choices)
+    assert streamed == prompt + plain

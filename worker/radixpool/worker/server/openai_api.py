@@ -120,6 +120,11 @@ def router(state: WorkerState) -> APIRouter:
         prompts = body.prompts()
         if not prompts:
             raise bad_request("prompt must not be an empty list", param="prompt")
+        if body.echo and body.logprobs is not None:
+            # The echoed prompt would need its own logprobs, which the engine does not compute;
+            # completion-only logprobs under an echoed text would be misaligned.
+            raise bad_request("echo together with logprobs is not supported: this worker does "
+                              "not compute prompt logprobs", param="echo")
         inputs: list[list[int]] = []
         for i, prompt in enumerate(prompts):
             param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
