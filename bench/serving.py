@@ -12,13 +12,19 @@ end-to-end latency percentiles and the cache hit rate the server reported in
 `shared-prefix` (a few long system prompts, each shared by many requests) and `multi-turn`
 (conversations whose every turn resends the whole history). Prompt lengths are in words.
 
-`overhead` measures what the server adds to one request apart from the model: p50 latency of
-sequential `max_tokens=1` chat requests minus p50 time of the same token ids run in-process on
-the engine core (scheduler + forward + sampling; no HTTP, no chat template, no tokenizer, no IPC),
-split into the HTTP layer (HTTP latency minus `Engine.generate_async` in-process) and the engine's
-IPC and front end (`generate_async` minus the core). Each HTTP request is paired with the same
-token ids on the in-process engines right after it, and the medians are of the per-request
-differences, so a busy machine skews all three alike.
+`overhead` measures what the server adds to one request apart from the model, with sequential
+`max_tokens=1` chat requests (so the chat template and tokenizer count):
+- `server_overhead_p50_ms`: the median over requests of HTTP latency minus the time that same
+  request spent in the engine core, which a RadixPool worker reports in its `Server-Timing:
+  engine;dur=MS` header (from its arrival in the core to its last token: queue, scheduler,
+  forward, sampling). The rest — HTTP, validation, chat template, tokenizer, both IPC hops,
+  detokenizer, response — is the server's.
+- with `--model DIR` (the server's model), a cross-check that needs no header: each HTTP request
+  is paired with the same token ids run right after it in this process, on `Engine` (core
+  process, IPC, detokenizer) and on the bare engine core; medians of the per-request differences
+  give the overhead again and split it into the HTTP layer (HTTP − `Engine`) and the engine's IPC
+  and front end (`Engine` − core). Two processes running the same model see the machine
+  differently, so this is noisier than the header.
 It also prints the CPU time the server's HTTP process spent per request (from its
 `process_cpu_seconds_total`: HTTP, validation, chat template, tokenizer, IPC, detokenizer), which
 a busy machine does not distort the way it distorts latencies.
@@ -239,6 +245,7 @@ class LeanClient:
         url = urllib.parse.urlsplit(args.base_url)
         self.conn = http.client.HTTPConnection(url.hostname, url.port or 80, timeout=600)
         self.headers = {"Content-Type": "application/json"}
+        self.engine_seconds: float | None = None   # from the last response's Server-Timing
         if args.api_key:
             self.headers["Authorization"] = f"Bearer {args.api_key}"
 
@@ -248,6 +255,7 @@ class LeanClient:
                           self.headers)
         response = self.conn.getresponse()
         data = response.read()
+        self.engine_seconds = engine_seconds(response.getheader("Server-Timing"))
         if response.status != 200:
             raise RuntimeError(f"{method} {path}: HTTP {response.status}: {data[:200]!r}")
         return data
@@ -258,6 +266,17 @@ class LeanClient:
             if line.startswith("process_cpu_seconds_total "):
                 return float(line.split()[1])
         return None
+
+
+def engine_seconds(server_timing: str | None) -> float | None:
+    """`engine;dur=MS` out of a Server-Timing header, in seconds."""
+    for metric in (server_timing or "").split(","):
+        name, *params = (part.strip() for part in metric.split(";"))
+        if name == "engine":
+            for param in params:
+                if param.startswith("dur="):
+                    return float(param[4:]) / 1000
+    return None
 
 
 def timed(fn, *args) -> float:
@@ -318,32 +337,41 @@ def overhead(args: argparse.Namespace) -> dict:
         local = InProcessEngines(args.model, kv_tokens)   # same KV size: they evict alike
         tokenizer = PromptTokenizer.from_dir(args.model)
     cpu_before = client.cpu_seconds()
-    http_times, api_times, core_times = [], [], []
+    http_times, engine_times, api_times, core_times = [], [], [], []
     for messages in conversations:
         http_times.append(timed(client.call, "POST", "/v1/chat/completions", {
             "model": model, "messages": messages, "max_tokens": 1, "temperature": 0}))
+        engine_times.append(client.engine_seconds)
         if local is not None:
             ids = tokenizer.encode_chat(messages)
             api_times.append(timed(local.api, ids))
             core_times.append(timed(local.bare_core, ids))
     cpu_after = client.cpu_seconds()
-    http_times = http_times[WARMUP:]
+    http_times, engine_times = http_times[WARMUP:], engine_times[WARMUP:]
     summary = {"requests": len(http_times),
                "health_round_trip_p50_ms": statistics.median(health) * 1000,
                "http_p50_ms": statistics.median(http_times) * 1000,
                "http_p90_ms": pct(http_times, 90) * 1000}
+    if None not in engine_times:   # the server reports each request's time in its engine core
+        summary["engine_core_reported_p50_ms"] = statistics.median(engine_times) * 1000
+        overheads = [h - e for h, e in zip(http_times, engine_times, strict=True)]
+        summary["server_overhead_p50_ms"] = statistics.median(overheads) * 1000
+        summary["server_overhead_p90_ms"] = pct(overheads, 90) * 1000
     if cpu_before is not None and cpu_after is not None:   # the server idles between requests
         summary["server_cpu_ms_per_request"] = ((cpu_after - cpu_before) * 1000
                                                 / len(conversations))
     if local is not None:
         local.close()
         api_times, core_times = api_times[WARMUP:], core_times[WARMUP:]
-        summary["engine_api_p50_ms"] = statistics.median(api_times) * 1000
-        summary["engine_core_p50_ms"] = statistics.median(core_times) * 1000
+        summary["paired_engine_api_p50_ms"] = statistics.median(api_times) * 1000
+        summary["paired_engine_core_p50_ms"] = statistics.median(core_times) * 1000
         pairs = list(zip(http_times, api_times, core_times, strict=True))
-        summary["server_overhead_p50_ms"] = statistics.median(h - c for h, _, c in pairs) * 1000
-        summary["of_which_http_layer_ms"] = statistics.median(h - a for h, a, _ in pairs) * 1000
-        summary["of_which_ipc_front_end_ms"] = statistics.median(a - c for _, a, c in pairs) * 1000
+        summary["paired_server_overhead_p50_ms"] = statistics.median(
+            h - c for h, _, c in pairs) * 1000
+        summary["paired_of_which_http_layer_ms"] = statistics.median(
+            h - a for h, a, _ in pairs) * 1000
+        summary["paired_of_which_ipc_front_end_ms"] = statistics.median(
+            a - c for _, a, c in pairs) * 1000
     print_summary(summary, [])
     return summary
 

@@ -185,3 +185,16 @@ def test_echo_prepends_the_prompt_streamed_or_not(client):
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         **greedy, echo=True, stream=True) if c.choices)
     assert streamed == prompt + plain
+
+
+def test_server_timing_reports_the_engine_share_of_the_latency(client, http):
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=[{"role": "user", "content": fresh_text(20)}], max_tokens=4)
+    name, _, duration = raw.headers["server-timing"].partition(";dur=")
+    assert name == "engine" and 0 < float(duration) < raw.elapsed.total_seconds() * 1000
+    raw = client.completions.with_raw_response.create(model="tiny", prompt=["a b", "c d"],
+                                                      max_tokens=2)
+    assert raw.headers["server-timing"].startswith("engine;dur=")
+    r = http.post("/generate", json={"text": fresh_text(5), "sampling_params": {
+        "max_new_tokens": 2}})
+    assert r.status_code == 200 and r.headers["server-timing"].startswith("engine;dur=")

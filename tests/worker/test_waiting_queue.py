@@ -114,3 +114,23 @@ def test_removed_requests_are_never_offered():
         queue.push(r)
     queue.remove(reqs[2])
     assert [r.rid for r in order(queue)] == ["r0", "r1", "r3", "r4"]
+
+
+def test_a_lone_request_is_ranked_once_another_joins_it():
+    cache = make_cache()
+    queue = WaitingQueue(cache, "lpm")
+    cached = list(range(100, 164))
+    lone = Req("lone-warm", [*cached, 7], PARAMS, 0, seq=1)
+    queue.push(lone)
+    cache_prefix(cache, cached, queue)   # its prefix lands while it waits alone
+    queue.push(Req("cold", [1, 2, 3], PARAMS, 0, seq=2))
+    queue.push(Req("warmer", [*cached, *range(300, 340)], PARAMS, 0, seq=3))
+    cache_prefix(cache, [*cached, *range(300, 340)], queue)
+    assert [r.rid for r in order(queue)] == ["warmer", "lone-warm", "cold"]
+    assert lone.match_blocks == len(cached) // BLOCK
+
+    # Alone again after the others leave: offered, and removable, as before.
+    for rid in ("warmer", "cold"):
+        queue.remove(queue.get(rid))
+    assert [r.rid for r in order(queue, admit=True)] == ["lone-warm"]
+    assert len(queue) == 0

@@ -67,6 +67,7 @@ class TokenDelta:
     cached_tokens: int = 0                        # prompt tokens served from the radix cache
     queue_time: float | None = None               # seconds waited before first admission
     error: str | None = None                      # set when the core refused the request
+    core_seconds: float | None = None             # on the last delta: arrival in core → done
 
 
 @dataclass

@@ -36,6 +36,7 @@ class StreamChunk:
     queue_time: float | None = None
     error: str | None = None        # the core refused the request (bad input) or was lost
     internal_error: bool = False    # True when the engine, not the input, was at fault
+    core_seconds: float | None = None   # on the last chunk: time in the engine core
 
     def raise_error(self) -> None:
         if self.error is not None:
@@ -84,7 +85,8 @@ class RequestOutput:
             logprobs=delta.logprobs, top_logprobs=delta.top_logprobs,
             prompt_tokens=delta.prompt_tokens, cached_tokens=delta.cached_tokens,
             completion_tokens=len(self.output_ids), arrival_time=self.arrival_time,
-            first_token_time=self.first_token_time, queue_time=delta.queue_time), stopped
+            first_token_time=self.first_token_time, queue_time=delta.queue_time,
+            core_seconds=delta.core_seconds), stopped
 
     def fail(self, reason: str, error: str | None, internal: bool,
              prompt_tokens: int = 0) -> StreamChunk:

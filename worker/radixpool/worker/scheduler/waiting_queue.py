@@ -11,7 +11,9 @@ every waiting request every step and falls back to FCFS past 128 of them):
 - evictions only lower counts; they are caught lazily when a request reaches the top of the
   priority heap and its count is re-verified before it is offered.
 Priority is block-granular; ties go to the earlier request. A request waiting longer than the
-starvation bound is offered before anything else, in arrival order.
+starvation bound is offered before anything else, in arrival order. A request alone in the queue
+is ranked (hashed) only once another joins it: alone, its rank cannot matter, and on a lightly
+loaded server most requests never wait behind another.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class WaitingQueue:
         self._heap: list[tuple[int, int, int, Req]] = []          # (-blocks, seq, version, req)
         self._by_arrival: list[tuple[float, int, int, Req]] = []  # (arrival, seq, epoch, req)
         self._frontier: dict[int, set[Req]] = {}
+        self._unranked: Req | None = None   # the lone member, not hashed yet
 
     def __len__(self) -> int:
         return len(self._members)
@@ -56,10 +59,12 @@ class WaitingQueue:
         req.version += 1
         self._members[req.rid] = req
         if self.lpm:
-            req.block_hashes = prefix_block_hashes(
-                req.fill_ids, self.cache.block_size, req.namespace)
-            req.match_blocks = self._exact_blocks(req)
-            self._index(req)
+            if len(self._members) == 1:
+                req.block_hashes, req.match_blocks = None, 0
+                self._unranked = req
+            else:
+                self._rank_unranked()
+                self._rank(req)
         heapq.heappush(self._heap, (-req.match_blocks, req.seq, req.version, req))
         req.queue_epoch += 1
         heapq.heappush(self._by_arrival, (req.arrival_time, req.seq, req.queue_epoch, req))
@@ -69,8 +74,22 @@ class WaitingQueue:
         self._members.pop(req.rid, None)
         self._unindex(req)
         req.version += 1  # heap entries for it are now stale
+        if self._unranked is req:
+            self._unranked = None
 
     # ------------------------------------------------------------------ incremental LPM
+    def _rank(self, req: Req) -> None:
+        req.block_hashes = prefix_block_hashes(req.fill_ids, self.cache.block_size,
+                                               req.namespace)
+        req.match_blocks = self._exact_blocks(req)
+        self._index(req)
+
+    def _rank_unranked(self) -> None:
+        req, self._unranked = self._unranked, None
+        if req is not None and self._members.get(req.rid) is req:
+            self._rank(req)
+            req.version += 1
+            heapq.heappush(self._heap, (-req.match_blocks, req.seq, req.version, req))
     def _exact_blocks(self, req: Req) -> int:
         hashes, present = req.block_hashes, self.cache.block_hashes
         lo, hi = 0, len(hashes)  # hashes[:lo] cached; hashes[hi:] not

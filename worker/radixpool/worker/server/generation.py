@@ -73,6 +73,7 @@ class ForkOutput:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    core_seconds: float | None = None
 
     def add(self, chunk: Any) -> None:
         if chunk.text:
@@ -88,6 +89,7 @@ class ForkOutput:
         if chunk.finished:
             self.finish_reason = chunk.finish_reason
             self.matched_stop = chunk.matched_stop
+            self.core_seconds = chunk.core_seconds
 
     @property
     def full_text(self) -> str:
@@ -171,6 +173,14 @@ class EngineRun:
         async for chunk in self:
             forks.setdefault(chunk.index, ForkOutput(chunk.index)).add(chunk)
         return [forks[i] for i in sorted(forks)]
+
+
+def server_timing(forks: list[ForkOutput]) -> dict[str, str]:
+    """A `Server-Timing` header for a whole response: `engine;dur=MS` is the longest time any of
+    its choices spent in the engine core (queue + prefill + decode). The rest of the latency a
+    client sees is the server (HTTP, tokenizers, IPC) and the network."""
+    times = [fork.core_seconds for fork in forks if fork.core_seconds is not None]
+    return {"Server-Timing": f"engine;dur={max(times) * 1000:.3f}"} if times else {}
 
 
 async def merge_streams(runs: list[EngineRun]) -> AsyncIterator[tuple[int, Any]]:

@@ -20,6 +20,7 @@ from radixpool.worker.server.generation import (
     ForkOutput,
     build_params,
     merge_streams,
+    server_timing,
     start_all,
     until_disconnect,
 )
@@ -136,7 +137,8 @@ def router(state: WorkerState) -> APIRouter:
              "meta_info": _meta(fork, rids[i], params[i].logprobs is not None)}
             for i, forks in enumerate(results) for fork in forks
         ]
-        return JSONResponse(out if batch or len(out) > 1 else out[0])
+        return JSONResponse(out if batch or len(out) > 1 else out[0],
+                            headers=server_timing([f for forks in results for f in forks]))
 
     @r.get("/health")
     async def health() -> JSONResponse:

@@ -21,6 +21,7 @@ from radixpool.worker.server.generation import (
     ForkOutput,
     build_params,
     merge_streams,
+    server_timing,
     start_all,
     until_disconnect,
 )
@@ -112,7 +113,8 @@ def router(state: WorkerState) -> APIRouter:
                 "finish_reason": fork.finish_reason,
             })
         return JSONResponse({**head, "object": "chat.completion", "choices": choices,
-                             "usage": tally.doc(), "system_fingerprint": None})
+                             "usage": tally.doc(), "system_fingerprint": None},
+                            headers=server_timing(forks))
 
     @r.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -168,7 +170,8 @@ def router(state: WorkerState) -> APIRouter:
                     "finish_reason": fork.finish_reason,
                 })
         return JSONResponse({**head, "object": "text_completion", "choices": choices,
-                             "usage": tally.doc(), "system_fingerprint": None})
+                             "usage": tally.doc(), "system_fingerprint": None},
+                            headers=server_timing([f for forks in results for f in forks]))
 
     return r
 
