@@ -1,7 +1,7 @@
 """The front end's bounded log of radix-cache events, for the worker's `/kv_events` stream.
 
-Events arrive from the core process on the receiver thread; HTTP handlers read them on the event
-loop. A reader that fell behind the ring's start gets `None` from `events_since` and must resync
+Events arrive from the core process on the engine's receiver thread (or, in a server, on its
+event loop); HTTP handlers read them on the event loop. A reader that fell behind the ring's start gets `None` from `events_since` and must resync
 from a snapshot (`Engine.kv_snapshot`).
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import threading
 from collections import deque
 
@@ -42,7 +43,9 @@ class KVEventLog:
             first = self._events[0].seq if self._events else self.last_seq + 1
             if seq < first - 1:
                 return None
-            return list(self._events)[seq - first + 1:]
+            # the newest last_seq - seq events, walked from the end: O(answer), not O(ring)
+            newest = list(itertools.islice(reversed(self._events), self.last_seq - seq))
+            return newest[::-1]
 
     async def wait(self, seq: int, timeout: float) -> None:
         """Return once an event after `seq` exists, or after `timeout` seconds."""
