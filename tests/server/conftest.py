@@ -4,7 +4,8 @@ Three servers, each started once per session and only if a collected test needs 
 - `worker`: default flags, shared by every test that neither stops nor reconfigures it;
 - `secured`: `--api-key`, for the auth tests and the SIGTERM drain (which ends it);
 - `fuzz_worker`: a 32-token context, so fuzzed generations stay short on a CPU;
-- `impatient`: a 0.5 s drain timeout, to see requests cut short by a drain.
+- `impatient`: a 0.5 s drain timeout, to see requests cut short by a drain;
+- `doomed`: default flags, for the test that kills its engine core.
 They are launched together (startup is mostly waiting on imports and model loading) and stopped
 together, each by its own PID.
 """
@@ -20,6 +21,7 @@ SERVERS: dict[str, tuple[str, ...]] = {
     "secured": ("--api-key", API_KEY, "--drain-timeout", "60"),
     "fuzz_worker": ("--context-length", "32", "--max-running-requests", "32"),
     "impatient": ("--drain-timeout", "0.5"),
+    "doomed": (),
 }
 
 
@@ -57,6 +59,11 @@ def fuzz_worker(worker_pool) -> WorkerProcess:
 @pytest.fixture(scope="session")
 def impatient(worker_pool) -> WorkerProcess:
     return worker_pool["impatient"].wait_ready()
+
+
+@pytest.fixture(scope="session")
+def doomed(worker_pool) -> WorkerProcess:
+    return worker_pool["doomed"].wait_ready()
 
 
 @pytest.fixture(scope="session")

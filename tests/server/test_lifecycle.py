@@ -1,10 +1,13 @@
-"""API key, client disconnects, and draining on SIGTERM — against real worker processes."""
+"""API key, client disconnects, draining on SIGTERM and a crashed engine core — against real
+worker processes."""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -129,3 +132,29 @@ def test_disconnected_non_streaming_request_is_aborted(worker, http):
         httpx.post(f"{worker.url}/v1/completions", timeout=1.0,
                    json={"prompt": "never mind", "max_tokens": 1500, "ignore_eos": True})
     wait_until(lambda: _abort_count(http) == aborted_before + 1, what="the request's abort")
+
+
+def test_a_dead_engine_core_turns_the_worker_unavailable_not_silent(doomed):
+    # the core was started from a thread: look through every task's children
+    children = [c for task in Path(f"/proc/{doomed.pid}/task").iterdir()
+                for c in (task / "children").read_text().split()]
+    assert len(children) == 1, children
+    core = int(children[0])
+    body = {"model": "tiny", "prompt": "long", "max_tokens": 1500, "ignore_eos": True}
+    with httpx.Client(base_url=doomed.url, timeout=60) as http:
+        assert http.get("/health").status_code == 200
+        running = threading.Thread(target=lambda: results.append(
+            http.post("/v1/completions", json=body)))
+        results: list[httpx.Response] = []
+        running.start()
+        time.sleep(0.5)
+        os.kill(core, signal.SIGKILL)   # the core crashes under a running request
+        running.join(60)
+        assert results and results[0].status_code >= 500   # ended, with an error, not hung
+        assert "died" in results[0].json()["error"]["message"]
+        health = http.get("/health")
+        assert health.status_code == 503 and "died" in health.json()["message"]
+        refused = http.post("/v1/completions", json={**body, "max_tokens": 2})
+        assert refused.status_code == 503 and "died" in refused.json()["error"]["message"]
+        assert refused.headers["retry-after"]   # a gateway retries it on another worker
+        assert http.get("/metrics").status_code == 200   # the server itself keeps answering

@@ -1,8 +1,8 @@
 """The front end's bounded log of radix-cache events, for the worker's `/kv_events` stream.
 
 Events arrive from the core process on the engine's receiver thread (or, in a server, on its
-event loop); HTTP handlers read them on the event loop. A reader that fell behind the ring's start gets `None` from `events_since` and must resync
-from a snapshot (`Engine.kv_snapshot`).
+event loop); HTTP handlers read them on the event loop. A reader that fell behind the ring's start
+gets `None` from `events_since` and must resync from a snapshot (`Engine.kv_snapshot`).
 """
 
 from __future__ import annotations

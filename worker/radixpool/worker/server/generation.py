@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 
 from radixpool.worker.sampling_params import SamplingParams
-from radixpool.worker.server.errors import APIError, bad_request
+from radixpool.worker.server.errors import APIError, bad_request, unavailable
 from radixpool.worker.server.state import WorkerState
 
 T = TypeVar("T")
@@ -106,6 +106,7 @@ class EngineRun:
         self.rid = rid
         self._stream = state.engine.stream(input_ids=input_ids, sampling_params=params,
                                            namespace=namespace, rid=rid)
+        self._engine = state.engine
         self._metrics = state.metrics
         self._active = state.active_rids
         self._active.add(rid)
@@ -123,6 +124,13 @@ class EngineRun:
             self._open.clear()   # refused, not aborted: it is no finished request
             await self.close()
             raise engine_error(exc, self._renames, self._prompt_param) from None
+        except RuntimeError:
+            if self._engine.alive:
+                raise
+            self._open.clear()
+            await self.close()
+            # 503, so a gateway retries it on another worker; /health says why
+            raise unavailable("the engine core process died; this worker cannot serve") from None
         except StopAsyncIteration:
             self._first = None
         if self._first is not None:
