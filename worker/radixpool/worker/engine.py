@@ -380,7 +380,7 @@ class Engine:
         chunks: dict[tuple[str, int], list[StreamChunk]] = {}
         remaining = [sum(p.n for p in params)]
 
-        def sink(chunk: StreamChunk) -> None:  # runs on the receiver thread only
+        def sink(chunk: StreamChunk) -> None:  # runs where the core's output is read
             chunks.setdefault((chunk.rid, chunk.index), []).append(chunk)
             if chunk.finished:
                 remaining[0] -= 1
@@ -501,7 +501,7 @@ class Engine:
 
 
 def _deliver(fork: RequestOutput, chunk: StreamChunk) -> None:
-    """Hand a chunk to its consumer; a failing consumer must not stop the receiver thread."""
+    """Hand a chunk to its consumer; a failing consumer must not stop the reading."""
     try:
         fork.sink(chunk)
     except Exception:

@@ -1,9 +1,9 @@
 """The engine core: scheduler + model runner + sampler, one step at a time, no I/O.
 
-`core_process.py` runs it in its own process behind ZMQ; tests drive it directly. A step asks the
-scheduler for a batch, runs the forward pass, samples the requests that reached the end of what
-they had to compute, and lets the scheduler apply the tokens. What changed (new tokens, finishes,
-cache events, queue stats) comes back as one `StepOutput`.
+`core_process.py` runs it in its own process behind a socket pair; tests drive it directly. A
+step asks the scheduler for a batch, runs the forward pass, samples the requests that reached the
+end of what they had to compute, and lets the scheduler apply the tokens. What changed (new
+tokens, finishes, cache events, queue stats) comes back as one `StepOutput`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Messages between the engine front end (tokenizer, detokenizer, API) and the engine core process.
 
-Small dataclasses, pickled over ZMQ. The front end sends requests and controls; the core answers
-with one `StepOutput` per step that produced anything, and one `ControlReply` per control.
+Small dataclasses, pickled over the socket pair (`ipc.py`). The front end sends requests and
+controls; the core answers with one `StepOutput` per step that produced anything, and one
+`ControlReply` per control.
 """
 
 from __future__ import annotations

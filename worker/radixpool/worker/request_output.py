@@ -1,8 +1,9 @@
 """Turning the core's token deltas into what callers see: text chunks and final results.
 
-One `RequestOutput` per core request (one of a request's n choices) lives on the engine's
-receiver thread. It detokenizes incrementally (never a partial UTF-8 character), applies stop
-strings (held back while they might still match, trimmed when they do) and builds `StreamChunk`s.
+One `RequestOutput` per core request (one of a request's n choices) lives where the engine reads
+the core's output (its receiver thread, or a server's event loop). It detokenizes incrementally
+(never a partial UTF-8 character), applies stop strings (held back while they might still match,
+trimmed when they do) and builds `StreamChunk`s.
 """
 
 from __future__ import annotations
