@@ -19,7 +19,7 @@ import struct
 from typing import Any
 
 HEADER = struct.Struct("!I")
-READ_CHUNK = 1 << 20
+READ_CHUNK = 1 << 18   # read into one reused buffer: `recv(n)` allocates n bytes every call
 SOCKET_BUFFER_BYTES = 4 << 20
 
 
@@ -47,6 +47,8 @@ class Inbox:
         self.sock = sock
         self._buf = bytearray()
         self._ended = False
+        self._chunk = bytearray(READ_CHUNK)
+        self._view = memoryview(self._chunk)
 
     def wait(self, timeout_s: float) -> bool:
         """Block until there is something to read (or the peer closed), up to `timeout_s`."""
@@ -59,16 +61,16 @@ class Inbox:
         every message sent before the end has been returned."""
         while not self._ended:
             try:
-                data = self.sock.recv(READ_CHUNK, socket.MSG_DONTWAIT)
+                size = self.sock.recv_into(self._chunk, READ_CHUNK, socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 break
             except ConnectionResetError:
-                data = b""
-            if not data:
+                size = 0
+            if not size:
                 self._ended = True
                 break
-            self._buf += data
-            if len(data) < READ_CHUNK:
+            self._buf += self._view[:size]
+            if size < READ_CHUNK:
                 break
         messages = self._messages()
         if self._ended and not messages:
