@@ -59,7 +59,6 @@ __all__ = ["Engine", "StreamChunk"]
 log = logging.getLogger("radixpool.engine")
 STARTUP_TIMEOUT_S = 900.0
 CONTROL_TIMEOUT_S = 600.0
-WATCH_INTERVAL_S = 0.2   # how often a loop-bound engine checks that its core is alive
 
 
 class Engine:
@@ -79,7 +78,6 @@ class Engine:
         self._stats: EngineStats | None = None
         self._loop: asyncio.AbstractEventLoop | None = None   # see bind_loop
         self._loop_thread = 0
-        self._watch: asyncio.TimerHandle | None = None
         self._receiver_stop = threading.Event()
         self._dead = False   # the core process exited under us
         self._send_lock = threading.Lock()
@@ -166,16 +164,12 @@ class Engine:
     # ------------------------------------------------------------------ receiving
     def _receive_loop(self) -> None:
         while not self._closed and not self._receiver_stop.is_set():
-            if not self._inbox.wait(0.2):
-                if self._process.poll() is not None:
-                    self._core_died()
-                    return
-                continue
-            if not self._read():
+            if self._inbox.wait(0.2) and not self._read():
                 return
 
     def _read(self) -> bool:
-        """Handle every message that has arrived; False once the core is gone."""
+        """Handle every message that has arrived; False once the core is gone (its process
+        exiting, however it ends, closes its end of the pipe)."""
         try:
             messages = self._inbox.read()
         except (PeerClosed, OSError):
@@ -199,26 +193,15 @@ class Engine:
         self._receiver.join()
         self._loop, self._loop_thread = loop, threading.get_ident()
         loop.add_reader(self._sock.fileno(), self._on_readable)
-        self._watch = loop.call_later(WATCH_INTERVAL_S, self._watch_core)
 
     def _on_readable(self) -> None:
         if not self._read():
             self._unbind_loop()
 
-    def _watch_core(self) -> None:
-        if self._closed:
-            return
-        if self._process.poll() is not None:
-            self._core_died()
-            self._unbind_loop()
-            return
-        self._watch = self._loop.call_later(WATCH_INTERVAL_S, self._watch_core)
-
     def _unbind_loop(self) -> None:
         loop, self._loop = self._loop, None
         if loop is None or loop.is_closed():
             return
-        self._watch.cancel()
         with contextlib.suppress(Exception):   # the loop may be gone with its selector
             loop.remove_reader(self._sock.fileno())
 

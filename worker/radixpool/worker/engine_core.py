@@ -61,7 +61,6 @@ class EngineCore:
         self.sampler = Sampler(self.runner.vocab_size, self.runner.eos_token_ids,
                                self.runner.device)
         self.times = StepTimes()
-        self.started: dict[str, float] = {}   # rid → perf_counter at arrival, until finished
 
     def ready_message(self) -> CoreReady:
         r = self.runner
@@ -76,7 +75,6 @@ class EngineCore:
     # ------------------------------------------------------------------ intake
     def add_request(self, msg: GenerateRequest) -> TokenDelta | None:
         """Queue a request; returns an error delta if the core refuses it."""
-        start = time.perf_counter()
         try:
             msg.params.check_vocab(self.runner.vocab_size)
             ids = msg.input_ids   # min/max run in C: no per-token bytecode on long prompts
@@ -87,21 +85,12 @@ class EngineCore:
                               prompt_tokens=len(msg.input_ids), error=str(exc))
         req = Req(rid=msg.rid, input_ids=list(msg.input_ids), params=msg.params, seed=msg.seed,
                   namespace=msg.namespace, arrival_time=msg.arrival_time or time.time())
-        self.started[msg.rid] = start
-        return self._timed(self.scheduler.add(req))
+        return self.scheduler.add(req)
 
     def abort(self, rid: str) -> TokenDelta | None:
         delta = self.scheduler.abort(rid)
         if delta is not None:
             self.sampler.release(rid)
-        return self._timed(delta)
-
-    def _timed(self, delta: TokenDelta | None) -> TokenDelta | None:
-        """Stamp a request's last delta with its time in the core (queue + compute)."""
-        if delta is not None and delta.finished:
-            start = self.started.pop(delta.rid, None)
-            if start is not None:
-                delta.core_seconds = time.perf_counter() - start
         return delta
 
     @property
@@ -150,7 +139,6 @@ class EngineCore:
         for delta in deltas:
             if delta.finished:
                 self.sampler.release(delta.rid)
-                self._timed(delta)
         return deltas
 
     # ------------------------------------------------------------------ control
@@ -174,5 +162,3 @@ class EngineCore:
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
-        if not self.scheduler.has_work and self.started:
-            raise AssertionError(f"{len(self.started)} finished request(s) still timed")

@@ -49,12 +49,12 @@ class Inbox:
         self._ended = False
         self._chunk = bytearray(READ_CHUNK)
         self._view = memoryview(self._chunk)
+        self._poller = select.poll()
+        self._poller.register(sock, select.POLLIN)
 
     def wait(self, timeout_s: float) -> bool:
         """Block until there is something to read (or the peer closed), up to `timeout_s`."""
-        poller = select.poll()
-        poller.register(self.sock, select.POLLIN)
-        return bool(poller.poll(timeout_s * 1000))
+        return bool(self._poller.poll(timeout_s * 1000))
 
     def read(self) -> list[Any]:
         """Every whole message that has arrived; PeerClosed once the stream has ended and

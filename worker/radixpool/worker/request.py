@@ -11,6 +11,7 @@ A waiting request holds no row, no lock and no slots (retraction gives all three
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,6 +34,7 @@ class Req:
     seed: int
     namespace: str | None = None
     arrival_time: float = 0.0
+    core_start: float = field(default_factory=time.perf_counter)   # arrival in the core
     seq: int = 0                          # admission-order tie break (FCFS)
 
     output_ids: list[int] = field(default_factory=list)

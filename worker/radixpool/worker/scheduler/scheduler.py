@@ -297,10 +297,12 @@ class Scheduler:
 
     @staticmethod
     def _delta(req: Req, tokens: list[int], lp=None, top=None) -> TokenDelta:
+        finished = req.status is Status.FINISHED
         return TokenDelta(
             req.rid, tokens, None if lp is None else [lp], None if top is None else [top],
-            req.status is Status.FINISHED, req.finish_reason, req.matched_stop_token,
-            len(req.input_ids), max(0, req.cached_tokens), req.queue_time)
+            finished, req.finish_reason, req.matched_stop_token,
+            len(req.input_ids), max(0, req.cached_tokens), req.queue_time,
+            core_seconds=time.perf_counter() - req.core_start if finished else None)
 
     # ------------------------------------------------------------------ KV hand-over
     def _cache_prefix(self, req: Req) -> None:
