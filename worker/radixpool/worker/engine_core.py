@@ -125,7 +125,8 @@ class EngineCore:
         t2 = time.perf_counter()
         rows = [SamplingRow(r.params, r.seed, r.input_ids, r.output_ids, r.rid)
                 for r, wants in zip(batch.reqs, batch.sample) if wants]
-        result = self.sampler.sample(logits, rows) if rows else None
+        # the forward's logits are this step's alone: the sampler may edit them in place
+        result = self.sampler.sample(logits, rows, logits_owned=True) if rows else None
         t3 = time.perf_counter()
         if result is not None:
             deltas = self.scheduler.process(batch, result.token_ids, result.logprobs,

@@ -44,10 +44,6 @@ class ForwardBatch:
     attn_metadata: Any = field(default=None)  # the attention backend's per-step plan
 
     @property
-    def batch_size(self) -> int:
-        return len(self.extend_lens)
-
-    @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 

@@ -76,9 +76,5 @@ class Req:
         """Tokens without KV: the next step computes `fill_ids[kv_len:]` (decode: just one)."""
         return self.seq_len - self.kv_len
 
-    @property
-    def finished(self) -> bool:
-        return self.status is Status.FINISHED
-
     def remaining_new_tokens(self) -> int:
         return self.params.max_new_tokens - len(self.output_ids)

@@ -37,7 +37,6 @@ import torch
 from radixpool.worker.penalties import PenaltyState, one_call_key
 from radixpool.worker.sampling_params import SamplingParams
 
-GREEDY_TEMPERATURE = 1e-5  # below this, logits / T overflows float32 for ordinary logits
 TOP_P_CANDIDATES = 1024    # top-p without top-k first looks at this many tokens (then 8x more)
 _MASK32 = 0xFFFFFFFF
 _TOKEN_MULTIPLIER = 0x61C88647  # 2^32 / golden ratio, odd: spreads consecutive token ids
@@ -113,12 +112,14 @@ class Sampler:
         self._penalties.release(key)
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
-               vocab_mask: torch.Tensor | None = None) -> SampleResult:
-        """Pick one token per row. `logits` [len(rows), vocab_size] is not modified."""
+               vocab_mask: torch.Tensor | None = None,
+               logits_owned: bool = False) -> SampleResult:
+        """Pick one token per row. `logits` [len(rows), vocab_size] is not modified unless
+        `logits_owned` (the caller will not read them again: no copy is made to edit them)."""
         n, vocab = len(rows), self.vocab_size
         if logits.shape != (n, vocab):
             raise ValueError(f"logits must be [{n}, {vocab}], got {list(logits.shape)}")
-        owned = logits.dtype != torch.float32  # the float32 copy is ours to modify
+        owned = logits_owned or logits.dtype != torch.float32  # a float32 copy is ours too
         logits = logits.float()
         greedy: list[int] = []
         sampled: list[int] = []
@@ -131,7 +132,7 @@ class Sampler:
         ban_tokens: list[int] = []
         for i, row in enumerate(rows):
             p = row.params
-            if p.temperature < GREEDY_TEMPERATURE or p.top_k == 1:
+            if p.greedy:
                 greedy.append(i)
             else:
                 sampled.append(i)

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+GREEDY_TEMPERATURE = 1e-5  # below this, logits / T overflows float32 for ordinary logits
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -124,7 +125,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids in the params must exist in the model's vocabulary."""

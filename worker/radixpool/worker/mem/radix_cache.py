@@ -284,10 +284,6 @@ class RadixCache:
         self._seq += 1
         self.events.append(KVEvent(self._seq, kind, blocks, parent))  # type: ignore[arg-type]
 
-    @property
-    def last_seq(self) -> int:
-        return self._seq
-
     def drain_events(self) -> list[KVEvent]:
         events, self.events = self.events, []
         return events

@@ -229,7 +229,8 @@ class Scheduler:
         if decode:
             rows = torch.tensor([r.row for r in decode], device=table.device)
             lens = torch.tensor([r.kv_len for r in decode], device=table.device)
-            last = table[rows, lens - 1]
+            # the previous slot matters only with pages (the new token may share its page)
+            last = table[rows, lens - 1] if self.pool.page_size > 1 else lens
             slots = self.pool.alloc_decode(lens, last)
             assert slots is not None, "decode room was ensured"
             table[rows, lens] = slots
@@ -237,7 +238,8 @@ class Scheduler:
         if prefill:
             # Worst case with pages: each request may start a page it fills only partly.
             self._ensure_free(sum(takes) + (self.pool.page_size - 1) * len(prefill))
-            last = [int(table[r.row, r.kv_len - 1]) if r.kv_len else 0 for r in prefill]
+            last = [int(table[r.row, r.kv_len - 1]) if r.kv_len % self.pool.page_size else 0
+                    for r in prefill]
             slots = self.pool.alloc_extend([r.kv_len for r in prefill], takes, last)
             assert slots is not None, "admission reserved KV that is not there"
             cursor = 0

@@ -172,6 +172,8 @@ class WaitingQueue:
         while self._by_arrival and not self._arrival_live(self._by_arrival[0]):
             heapq.heappop(self._by_arrival)
         limit = now - max_wait
+        if not self._by_arrival or self._by_arrival[0][0] >= limit:
+            return []   # the oldest live request is not starving: none is (no O(queue) scan)
         return [e for e in heapq.nsmallest(8, self._by_arrival)
                 if e[0] < limit and self._arrival_live(e)]
 
