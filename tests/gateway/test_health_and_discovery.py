@@ -82,6 +82,15 @@ def test_discovered_set_drains_terminating_and_removes_vanished_workers():
     assert w1.inflight == 1  # its stream is untouched and finishes on its own connection
 
 
+def test_one_worker_spelled_several_ways_is_added_once():
+    gw = Gateway(GatewayConfig(worker_urls=["127.0.0.1:9000"]))
+    added: list[str] = []
+    gw.membership_hooks.append(lambda worker, joined: added.append(worker.url))
+    for url in ("127.0.0.1:9000", "http://127.0.0.1:9000/", "http://127.0.0.1:9000"):
+        gw.add_worker(url)
+    assert added == [] and [w.url for w in gw.workers] == ["http://127.0.0.1:9000"]
+
+
 def test_config_validation_names_the_field():
     import pytest
 

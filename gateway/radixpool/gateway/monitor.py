@@ -89,10 +89,9 @@ class Monitor:
             status = 0
         ok = status == 200
         worker.draining = status == 503
-        was_healthy = worker.health.healthy
-        if worker.health.record(ok):
+        if worker.health.record(ok):   # True only when the verdict flipped
             log.warning("worker %s is now %s", worker.url, "healthy" if ok else "down")
-            if ok and not was_healthy:
+            if ok:
                 worker.breaker.reset()
         if not ok:
             return

@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Callable
 
 from radixpool.gateway import admin
-from radixpool.gateway.config import GatewayConfig
+from radixpool.gateway.config import GatewayConfig, normalize_worker_url
 from radixpool.gateway.feedback import (
     first_missing_block,
     is_usage_only_event,
@@ -64,12 +64,15 @@ class Gateway:
         self._auth = f"Bearer {config.api_key}".encode() if config.api_key else None
         key = config.upstream_key
         self.upstream_auth: Headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
+        # client headers not forwarded: hop-by-hop ones, and the client's key when we send ours
+        self._unforwarded = HOP_BY_HOP | {b"authorization"} if key else HOP_BY_HOP
         self.membership_hooks: list[Callable[[Worker, bool], None]] = []
         for url in config.worker_urls:
             self.add_worker(url)
 
     def add_worker(self, url: str) -> Worker:
-        known = self.workers.get(url)
+        url = normalize_worker_url(url)   # the set's key: `host:port` and `http://host:port/`
+        known = self.workers.get(url)      # are one worker, whose watchers start once
         worker = self.workers.add(url)
         if worker is not known:
             for hook in self.membership_hooks:
@@ -85,12 +88,18 @@ class Gateway:
         return worker
 
     def reconcile(self, ready: set[str], terminating: set[str]) -> None:
-        """Apply a discovered worker set (see `WorkerSet.reconcile`), with the hooks."""
+        """Make the worker set match discovery, with the hooks: add ready endpoints, drain
+        terminating ones (they finish their streams but get no new requests), remove the ones
+        that disappeared."""
+        ready = {normalize_worker_url(url) for url in ready}
+        terminating = {normalize_worker_url(url) for url in terminating} - ready
         for url in ready:
-            self.add_worker(url)
-        for url in [w.url for w in self.workers if w.url not in ready | terminating]:
-            self.remove_worker(url)
-        self.workers.reconcile(ready, terminating)
+            self.add_worker(url)   # clears `terminating` on a worker that came back
+        for worker in self.workers:
+            if worker.url in terminating:
+                worker.terminating = True
+            elif worker.url not in ready:
+                self.remove_worker(worker.url)
 
     @property
     def predicts(self) -> bool:
@@ -299,8 +308,7 @@ class Gateway:
     def forwarded_headers(self, request: Request) -> Headers:
         """The client's end-to-end headers, with the gateway's worker key (when it has one) in
         place of the client's, and a request id."""
-        skip = HOP_BY_HOP if not self.upstream_auth else HOP_BY_HOP | {b"authorization"}
-        headers = [(k, v) for k, v in request.headers.items() if k not in skip]
+        headers = [(k, v) for k, v in request.headers.items() if k not in self._unforwarded]
         headers.extend(self.upstream_auth)
         if b"x-request-id" not in request.headers:
             headers.append((b"x-request-id", b"%s-%x" % (_ID_PREFIX, next(_REQUEST_IDS))))

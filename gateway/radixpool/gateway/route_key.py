@@ -124,7 +124,7 @@ class KeyBuilder:
         data = text.encode("utf-8", "surrogatepass")
         units = np.frombuffer(data, dtype=np.uint8).astype(np.uint64)
         hashes = prefix_block_hashes(units, self.text_block_bytes, salt).tolist()
-        head = data[: self.prefix_token_count * 4]
+        head = data[: self.prefix_token_count * BYTES_PER_TOKEN]
         return RouteKey(hashes, self.text_block_bytes, len(data), False, model, _digest(head, salt))
 
 

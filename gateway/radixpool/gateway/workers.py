@@ -9,7 +9,6 @@ in flight: their connections and this object live until their streams end.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -113,20 +112,6 @@ class WorkerSet:
             if serving:
                 return serving
         return ready
-
-    def reconcile(self, ready: Iterable[str], terminating: Iterable[str]) -> None:
-        """Make the set match discovery: add ready endpoints, drain terminating ones (they finish
-        their streams but get no new requests), remove the ones that disappeared."""
-        ready, terminating = set(ready), set(terminating) - set(ready)
-        for url in ready:
-            self.add(url)
-        for url in terminating:
-            worker = self.workers.get(url)
-            if worker is not None:
-                worker.terminating = True
-        for url in list(self.workers):
-            if url not in ready and url not in terminating:
-                self.remove(url)
 
     def set_info(self, worker: Worker, info: ServerInfo) -> None:
         worker.info = info
