@@ -179,3 +179,16 @@ def test_requests_naming_a_model_go_to_workers_serving_it():
         gw.workers.set_info(gw.workers.get(url), ServerInfo(model, model, 1, 1, 1, 16, "i", "v"))
     assert [w.url for w in gw.workers.eligible(0, "qwen")] == ["http://10.0.0.2:8000"]
     assert len(gw.workers.eligible(0, "unknown")) == 2  # nobody serves it: the worker says 404
+
+
+def test_a_local_tokenizer_hashes_in_the_block_size_the_workers_report(tiny_model):
+    from radixpool.gateway.monitor import Monitor
+    from radixpool.protocol.server_info import ServerInfo
+    from radixpool.tokenization import PromptTokenizer
+
+    gw = Gateway(GatewayConfig(worker_urls=("http://10.0.0.1:8000",)),
+                 PromptTokenizer.from_dir(tiny_model))   # as `--tokenizer DIR` does
+    monitor = Monitor(gw)
+    worker = gw.workers.get("http://10.0.0.1:8000")
+    monitor.observe_identity(worker, ServerInfo("m", "m", 4096, 65536, 1, 32, "i-1", "test"))
+    assert gw.keys.block_size == 32 == worker.info.kv_block_size   # KV events now line up

@@ -113,6 +113,14 @@ class Monitor:
             self.gateway.metrics.corrected(worker.url, "instance_id")
         worker.instance_id = info.instance_id
         self.gateway.workers.set_info(worker, info)
+        keys = self.gateway.keys
+        if keys.tokenizer is not None and not keys.block_size_known:
+            # a local tokenizer (--tokenizer): hash in the blocks the workers hash in, so their
+            # KV events can correct the trees
+            keys.use_tokenizer(keys.tokenizer, info.kv_block_size)
+            self.gateway.workers.resize_trees()
+            log.info("routing on token ids in %d-token blocks (from %s)", info.kv_block_size,
+                     worker.url)
 
     async def _fetch_tokenizer(self, worker: Worker) -> None:
         async with self._tokenizer_lock:

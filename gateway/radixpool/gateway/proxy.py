@@ -55,7 +55,7 @@ class Gateway:
         self.index = PrefixIndex()
         self.keys = KeyBuilder(config.text_block_bytes, config.prefix_token_count)
         if tokenizer is not None:
-            self.keys.use_tokenizer(tokenizer, block_size or self.keys.block_size)
+            self.keys.use_tokenizer(tokenizer, block_size)
         self.workers = WorkerSet(config, self.index, self.keys)
         self.policy = make_policy(config, self.index)
         self.metrics = GatewayMetrics()

@@ -49,11 +49,15 @@ class KeyBuilder:
         self.tokenizer: PromptTokenizer | None = None
         self.chat: ChatEncoder | None = None
         self.block_size = DEFAULT_BLOCK_SIZE
+        self.block_size_known = False   # False: a guess until a worker reports its own
 
-    def use_tokenizer(self, tokenizer: PromptTokenizer, block_size: int) -> None:
+    def use_tokenizer(self, tokenizer: PromptTokenizer, block_size: int | None) -> None:
+        """Route on token ids in blocks of `block_size` (None: the default, until a worker
+        reports the block size it hashes in)."""
         self.tokenizer = tokenizer
         self.chat = ChatEncoder(tokenizer) if tokenizer.chat_template else None
-        self.block_size = block_size
+        self.block_size = block_size or DEFAULT_BLOCK_SIZE
+        self.block_size_known = block_size is not None
 
     def build(self, path: str, doc: object) -> RouteKey:
         if not isinstance(doc, dict):
