@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from radixpool.gateway.config import POLICIES
+from radixpool.worker.config import DEVICES
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -27,7 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--policy", choices=POLICIES, default="cache_aware", help="routing policy")
     up.add_argument("--worker-port-base", type=int, default=None, metavar="PORT",
                     help="worker i listens on PORT+i (default: free ports)")
-    up.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+    up.add_argument("--device", choices=DEVICES, default="auto",
                     help="worker device")
     up.add_argument("--kv-cache-tokens", type=int, default=None, metavar="N",
                     help="KV pool size of each worker in tokens (default: the worker's)")

@@ -83,11 +83,10 @@ def _gateway_predicted_hit_rate(fleet: LocalFleet) -> float | None:
 
 def _warm_up(fleet: LocalFleet, model: str) -> None:
     """One short request per worker, so first-call costs do not land in the first policy's
-    numbers; then empty the caches."""
+    numbers (`run_policy` empties the caches before each run)."""
     for w in fleet.workers:
         with httpx.Client(base_url=w.url, timeout=REQUEST_TIMEOUT_S) as http:
             stream_chat(http, model, [{"role": "user", "content": "warm up"}], 4)
-        fleet.flush_worker(fleet.workers.index(w))
 
 
 def run_policy(fleet: LocalFleet, policy: str, jobs: list[Job], total: int,

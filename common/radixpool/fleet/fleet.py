@@ -212,7 +212,6 @@ class LocalFleet:
     # --- faults and operations (tests, demos) -------------------------------------------------
     def kill_worker(self, i: int) -> None:
         """SIGKILL worker i: a crash; its engine-core process goes with its process group."""
-        self.workers[i].kill()
         self.workers[i].reap()
 
     def restart_worker(self, i: int) -> ChildProcess:

@@ -112,12 +112,6 @@ class ChildProcess:
         if self.running:
             self.proc.send_signal(sig)
 
-    def kill(self) -> None:
-        """SIGKILL the child now (a crash, as far as anyone else can tell); reap it."""
-        self.signal(signal.SIGKILL)
-        if self.proc is not None:
-            self.proc.wait()
-
     def stop(self, grace_s: float) -> int | None:
         """SIGTERM (the servers drain on it), SIGKILL after `grace_s`; then end whatever the
         child left in its process group. Returns the exit status."""

@@ -15,6 +15,10 @@ from typing import Any
 
 import yaml
 
+from radixpool.gateway.config import POLICIES
+from radixpool.worker.config import DEVICES, DTYPES, SCHEDULE_POLICIES
+from radixpool.worker.server.config import LOG_LEVELS
+
 from . import api
 from .generated import write_copies
 from .openapi import (
@@ -35,7 +39,6 @@ QUANTITY = (r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]"
             r"|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
 PERCENT_OR_INT = r"^[0-9]+%?$"
 MODEL_URI = r"^(pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?/.*|hf://[^@\s]+/[^@\s]+(@[^@\s]+)?)$"
-POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "prefix_hash")
 
 
 def secret_key(description: str, default_key: str) -> Schema:
@@ -82,9 +85,8 @@ ENGINE = obj("The worker pods: image, resources, engine knobs and placement.", {
                     "operator's configured worker image."),
     "imagePullPolicy": pull_policy(),
     "resources": RESOURCES,
-    "device": string("Where the engine runs.", default="auto", enum=("auto", "cpu", "cuda")),
-    "dtype": string("Weight and activation dtype.", default="auto",
-                    enum=("auto", "float32", "bfloat16", "float16")),
+    "device": string("Where the engine runs.", default="auto", enum=DEVICES),
+    "dtype": string("Weight and activation dtype.", default="auto", enum=DTYPES),
     "kvCacheTokens": integer("KV cache budget in tokens; excludes `memFraction`.", minimum=1),
     "memFraction": number("Fraction of GPU memory for weights and KV cache; excludes "
                           "`kvCacheTokens`.", minimum=0, exclusive_minimum=True, maximum=1),
@@ -92,9 +94,8 @@ ENGINE = obj("The worker pods: image, resources, engine knobs and placement.", {
     "maxRunningRequests": integer("Most requests in the running batch.", minimum=1),
     "chunkedPrefillSize": integer("Longest prefill chunk in tokens.", minimum=1),
     "schedulePolicy": string("Waiting-queue order: longest prefix match first, or arrival.",
-                             default="lpm", enum=("lpm", "fcfs")),
-    "logLevel": string("Engine log level.", default="info",
-                       enum=("debug", "info", "warning", "error")),
+                             default="lpm", enum=SCHEDULE_POLICIES),
+    "logLevel": string("Engine log level.", default="info", enum=LOG_LEVELS),
     "args": array("Extra `radixpool worker` flags, appended last.",
                   string("One argument.")),
     "env": opaque_list("Extra environment variables (core/v1 EnvVar)."),

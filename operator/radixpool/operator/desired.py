@@ -51,11 +51,6 @@ class ObjectRef:
     name: str
 
 
-def ref_of(obj: dict[str, Any]) -> ObjectRef:
-    meta = obj["metadata"]
-    return ObjectRef(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
-
-
 def desired_pdb(pool: Pool) -> dict[str, Any]:
     return {
         "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",

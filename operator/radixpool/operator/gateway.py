@@ -123,9 +123,3 @@ def desired_gateway_service(pool: Pool) -> dict[str, Any]:
                        "protocol": "TCP"}],
         },
     }
-
-
-def gateway_endpoint(pool: Pool) -> str:
-    """The in-cluster URL clients use."""
-    return (f"http://{api.gateway_name(pool.name)}.{pool.namespace}.svc:"
-            f"{pool.gateway['service']['port']}")

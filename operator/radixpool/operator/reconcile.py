@@ -49,7 +49,6 @@ class Cluster(Protocol):
 class Outcome:
     status: dict[str, Any]
     events: list[Event]
-    applied: list[ObjectRef]
 
 
 def missing_references(pool: Pool, cluster: Cluster) -> list[FieldError]:
@@ -65,7 +64,6 @@ def _now() -> str:
 def reconcile_pool(body: dict[str, Any], cluster: Cluster, config: OperatorConfig,
                    now: str | None = None) -> Outcome:
     meta = body["metadata"]
-    applied: list[ObjectRef] = []
     try:
         pool = parse_pool(body)
         missing = missing_references(pool, cluster)
@@ -77,7 +75,7 @@ def reconcile_pool(body: dict[str, Any], cluster: Cluster, config: OperatorConfi
         pool, verdict = None, Verdict(False, "InvalidSpec", str(invalid))
 
     if pool is not None and verdict.accepted:
-        applied, rejection = _apply(pool, cluster, config)
+        rejection = _apply(pool, cluster, config)
         if rejection is not None:
             verdict = Verdict(False, "RejectedByAPIServer", rejection)
 
@@ -90,37 +88,28 @@ def reconcile_pool(body: dict[str, Any], cluster: Cluster, config: OperatorConfi
         served_name=pool.model.served_name if pool else _served_name(body),
         now=now or _now(),
     )
-    return Outcome(status=status, events=transition_events(body, status), applied=applied)
+    return Outcome(status=status, events=transition_events(body, status))
 
 
-def _apply(pool: Pool, cluster: Cluster,
-           config: OperatorConfig) -> tuple[list[ObjectRef], str | None]:
-    """Apply the pool's objects and remove obsolete ones: (what was applied, the API server's
-    refusal or None)."""
+def _apply(pool: Pool, cluster: Cluster, config: OperatorConfig) -> str | None:
+    """Apply the pool's objects and remove obsolete ones; the API server's refusal or None.
+    Every object passes a dry run (validation and admission) before any is written, so a spec
+    the server refuses leaves nothing half-made."""
     monitors = cluster.has_service_monitors()
     objects = desired_objects(pool, config, service_monitors=monitors)
-    rejection = _dry_run(objects, cluster)
-    if rejection is not None:
-        return [], rejection
-    applied = []
-    for obj in objects:
-        try:
-            cluster.apply(obj)
-        except ObjectRejected as rejected:  # admission changed since the dry run
-            return applied, f"{obj['kind']} {obj['metadata']['name']}: {rejected}"
-        applied.append(ObjectRef(obj["apiVersion"], obj["kind"], pool.namespace,
-                                 obj["metadata"]["name"]))
-    for ref in obsolete_objects(pool, service_monitors=monitors):
-        cluster.delete(ref)
-    return applied, None
+    rejection = _apply_all(objects, cluster, dry_run=True) or \
+        _apply_all(objects, cluster, dry_run=False)   # admission may change in between
+    if rejection is None:
+        for ref in obsolete_objects(pool, service_monitors=monitors):
+            cluster.delete(ref)
+    return rejection
 
 
-def _dry_run(objects: list[dict[str, Any]], cluster: Cluster) -> str | None:
-    """Every object past the API server's validation and admission before any is written, so
-    a spec the server refuses leaves nothing half-made. The refusal, or None."""
+def _apply_all(objects: list[dict[str, Any]], cluster: Cluster, *, dry_run: bool) -> str | None:
+    """Apply each object in order; the first refusal, or None."""
     for obj in objects:
         try:
-            cluster.apply(obj, dry_run=True)
+            cluster.apply(obj, dry_run=dry_run)
         except ObjectRejected as rejected:
             return f"{obj['kind']} {obj['metadata']['name']}: {rejected}"
     return None
