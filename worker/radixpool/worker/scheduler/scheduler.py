@@ -95,7 +95,7 @@ class Scheduler:
             req = self.running.pop(rid, None)
             if req is None:
                 return None
-            self._release(req, keep_kv=True)
+            self._release(req)
         req.status = Status.FINISHED
         req.finish_reason = "abort"
         return self._delta(req, [])
@@ -138,7 +138,7 @@ class Scheduler:
             if len(self.running) == 1:
                 # Alone and still out of memory: its sequence outgrew this worker's KV.
                 self.running.pop(victim.rid)
-                self._release(victim, keep_kv=True)
+                self._release(victim)
                 victim.status, victim.finish_reason = Status.FINISHED, "length"
                 self._pending_deltas.append(self._delta(victim, []))
             else:
@@ -275,7 +275,7 @@ class Scheduler:
             req.append(token)
             if self._check_finished(req, token):
                 self.running.pop(req.rid)
-                self._release(req, keep_kv=True)
+                self._release(req)
             elif len(new) > 1 or len(req.output_ids) == 1:
                 self._cache_prefix(req)
             deltas.append(self._delta(req, [token], lp, top))
@@ -324,11 +324,12 @@ class Scheduler:
         req.last_node = node
         req.prefix_len = req.kv_len - req.kv_len % self.pool.page_size
 
-    def _release(self, req: Req, keep_kv: bool) -> None:
-        """Give back the row, the lock and every slot the request owns (into the tree if kept)."""
+    def _release(self, req: Req) -> None:
+        """Give back the row and the lock; the computed KV goes into the tree (so a retracted or
+        finished request's prefix stays reusable), every other slot it owns is freed."""
         slots = self.rows.table[req.row, :req.kv_len].clone()
         owned_from = req.prefix_len
-        if keep_kv and req.kv_len > req.prefix_len:
+        if req.kv_len > req.prefix_len:
             # The tree takes [present, aligned end); duplicates before it and the partial page
             # after it stay ours to free.
             present = self.cache.insert(req.fill_ids[:req.kv_len], slots, req.namespace)
@@ -342,7 +343,7 @@ class Scheduler:
 
     def _retract(self, req: Req) -> None:
         self.running.pop(req.rid)
-        self._release(req, keep_kv=True)
+        self._release(req)
         req.retractions += 1
         self.retracted_total += 1
         self.new_token_ratio = min(1.0, self.new_token_ratio + RATIO_BUMP)
