@@ -106,6 +106,8 @@ class EngineCore:
         if batch is not None:
             self.times.steps += 1
             out.deltas = self._run(batch, t0)
+        else:
+            out.deltas = self.scheduler.take_deltas()
         t = time.perf_counter()
         out.events = self.cache.drain_events()
         for event in out.events:

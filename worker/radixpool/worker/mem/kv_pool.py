@@ -8,7 +8,12 @@ batches) write their garbage K/V there.
 
 Ownership is the caller's: a slot returned by `alloc_*` belongs to exactly one request or to the
 radix cache until it is passed back to `free`. Allocation and free are tensor slices on a stack of
-free pages — no per-token Python loop.
+free pages — no per-token Python loop. The page is also the unit every caller charges KV in
+(`free_pages`, `pages_for`): admission, chunking, decode growth and retraction count pages.
+
+A page freed twice would sit twice on the free stack and be handed to two owners. `free` checks
+every page against a free mask: with `debug` it raises `KVDoubleFree`; otherwise it drops the
+page, counts it in `double_frees` (exported as a metric) and carries on.
 """
 
 from __future__ import annotations
@@ -16,9 +21,25 @@ from __future__ import annotations
 import torch
 
 
+class KVDoubleFree(RuntimeError):
+    """A KV page was freed while already free (an ownership bug in the caller)."""
+
+
+def pages_for(kv_len: int, extend: int, page_size: int) -> int:
+    """New pages a request holding `kv_len` tokens takes to grow by `extend` tokens (its last
+    page's remaining room is used first)."""
+    return -(-(kv_len + extend) // page_size) - -(-kv_len // page_size)
+
+
+def tokens_within(kv_len: int, num_pages: int, page_size: int) -> int:
+    """Tokens a request holding `kv_len` tokens can grow by within `num_pages` new pages."""
+    return max(0, -(-kv_len // page_size) * page_size + num_pages * page_size - kv_len)
+
+
 class KVPool:
     def __init__(self, capacity_tokens: int, page_size: int, num_layers: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str,
+                 debug: bool = False) -> None:
         self.page_size = page_size
         self.num_pages = max(1, capacity_tokens // page_size)
         self.capacity = self.num_pages * page_size
@@ -30,6 +51,10 @@ class KVPool:
         # Stack of free page ids; the live part is _free_pages[:_num_free].
         self._free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=device)
         self._num_free = self.num_pages
+        self._is_free = torch.ones(self.num_pages + 1, dtype=torch.bool, device=device)
+        self._is_free[0] = False  # the padding page is never free, so never freed
+        self.debug = debug
+        self.double_frees = 0
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
@@ -41,11 +66,17 @@ class KVPool:
         """Free tokens (whole free pages)."""
         return self._num_free * self.page_size
 
+    @property
+    def free_pages(self) -> int:
+        return self._num_free
+
     def _alloc_pages(self, n: int) -> torch.Tensor | None:
         if n > self._num_free:
             return None
         self._num_free -= n
-        return self._free_pages[self._num_free:self._num_free + n].clone()
+        pages = self._free_pages[self._num_free:self._num_free + n].clone()
+        self._is_free[pages] = False
+        return pages
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         """Slots for `num_tokens` tokens that start on a fresh page (None if they do not fit)."""
@@ -108,9 +139,20 @@ class KVPool:
         """Return slots. With pages, every page touched must be wholly owned by the caller."""
         if slots.numel() == 0:
             return
-        pages = slots if self.page_size == 1 else torch.unique(slots // self.page_size)
-        n = pages.numel()
-        self._free_pages[self._num_free:self._num_free + n] = pages
+        pages = slots if self.page_size == 1 else slots // self.page_size
+        unique = torch.unique(pages)
+        already = self._is_free[unique]
+        repeated = pages.numel() - unique.numel() if self.page_size == 1 else 0
+        if repeated or bool(already.any()):
+            bad = int(already.sum()) + repeated
+            if self.debug:
+                raise KVDoubleFree(f"{bad} KV page(s) freed twice: already free, or listed "
+                                   f"twice in one free (pages {unique[already].tolist()[:8]})")
+            self.double_frees += bad
+            unique = unique[~already]
+        n = unique.numel()
+        self._free_pages[self._num_free:self._num_free + n] = unique
+        self._is_free[unique] = True
         self._num_free += n
 
     def free_slots_set(self) -> set[int]:

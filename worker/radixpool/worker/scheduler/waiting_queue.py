@@ -54,6 +54,9 @@ class WaitingQueue:
     def get(self, rid: str) -> Req | None:
         return self._members.get(rid)
 
+    def members(self) -> list[Req]:
+        return list(self._members.values())
+
     def push(self, req: Req) -> None:
         req.status = Status.WAITING
         req.version += 1

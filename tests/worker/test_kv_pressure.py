@@ -1,0 +1,120 @@
+"""The engine under KV pressure: pages are the one unit, a tight pool never crashes or livelocks,
+and a double free never hands a slot out twice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kv_driver import Outcome, collect, expected_output, make_scheduler, run_all
+
+from radixpool.worker.mem.kv_pool import KVDoubleFree, KVPool
+from radixpool.worker.request import Req
+from radixpool.worker.sampling_params import SamplingParams
+
+
+def submit(sched, outcomes, rid: str, prompt: list[int], max_new: int, **params) -> None:
+    p = SamplingParams(max_new_tokens=max_new, **params)
+    delta = sched.add(Req(rid, prompt, p, 0))
+    if delta is not None:
+        collect(outcomes, [delta])
+
+
+def assert_complete(outcomes: dict[str, Outcome], prompts: dict[str, list[int]], max_new: int):
+    for rid, prompt in prompts.items():
+        want, reason = expected_output(prompt, max_new)
+        assert outcomes[rid].error is None, outcomes[rid]
+        assert (outcomes[rid].tokens, outcomes[rid].finish_reason) == (want, reason), rid
+
+
+def test_decode_crossing_a_page_boundary_in_a_tight_pool():
+    # Four pages of 16; three 16-token prompts fill three, and every first decode token needs
+    # a fresh page: counting free *tokens* (16 >= 3) said yes, the pages were not there.
+    sched, model = make_scheduler(16, 64)
+    outcomes: dict[str, Outcome] = {}
+    prompts = {f"r{i}": [100 + 17 * i + j for j in range(16)] for i in range(3)}
+    for rid, prompt in prompts.items():
+        submit(sched, outcomes, rid, prompt, 4)
+    run_all(sched, model, outcomes)
+    assert_complete(outcomes, prompts, 4)
+
+
+def test_many_short_prompts_into_few_pages():
+    # Eight 3-token prompts fit four 16-token pages by token count, not by pages.
+    sched, model = make_scheduler(16, 64)
+    outcomes: dict[str, Outcome] = {}
+    prompts = {f"r{i}": [200 + 5 * i, 201 + 5 * i, 202 + 5 * i] for i in range(8)}
+    for rid, prompt in prompts.items():
+        submit(sched, outcomes, rid, prompt, 4)
+    run_all(sched, model, outcomes)
+    assert_complete(outcomes, prompts, 4)
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_a_long_chunked_prompt_in_a_tight_pool_progresses(page_size):
+    # The next chunk was checked against a budget that already held back the request's own
+    # decode reservation (half its 200 new tokens): nothing was scheduled, forever.
+    sched, model = make_scheduler(page_size, 64, chunk=16, max_prefill=16)
+    outcomes: dict[str, Outcome] = {}
+    prompt = [300 + i for i in range(40)]
+    submit(sched, outcomes, "long", prompt, 200)
+    run_all(sched, model, outcomes)
+    got = outcomes["long"]
+    want, _ = expected_output(prompt, 200)
+    # Alone in 64 slots it can grow to 64 tokens, then it has outgrown this worker's KV.
+    assert got.finish_reason == "length" and got.error is None
+    assert got.tokens == want[:len(got.tokens)] and len(prompt) + len(got.tokens) >= 64
+
+
+def test_a_prompt_that_can_never_fit_is_refused_with_a_clear_error():
+    sched, _ = make_scheduler(16, 64)
+    outcomes: dict[str, Outcome] = {}
+    submit(sched, outcomes, "big", list(range(5, 70)), 4)
+    assert outcomes["big"].finish_reason == "abort"
+    assert "65 tokens" in outcomes["big"].error
+    assert not sched.has_work
+
+
+def test_a_chunked_prompt_next_to_decoding_requests_in_a_tight_pool():
+    sched, model = make_scheduler(4, 96, chunk=8, max_prefill=12)
+    outcomes: dict[str, Outcome] = {}
+    prompts = {"a": [400 + i for i in range(10)], "b": [500 + i for i in range(12)],
+               "long": [600 + i for i in range(50)]}
+    for rid, prompt in prompts.items():
+        submit(sched, outcomes, rid, prompt, 30)
+    run_all(sched, model, outcomes)
+    assert_complete(outcomes, prompts, 30)
+
+
+def make_pool(page_size: int = 1, debug: bool = False) -> KVPool:
+    return KVPool(64, page_size, 1, 1, 1, torch.float32, "cpu", debug=debug)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_double_free_never_hands_a_slot_out_twice(page_size):
+    # Before: the freed pages sat twice on the free stack and went to two owners.
+    pool = make_pool(page_size)
+    kept = pool.alloc(16)
+    slots = pool.alloc(8)
+    pool.free(slots)
+    pool.free(slots)                       # production: counted and ignored
+    assert pool.double_frees == 8 // page_size
+    rest = pool.alloc(pool.capacity - 16)
+    assert rest is not None and pool.alloc(1) is None
+    handed_out = kept.tolist() + rest.tolist()
+    assert len(set(handed_out)) == len(handed_out) == pool.capacity
+
+
+def test_a_slot_listed_twice_in_one_free_is_freed_once():
+    pool = make_pool(1)
+    slots = pool.alloc(4)
+    pool.free(slots[:1].repeat(2))
+    assert pool.double_frees == 1 and pool.available_size() == pool.capacity - 3
+
+
+def test_a_double_free_raises_in_debug_mode():
+    pool = make_pool(4, debug=True)
+    slots = pool.alloc(8)
+    pool.free(slots)
+    with pytest.raises(KVDoubleFree, match="already free"):
+        pool.free(slots[4:])
+    assert pool.available_size() == pool.capacity

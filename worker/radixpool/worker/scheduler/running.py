@@ -1,0 +1,57 @@
+"""The running requests: who decodes next, how much KV their growth needs, who is retracted.
+
+A running request either decodes (one token without KV: `uncomputed == 1`) or is a prompt
+mid-prefill (chunked). Every decoding request needs a slot for its next token, which costs a page
+only when its last page is full. When even eviction cannot give those pages, the youngest running
+requests are retracted (their KV goes into the tree first, so they resume by re-matching it); a
+request alone that still lacks a page has outgrown this worker's KV and finishes with "length".
+The decode reservation ratio (the share of their remaining tokens that running requests are
+expected to grow into) decays while decoding goes well and jumps on retraction.
+"""
+
+from __future__ import annotations
+
+from radixpool.worker.request import Req
+from radixpool.worker.scheduler.kv_manager import KVManager
+from radixpool.worker.scheduler.prefill import RESERVE_CAP, reservation_pages
+
+RATIO_INIT, RATIO_MIN, RATIO_DECAY, RATIO_BUMP = 0.5, 0.1, 0.001, 0.3
+
+
+class RunningSet:
+    def __init__(self, kv: KVManager) -> None:
+        self.kv = kv
+        self.reqs: dict[str, Req] = {}
+        self.new_token_ratio = RATIO_INIT
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    def split(self) -> tuple[list[Req], list[Req]]:
+        """(decoding, mid-prefill) requests."""
+        decode, chunking = [], []
+        for r in self.reqs.values():
+            (decode if r.uncomputed == 1 else chunking).append(r)
+        return decode, chunking
+
+    def reserved_pages(self) -> int:
+        growth = sum(min(r.remaining_new_tokens(), RESERVE_CAP) for r in self.reqs.values())
+        return reservation_pages(growth, self.new_token_ratio, self.kv.page_size)
+
+    def youngest(self) -> Req:
+        return max(self.reqs.values(), key=lambda r: r.seq)
+
+    def shortfall(self, decode: list[Req]) -> bool:
+        """Whether the decode tokens need more pages than the step has room for."""
+        return self.kv.decode_pages(decode) > self.kv.room()
+
+    def remove(self, req: Req) -> None:
+        """Out of the running set; its KV goes to the tree or back to the pool."""
+        del self.reqs[req.rid]
+        self.kv.release(req)
+
+    def on_retract(self) -> None:
+        self.new_token_ratio = min(1.0, self.new_token_ratio + RATIO_BUMP)
+
+    def on_decode_step(self) -> None:
+        self.new_token_ratio = max(RATIO_MIN, self.new_token_ratio - RATIO_DECAY)
