@@ -118,3 +118,21 @@ def test_a_double_free_raises_in_debug_mode():
     with pytest.raises(KVDoubleFree, match="already free"):
         pool.free(slots[4:])
     assert pool.available_size() == pool.capacity
+
+
+def test_the_engine_counts_double_frees_and_raises_in_debug(tiny_model):
+    from radixpool.worker.config import EngineConfig
+    from radixpool.worker.engine_core import EngineCore
+
+    core = EngineCore(EngineConfig(str(tiny_model), device="cpu", kv_cache_tokens=256))
+    pool = core.runner.kv_pool
+    slots = pool.alloc(3)
+    pool.free(slots)
+    pool.free(slots)
+    assert core.stats().kv_double_frees_total == 3
+    core = EngineCore(EngineConfig(str(tiny_model), device="cpu", kv_cache_tokens=256,
+                                   debug_invariants=True))
+    slots = core.runner.kv_pool.alloc(3)
+    core.runner.kv_pool.free(slots)
+    with pytest.raises(KVDoubleFree):
+        core.runner.kv_pool.free(slots)

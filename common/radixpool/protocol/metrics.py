@@ -52,6 +52,10 @@ RETRACTED_REQUESTS = MetricSpec(
 RADIX_EVICTED_TOKENS = MetricSpec(
     "radixpool_radix_evicted_tokens_total", "counter",
     "Tokens evicted from the radix cache to make room.")
+# Exported by the worker's /metrics once the server collector lists it (see WORKER_METRICS).
+KV_DOUBLE_FREES = MetricSpec(
+    "radixpool_kv_double_frees_total", "counter",
+    "KV pages freed while already free (an engine bug; the page is not handed out twice).")
 NUM_REQUESTS_RUNNING = MetricSpec(
     "radixpool_num_requests_running", "gauge", "Requests in the running batch.")
 NUM_REQUESTS_WAITING = MetricSpec(

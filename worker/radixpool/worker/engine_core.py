@@ -58,8 +58,11 @@ class EngineCore:
         self.cache = RadixCache(pool, config.page_size, kv_block_size(config.page_size))
         self.scheduler = Scheduler(config, pool, self.runner.req_to_token_pool, self.cache,
                                    self.runner.context_length, self.runner.eos_token_ids)
+        # Penalty counts for as many requests as the memory plan reserved (all of it on GPU).
         self.sampler = Sampler(self.runner.vocab_size, self.runner.eos_token_ids,
-                               self.runner.device)
+                               self.runner.device,
+                               max_penalty_requests=self.runner.per_request.penalty_rows,
+                               preallocate=self.runner.device.type == "cuda")
         self.times = StepTimes()
 
     def ready_message(self) -> CoreReady:
@@ -161,7 +164,8 @@ class EngineCore:
             kv_capacity_tokens=pool.capacity,
             kv_used_tokens=pool.capacity - pool.available_size(),
             radix_cache_tokens=cache.total_size, evictable_tokens=cache.evictable_size,
-            retracted_total=sched.retracted_total, evicted_tokens_total=cache.evicted_tokens_total)
+            retracted_total=sched.retracted_total, evicted_tokens_total=cache.evicted_tokens_total,
+            kv_double_frees_total=pool.double_frees)
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()

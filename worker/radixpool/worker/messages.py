@@ -81,6 +81,7 @@ class EngineStats:
     evictable_tokens: int
     retracted_total: int
     evicted_tokens_total: int
+    kv_double_frees_total: int = 0   # pages freed twice (ignored, counted; raised in debug)
 
 
 @dataclass

@@ -8,7 +8,8 @@ request→token table. `forward(batch)` computes one `ForwardBatch` and returns 
 
 KV cache size, in tokens:
 - `kv_cache_tokens` when given;
-- on GPU, `mem_fraction` (default 0.85) of the memory still free once the weights are loaded;
+- on GPU, `mem_fraction` (default 0.85) of the memory still free once the weights are loaded,
+  less every per-request tensor (`mem/memory_plan.py`), reserved before the pool is sized;
 - on CPU, min(4 × context_length, what fits in 2 GiB): enough for a few full-length requests
   without letting a large model's KV take the host's memory by surprise.
 """
@@ -27,6 +28,7 @@ from radixpool.worker.attention.base import AttentionShape, create_backend
 from radixpool.worker.config import EngineConfig
 from radixpool.worker.forward_batch import ForwardBatch, forward_context
 from radixpool.worker.mem.kv_pool import KVPool, ReqToTokenPool
+from radixpool.worker.mem.memory_plan import PerRequestMemory, kv_tokens_for_memory
 from radixpool.worker.model import CausalLM, load_checkpoint, model_spec
 
 DEFAULT_GPU_MEM_FRACTION = 0.85
@@ -104,10 +106,16 @@ class ModelRunner:
         load_checkpoint(self.model, config.model_path)
         self.model.eval()
 
-        self.kv_pool = KVPool(self._kv_cache_tokens(), config.page_size, self.num_layers,
-                              self.num_kv_heads, self.head_dim, self.dtype, self.device)
-        self.req_to_token_pool = ReqToTokenPool(config.max_running_requests + SPARE_REQ_ROWS,
-                                                self.context_length, self.device)
+        rows = config.max_running_requests + SPARE_REQ_ROWS
+        # The sampler keeps penalty counts for at most `rows` requests (engine_core.py).
+        self.per_request = PerRequestMemory(rows, self.context_length, self.vocab_size,
+                                            penalty_rows=rows,
+                                            max_batch=config.max_running_requests)
+        kv_tokens = self._kv_cache_tokens()
+        self.req_to_token_pool = ReqToTokenPool(rows, self.context_length, self.device)
+        self.kv_pool = KVPool(kv_tokens, config.page_size, self.num_layers,
+                              self.num_kv_heads, self.head_dim, self.dtype, self.device,
+                              debug=config.debug_invariants)
 
     @property
     def vocab_size(self) -> int:
@@ -146,7 +154,8 @@ class ModelRunner:
             tokens = cfg.kv_cache_tokens
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            tokens = int(free * (cfg.mem_fraction or DEFAULT_GPU_MEM_FRACTION)) // per_token
+            tokens = kv_tokens_for_memory(free, cfg.mem_fraction or DEFAULT_GPU_MEM_FRACTION,
+                                          per_token, self.per_request, cfg.page_size)
         elif cfg.mem_fraction is not None:
             raise ValueError("mem_fraction sizes the KV cache from free GPU memory; "
                              "on CPU set kv_cache_tokens")

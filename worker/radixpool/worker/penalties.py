@@ -37,7 +37,8 @@ class _Slot:
 
 
 class PenaltyState:
-    def __init__(self, vocab_size: int, device: torch.device, max_requests: int = 1024) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, max_requests: int = 1024,
+                 preallocate: bool = False) -> None:
         self.vocab_size = vocab_size
         self.device = device
         self.max_requests = max_requests
@@ -46,6 +47,8 @@ class PenaltyState:
         self._counts = torch.zeros(0, vocab_size, dtype=torch.float32, device=device)
         self._in_prompt = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
         self._true = torch.ones((), dtype=torch.bool, device=device)
+        if preallocate:  # on GPU: the memory was reserved before the KV pool was sized
+            self._grow(max_requests)
 
     def release(self, key: Hashable) -> None:
         slot = self._slots.pop(key, None)
@@ -127,9 +130,13 @@ class PenaltyState:
             self._grow()
         return self._free.pop()
 
-    def _grow(self) -> None:
+    def _grow(self, new: int | None = None) -> None:
+        """More rows: doubling, never past `max_requests` while the LRU can make room."""
         old = self._counts.shape[0]
-        new = max(8, 2 * old)
+        if new is None:
+            new = max(8, 2 * old)
+            if old < self.max_requests:
+                new = min(new, self.max_requests)
         counts = torch.zeros(new, self.vocab_size, dtype=torch.float32, device=self.device)
         in_prompt = torch.zeros(new, self.vocab_size, dtype=torch.bool, device=self.device)
         counts[:old] = self._counts

@@ -96,7 +96,8 @@ def _gumbel(token_keys: torch.Tensor, row_keys: torch.Tensor) -> torch.Tensor:
 
 class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: Sequence[int] | int,
-                 device: torch.device | str = "cpu", max_penalty_requests: int = 1024) -> None:
+                 device: torch.device | str = "cpu", max_penalty_requests: int = 1024,
+                 preallocate: bool = False) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = ((eos_token_ids,) if isinstance(eos_token_ids, int)
                               else tuple(eos_token_ids))
@@ -105,7 +106,8 @@ class Sampler:
         self._positions = ids
         self._vocab_keys = (ids * _TOKEN_MULTIPLIER).bitwise_and_(_MASK32)
         self._minus_inf = torch.tensor(-math.inf, device=self.device)
-        self._penalties = PenaltyState(vocab_size, self.device, max_penalty_requests)
+        self._penalties = PenaltyState(vocab_size, self.device, max_penalty_requests,
+                                       preallocate)
 
     def release(self, key: Hashable) -> None:
         """Forget a finished or aborted request's penalty counts."""
