@@ -159,6 +159,50 @@ def bookkeeping(args: argparse.Namespace) -> None:
           "(includes the block hashes of the new blocks for the KV-event stream)")
 
 
+def queue(args: argparse.Namespace) -> None:
+    """Per-step scheduling cost with thousands waiting behind a shared, uncached prefix."""
+    import torch
+
+    from radixpool.worker.config import EngineConfig
+    from radixpool.worker.mem.kv_pool import KVPool, ReqToTokenPool
+    from radixpool.worker.mem.radix_cache import RadixCache
+    from radixpool.worker.request import Req
+    from radixpool.worker.sampling_params import SamplingParams
+    from radixpool.worker.scheduler.scheduler import Scheduler
+
+    rng = random.Random(0)
+    prefix = [rng.randrange(5, 30000) for _ in range(args.prefix_len)]
+    running = args.max_running
+    pool = KVPool(running * (args.prefix_len + 64 + args.steps) + args.prefix_len,
+                  1, 1, 1, 1, torch.float32, "cpu")
+    rows = ReqToTokenPool(running + 4, args.prefix_len + 64 + args.steps + 8, "cpu")
+    cache = RadixCache(pool, 1, 16)
+    config = EngineConfig("unused", max_running_requests=running,
+                          chunked_prefill_size=args.chunk, max_prefill_tokens=args.chunk)
+    sched = Scheduler(config, pool, rows, cache, 1 << 20, (2,))
+    params = SamplingParams(max_new_tokens=10_000, ignore_eos=True)
+    now = time.time()
+    for i in range(args.waiting):
+        tail = [rng.randrange(5, 30000) for _ in range(32)]
+        sched.add(Req(f"r{i}", prefix + tail, params, i, arrival_time=now))
+    timings = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        step = sched.next_batch()
+        sched.process(step, [7] * sum(step.sample))
+        for event in cache.drain_events():   # what EngineCore.step does with the events
+            if event.type == "stored":
+                sched.waiting.on_stored(event.blocks)
+        timings.append(time.perf_counter() - t0)
+    timings.sort()
+    print(f"{args.waiting} requests sharing an uncached {args.prefix_len}-token prefix "
+          f"(chunk {args.chunk}, at most {running} running): {args.steps} steps, "
+          f"{len(sched.waiting)} still waiting")
+    print(f"  per step (scheduler + result processing + queue updates, no model): "
+          f"p50 {1e3 * timings[len(timings) // 2]:.3f} ms   "
+          f"p99 {1e3 * timings[int(0.99 * len(timings))]:.3f} ms   max {1e3 * timings[-1]:.3f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="mode", required=True)
@@ -181,6 +225,13 @@ def main() -> None:
     b.add_argument("--prompt-len", type=int, default=4096)
     b.add_argument("--repeats", type=int, default=200)
     b.set_defaults(func=bookkeeping)
+    q = sub.add_parser("queue")
+    q.add_argument("--waiting", type=int, default=8000)
+    q.add_argument("--prefix-len", type=int, default=4096)
+    q.add_argument("--chunk", type=int, default=512)
+    q.add_argument("--max-running", type=int, default=256)
+    q.add_argument("--steps", type=int, default=100)
+    q.set_defaults(func=queue)
     args = parser.parse_args()
     args.func(args)
 

@@ -56,6 +56,7 @@ class Req:
     match_blocks: int = 0
     version: int = 0                      # bumps on every priority change (stale heap entries)
     queue_epoch: int = 0                  # bumps on every enqueue (stale arrival entries)
+    queue_group: object | None = None     # the waiting queue's group it is in
 
     seq_len: int = 0                      # len(input_ids) + len(output_ids), kept by append
 

@@ -9,8 +9,9 @@ prefilled (chunked) prompt admitted at a time, and KV room in pages. Two rooms a
   again is what once starved a long prompt's next chunk forever).
 A waiting request admitted into an empty engine may use the whole `hard` room, chunked to fit,
 so an engine with work always makes progress.
-Requests whose uncached prefix is being computed by a request admitted this step are held back
-(in-batch de-duplication): they hit the cache that request fills.
+Requests whose uncached prefix is being computed by a request admitted this step, or by a prompt
+mid-prefill, are held back (in-batch de-duplication): their queue group is parked under that
+request until its prefill is done, and then they hit the cache it filled.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class PrefillAdder:
         self.reqs: list[Req] = []
         self.takes: list[int] = []
         self.chunked = False
-        self.pending_blocks: set[int] = set()
+        self.pending_blocks: dict[int, str] = {}   # uncached block hash -> rid computing it
 
     def _take(self, req: Req, take: int, pages: int) -> None:
         self.reqs.append(req)
@@ -69,13 +70,16 @@ class PrefillAdder:
             if take > 0:
                 self.chunked = self.chunked or take < req.uncomputed
                 self._take(req, take, self.kv.pages_for(req.kv_len, take))
+                self._computing(req, req.kv_len // self.waiting.cache.block_size)
 
     def decide(self, req: Req) -> Verdict:
         """The waiting queue's callback: admit `req` now, skip it, or stop admitting."""
+        blocker = self._blocker(req)
+        if blocker is not None:   # before any STOP: parked, it costs nothing in later steps
+            self.waiting.park(req, blocker)
+            return Verdict.SKIP
         if self.num_running + len(self.reqs) >= self.max_running or self.token_budget <= 0:
             return Verdict.STOP
-        if self._held_back(req):
-            return Verdict.SKIP
         match, locked = self.kv.match_and_lock(req)
         need = req.seq_len - match.length
         take = min(need, self.chunk, self.token_budget)
@@ -93,14 +97,21 @@ class PrefillAdder:
         if req.cached_tokens < 0:
             req.cached_tokens = min(match.length, len(req.input_ids))
             req.queue_time = max(0.0, self.now - req.arrival_time)
-        if req.block_hashes is not None:
-            self.pending_blocks.update(req.block_hashes[req.match_blocks:].tolist())
+        self._computing(req, req.match_blocks)
         self._take(req, take, self.kv.pages_for(match.length, take))
         return Verdict.ADMIT
 
-    def _held_back(self, req: Req) -> bool:
+    def _computing(self, req: Req, first_block: int) -> None:
+        if self.waiting.lpm and req.block_hashes is not None:
+            self.pending_blocks.update(
+                dict.fromkeys(req.block_hashes[first_block:].tolist(), req.rid))
+
+    def _blocker(self, req: Req) -> str | None:
+        """The request computing `req`'s next uncached blocks in this step, if any."""
         if not (self.waiting.lpm and self.pending_blocks):
-            return False
+            return None
         ahead = self.waiting.uncached_blocks(req, req.match_blocks, DEDUP_MIN_BLOCKS)
-        return len(ahead) == DEDUP_MIN_BLOCKS and all(int(h) in self.pending_blocks
-                                                      for h in ahead)
+        if len(ahead) < DEDUP_MIN_BLOCKS or not all(int(h) in self.pending_blocks
+                                                    for h in ahead):
+            return None
+        return self.pending_blocks[int(ahead[0])]

@@ -92,7 +92,7 @@ class Scheduler:
             req = self.running.get(rid)
             if req is None:
                 return None
-            self.run_set.remove(req)
+            self._leave_running(req)
         req.status = Status.FINISHED
         req.finish_reason = "abort"
         return self._delta(req, [])
@@ -164,15 +164,19 @@ class Scheduler:
             self._finish_now(victim, "abort", error=f"the request needs more KV than this "
                                                     f"worker has ({self.pool.capacity} tokens)")
 
-    def _finish_now(self, req: Req, reason: str, error: str | None = None) -> None:
+    def _leave_running(self, req: Req) -> None:
         self.run_set.remove(req)
+        self.waiting.unpark(req.rid)   # requests held behind its prefill re-match the tree
+
+    def _finish_now(self, req: Req, reason: str, error: str | None = None) -> None:
+        self._leave_running(req)
         req.status, req.finish_reason = Status.FINISHED, reason
         delta = self._delta(req, [])
         delta.error = error
         self._pending_deltas.append(delta)
 
     def _retract(self, req: Req) -> None:
-        self.run_set.remove(req)
+        self._leave_running(req)
         req.retractions += 1
         self.retracted_total += 1
         self.run_set.on_retract()
@@ -184,6 +188,7 @@ class Scheduler:
         """Apply one step's results. `sampled[j]` belongs to the j-th request with sample=True."""
         deltas = self.take_deltas()
         j = -1
+        extend = batch.mode is ForwardMode.EXTEND
         for req, new, wants in zip(batch.reqs, batch.token_ids, batch.sample):
             j += wants
             if req.rid not in self.running:
@@ -194,9 +199,11 @@ class Scheduler:
             token = sampled[j]
             req.append(token)
             if self._check_finished(req, token):
-                self.run_set.remove(req)
+                self._leave_running(req)
             elif len(new) > 1 or len(req.output_ids) == 1:
                 self.kv.cache_prefix(req)
+            if extend:
+                self.waiting.unpark(req.rid)   # its prompt is in the tree now
             deltas.append(self._delta(req, [token], None if logprobs is None else logprobs[j],
                                       None if top_logprobs is None else top_logprobs[j]))
         if batch.mode is ForwardMode.DECODE:
