@@ -42,14 +42,17 @@ class FakeModel:
         self.token = [-1] * slots
         self.pos = [-1] * slots
         self.table = table
+        self.last: dict[int, int] = {}   # row -> its last sampled token (the device's copy)
 
     def run(self, batch) -> list[int]:
         """One sampled token per request of `batch` with `sample` set, in batch order."""
         loc = batch.out_cache_loc.tolist()
-        assert len(loc) == sum(len(t) for t in batch.token_ids)
+        assert len(loc) == sum(batch.extend_lens)
         cursor, out = 0, []
         for req, new, prefix, wants in zip(batch.reqs, batch.token_ids, batch.prefix_lens,
                                            batch.sample):
+            if new is None:   # decoding: the input is the row's last sampled token
+                new = [self.last[req.row]]
             for i, token in enumerate(new):
                 slot = loc[cursor + i]
                 self.token[slot], self.pos[slot] = token, prefix + i
@@ -58,6 +61,7 @@ class FakeModel:
                 row = self.table[req.row, :prefix + len(new)].tolist()
                 seq = [self.token[s] if self.pos[s] == i else -1 for i, s in enumerate(row)]
                 out.append(next_token(seq))
+                self.last[req.row] = out[-1]
         return out
 
 
@@ -104,14 +108,42 @@ def collect(outcomes: dict[str, Outcome], deltas) -> None:
             o.finish_reason, o.error = d.finish_reason, d.error
 
 
-def step(sched, model, outcomes: dict[str, Outcome]) -> None:
-    """One scheduler step with the fake model; the scheduler must make progress if it has work."""
-    batch = sched.next_batch()
-    if batch is None:  # only when what was left finished while scheduling
+class Loop:
+    """The engine core's step loop (`EngineCore.step`) over the fake model: synchronous, or
+    overlapped (step N+1 scheduled and run before step N's results are processed)."""
+
+    def __init__(self, sched, model: FakeModel, overlap: bool = False) -> None:
+        self.sched, self.model, self.overlap = sched, model, overlap
+        self.inflight = None
+
+    @property
+    def has_work(self) -> bool:
+        return self.sched.has_work or self.inflight is not None
+
+    def step(self, outcomes: dict[str, Outcome]) -> None:
+        sched = self.sched
+        previous, self.inflight = self.inflight, None
+        if previous is not None and not sched.can_schedule_ahead():
+            collect(outcomes, sched.process(*previous))
+            previous = None
+        batch = sched.next_batch()
+        if batch is not None:
+            launched = (batch, self.model.run(batch))
+            if self.overlap:
+                self.inflight = launched
+            else:
+                collect(outcomes, sched.process(*launched))
+        elif previous is None:
+            collect(outcomes, sched.take_deltas())  # only what finished while scheduling
+            assert not sched.has_work, "the scheduler has work but scheduled nothing (livelock)"
+        if previous is not None:
+            collect(outcomes, sched.process(*previous))
         collect(outcomes, sched.take_deltas())
-        assert not sched.has_work, "the scheduler has work but scheduled nothing (livelock)"
-        return
-    collect(outcomes, sched.process(batch, model.run(batch)))
+
+
+def step(sched, model, outcomes: dict[str, Outcome]) -> None:
+    """One synchronous step; the scheduler must make progress if it has work."""
+    Loop(sched, model).step(outcomes)
 
 
 def run_all(sched, model, outcomes: dict[str, Outcome], max_steps: int = 5000) -> None:

@@ -31,6 +31,9 @@ class EngineConfig:
     context_length: int | None = None
     # Check the cache/pool invariants whenever the engine goes idle (tests, debugging).
     debug_invariants: bool = False
+    # Schedule step N+1 while step N runs (its tokens stay on the device until processed).
+    # None: on for CUDA, off on CPU (where nothing runs concurrently to gain from it).
+    overlap_schedule: bool | None = None
 
     def __post_init__(self) -> None:
         def fail(name: str, expected: str) -> None:

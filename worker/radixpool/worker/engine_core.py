@@ -4,6 +4,15 @@
 step asks the scheduler for a batch, runs the forward pass, samples the requests that reached the
 end of what they had to compute, and lets the scheduler apply the tokens. What changed (new
 tokens, finishes, cache events, queue stats) comes back as one `StepOutput`.
+
+Overlapped (`overlap_schedule`, the default on CUDA): a step schedules and launches batch N+1
+*before* processing batch N's results, so the host's bookkeeping runs while the device computes.
+The sampled tokens stay on the device (each row's `last_token`, where the next decode reads its
+input) until `process` needs them; lengths and KV ownership advanced when N was scheduled, and
+results of requests that left the running set since are dropped (`Req.run_epoch`). When the next
+batch depends on tokens the host has not seen — penalties read past tokens, a KV shortage must
+see every token before it retracts or finishes a request — the step processes N first, exactly
+like the synchronous loop. Either way a request gets the same tokens.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ from radixpool.worker.messages import (
 )
 from radixpool.worker.model_runner import ModelRunner
 from radixpool.worker.request import Req
-from radixpool.worker.sampler import Sampler, SamplingRow
+from radixpool.worker.sampler import Sampler, SampleResult, SamplingRow
 from radixpool.worker.scheduler.scheduler import ScheduledBatch, Scheduler
 
 
@@ -43,6 +52,14 @@ class StepTimes:
     @property
     def bookkeeping(self) -> float:
         return self.schedule + self.process
+
+
+@dataclass
+class InFlight:
+    """A launched step whose results are not processed yet."""
+
+    batch: ScheduledBatch
+    result: SampleResult | None
 
 
 def kv_block_size(page_size: int) -> int:
@@ -64,6 +81,9 @@ class EngineCore:
                                max_penalty_requests=self.runner.per_request.penalty_rows,
                                preallocate=self.runner.device.type == "cuda")
         self.times = StepTimes()
+        overlap = config.overlap_schedule
+        self.overlap = self.runner.device.type == "cuda" if overlap is None else overlap
+        self._inflight: InFlight | None = None
 
     def ready_message(self) -> CoreReady:
         r = self.runner
@@ -98,19 +118,28 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._inflight is not None
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
     def step(self) -> StepOutput:
         out = StepOutput()
         t0 = time.perf_counter()
+        previous, self._inflight = self._inflight, None
+        if previous is not None and not self.scheduler.can_schedule_ahead():
+            out.deltas += self._process(previous)
+            previous = None
         batch = self.scheduler.next_batch()
         if batch is not None:
             self.times.steps += 1
-            out.deltas = self._run(batch, t0)
-        else:
-            out.deltas = self.scheduler.take_deltas()
+            launched = self._launch(batch, t0)
+            if self.overlap:
+                self._inflight = launched
+            else:
+                out.deltas += self._process(launched)
+        if previous is not None:
+            out.deltas += self._process(previous)
+        out.deltas += self.scheduler.take_deltas()
         t = time.perf_counter()
         out.events = self.cache.drain_events()
         for event in out.events:
@@ -120,37 +149,51 @@ class EngineCore:
         self.times.process += time.perf_counter() - t
         return out
 
-    def _run(self, batch: ScheduledBatch, t0: float) -> list[TokenDelta]:
+    def _launch(self, batch: ScheduledBatch, t0: float) -> InFlight:
+        """Forward and sample; the tokens stay on the device, in each row's `last_token`."""
         runner, times = self.runner, self.times
+        last_tokens = runner.req_to_token_pool.last_token
         fb = ForwardBatch.build(batch.mode, batch.token_ids, batch.prefix_lens,
-                                batch.out_cache_loc, [r.row for r in batch.reqs], batch.sample,
-                                runner.req_to_token_pool.table, runner.kv_pool)
+                                batch.out_cache_loc, batch.rows, batch.sample,
+                                runner.req_to_token_pool.table, runner.kv_pool, last_tokens)
         t1 = time.perf_counter()
         logits = runner.forward(fb)
         t2 = time.perf_counter()
-        rows = [SamplingRow(r.params, r.seed, r.input_ids, r.output_ids, r.rid)
-                for r, wants in zip(batch.reqs, batch.sample) if wants]
-        # the forward's logits are this step's alone: the sampler may edit them in place
-        result = self.sampler.sample(logits, rows, logits_owned=True) if rows else None
-        t3 = time.perf_counter()
-        if result is not None:
-            deltas = self.scheduler.process(batch, result.token_ids, result.logprobs,
-                                            result.top_logprobs)
-        else:
-            deltas = self.scheduler.process(batch, [])
+        sampled = [r for r, wants in zip(batch.reqs, batch.sample) if wants]
+        result = None
+        if sampled:
+            # `pending` already counts this step's token: the step index is one less
+            rows = [SamplingRow(r.params, r.seed, r.input_ids, r.output_ids, r.rid,
+                                len(r.output_ids) + r.pending - 1) for r in sampled]
+            # the forward's logits are this step's alone: the sampler may edit them in place
+            result = self.sampler.sample(logits, rows, logits_owned=True,
+                                         to_host=not self.overlap)
+            index = torch.tensor([r.row for r in sampled], device=last_tokens.device)
+            last_tokens[index] = result.tensor
         times.schedule += t1 - t0
         times.forward += t2 - t1
-        times.sample += t3 - t2
-        times.process += time.perf_counter() - t3
+        times.sample += time.perf_counter() - t2
+        return InFlight(batch, result)
+
+    def _process(self, done: InFlight) -> list[TokenDelta]:
+        t = time.perf_counter()
+        result = done.result
+        if result is None:
+            deltas = self.scheduler.process(done.batch, [])
+        else:
+            tokens = result.token_ids if result.token_ids is not None else result.tensor.tolist()
+            deltas = self.scheduler.process(done.batch, tokens, result.logprobs,
+                                            result.top_logprobs)
         for delta in deltas:
             if delta.finished:
                 self.sampler.release(delta.rid)
+        self.times.process += time.perf_counter() - t
         return deltas
 
     # ------------------------------------------------------------------ control
     def flush_cache(self) -> None:
         """Empty the radix cache. Only while idle: in-flight requests hold locks into it."""
-        if self.scheduler.has_work:
+        if self.has_work:
             raise RuntimeError("cannot flush while requests are running or waiting")
         self.cache.reset()
 

@@ -48,17 +48,19 @@ class ForwardBatch:
         return int(self.input_ids.shape[0])
 
     @classmethod
-    def build(cls, mode: ForwardMode, token_ids: list[list[int]], prefix_lens: list[int],
+    def build(cls, mode: ForwardMode, token_ids: list[list[int] | None], prefix_lens: list[int],
               out_cache_loc: torch.Tensor, req_rows: list[int], logits_rows: list[bool],
-              req_to_token: torch.Tensor, kv_pool: Any) -> ForwardBatch:
+              req_to_token: torch.Tensor, kv_pool: Any,
+              last_tokens: torch.Tensor | None = None) -> ForwardBatch:
         """Build from per-request new token ids.
 
         `logits_rows[i]` says whether request i needs next-token logits this step (False for a
-        prefill chunk that does not reach the end of its prompt).
+        prefill chunk that does not reach the end of its prompt). A `None` entry (only after
+        every list entry) is one token read on the device from `last_tokens[req_rows[i]]`.
         """
         device = req_to_token.device
-        extend_lens = [len(t) for t in token_ids]
-        flat = [t for ids in token_ids for t in ids]
+        extend_lens = [1 if t is None else len(t) for t in token_ids]
+        flat = [t for ids in token_ids if ids is not None for t in ids]
         positions: list[int] = []
         for p, e in zip(prefix_lens, extend_lens):
             positions.extend(range(p, p + e))
@@ -68,9 +70,14 @@ class ForwardBatch:
             ends.append(total - 1)
         logits_indices = [end for end, want in zip(ends, logits_rows) if want]
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+        input_ids = as_tensor(flat)
+        num_known = sum(ids is not None for ids in token_ids)
+        if num_known < len(token_ids):
+            future = last_tokens[as_tensor(req_rows[num_known:])]
+            input_ids = torch.cat([input_ids, future]) if flat else future
         return cls(
             mode=mode,
-            input_ids=as_tensor(flat),
+            input_ids=input_ids,
             positions=as_tensor(positions),
             out_cache_loc=out_cache_loc,
             req_rows=as_tensor(req_rows),

@@ -5,6 +5,11 @@ KV ownership while a request holds a row of the request→slot table:
 - `table[row, prefix_len:kv_len]` are slots this request owns and must insert or free;
 - `fill_ids[kv_len:]` have no KV yet: the next step computes them (one token when decoding,
   the rest of the prompt in prefill, everything not re-matched after a retraction) and samples.
+`kv_len` advances when a step is *scheduled*; the step's sampled token is appended when its
+results are processed. In between the token is `pending` (on the device, in the request→token
+table's `last_token` entry for its row): with one step in flight, the next step decodes from it
+without the host ever seeing it. `run_epoch` changes whenever the request leaves the running set,
+so results of a step scheduled before that (a retraction, an abort) are recognised and dropped.
 A waiting request holds no row, no lock and no slots (retraction gives all three back).
 """
 
@@ -47,6 +52,9 @@ class Req:
     prefix_len: int = 0
     last_node: TreeNode | None = None
 
+    pending: int = 0                      # sampled tokens scheduled but not yet appended
+    decoding: bool = False                # its last token was sampled while it held its row
+    run_epoch: int = 0
     cached_tokens: int = -1               # prompt tokens reused at first admission (-1: not yet)
     queue_time: float | None = None
     retractions: int = 0
@@ -74,8 +82,9 @@ class Req:
 
     @property
     def uncomputed(self) -> int:
-        """Tokens without KV: the next step computes `fill_ids[kv_len:]` (decode: just one)."""
-        return self.seq_len - self.kv_len
+        """Tokens without KV, counting pending ones: the next step computes `fill_ids[kv_len:]`
+        (decode: just one, maybe still on the device)."""
+        return self.seq_len + self.pending - self.kv_len
 
     def remaining_new_tokens(self) -> int:
         return self.params.max_new_tokens - len(self.output_ids)

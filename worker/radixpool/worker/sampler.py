@@ -49,14 +49,21 @@ class SamplingRow:
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]     # tokens generated so far; len() is the step
     key: Hashable | None = None   # request id: lets penalty counts persist between steps
+    # The step when it differs from len(output_ids): tokens still on the device count too.
+    generated: int | None = None
+
+    @property
+    def step(self) -> int:
+        return len(self.output_ids) if self.generated is None else self.generated
 
 
 @dataclass
 class SampleResult:
-    token_ids: list[int]
+    token_ids: list[int] | None   # None when the caller asked to keep the tokens on the device
     # Present when any row asked for logprobs; None for rows that did not.
     logprobs: list[float | None] | None = None
     top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    tensor: torch.Tensor | None = None   # the same tokens, on the device
 
 
 def request_seed(seed: int | None, fork: int = 0) -> int:
@@ -115,9 +122,10 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
                vocab_mask: torch.Tensor | None = None,
-               logits_owned: bool = False) -> SampleResult:
+               logits_owned: bool = False, to_host: bool = True) -> SampleResult:
         """Pick one token per row. `logits` [len(rows), vocab_size] is not modified unless
-        `logits_owned` (the caller will not read them again: no copy is made to edit them)."""
+        `logits_owned` (the caller will not read them again: no copy is made to edit them).
+        Without `to_host` the tokens stay on the device (`tensor`) unless logprobs are asked."""
         n, vocab = len(rows), self.vocab_size
         if logits.shape != (n, vocab):
             raise ValueError(f"logits must be [{n}, {vocab}], got {list(logits.shape)}")
@@ -146,14 +154,15 @@ class Sampler:
                 bias_rows.extend([i] * len(p.logit_bias))
                 bias_tokens.extend(p.logit_bias)
                 bias_values.extend(p.logit_bias.values())
-            if len(row.output_ids) < p.min_new_tokens:
+            if row.step < p.min_new_tokens:
                 banned = p.stop_token_ids if p.ignore_eos else self.eos_token_ids + p.stop_token_ids
                 ban_rows.extend([i] * len(banned))
                 ban_tokens.extend(banned)
 
         modifies = bool(penalised or bias_rows or ban_rows) or vocab_mask is not None
         if not (sampled or modifies or want_logprobs):
-            return SampleResult(logits.argmax(-1).tolist())
+            tokens = logits.argmax(-1)
+            return SampleResult(tokens.tolist() if to_host else None, tensor=tokens)
 
         logprobs = None
         if want_logprobs:
@@ -186,8 +195,10 @@ class Sampler:
             dead = work.amax(-1) == -math.inf
             tokens = tokens.masked_fill(dead, self.eos_token_ids[0])
         if logprobs is None:
-            return SampleResult(tokens.tolist())
-        return self._with_logprobs(tokens, logprobs, rows, want_logprobs)
+            return SampleResult(tokens.tolist() if to_host else None, tensor=tokens)
+        result = self._with_logprobs(tokens, logprobs, rows, want_logprobs)
+        result.tensor = tokens
+        return result
 
     def _long(self, values: Sequence[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
@@ -220,7 +231,7 @@ class Sampler:
             floats.append((p.temperature, p.top_p if p.top_p < 1 else math.inf,
                            math.log(p.min_p) if p.min_p > 0 else -math.inf))
             ints.append((k, r.seed & _MASK32, (r.seed >> 32) & _MASK32,
-                         len(r.output_ids) & _MASK32))
+                         r.step & _MASK32))
             (truncated if k < vocab or p.top_p < 1 else whole).append(j)
         floats_t = torch.tensor(floats, dtype=torch.float32, device=self.device)
         ints_t = torch.tensor(ints, dtype=torch.long, device=self.device)

@@ -127,6 +127,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
+    @property
+    def penalised(self) -> bool:
+        """Whether sampling reads the request's own past tokens."""
+        return self.repetition_penalty != 1 or bool(self.frequency_penalty) or \
+            bool(self.presence_penalty)
+
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids in the params must exist in the model's vocabulary."""
         for name, ids in (("logit_bias", self.logit_bias), ("stop_token_ids", self.stop_token_ids)):

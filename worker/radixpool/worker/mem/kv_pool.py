@@ -163,10 +163,15 @@ class KVPool:
 
 
 class ReqToTokenPool:
-    """Rows of token-slot indices, one row per running request: row[i] = slot of token i."""
+    """Rows of token-slot indices, one row per running request: row[i] = slot of token i.
+
+    `last_token[row]` is the row's latest sampled token, written on the device by the sampler:
+    the next decode step reads its input from there, so the host need not have seen it yet.
+    """
 
     def __init__(self, num_rows: int, max_context_len: int, device: torch.device | str) -> None:
         self.table = torch.zeros((num_rows, max_context_len), dtype=torch.int64, device=device)
+        self.last_token = torch.zeros(num_rows, dtype=torch.int64, device=device)
         self._free_rows = list(range(num_rows - 1, -1, -1))
 
     def alloc(self) -> int | None:

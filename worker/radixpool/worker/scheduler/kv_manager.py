@@ -134,6 +134,9 @@ class KVManager:
         self.cache.unlock(req.last_node)
         self.rows.free(req.row)
         req.row, req.last_node, req.kv_len, req.prefix_len = None, None, 0, 0
+        req.pending = 0      # an in-flight token is dropped: a resumed request recomputes it
+        req.decoding = False
+        req.run_epoch += 1
 
     # ------------------------------------------------------------------ invariants
     def check(self, running: list[Req]) -> None:

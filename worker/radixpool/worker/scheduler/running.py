@@ -1,8 +1,9 @@
 """The running requests: who decodes next, how much KV their growth needs, who is retracted.
 
-A running request either decodes (one token without KV: `uncomputed == 1`) or is a prompt
-mid-prefill (chunked). Every decoding request needs a slot for its next token, which costs a page
-only when its last page is full. When even eviction cannot give those pages, the youngest running
+A running request either decodes (one token without KV, which it sampled: its input is on the
+device) or is a prompt mid-prefill (chunked; maybe down to its last prompt token). Every
+decoding request needs a slot for its next token, which costs a page only when its last page is
+full. When even eviction cannot give those pages, the youngest running
 requests are retracted (their KV goes into the tree first, so they resume by re-matching it); a
 request alone that still lacks a page has outgrown this worker's KV and finishes with "length".
 The decode reservation ratio (the share of their remaining tokens that running requests are
@@ -31,7 +32,7 @@ class RunningSet:
         """(decoding, mid-prefill) requests."""
         decode, chunking = [], []
         for r in self.reqs.values():
-            (decode if r.uncomputed == 1 else chunking).append(r)
+            (decode if r.decoding and r.uncomputed == 1 else chunking).append(r)
         return decode, chunking
 
     def reserved_pages(self) -> int:

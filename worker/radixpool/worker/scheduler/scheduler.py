@@ -39,11 +39,19 @@ from radixpool.worker.scheduler.waiting_queue import WaitingQueue
 @dataclass
 class ScheduledBatch:
     mode: ForwardMode
-    reqs: list[Req]
-    token_ids: list[list[int]]   # new tokens per request
+    reqs: list[Req]              # prefill requests first, then decoding ones
+    # New tokens per request; None for a decoding request: its one input token is the one last
+    # sampled for its row (`ReqToTokenPool.last_token`), maybe not on the host yet.
+    token_ids: list[list[int] | None]
     prefix_lens: list[int]       # KV length before this step
+    extend_lens: list[int]       # new tokens per request
     out_cache_loc: torch.Tensor  # slots for every new token, requests concatenated
     sample: list[bool]           # whether the request gets a sampled token from this step
+    epochs: list[int]            # each request's run_epoch when scheduled
+
+    @property
+    def rows(self) -> list[int]:
+        return [r.row for r in self.reqs]
 
 
 class Scheduler:
@@ -119,14 +127,30 @@ class Scheduler:
                 self.running[req.rid] = req
         slots = self.kv.allocate(prefill, takes, decode)
         reqs = prefill + decode
-        token_ids = [r.fill_ids[r.kv_len:r.kv_len + t] for r, t in zip(prefill, takes)]
-        token_ids += [[(r.output_ids or r.input_ids)[-1]] for r in decode]
+        token_ids: list[list[int] | None] = [r.fill_ids[r.kv_len:r.kv_len + t]
+                                             for r, t in zip(prefill, takes)]
+        token_ids += [None] * len(decode)
+        extend_lens = takes + [1] * len(decode)
         prefix_lens = [r.kv_len for r in reqs]
         sample = [r.kv_len + t == r.seq_len for r, t in zip(prefill, takes)] + [True] * len(decode)
-        for req, new in zip(reqs, token_ids):
-            req.kv_len += len(new)   # the pages are the request's from now on
+        for req, n, wants in zip(reqs, extend_lens, sample):
+            req.kv_len += n          # the pages are the request's from now on
+            req.pending += wants     # its token exists once the step has run
+            req.decoding = req.decoding or wants
         mode = ForwardMode.EXTEND if prefill else ForwardMode.DECODE
-        return ScheduledBatch(mode, reqs, token_ids, prefix_lens, slots, sample)
+        return ScheduledBatch(mode, reqs, token_ids, prefix_lens, extend_lens, slots, sample,
+                              [r.run_epoch for r in reqs])
+
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next step may be scheduled before the in-flight one's tokens are on the
+        host: not when a running request's sampling reads its own past tokens (penalties), nor
+        when KV is short (a retraction or an outgrown request must see every token first)."""
+        decode_pages = 0
+        for r in self.running.values():
+            if r.params.penalised:
+                return False
+            decode_pages += (r.kv_len % self.kv.page_size == 0)
+        return decode_pages <= self.kv.room()
 
     def _decode_with_room(self) -> tuple[list[Req], list[Req]]:
         """Decoding requests (their pages ensured) and prompts mid-prefill."""
@@ -189,10 +213,12 @@ class Scheduler:
         deltas = self.take_deltas()
         j = -1
         extend = batch.mode is ForwardMode.EXTEND
-        for req, new, wants in zip(batch.reqs, batch.token_ids, batch.sample):
+        for req, n, wants, epoch in zip(batch.reqs, batch.extend_lens, batch.sample,
+                                        batch.epochs):
             j += wants
-            if req.rid not in self.running:
-                continue  # aborted or retracted while in flight
+            if req.run_epoch != epoch:
+                continue  # finished, aborted or retracted after this step was scheduled
+            req.pending -= wants
             if not wants:
                 self.kv.cache_prefix(req)  # a finished chunk becomes shareable now
                 continue
@@ -200,7 +226,7 @@ class Scheduler:
             req.append(token)
             if self._check_finished(req, token):
                 self._leave_running(req)
-            elif len(new) > 1 or len(req.output_ids) == 1:
+            elif n > 1 or len(req.output_ids) == 1:
                 self.kv.cache_prefix(req)
             if extend:
                 self.waiting.unpark(req.rid)   # its prompt is in the tree now
