@@ -2,7 +2,8 @@
 
     python bench/engine.py offline  [--model DIR] [--requests 256] [--prompt-len 256]
                                     [--output-len 64] [--shared-prefix 0.5] [--groups 8]
-    python bench/engine.py bookkeeping [--batch 256] [--tree-tokens 1000000] [--prompt-len 4096]
+    python bench/engine.py bookkeeping [--batch 64 256] [--tree-tokens 1000000] [--prompt-len 4096]
+    python bench/engine.py queue [--waiting 8000] [--prefix-len 4096] [--chunk 512]
 
 `offline` runs the engine core in-process (no HTTP, no IPC) on a workload where a fraction
 (`--shared-prefix`) of each prompt is a prefix shared by its group, and prints generated tokens/s,
@@ -10,9 +11,13 @@ the cache hit rate, and the wall time per step split into scheduling + cache boo
 forward, and sampling. On a GPU the bookkeeping is what caps small-model throughput, so it is
 reported apart from the model.
 
+`queue` measures a scheduling step with thousands of requests waiting behind one shared prefix
+that is still being computed (they cannot be admitted yet: the step must not grow with them).
+
 `bookkeeping` measures the two costs the engine issue names, without a model:
 - one decode step's scheduling and result processing at `--batch` running requests
-  (the model forward and the sampler replaced by constant outputs);
+  (the model forward and the sampler replaced by constant outputs), with the synchronous loop and
+  with the overlapped one (step N+1 scheduled before step N's results are processed);
 - `match_prefix` + `insert` of a `--prompt-len`-token prompt against a tree holding
   `--tree-tokens` tokens.
 """
@@ -84,7 +89,9 @@ def offline(args: argparse.Namespace) -> None:
           "   (schedule + process: everything but the model and the sampler)")
 
 
-def bookkeeping(args: argparse.Namespace) -> None:
+def _decode_steps(batch: int, steps: int, overlap: bool, rng: random.Random) -> list[float]:
+    """Host time per decode step at `batch` running requests, the model replaced by constant
+    tokens; overlapped: step N+1 is scheduled before step N's results are processed."""
     import torch
 
     from radixpool.worker.config import EngineConfig
@@ -94,11 +101,8 @@ def bookkeeping(args: argparse.Namespace) -> None:
     from radixpool.worker.sampling_params import SamplingParams
     from radixpool.worker.scheduler.scheduler import Scheduler
 
-    rng = random.Random(0)
-    # --- decode step at batch B: the scheduler and result processing, model stubbed out
-    batch, prompt = args.batch, 128
-    capacity = batch * (prompt + args.decode_steps + 8)
-    pool = KVPool(capacity, 1, 1, 1, 1, torch.float32, "cpu")
+    prompt = 128
+    pool = KVPool(batch * (prompt + steps + 8), 1, 1, 1, 1, torch.float32, "cpu")
     rows = ReqToTokenPool(batch + 4, 4096, "cpu")
     cache = RadixCache(pool, 1, 16)
     config = EngineConfig("unused", max_running_requests=batch, chunked_prefill_size=8192,
@@ -109,16 +113,38 @@ def bookkeeping(args: argparse.Namespace) -> None:
         sched.add(Req(f"r{i}", [rng.randrange(5, 1000) for _ in range(prompt)], params, i))
     first = sched.next_batch()
     sched.process(first, [7] * sum(first.sample))
-    timings = []
-    for _ in range(args.decode_steps):
+    timings, inflight = [], None
+    for _ in range(steps):
         t0 = time.perf_counter()
+        if inflight is not None and not sched.can_schedule_ahead():
+            sched.process(inflight, [7] * len(inflight.reqs))
+            inflight = None
         step = sched.next_batch()
-        sched.process(step, [7] * len(step.reqs))
+        if inflight is not None:
+            sched.process(inflight, [7] * len(inflight.reqs))
+        if overlap:
+            inflight = step
+        else:
+            sched.process(step, [7] * len(step.reqs))
         timings.append(time.perf_counter() - t0)
-    print(f"decode step at batch {len(step.reqs)} (scheduler + KV alloc + result processing, "
-          "no model):")
-    print(f"  p50 {1e3 * statistics.median(timings):.3f} ms   "
-          f"p99 {1e3 * sorted(timings)[int(0.99 * len(timings))]:.3f} ms")
+    return timings
+
+
+def bookkeeping(args: argparse.Namespace) -> None:
+    import torch
+
+    from radixpool.worker.mem.kv_pool import KVPool
+    from radixpool.worker.mem.radix_cache import RadixCache
+
+    rng = random.Random(0)
+    # --- decode step at batch B: the scheduler and result processing, model stubbed out
+    for batch in args.batch:
+        for overlap in (False, True):
+            timings = _decode_steps(batch, args.decode_steps, overlap, rng)
+            print(f"decode step at batch {batch}, {'overlapped ' if overlap else 'synchronous'}"
+                  " (scheduler + KV alloc + result processing, no model):")
+            print(f"  p50 {1e3 * statistics.median(timings):.3f} ms   "
+                  f"p99 {1e3 * sorted(timings)[int(0.99 * len(timings))]:.3f} ms")
 
     # --- match + insert against a big tree
     total = args.tree_tokens
@@ -219,7 +245,7 @@ def main() -> None:
     p.add_argument("--chunked-prefill-size", type=int, default=4096)
     p.set_defaults(func=offline)
     b = sub.add_parser("bookkeeping")
-    b.add_argument("--batch", type=int, default=256)
+    b.add_argument("--batch", type=int, nargs="+", default=[64, 256])
     b.add_argument("--decode-steps", type=int, default=200)
     b.add_argument("--tree-tokens", type=int, default=1_000_000)
     b.add_argument("--prompt-len", type=int, default=4096)

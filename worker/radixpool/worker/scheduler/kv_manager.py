@@ -39,6 +39,8 @@ class KVManager:
 
     def decode_pages(self, reqs: list[Req]) -> int:
         """Pages one decode token each takes: one per request whose last page is full."""
+        if self.page_size == 1:
+            return len(reqs)
         return sum(1 for r in reqs if r.kv_len % self.page_size == 0)
 
     def fits_alone(self, num_tokens: int) -> bool:
@@ -68,13 +70,13 @@ class KVManager:
         return True
 
     # ------------------------------------------------------------------ allocation
-    def allocate(self, prefill: list[Req], takes: list[int], decode: list[Req]) -> torch.Tensor:
+    def allocate(self, prefill: list[Req], takes: list[int], decode: list[Req],
+                 decode_pages: int) -> torch.Tensor:
         """Slots for one step (prefill requests first, then decode), written into their rows.
 
         Admission charged these pages against `room()`, so evicting makes them free.
         """
-        need = self.decode_pages(decode) + sum(self.pages_for(r.kv_len, t)
-                                               for r, t in zip(prefill, takes))
+        need = decode_pages + sum(self.pages_for(r.kv_len, t) for r, t in zip(prefill, takes))
         if self.pool.free_pages < need:
             self.cache.evict((need - self.pool.free_pages) * self.page_size)
         if self.pool.free_pages < need:

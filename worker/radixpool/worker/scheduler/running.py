@@ -12,7 +12,7 @@ expected to grow into) decays while decoding goes well and jumps on retraction.
 
 from __future__ import annotations
 
-from radixpool.worker.request import Req
+from radixpool.worker.request import Req, Status
 from radixpool.worker.scheduler.kv_manager import KVManager
 from radixpool.worker.scheduler.prefill import RESERVE_CAP, reservation_pages
 
@@ -24,6 +24,7 @@ class RunningSet:
         self.kv = kv
         self.reqs: dict[str, Req] = {}
         self.new_token_ratio = RATIO_INIT
+        self.penalised = 0   # running requests whose sampling reads their own past tokens
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -31,24 +32,30 @@ class RunningSet:
     def split(self) -> tuple[list[Req], list[Req]]:
         """(decoding, mid-prefill) requests."""
         decode, chunking = [], []
-        for r in self.reqs.values():
-            (decode if r.decoding and r.uncomputed == 1 else chunking).append(r)
+        for r in self.reqs.values():   # (`uncomputed == 1`, inlined: this runs per request)
+            if r.decoding and r.seq_len + r.pending - r.kv_len == 1:
+                decode.append(r)
+            else:
+                chunking.append(r)
         return decode, chunking
 
     def reserved_pages(self) -> int:
-        growth = sum(min(r.remaining_new_tokens(), RESERVE_CAP) for r in self.reqs.values())
+        growth = sum(min(r.params.max_new_tokens - len(r.output_ids), RESERVE_CAP)
+                     for r in self.reqs.values())
         return reservation_pages(growth, self.new_token_ratio, self.kv.page_size)
 
     def youngest(self) -> Req:
         return max(self.reqs.values(), key=lambda r: r.seq)
 
-    def shortfall(self, decode: list[Req]) -> bool:
-        """Whether the decode tokens need more pages than the step has room for."""
-        return self.kv.decode_pages(decode) > self.kv.room()
+    def add(self, req: Req) -> None:
+        req.status = Status.RUNNING
+        self.reqs[req.rid] = req
+        self.penalised += req.params.penalised
 
     def remove(self, req: Req) -> None:
         """Out of the running set; its KV goes to the tree or back to the pool."""
         del self.reqs[req.rid]
+        self.penalised -= req.params.penalised
         self.kv.release(req)
 
     def on_retract(self) -> None:

@@ -113,8 +113,8 @@ class Scheduler:
     def next_batch(self, now: float | None = None) -> ScheduledBatch | None:
         now = time.time() if now is None else now
         while True:
-            decode, chunking = self._decode_with_room()
-            adder = self._admit(now, decode, chunking)
+            decode, chunking, decode_pages = self._decode_with_room()
+            adder = self._admit(now, decode, chunking, decode_pages)
             if decode or adder.reqs or not self.running:
                 break
             self._unstick()
@@ -123,9 +123,8 @@ class Scheduler:
             return None
         for req in prefill:
             if req.status is not Status.RUNNING:
-                req.status = Status.RUNNING
-                self.running[req.rid] = req
-        slots = self.kv.allocate(prefill, takes, decode)
+                self.run_set.add(req)
+        slots = self.kv.allocate(prefill, takes, decode, decode_pages)
         reqs = prefill + decode
         token_ids: list[list[int] | None] = [r.fill_ids[r.kv_len:r.kv_len + t]
                                              for r, t in zip(prefill, takes)]
@@ -145,17 +144,14 @@ class Scheduler:
         """Whether the next step may be scheduled before the in-flight one's tokens are on the
         host: not when a running request's sampling reads its own past tokens (penalties), nor
         when KV is short (a retraction or an outgrown request must see every token first)."""
-        decode_pages = 0
-        for r in self.running.values():
-            if r.params.penalised:
-                return False
-            decode_pages += (r.kv_len % self.kv.page_size == 0)
-        return decode_pages <= self.kv.room()
+        # each running request's next token takes at most one page
+        return not self.run_set.penalised and len(self.running) <= self.kv.room()
 
-    def _decode_with_room(self) -> tuple[list[Req], list[Req]]:
-        """Decoding requests (their pages ensured) and prompts mid-prefill."""
+    def _decode_with_room(self) -> tuple[list[Req], list[Req], int]:
+        """Decoding requests (their pages ensured), prompts mid-prefill, and the pages the
+        decoding requests' next tokens take."""
         decode, chunking = self.run_set.split()
-        while decode and self.run_set.shortfall(decode):
+        while decode and self.kv.decode_pages(decode) > self.kv.room():
             victim = self.run_set.youngest()
             if len(self.running) == 1:
                 # Alone and still out of pages: its sequence outgrew this worker's KV.
@@ -163,13 +159,14 @@ class Scheduler:
             else:
                 self._retract(victim)
             (decode if victim in decode else chunking).remove(victim)
-        return decode, chunking
+        return decode, chunking, self.kv.decode_pages(decode)
 
-    def _admit(self, now: float, decode: list[Req], chunking: list[Req]) -> PrefillAdder:
+    def _admit(self, now: float, decode: list[Req], chunking: list[Req],
+               decode_pages: int) -> PrefillAdder:
         cfg = self.config
         adder = PrefillAdder(
             self.kv, self.waiting, token_budget=cfg.max_prefill_tokens - len(decode),
-            room=self.kv.room() - self.kv.decode_pages(decode),
+            room=self.kv.room() - decode_pages,
             reserved=self.run_set.reserved_pages(), chunk=cfg.chunked_prefill_size,
             max_running=cfg.max_running_requests, num_running=len(self.running),
             ratio=self.run_set.new_token_ratio, now=now)
