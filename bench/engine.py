@@ -59,7 +59,8 @@ def offline(args: argparse.Namespace) -> None:
                           kv_cache_tokens=args.kv_cache_tokens,
                           max_running_requests=args.max_running_requests,
                           chunked_prefill_size=args.chunked_prefill_size,
-                          max_prefill_tokens=max(args.chunked_prefill_size, 8192))
+                          max_prefill_tokens=max(args.chunked_prefill_size, 8192),
+                          overlap_schedule=args.overlap)
     core = EngineCore(config)
     params = SamplingParams(max_new_tokens=args.output_len, temperature=0, ignore_eos=True)
     start = time.perf_counter()
@@ -75,6 +76,7 @@ def offline(args: argparse.Namespace) -> None:
     elapsed = time.perf_counter() - start
     t = core.times
     print(f"device {core.runner.device}, model {core.runner.architecture}, "
+          f"{'overlapped' if core.overlap else 'synchronous'} loop, "
           f"{args.requests} requests x ({args.prompt_len} prompt, {args.output_len} output), "
           f"shared prefix {args.shared_prefix:.0%} in {args.groups} groups")
     print(f"  generated tokens/s   {generated / elapsed:10.1f}")
@@ -243,6 +245,8 @@ def main() -> None:
     p.add_argument("--kv-cache-tokens", type=int, default=200_000)
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--chunked-prefill-size", type=int, default=4096)
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlapped scheduling (default: on for CUDA, off on CPU)")
     p.set_defaults(func=offline)
     b = sub.add_parser("bookkeeping")
     b.add_argument("--batch", type=int, nargs="+", default=[64, 256])

@@ -136,3 +136,34 @@ def test_the_engine_counts_double_frees_and_raises_in_debug(tiny_model):
     core.runner.kv_pool.free(slots)
     with pytest.raises(KVDoubleFree):
         core.runner.kv_pool.free(slots)
+
+
+def test_page_size_16_in_a_tight_pool_on_the_tiny_model(tiny_model):
+    """The shipped example runs pageSize 16: with a pool of a few pages, many requests crossing
+    page boundaries give the same greedy tokens as with plenty of KV (it used to crash)."""
+    import random
+
+    from radixpool.worker.config import EngineConfig
+    from radixpool.worker.engine_core import EngineCore
+    from radixpool.worker.messages import GenerateRequest
+
+    rng = random.Random(3)
+    prompts = [[rng.randrange(5, 1000) for _ in range(rng.randint(2, 40))] for _ in range(8)]
+    params = SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True)
+
+    def run(**kv) -> list[list[int]]:
+        core = EngineCore(EngineConfig(str(tiny_model), device="cpu", chunked_prefill_size=16,
+                                       max_prefill_tokens=32, debug_invariants=True, **kv))
+        for i, ids in enumerate(prompts):
+            assert core.add_request(GenerateRequest(f"r{i}", ids, params, 0)) is None
+        out = {f"r{i}": [] for i in range(len(prompts))}
+        while core.has_work:
+            for delta in core.step().deltas:
+                assert delta.error is None, delta.error
+                out[delta.rid] += delta.token_ids
+        core.check_invariants()
+        return [out[f"r{i}"] for i in range(len(prompts))], core.scheduler.retracted_total
+
+    roomy, _ = run(kv_cache_tokens=8192)
+    tight, retracted = run(kv_cache_tokens=96, page_size=16)
+    assert tight == roomy and retracted > 0

@@ -72,6 +72,10 @@ class PrefillAdder:
                 self._take(req, take, self.kv.pages_for(req.kv_len, take))
                 self._computing(req, req.kv_len // self.waiting.cache.block_size)
 
+    def may_admit(self) -> bool:
+        """Whether a waiting request could be admitted at all this step."""
+        return self.num_running + len(self.reqs) < self.max_running and self.token_budget > 0
+
     def decide(self, req: Req) -> Verdict:
         """The waiting queue's callback: admit `req` now, skip it, or stop admitting."""
         blocker = self._blocker(req)

@@ -171,7 +171,7 @@ class Scheduler:
             max_running=cfg.max_running_requests, num_running=len(self.running),
             ratio=self.run_set.new_token_ratio, now=now)
         adder.continue_chunks(chunking)
-        if not self.admission_paused:
+        if not self.admission_paused and adder.may_admit():
             self.waiting.offer(now, cfg.max_queue_wait_s, adder.decide)
         return adder
 
