@@ -53,6 +53,7 @@ def workloads(draw):
         "flush_at": draw(st.lists(st.integers(0, 40), max_size=3)),
         "reqs": reqs,
         "overlap": draw(st.booleans()),
+        "oversize_at": draw(st.one_of(st.none(), st.integers(0, 12))),
     }
 
 
@@ -96,6 +97,10 @@ def test_kv_accounting_holds_under_pressure(w):
                 if delta is not None:
                     aborted.add(rid)
                     collect(outcomes, [delta])
+        if t == w["oversize_at"]:   # a prompt this pool can never hold: refused, clearly
+            delta = sched.add(Req("oversize", [9] * w["capacity"], SamplingParams(), 0))
+            assert delta.finished and delta.finish_reason == "abort"
+            assert f"{w['capacity']} tokens" in delta.error
         if t in w["flush_at"] and not loop.has_work:
             sched.cache.reset()
         if loop.has_work:
