@@ -77,6 +77,8 @@ def _register_generate(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
     p.add_argument("--rounds", type=int, default=2,
                    help="how many times to send the batch (default 2: the second hits the cache)")
+    p.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule step N+1 while step N runs (default: on for CUDA, off on CPU)")
     p.set_defaults(func=_generate)
 
 
@@ -92,7 +94,8 @@ def _generate(args: argparse.Namespace) -> int:
               "seed": args.seed}
     print(f"loading {model} ...", flush=True)
     try:
-        with Engine(model, device=args.device) as engine:
+        with Engine(model, device=args.device,
+                    overlap_schedule=args.overlap_schedule) as engine:
             info = engine.info
             print(f"engine ready: {info.architecture} on {info.device} ({info.dtype}), "
                   f"context {info.context_length}, KV capacity {info.kv_capacity_tokens} tokens")
