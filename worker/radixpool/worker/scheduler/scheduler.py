@@ -145,7 +145,7 @@ class Scheduler:
         host: not when a running request's sampling reads its own past tokens (penalties), nor
         when KV is short (a retraction or an outgrown request must see every token first)."""
         # each running request's next token takes at most one page
-        return not self.run_set.penalised and len(self.running) <= self.kv.room()
+        return not self.run_set.need_host_tokens and len(self.running) <= self.kv.room()
 
     def _decode_with_room(self) -> tuple[list[Req], list[Req], int]:
         """Decoding requests (their pages ensured), prompts mid-prefill, and the pages the
