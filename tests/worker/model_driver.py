@@ -57,7 +57,7 @@ class Driver:
     def decode(self, seqs: list[Seq], tokens: list[int]) -> torch.Tensor:
         prefix = [len(s.ids) for s in seqs]
         pool = self.runner.kv_pool
-        slots = pool.alloc_decode(torch.tensor(prefix, device=self.table.device),
+        slots = pool.alloc_decode(prefix,
                                   torch.tensor(self._last_slots(seqs), device=self.table.device))
         assert slots is not None, "test KV pool too small"
         self._record(seqs, [[t] for t in tokens], slots)

@@ -120,19 +120,22 @@ class KVPool:
             return torch.empty(0, dtype=torch.int64, device=self.device)
         return torch.cat(parts)
 
-    def alloc_decode(self, seq_lens: torch.Tensor, last_slots: torch.Tensor) -> torch.Tensor | None:
+    def alloc_decode(self, seq_lens: list[int], last_slots: torch.Tensor) -> torch.Tensor | None:
         """One slot per request: after `last_slots[i]` in its page, or on a new page.
 
-        `seq_lens[i]` is the request's KV length before this token (its new token's position).
+        `seq_lens[i]` is the request's KV length before this token (its new token's position),
+        on the host: which requests need a page is decided without reading the device.
         """
         if self.page_size == 1:
             return self.alloc(len(seq_lens))
-        need_page = seq_lens % self.page_size == 0
-        pages = self._alloc_pages(int(need_page.sum()))
+        need_page = [n % self.page_size == 0 for n in seq_lens]
+        pages = self._alloc_pages(sum(need_page))
         if pages is None:
             return None
         out = last_slots + 1
-        out[need_page] = pages * self.page_size
+        if pages.numel():
+            mask = torch.tensor(need_page, dtype=torch.bool, device=self.device)
+            out[mask] = pages * self.page_size
         return out
 
     def free(self, slots: torch.Tensor) -> None:

@@ -94,10 +94,11 @@ class KVManager:
             parts.append(slots)
         if decode:
             rows = torch.tensor([r.row for r in decode], device=table.device)
-            lens = torch.tensor([r.kv_len for r in decode], device=table.device)
+            lens_host = [r.kv_len for r in decode]
+            lens = torch.tensor(lens_host, device=table.device)
             # the previous slot matters only with pages (the new token may share its page)
             last = table[rows, lens - 1] if self.page_size > 1 else lens
-            slots = self.pool.alloc_decode(lens, last)
+            slots = self.pool.alloc_decode(lens_host, last)
             table[rows, lens] = slots
             parts.append(slots)
         return torch.cat(parts) if len(parts) > 1 else parts[0]
