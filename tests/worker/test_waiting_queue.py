@@ -171,3 +171,30 @@ def test_requests_behind_a_shared_uncached_prefix_cost_nothing_per_step(monkeypa
 
     few, many = touched_per_step(20), touched_per_step(2000)
     assert many == few and max(many) <= 8, (few, many)
+
+
+def test_requests_held_behind_a_shared_prefix_all_run_and_hit_it():
+    from kv_driver import Outcome, expected_output, make_scheduler, run_all
+
+    sched, model = make_scheduler(1, 40_000, chunk=64, max_prefill=64, max_running=8)
+    prefix = list(range(100, 612))
+    prompts = {f"r{i}": [*prefix, 1000 + i, 7, 8] for i in range(300)}
+    for rid, ids in prompts.items():
+        sched.add(Req(rid, ids, SamplingParams(max_new_tokens=3), 0, arrival_time=1e12))
+    outcomes: dict[str, Outcome] = {}
+    cached: dict[str, int] = {}
+    original = sched.process
+
+    def process(batch, tokens):
+        deltas = original(batch, tokens)
+        for event in sched.cache.drain_events():
+            if event.type == "stored":
+                sched.waiting.on_stored(event.blocks)
+        cached.update((d.rid, d.cached_tokens) for d in deltas if d.finished)
+        return deltas
+
+    sched.process = process
+    run_all(sched, model, outcomes)
+    for rid, ids in prompts.items():
+        assert (outcomes[rid].tokens, outcomes[rid].finish_reason) == expected_output(ids, 3)
+    assert sorted(cached.values())[1:] == [512] * 299, "the shared prefix was computed again"

@@ -124,11 +124,11 @@ class EngineCore:
     @torch.inference_mode()
     def step(self) -> StepOutput:
         out = StepOutput()
-        t0 = time.perf_counter()
         previous, self._inflight = self._inflight, None
         if previous is not None and not self.scheduler.can_schedule_ahead():
             out.deltas += self._process(previous)
             previous = None
+        t0 = time.perf_counter()
         batch = self.scheduler.next_batch()
         if batch is not None:
             self.times.steps += 1
