@@ -113,7 +113,7 @@ def test_disconnected_stream_is_aborted_and_frees_its_kv(worker, http):
     wait_until(lambda: _abort_count(http) == aborted_before + 1, what="the request's abort")
     load = http.get("/load").json()
     assert (load["running"], load["waiting"]) == (0, 0)
-    # nothing holds KV any more: a flush (which waits for running requests) leaves none in use
+    # nothing holds KV any more: a flush (refused while any request runs) leaves none in use
     assert http.post("/flush_cache").status_code == 200
     load = http.get("/load").json()
     assert (load["running"], load["waiting"], load["kv_usage"]) == (0, 0, 0)

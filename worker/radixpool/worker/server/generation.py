@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
+from radixpool.worker.engine_errors import RidInUse
 from radixpool.worker.sampling_params import SamplingParams
 from radixpool.worker.server.errors import APIError, bad_request, unavailable
 from radixpool.worker.server.state import WorkerState
@@ -109,6 +110,8 @@ class EngineRun:
         self._engine = state.engine
         self._metrics = state.metrics
         self._active = state.active_rids
+        # a duplicate rid is refused by the engine: its run must not unlist the first one's
+        self._owns_rid = rid not in self._active
         self._active.add(rid)
         self._renames = renames or {}
         self._prompt_param = prompt_param
@@ -123,6 +126,8 @@ class EngineRun:
         except ValueError as exc:
             self._open.clear()   # refused, not aborted: it is no finished request
             await self.close()
+            if isinstance(exc, RidInUse):
+                raise bad_request(str(exc), param="rid", code="duplicate_rid") from None
             raise engine_error(exc, self._renames, self._prompt_param) from None
         except RuntimeError:
             if self._engine.alive:
@@ -164,7 +169,9 @@ class EngineRun:
             await self.close()
 
     async def close(self) -> None:
-        self._active.discard(self.rid)
+        if self._owns_rid:
+            self._active.discard(self.rid)
+            self._owns_rid = False
         await self._stream.aclose()
         now = time.time()
         for _ in self._open:

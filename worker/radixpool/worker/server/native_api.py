@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_
 from starlette.responses import JSONResponse
 
 from radixpool.protocol.server_info import ServerInfo
-from radixpool.worker.server.errors import APIError, bad_request, error_body
+from radixpool.worker.engine_errors import EngineBusy
+from radixpool.worker.server.errors import APIError, bad_request, error_body, unavailable
 from radixpool.worker.server.generation import (
     EngineRun,
     ForkOutput,
@@ -170,9 +171,10 @@ def router(state: WorkerState) -> APIRouter:
     async def flush_cache() -> dict:
         try:
             await state.engine.flush_cache_async()
+        except EngineBusy as exc:   # refused at once, as SGLang does: a flush never waits
+            raise APIError(409, str(exc), code="requests_in_flight") from None
         except RuntimeError as exc:
-            raise APIError(409, f"cannot flush the cache now: {exc}", code="flush_refused") \
-                from None
+            raise unavailable(f"cannot flush the cache: {exc}") from None
         return {"instance_id": state.engine.instance_id}
 
     @r.get("/server_info")
