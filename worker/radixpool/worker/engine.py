@@ -163,6 +163,11 @@ class Engine:
     def alive(self) -> bool:
         return not (self._closed or self._dead) and self._process.poll() is None
 
+    @property
+    def core_exit_code(self) -> int | None:
+        """The core process's exit status once it has ended (negative: killed by that signal)."""
+        return self._process.poll()
+
     # ------------------------------------------------------------------ receiving
     def _receive_loop(self) -> None:
         while not self._closed and not self._receiver_stop.is_set():

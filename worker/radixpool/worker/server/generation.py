@@ -134,8 +134,7 @@ class EngineRun:
                 raise
             self._open.clear()
             await self.close()
-            # 503, so a gateway retries it on another worker; /health says why
-            raise unavailable("the engine core process died; this worker cannot serve") from None
+            raise _core_died() from None
         except StopAsyncIteration:
             self._first = None
         if self._first is not None:
@@ -165,6 +164,10 @@ class EngineRun:
                 async for chunk in self._stream:
                     self._observe(chunk)
                     yield chunk
+        except RuntimeError:
+            if self._engine.alive:
+                raise
+            raise _core_died() from None
         finally:
             await self.close()
 
@@ -188,6 +191,11 @@ class EngineRun:
         async for chunk in self:
             forks.setdefault(chunk.index, ForkOutput(chunk.index)).add(chunk)
         return [forks[i] for i in sorted(forks)]
+
+
+def _core_died() -> APIError:
+    # 503, so a gateway retries it on another worker; /health says why, and the worker exits
+    return unavailable("the engine core process died; this worker cannot serve")
 
 
 def server_timing(forks: list[ForkOutput]) -> dict[str, str]:

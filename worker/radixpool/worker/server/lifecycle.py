@@ -1,10 +1,12 @@
-"""Worker lifecycle (loading → ready → draining → stopped) and the ASGI gate in front of the app.
+"""Worker lifecycle (loading → ready → draining → stopped, or failed) and the ASGI gate in front
+of the app.
 
 The gate is plain ASGI (no per-request Starlette middleware objects) and does three things:
-- `--api-key`: every path except `/health` and `/metrics` needs `Authorization: Bearer KEY`
-  (or `X-API-Key: KEY`); otherwise 401.
-- While loading or draining, every path except `/health` and `/metrics` gets 503 with
-  `Retry-After` (`/health` itself answers 503 from its route).
+- `--api-key`: every path except `/health`, `/livez` and `/metrics` needs
+  `Authorization: Bearer KEY` (or `X-API-Key: KEY`); otherwise 401.
+- While loading, draining or failed (the engine did not start, or its core process died), every
+  path except those three gets 503 with `Retry-After` (`/health` and `/livez` answer from their
+  routes).
 - It counts generation requests in flight, so a drain knows when the last one has finished.
 """
 
@@ -18,7 +20,7 @@ import json
 from radixpool.worker.server.errors import error_body
 
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/livez", "/metrics"})
 RETRY_AFTER_S = 5
 
 
@@ -48,6 +50,7 @@ class Lifecycle:
             self.phase = Phase.READY
 
     def mark_failed(self, reason: str) -> None:
+        """The engine is gone for good (`reason` is what a client is told); the worker exits."""
         self.phase, self.failure = Phase.FAILED, reason
 
     def begin_drain(self) -> bool:
@@ -79,7 +82,7 @@ class Lifecycle:
             return "the model is still loading; retry shortly"
         if self.phase is Phase.DRAINING:
             return "this worker is shutting down; send the request to another worker"
-        return f"the engine failed to start: {self.failure}"
+        return f"{self.failure}; this worker is exiting"
 
 
 def _header(scope: dict, name: bytes) -> str | None:

@@ -25,6 +25,7 @@ from radixpool.worker.server.generation import (
     start_all,
     until_disconnect,
 )
+from radixpool.worker.server.lifecycle import Phase
 from radixpool.worker.server.openai_protocol import ChatMessage
 from radixpool.worker.server.sse import DONE, EventStream, sse
 from radixpool.worker.server.state import WorkerState
@@ -146,12 +147,22 @@ def router(state: WorkerState) -> APIRouter:
         lifecycle = state.lifecycle
         if lifecycle.serving and state.engine.alive:
             return JSONResponse({"status": "ok"})
-        if lifecycle.serving:
-            return JSONResponse({"status": "failed", "message": "the engine core process died"},
+        if lifecycle.serving or lifecycle.phase is Phase.FAILED:
+            return JSONResponse({"status": "failed", "message": state.core_failure()},
                                 status_code=503)
         return JSONResponse({"status": lifecycle.phase.value,
                              "message": lifecycle.unavailable_reason()}, status_code=503,
                             headers={"Retry-After": "5"})
+
+    @r.get("/livez")
+    async def livez() -> JSONResponse:
+        """Liveness: fails only once the engine is gone for good (loading and draining are
+        alive), so an orchestrator restarts a worker whose core died."""
+        if state.lifecycle.phase is not Phase.FAILED and (state.engine is None
+                                                          or state.engine.alive):
+            return JSONResponse({"status": "alive"})
+        return JSONResponse({"status": "dead", "message": state.core_failure()},
+                            status_code=503)
 
     @r.get("/health_generate")
     async def health_generate() -> JSONResponse:
