@@ -156,6 +156,39 @@ def test_stop_matching_is_independent_of_chunking(text, stops, cuts):
     assert stop == (min(hits)[2] if hits else None)
 
 
+def test_a_stop_held_back_by_the_minimum_counts_only_where_it_ends_after_it():
+    matcher = StopMatcher(("ab",))
+    assert matcher.feed("xab", may_stop=False) == ("xab", None)   # ends before the minimum
+    assert matcher.feed("a", may_stop=False) == ("", None)        # may start a stop: held
+    assert matcher.feed("b!") == ("", "ab")                       # ...that ends after it
+    nested = StopMatcher(("a", "xab"))
+    assert nested.feed("xa", may_stop=False) == ("", None)
+    assert nested.feed("b") == ("", "xab")   # "a" ended inside the quiet text: it does not count
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text("abc\nxy", max_size=40),
+       stops=st.lists(st.text("abc\nxy", min_size=1, max_size=4), min_size=1, max_size=3),
+       cuts=st.lists(st.integers(0, 40), max_size=8), quiet=st.integers(0, 40))
+def test_stops_held_back_until_the_minimum_do_not_depend_on_chunking(text, stops, cuts, quiet):
+    """Reference: the first stop (earliest end, then longest) that ends after the first `quiet`
+    characters, which were fed with may_stop=False."""
+    quiet = quiet % (len(text) + 1)
+    hits = [(end, -len(s), s) for end in range(quiet + 1, len(text) + 1) for s in stops
+            if text[:end].endswith(s)]
+    first = min(hits) if hits else None
+    bounds = sorted({0, quiet, len(text), *(c % (len(text) + 1) for c in cuts)})
+    matcher = StopMatcher(stops)
+    emitted, stop = "", None
+    for a, b in pairwise(bounds):
+        check = matcher.feed(text[a:b], may_stop=a >= quiet)
+        emitted += check.text
+        stop = stop or check.stop
+    emitted += matcher.flush()
+    assert emitted == (text[:first[0] + first[1]] if first else text)
+    assert stop == (first[2] if first else None)
+
+
 def test_stop_string_split_across_tokens(tokenizer):
     text = "The capital is 東京. Then more text"
     ids = tokenizer.encode(text, add_special_tokens=False)

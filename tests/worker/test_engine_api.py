@@ -257,3 +257,28 @@ def test_a_rid_in_flight_is_refused_and_the_first_request_keeps_its_tokens(engin
     again = asyncio.run(engine.generate_async(input_ids=prompt, sampling_params=params, rid="dup"))
     assert again["output_ids"] == expected   # a finished request's rid may be reused
     engine.check_invariants()
+
+
+def test_min_new_tokens_holds_back_stop_strings(engine):
+    base = {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True}
+
+    async def per_token_text() -> list[str]:
+        return [chunk.text async for chunk in engine.stream("hello world", base)]
+
+    texts = asyncio.run(per_token_text())   # one chunk per token on this path
+    free = "".join(texts)
+    stop = free.lstrip()[:1] or free[:1]    # a character that occurs at once
+    early = engine.generate("hello world", {**base, "stop": [stop]})
+    assert early["meta_info"]["completion_tokens"] < 10   # the stop would end it at once
+
+    held = engine.generate("hello world", {**base, "stop": [stop], "min_new_tokens": 10})
+    n = held["meta_info"]["completion_tokens"]
+    assert n >= 10
+    assert free.startswith(held["text"])
+    if held["meta_info"]["finish_reason"] == "stop":
+        assert held["meta_info"]["matched_stop"] == stop
+        assert free.startswith(held["text"] + stop)
+        # the stop completed in the text of the 10th token or later, not before
+        assert len(held["text"]) + len(stop) > len("".join(texts[:9]))
+    else:
+        assert n == 30 and held["text"] == free
