@@ -282,3 +282,25 @@ def test_min_new_tokens_holds_back_stop_strings(engine):
         assert len(held["text"]) + len(stop) > len("".join(texts[:9]))
     else:
         assert n == 30 and held["text"] == free
+
+
+def test_sentencepiece_completions_keep_their_leading_space(tiny_model_factory):
+    """On a Llama-2/Mistral-style tokenizer the completion is the decode of prompt + output
+    minus the prompt's text: its leading space (the metaspace of its first token) is kept."""
+    model = tiny_model_factory("mistral", 0, "sentencepiece")
+    params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    with Engine(str(model), device="cpu", kv_cache_tokens=2048) as eng:
+        tok = eng.tokenizer
+        spaced = 0
+        for prompt in ("The cache", "model serve request", "east west"):
+            out = eng.generate(prompt, params)
+            ids = tok.encode(prompt)
+            expected = tok.decode(ids + out["output_ids"])[len(tok.decode(ids)):]
+            assert out["text"] == expected
+            spaced += expected.startswith(" ")
+
+            async def streamed(prompt=prompt) -> str:
+                return "".join([c.text async for c in eng.stream(prompt, params)])
+
+            assert asyncio.run(streamed()) == expected
+        assert spaced, "no completion started with a word: the check above saw no leading space"

@@ -347,7 +347,8 @@ class Engine:
         forks, requests = [], []
         for i, core_rid in enumerate(core_rids):
             fork = RequestOutput(core_rid, rid, i, params,
-                                 IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+                                 IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
+                                                        ids),
                                  StopMatcher(params.stop) if params.stop else None, sink, now)
             self._forks[core_rid] = fork
             forks.append(fork)
