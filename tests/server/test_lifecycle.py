@@ -161,3 +161,19 @@ def test_a_dead_engine_core_makes_the_worker_exit_nonzero_within_seconds(doomed)
     code = doomed.proc.wait(CORE_DEATH_EXIT_S)   # so the container is restarted
     assert code != 0 and time.monotonic() - killed < CORE_DEATH_EXIT_S
     assert "the engine core process died (exit code -9)" in doomed.log()
+
+
+def test_sigterm_with_a_kv_events_long_poll_open_exits_quietly(polled):
+    seq = httpx.get(f"{polled.url}/kv_events/snapshot").json()["seq"]
+    answers: list[httpx.Response] = []
+    poll = threading.Thread(target=lambda: answers.append(httpx.get(
+        f"{polled.url}/kv_events", params={"since": seq, "timeout": 60}, timeout=90)))
+    poll.start()
+    time.sleep(1.0)   # the poll is waiting for events that will not come
+    polled.proc.send_signal(signal.SIGTERM)
+    poll.join(30)
+    assert answers and answers[0].status_code == 200, answers   # answered, not cut off
+    assert answers[0].json()["events"] == [] and answers[0].json()["next"] == seq
+    assert polled.proc.wait(60) == 0
+    log = polled.log()
+    assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]

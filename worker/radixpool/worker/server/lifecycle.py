@@ -16,6 +16,7 @@ import asyncio
 import enum
 import hmac
 import json
+from collections.abc import Awaitable
 
 from radixpool.worker.server.errors import error_body
 
@@ -40,6 +41,7 @@ class Lifecycle:
         self.inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self._stopping = asyncio.Event()
 
     @property
     def serving(self) -> bool:
@@ -52,6 +54,23 @@ class Lifecycle:
     def mark_failed(self, reason: str) -> None:
         """The engine is gone for good (`reason` is what a client is told); the worker exits."""
         self.phase, self.failure = Phase.FAILED, reason
+        self.stop_waiting()
+
+    def stop_waiting(self) -> None:
+        """The worker is stopping: end every wait in `until_stopping` (call on the event loop)."""
+        self._stopping.set()
+
+    async def until_stopping(self, wait: Awaitable[None]) -> None:
+        """Await `wait`, or stop awaiting it once the worker begins to stop, so that a long poll
+        answers at once instead of being cancelled (with a traceback) by the server's shutdown."""
+        waiter = asyncio.ensure_future(wait)
+        stopper = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (waiter, stopper):
+                task.cancel()
+            await asyncio.gather(waiter, stopper, return_exceptions=True)
 
     def begin_drain(self) -> bool:
         """Stop taking requests; False if already draining."""

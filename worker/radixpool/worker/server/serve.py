@@ -43,6 +43,8 @@ class WorkerServer(uvicorn.Server):
             return
         if self.should_exit:
             self.force_exit = True
+        elif self.loop is not None:
+            self.loop.call_soon_threadsafe(self.state.lifecycle.stop_waiting)   # end long polls
         self.should_exit = True
 
     def _spawn(self, coro) -> None:
@@ -51,6 +53,7 @@ class WorkerServer(uvicorn.Server):
         task.add_done_callback(self._tasks.discard)
 
     async def _drain(self) -> None:
+        self.state.lifecycle.stop_waiting()   # long polls answer now; new ones get 503
         timeout = self.state.config.drain_timeout
         log.info("SIGTERM: draining %d running request(s), up to %.0f s",
                  self.state.lifecycle.inflight, timeout)
