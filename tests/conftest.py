@@ -15,15 +15,17 @@ ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
-    """`make(arch="llama", seed=0) -> Path`: a tiny HF-format model, cached for the session."""
-    made: dict[tuple[str, int], Path] = {}
+    """`make(arch="llama", seed=0, tokenizer="bpe") -> Path`: a tiny HF-format model, cached for
+    the session."""
+    made: dict[tuple[str, int, str], Path] = {}
 
-    def make(arch: str = "llama", seed: int = 0) -> Path:
-        key = (arch, seed)
+    def make(arch: str = "llama", seed: int = 0, tokenizer: str = "bpe") -> Path:
+        key = (arch, seed, tokenizer)
         if key not in made:
             from radixpool.worker.tiny_model import make_tiny_model
 
-            made[key] = make_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}-{seed}"), arch, seed)
+            made[key] = make_tiny_model(
+                tmp_path_factory.mktemp(f"tiny-{arch}-{seed}-{tokenizer}"), arch, seed, tokenizer)
         return made[key]
 
     return make

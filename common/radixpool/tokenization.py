@@ -58,6 +58,22 @@ class PromptTokenizer:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
+    @cached_property
+    def byte_fallback_ids(self) -> frozenset[int]:
+        """Ids of the `<0x00>`..`<0xFF>` tokens of a byte-fallback model (SentencePiece style);
+        empty for other tokenizers. A run of them decodes as one byte string."""
+        model = json.loads(self.files["tokenizer.json"]).get("model", {})
+        if not model.get("byte_fallback"):
+            return frozenset()
+        ids = (self.tokenizer.token_to_id(f"<0x{b:02X}>") for b in range(256))
+        return frozenset(i for i in ids if i is not None)
+
+    @cached_property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the special tokens (those `skip_special_tokens` drops)."""
+        added = self.tokenizer.get_added_tokens_decoder()
+        return frozenset(i for i, token in added.items() if token.special)
+
     def token_id(self, token: str | None) -> int | None:
         return None if token is None else self.tokenizer.token_to_id(token)
 

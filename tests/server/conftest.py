@@ -5,7 +5,8 @@ Three servers, each started once per session and only if a collected test needs 
 - `secured`: `--api-key`, for the auth tests and the SIGTERM drain (which ends it);
 - `fuzz_worker`: a 32-token context, so fuzzed generations stay short on a CPU;
 - `impatient`: a 0.5 s drain timeout, to see requests cut short by a drain;
-- `doomed`: default flags, for the test that kills its engine core.
+- `doomed`: default flags, for the test that kills its engine core;
+- `polled`: default flags, SIGTERMed with a `/kv_events` long poll open.
 They are launched together (startup is mostly waiting on imports and model loading) and stopped
 together, each by its own PID.
 """
@@ -22,6 +23,7 @@ SERVERS: dict[str, tuple[str, ...]] = {
     "fuzz_worker": ("--context-length", "32", "--max-running-requests", "32"),
     "impatient": ("--drain-timeout", "0.5"),
     "doomed": (),
+    "polled": (),
 }
 
 
@@ -64,6 +66,11 @@ def impatient(worker_pool) -> WorkerProcess:
 @pytest.fixture(scope="session")
 def doomed(worker_pool) -> WorkerProcess:
     return worker_pool["doomed"].wait_ready()
+
+
+@pytest.fixture(scope="session")
+def polled(worker_pool) -> WorkerProcess:
+    return worker_pool["polled"].wait_ready()
 
 
 @pytest.fixture(scope="session")

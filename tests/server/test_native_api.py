@@ -121,3 +121,53 @@ def test_kv_events_resync_and_flush(http):
     if events.status_code == 200:
         assert "cleared" in [e["type"] for e in events.json()["events"]]
     assert http.get("/kv_events/snapshot").json()["blocks"] == []
+
+
+def _stream_events(response):
+    """The events of a streaming /generate response, as they come."""
+    lines = (line for line in response.iter_lines() if line.startswith("data: "))
+    return (json.loads(line[6:]) for line in lines if line != "data: [DONE]")
+
+
+def test_flush_with_a_request_in_flight_answers_409_at_once(http):
+    before = http.get("/server_info").json()["instance_id"]
+    body = {"input_ids": fresh_ids(10), "stream": True,
+            "sampling_params": {"max_new_tokens": 100, "temperature": 0, "ignore_eos": True}}
+    with http.stream("POST", "/generate", json=body) as r:
+        events = _stream_events(r)
+        tokens = next(events)["output_ids"]
+        refused = http.post("/flush_cache", timeout=10)   # the old flush waited, here for minutes
+        assert refused.status_code == 409, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "requests_in_flight" and error["type"] == "invalid_request_error"
+        assert "in flight" in error["message"] and "1 running" in error["message"]
+        rest = list(events)
+    tokens += [t for e in rest for t in e["output_ids"]]
+    assert len(tokens) == 100 and rest[-1]["meta_info"]["finish_reason"] == "length"
+    assert http.get("/server_info").json()["instance_id"] == before   # nothing was flushed
+    flushed = http.post("/flush_cache")   # idle now: flushes as before
+    assert flushed.status_code == 200 and flushed.json()["instance_id"] != before
+
+
+def test_a_rid_in_flight_gets_400_and_the_first_request_keeps_its_tokens(http):
+    prompt, other = fresh_ids(12), fresh_ids(12)
+    params = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+    expected = http.post("/generate", json={"input_ids": prompt, "sampling_params": params}
+                         ).json()["output_ids"]
+    rid = f"dup-{random.randrange(1 << 30)}"
+    body = {"input_ids": prompt, "sampling_params": params, "rid": rid, "stream": True}
+    with http.stream("POST", "/generate", json=body) as r:
+        events = _stream_events(r)
+        tokens = next(events)["output_ids"]
+        for second in ({"input_ids": other, "sampling_params": params, "rid": rid},
+                       {"text": "x", "sampling_params": {**params, "n": 2}, "rid": rid,
+                        "stream": True}):
+            dup = http.post("/generate", json=second, timeout=10)
+            assert dup.status_code == 400, dup.text
+            error = dup.json()["error"]
+            assert error["param"] == "rid" and rid in error["message"]
+        tokens += [t for e in events for t in e["output_ids"]]
+    assert tokens == expected
+    again = http.post("/generate", json={"input_ids": prompt, "sampling_params": params,
+                                         "rid": rid})
+    assert again.status_code == 200 and again.json()["output_ids"] == expected

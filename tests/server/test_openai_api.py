@@ -198,3 +198,23 @@ def test_server_timing_reports_the_engine_share_of_the_latency(client, http):
     r = http.post("/generate", json={"text": fresh_text(5), "sampling_params": {
         "max_new_tokens": 2}})
     assert r.status_code == 200 and r.headers["server-timing"].startswith("engine;dur=")
+
+
+def test_min_tokens_holds_back_stop_strings(client, http):
+    prompt = "hello world"
+    free = http.post("/generate", json={"text": prompt, "sampling_params": {
+        "max_new_tokens": 30, "temperature": 0, "ignore_eos": True}}).json()["text"]
+    stop = free.lstrip()[:1] or free[:1]    # a character that occurs at once
+    args = {"model": "tiny", "prompt": prompt, "max_tokens": 30, "temperature": 0,
+            "stop": [stop]}
+    early = client.completions.create(**args, extra_body={"ignore_eos": True})
+    assert early.usage.completion_tokens < 10   # without a minimum the stop ends it at once
+    held = client.completions.create(**args, extra_body={"ignore_eos": True, "min_tokens": 10})
+    assert held.usage.completion_tokens >= 10
+    text, reason = held.choices[0].text, held.choices[0].finish_reason
+    assert free.startswith(text + stop if reason == "stop" else text)
+    streamed = client.completions.create(**args, stream=True, stream_options={
+        "include_usage": True}, extra_body={"ignore_eos": True, "min_tokens": 10})
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens == held.usage.completion_tokens

@@ -125,3 +125,46 @@ def test_docs_list_every_worker_metric():
     doc = (Path(__file__).parents[2] / "docs" / "worker.md").read_text()
     for spec in WORKER_METRICS:
         assert f"`{spec.series[0] if spec.kind == 'info' else spec.name}" in doc, spec.name
+
+
+class _FakeEngine:
+    alive = True
+
+
+def test_livez_fails_only_once_the_engine_is_gone_for_good(tmp_path):
+    """Liveness (what the operator's probe asks) stays 200 while loading and draining, so a slow
+    load or a drain is never killed, and turns 503 once the core is dead."""
+    import httpx
+
+    from radixpool.worker.server.app import create_app
+    from radixpool.worker.server.state import WorkerState
+
+    (tmp_path / "m").mkdir()
+    state = WorkerState(config_from_args(build_parser().parse_args(
+        ["worker", "--model", str(tmp_path / "m"), "--api-key", "k"])))
+    engine = _FakeEngine()
+
+    async def scenario() -> list[tuple[int, int]]:
+        transport = httpx.ASGITransport(app=create_app(state))
+        async with httpx.AsyncClient(transport=transport, base_url="http://w") as http:
+            async def probe() -> tuple[int, int]:
+                return (await http.get("/livez")).status_code, \
+                    (await http.get("/health")).status_code
+            seen = [await probe()]                  # loading
+            state.engine = engine
+            state.lifecycle.mark_ready()
+            seen.append(await probe())              # ready
+            state.lifecycle.begin_drain()
+            seen.append(await probe())              # draining
+            engine.alive = False
+            seen.append(await probe())              # the core died, not yet noticed
+            state.lifecycle.mark_failed("the engine core process died (exit code -9)")
+            seen.append(await probe())              # noticed: exiting
+            failed = await http.get("/livez")
+            assert "exit code -9" in failed.json()["message"]
+            refused = await http.get("/v1/models", headers={"Authorization": "Bearer k"})
+            assert refused.status_code == 503 and "died" in refused.json()["error"]["message"]
+            return seen
+
+    assert asyncio.run(scenario()) == [(200, 503), (200, 200), (200, 503), (503, 503),
+                                       (503, 503)]

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
 
 from radixpool.worker import Engine
+from radixpool.worker.engine_errors import EngineBusy, RidInUse
 
 
 @pytest.fixture(scope="module")
@@ -183,3 +185,122 @@ def test_flush_empties_cache_and_changes_instance_id(engine):
     assert engine.probe(prompt_ids) == 0
     assert engine.stats().radix_cache_tokens == 0
     assert engine.kv_events.events_since(0)[-1].type == "cleared"
+
+
+def _in_thread(fn, timeout_s: float):
+    """`fn()`'s result or exception, or AssertionError if it is still blocked after
+    `timeout_s` (a daemon thread, so a hang fails the test instead of wedging it)."""
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append(fn())
+        except Exception as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert outcome, f"still blocked after {timeout_s} s"
+    return outcome[0]
+
+
+def _wait_for(predicate, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_flush_with_requests_running_and_queued_is_refused_at_once(tiny_model):
+    long = {"max_new_tokens": 100, "ignore_eos": True, "temperature": 0}
+    with Engine(str(tiny_model), device="cpu", kv_cache_tokens=4096,
+                max_running_requests=1) as eng:
+        prompts = [[1, *range(900, 910)], [1, *range(910, 920)]]
+        results: dict[int, dict] = {}
+        workers = [threading.Thread(target=lambda i=i: results.update(
+            {i: eng.generate(input_ids=prompts[i], sampling_params=long)})) for i in range(2)]
+        for w in workers:
+            w.start()
+        _wait_for(lambda: (eng.stats().running, eng.stats().waiting) == (1, 1))
+        before = eng.instance_id
+        refused = _in_thread(eng.flush_cache, 10)
+        assert isinstance(refused, EngineBusy), refused
+        assert "in flight" in str(refused) and "1 running, 1 waiting" in str(refused)
+        assert eng.instance_id == before
+        for w in workers:   # the queued request still runs: nothing was paused
+            w.join(300)
+        assert [results[i]["meta_info"]["completion_tokens"] for i in range(2)] == [100, 100]
+        eng.flush_cache()   # idle: flushes as before
+        assert eng.instance_id != before and eng.stats().radix_cache_tokens == 0
+
+
+def test_a_rid_in_flight_is_refused_and_the_first_request_keeps_its_tokens(engine):
+    prompt, other = [1, *range(600, 612)], [1, *range(620, 632)]
+    params = {"max_new_tokens": 40, "ignore_eos": True, "temperature": 0}
+    expected = engine.generate(input_ids=prompt, sampling_params=params)["output_ids"]
+
+    async def scenario() -> list[int]:
+        first = engine.stream(input_ids=prompt, sampling_params=params, rid="dup")
+        tokens = list((await first.__anext__()).token_ids)
+        with pytest.raises(RidInUse, match="'dup'"):
+            await asyncio.wait_for(engine.generate_async(
+                input_ids=other, sampling_params=params, rid="dup"), 10)
+        with pytest.raises(ValueError, match="'dup'"):   # whatever n the newcomer asks for
+            await asyncio.wait_for(engine.generate_async(
+                input_ids=other, sampling_params={**params, "n": 2}, rid="dup"), 10)
+        async for chunk in first:
+            tokens += chunk.token_ids
+        return tokens
+
+    assert asyncio.run(asyncio.wait_for(scenario(), 60)) == expected
+    again = asyncio.run(engine.generate_async(input_ids=prompt, sampling_params=params, rid="dup"))
+    assert again["output_ids"] == expected   # a finished request's rid may be reused
+    engine.check_invariants()
+
+
+def test_min_new_tokens_holds_back_stop_strings(engine):
+    base = {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True}
+
+    async def per_token_text() -> list[str]:
+        return [chunk.text async for chunk in engine.stream("hello world", base)]
+
+    texts = asyncio.run(per_token_text())   # one chunk per token on this path
+    free = "".join(texts)
+    stop = free.lstrip()[:1] or free[:1]    # a character that occurs at once
+    early = engine.generate("hello world", {**base, "stop": [stop]})
+    assert early["meta_info"]["completion_tokens"] < 10   # the stop would end it at once
+
+    held = engine.generate("hello world", {**base, "stop": [stop], "min_new_tokens": 10})
+    n = held["meta_info"]["completion_tokens"]
+    assert n >= 10
+    assert free.startswith(held["text"])
+    if held["meta_info"]["finish_reason"] == "stop":
+        assert held["meta_info"]["matched_stop"] == stop
+        assert free.startswith(held["text"] + stop)
+        # the stop completed in the text of the 10th token or later, not before
+        assert len(held["text"]) + len(stop) > len("".join(texts[:9]))
+    else:
+        assert n == 30 and held["text"] == free
+
+
+def test_sentencepiece_completions_keep_their_leading_space(tiny_model_factory):
+    """On a Llama-2/Mistral-style tokenizer the completion is the decode of prompt + output
+    minus the prompt's text: its leading space (the metaspace of its first token) is kept."""
+    model = tiny_model_factory("mistral", 0, "sentencepiece")
+    params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    with Engine(str(model), device="cpu", kv_cache_tokens=2048) as eng:
+        tok = eng.tokenizer
+        spaced = 0
+        for prompt in ("The cache", "model serve request", "east west"):
+            out = eng.generate(prompt, params)
+            ids = tok.encode(prompt)
+            expected = tok.decode(ids + out["output_ids"])[len(tok.decode(ids)):]
+            assert out["text"] == expected
+            spaced += expected.startswith(" ")
+
+            async def streamed(prompt=prompt) -> str:
+                return "".join([c.text async for c in eng.stream(prompt, params)])
+
+            assert asyncio.run(streamed()) == expected
+        assert spaced, "no completion started with a word: the check above saw no leading space"

@@ -51,3 +51,21 @@ def test_every_arch_loads_offline_with_tokenizer_and_chat_template(tiny_model_fa
         assert getattr(hf_tok, token) is not None
     generation = json.loads((path / "generation_config.json").read_text())
     assert hf_tok.convert_tokens_to_ids("<|im_end|>") in generation["eos_token_id"]
+
+
+def test_sentencepiece_style_tokenizer_from_the_cli_loads_in_transformers(tmp_path):
+    out = tmp_path / "sp"
+    subprocess.run([sys.executable, "-m", "radixpool.cli", "tiny-model", str(out),
+                    "--arch", "mistral", "--tokenizer", "sentencepiece"], check=True,
+                   capture_output=True)
+    tokenizer = json.loads((out / "tokenizer.json").read_text())
+    assert tokenizer["model"]["byte_fallback"] is True
+    assert tokenizer["pre_tokenizer"]["type"] == "Metaspace"
+    hf_tok = AutoTokenizer.from_pretrained(out)
+    ours = PromptTokenizer.from_dir(out)
+    text = "héllo world Ω 東京"   # "Ω" is in no learned piece: byte fallback
+    ids = ours.encode(text)
+    assert ids == hf_tok(text).input_ids
+    assert {"<0xCE>", "<0xA9>"} <= set(hf_tok.convert_ids_to_tokens(ids))
+    assert ours.decode(ids) == hf_tok.decode(ids, skip_special_tokens=True) == text
+    assert AutoConfig.from_pretrained(out).vocab_size == ours.vocab_size

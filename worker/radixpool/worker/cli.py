@@ -7,7 +7,7 @@ import sys
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from radixpool.worker.tiny_model import ARCHS
+    from radixpool.worker.tiny_model import ARCHS, TOKENIZERS
 
     p = subparsers.add_parser(
         "tiny-model",
@@ -18,6 +18,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("dir", help="output directory")
     p.add_argument("--arch", choices=ARCHS, default="llama", help="architecture (default: llama)")
     p.add_argument("--seed", type=int, default=0, help="random seed for weights and corpus")
+    p.add_argument("--tokenizer", choices=TOKENIZERS, default="bpe",
+                   help="tokenizer style: byte-level BPE (Llama-3/Qwen, the default) or "
+                        "SentencePiece-style (Llama-2/Mistral: metaspace with a dummy prefix, "
+                        "byte fallback)")
     p.set_defaults(func=_tiny_model)
     _register_generate(subparsers)
     _register_worker(subparsers)
@@ -26,8 +30,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _tiny_model(args: argparse.Namespace) -> int:
     from radixpool.worker.tiny_model import make_tiny_model
 
-    path = make_tiny_model(args.dir, args.arch, args.seed)
-    print(f"wrote tiny {args.arch} model (seed {args.seed}) to {path}")
+    path = make_tiny_model(args.dir, args.arch, args.seed, args.tokenizer)
+    print(f"wrote tiny {args.arch} model (seed {args.seed}, {args.tokenizer} tokenizer) to {path}")
     return 0
 
 

@@ -3,8 +3,8 @@
 The front end (`engine.py`) owns the process. One Unix socket pair connects them (`ipc.py`):
 requests, aborts and controls in; `StepOutput`s and `ControlReply`s out. The loop drains its inbox
 without blocking while there is work, waits (bounded) when idle, never blocks on a write, and
-exits when told to or when its parent dies. A flush waits until the engine is idle: admission
-pauses, running requests finish, then the tree is emptied.
+exits when told to or when its parent dies. A flush empties the tree only while the engine is
+idle; with requests running or waiting it is refused at once (it never waits on them).
 """
 
 from __future__ import annotations
@@ -64,7 +64,6 @@ class _Loop:
         self.outbox = outbox
         self.send = outbox.send
         self.parent_pid = parent_pid
-        self.pending_flushes: list[ControlRequest] = []
         self.running = True
         self.was_busy = False
         self.poller = select.poll()
@@ -76,8 +75,6 @@ class _Loop:
             self._drain_inbox(wait_s=0 if busy else IDLE_WAIT_S)
             if not self.running:
                 break
-            if self.pending_flushes and not self.core.has_work:
-                self._flush()
             out = self.core.step() if self.core.has_work else None
             sent = out is not None and bool(out.deltas or out.events)
             if sent:
@@ -131,10 +128,8 @@ class _Loop:
         core = self.core
         try:
             if msg.kind == "flush_cache":
-                self.pending_flushes.append(msg)  # answered once idle
-                core.scheduler.admission_paused = True
-                return
-            if msg.kind == "kv_snapshot":
+                payload = self._flush()
+            elif msg.kind == "kv_snapshot":
                 payload = core.cache.snapshot()
             elif msg.kind == "probe":
                 input_ids, namespace = msg.payload
@@ -150,14 +145,16 @@ class _Loop:
         except Exception as exc:
             self.send(ControlReply(msg.token, False, error=f"{type(exc).__name__}: {exc}"))
 
-    def _flush(self) -> None:
-        self.core.flush_cache()
-        self.core.scheduler.admission_paused = False
+    def _flush(self) -> dict | None:
+        """Empty the tree if idle (None); else the in-flight counts, and nothing changes."""
+        busy = self.core.busy_counts()
+        if busy is not None:
+            return busy
+        deltas = self.core.flush_cache()
         # The "cleared" event must reach the front end before the reply does.
-        self.send(StepOutput(events=self.core.cache.drain_events(), stats=self.core.stats()))
-        for msg in self.pending_flushes:
-            self.send(ControlReply(msg.token, True))
-        self.pending_flushes.clear()
+        self.send(StepOutput(deltas=deltas, events=self.core.cache.drain_events(),
+                             stats=self.core.stats()))
+        return None
 
     def _on_idle(self) -> None:
         if self.core.config.debug_invariants:

@@ -1,63 +1,90 @@
-"""Incremental detokenization: token ids in, only newly *complete* text out.
+"""Incremental detokenization: token ids in, only newly *final* text out.
 
-A byte-level tokenizer splits one character over several tokens ("🚀" is four bytes, often two or
-three tokens), and decoding a prefix that ends inside a character yields U+FFFD. So each push
-re-decodes a small window, `ids[start:]`, and emits only its *stable* part:
-  - if the window's text ends in a real character, the whole text is final: a complete UTF-8
-    character is never re-read differently whatever bytes follow, and decoding restarts after it;
-  - if it ends in U+FFFD, the trailing run of U+FFFD may be an incomplete character still waiting
-    for bytes, so everything before that run is emitted and the run is held.
-The window keeps one emitted stretch of tokens in front as context (`ids[start:read]`, decoded
-once into `_context_text`), so decoders that treat the first token specially (SentencePiece's
-leading-space strip) decode the new tokens exactly as a full decode would. The window advances to
-the last token boundary that ends a real character (found within the last BOUNDARY_LOOKBACK
-tokens when the text ends in U+FFFD), so it spans a few tokens: pushing N tokens costs O(N), not
-O(N²).
+Each push re-decodes a small window, `ids[start:]`, and emits only the part no later token can
+change. Two things make a decoded tail unfinished:
+  - a byte-level tokenizer splits one character over several tokens ("🚀" is four bytes, often
+    two or three tokens); decoding a prefix that ends inside a character yields U+FFFD. A
+    trailing run of U+FFFD is held; everything before it is emitted;
+  - a byte-fallback tokenizer (SentencePiece style: `<0xE6>`, ...) decodes a *run* of byte tokens
+    as one byte string, and if the run is not valid UTF-8 every byte of it becomes U+FFFD, even
+    the ones that were complete characters alone. So the text of a trailing run of byte tokens
+    is held until a token that is not a byte token closes the run (skipped special tokens are
+    dropped before decoding: they do not close it).
+The window keeps already emitted tokens in front as context (`ids[start:read]`, decoded once into
+`_context_text`), because decoders treat the first token specially: SentencePiece's decoder strips
+the one leading space its dummy prefix added. A context that decodes to nothing (skipped special
+tokens) would let that strip eat a real space, so the window then keeps its older context. The
+first output tokens get the prompt's last tokens as context (as SGLang does), so a completion
+keeps its leading space. The window advances to the last token boundary where the text is final
+(searched within the last BOUNDARY_LOOKBACK tokens), so pushing N tokens costs O(N), not O(N²),
+and pushing them one by one or together gives the same text.
 
 Invariant: the concatenation of everything `push` and `flush` return equals
-`tokenizer.decode(all_ids, skip_special_tokens)`. The one exception is a run of more than
-MAX_PENDING_TOKENS tokens none of which ends a character (only invalid bytes: a broken model);
-then the window is cut to bound the cost, and that garbage may decode to a different number of
-U+FFFD than a full decode gives.
+`decode(context + all_ids)[len(decode(context)):]` (with no prompt context: `decode(all_ids)`).
+The one exception is a run of more than MAX_PENDING_TOKENS tokens none of which ends a character
+(only invalid bytes: a broken model); then the window is cut to bound the cost, and that garbage
+may decode to a different number of U+FFFD than a full decode gives.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from radixpool.tokenization import PromptTokenizer
 
 REPLACEMENT = "\ufffd"
 MAX_PENDING_TOKENS = 64
 BOUNDARY_LOOKBACK = 8  # an unfinished character is ≤ 3 bytes: a few tokens, maybe a special one
+PROMPT_CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: PromptTokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: PromptTokenizer, skip_special_tokens: bool = True,
+                 prompt_ids: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = []
+        self._bytes = tokenizer.byte_fallback_ids
+        # tokens a byte run reaches across: skipped special tokens vanish before decoding
+        self._in_run = self._bytes | tokenizer.special_ids if skip_special_tokens else self._bytes
+        context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
+        while context and context[-1] in self._bytes:  # an open run would merge with the output
+            context.pop()
+        context_text = self._decode(context)
+        if not context_text or context_text.endswith(REPLACEMENT):
+            context, context_text = [], ""   # nothing usable in front: decode from scratch
+        self.ids: list[int] = context   # the context, then the output
         self._start = 0          # window start: ids before it are never decoded again
-        self._read = 0           # ids before it are emitted; ids[start:read] is context
-        self._context_text = ""  # decode(ids[start:read])
-        self._sent = 0           # characters past the context already emitted (held-run split)
+        self._read = len(context)  # ids before it are emitted; ids[start:read] is context
+        self._context_text = context_text  # decode(ids[start:read])
+        self._sent = 0           # characters past the context already emitted (held-tail split)
 
     def push(self, token_ids: Iterable[int]) -> str:
         """Append tokens; return the text they completed (possibly "")."""
-        self.ids.extend(token_ids)
-        end = len(self.ids)
+        ids = self.ids
+        ids.extend(token_ids)
+        end = len(ids)
         if end == self._read:
             return ""
-        text = self._decode(self.ids[self._start:])
+        text = self._decode(ids[self._start:])
         done = len(self._context_text) + self._sent
-        if not text.endswith(REPLACEMENT):
+        open_run = end   # start of a trailing run of byte-fallback tokens (end: none)
+        if self._bytes:
+            while open_run > self._read and ids[open_run - 1] in self._in_run:
+                open_run -= 1
+            if not self._bytes.intersection(ids[open_run:]):
+                open_run = end   # only special tokens: nothing is held open
+        if open_run == end and not text.endswith(REPLACEMENT):
             self._advance(end, 0)
             return text[done:]
-        stable = max(done, len(text.rstrip(REPLACEMENT)))
-        for boundary in range(end - 1, max(self._read, end - BOUNDARY_LOOKBACK - 1), -1):
-            head = self._decode(self.ids[self._start:boundary])
+        settled = text if open_run == end else self._decode(ids[self._start:open_run])
+        stable = max(done, len(settled.rstrip(REPLACEMENT)))
+        for boundary in range(min(end - 1, open_run), max(self._read, end - BOUNDARY_LOOKBACK - 1),
+                              -1):
+            if self._bytes and self._splits_run(boundary):
+                continue   # inside a run of byte tokens: its bytes decode together
+            head = self._decode(ids[self._start:boundary])
             if not head.endswith(REPLACEMENT):
-                # ids[:boundary] ends a character: only the tokens after it stay in the window
+                # ids[:boundary] is final: only the tokens after it stay in the window
                 self._advance(boundary, stable - len(head))
                 return text[done:stable]
         if end - self._read > MAX_PENDING_TOKENS:  # nothing but stray bytes for a long while
@@ -77,9 +104,22 @@ class IncrementalDetokenizer:
 
     def _advance(self, boundary: int, sent: int) -> None:
         """Everything before `boundary` is final; `sent` characters after it were emitted."""
-        self._start, self._read = self._read, boundary
-        self._context_text = self._decode(self.ids[self._start:self._read])
+        start = self._read
+        context = self._decode(self.ids[start:boundary])
+        if not context and boundary - self._start <= MAX_PENDING_TOKENS:
+            start = self._start   # the new stretch decodes to nothing: keep the older context
+            context = self._decode(self.ids[start:boundary])
+        self._start, self._read = start, boundary
+        self._context_text = context
         self._sent = sent
+
+    def _splits_run(self, boundary: int) -> bool:
+        ids, i, j = self.ids, boundary - 1, boundary
+        while i > self._start and ids[i] in self._in_run and ids[i] not in self._bytes:
+            i -= 1
+        while j < len(ids) - 1 and ids[j] in self._in_run and ids[j] not in self._bytes:
+            j += 1
+        return ids[i] in self._bytes and ids[j] in self._bytes
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)

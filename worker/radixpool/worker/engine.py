@@ -36,6 +36,7 @@ from radixpool.tokenization import PromptTokenizer
 from radixpool.worker.config import EngineConfig
 from radixpool.worker.core_process import Shutdown
 from radixpool.worker.detokenizer import IncrementalDetokenizer
+from radixpool.worker.engine_errors import EngineBusy, RidInUse
 from radixpool.worker.ipc import Inbox, PeerClosed, frame, socket_pair
 from radixpool.worker.kv_event_log import KVEventLog
 from radixpool.worker.messages import (
@@ -54,7 +55,7 @@ from radixpool.worker.sampler import request_seed
 from radixpool.worker.sampling_params import SamplingParams
 from radixpool.worker.stop_strings import StopMatcher
 
-__all__ = ["Engine", "StreamChunk"]
+__all__ = ["Engine", "EngineBusy", "RidInUse", "StreamChunk"]
 
 log = logging.getLogger("radixpool.engine")
 STARTUP_TIMEOUT_S = 900.0
@@ -72,7 +73,8 @@ class Engine:
         self.tokenizer = PromptTokenizer.from_dir(self.config.model_path)
         self.kv_events = KVEventLog()
         self.instance_id = uuid.uuid4().hex
-        self._forks: dict[str, RequestOutput] = {}
+        self._forks: dict[str, RequestOutput] = {}   # by core rid, until finished
+        self._open_rids: dict[str, int] = {}   # caller's rid -> its forks in `_forks`
         self._controls: dict[int, concurrent.futures.Future] = {}
         self._tokens = itertools.count(1)
         self._stats: EngineStats | None = None
@@ -161,6 +163,11 @@ class Engine:
     def alive(self) -> bool:
         return not (self._closed or self._dead) and self._process.poll() is None
 
+    @property
+    def core_exit_code(self) -> int | None:
+        """The core process's exit status once it has ended (negative: killed by that signal)."""
+        return self._process.poll()
+
     # ------------------------------------------------------------------ receiving
     def _receive_loop(self) -> None:
         while not self._closed and not self._receiver_stop.is_set():
@@ -244,7 +251,7 @@ class Engine:
         if stop_matched and not delta.finished:
             self._send(AbortRequest(fork.core_rid))  # a stop string ended it: stop the core
         if chunk.finished:
-            self._forks.pop(fork.core_rid, None)
+            self._drop(fork)
         _deliver(fork, chunk)
 
     def _release_forks(self, first: RequestOutput, delta: TokenDelta) -> None:
@@ -263,8 +270,17 @@ class Engine:
     def _finish_fork(self, fork: RequestOutput, reason: str, error: str | None,
                      internal: bool = False) -> None:
         if not fork.finished:
-            self._forks.pop(fork.core_rid, None)
+            self._drop(fork)
             _deliver(fork, fork.fail(reason, error, internal))
+
+    def _drop(self, fork: RequestOutput) -> None:
+        if self._forks.pop(fork.core_rid, None) is None:
+            return
+        left = self._open_rids[fork.rid] - 1
+        if left:
+            self._open_rids[fork.rid] = left
+        else:
+            del self._open_rids[fork.rid]
 
     # ------------------------------------------------------------------ validation
     def _prepare(self, prompt: Any, input_ids: Any) -> list[list[int]]:
@@ -320,12 +336,19 @@ class Engine:
         if self._closed:
             raise RuntimeError("the engine is shut down")
         rid = rid or uuid.uuid4().hex
+        core_rids = [rid] if params.n == 1 else [f"{rid}/{i}" for i in range(params.n)]
+        # The core keys requests by core rid, abort() by the caller's: both must be free.
+        if rid in self._open_rids:
+            raise RidInUse(rid)
+        taken = next((r for r in core_rids if r in self._forks), None)
+        if taken is not None:
+            raise RidInUse(taken)
         now = time.time()
         forks, requests = [], []
-        for i in range(params.n):
-            core_rid = rid if params.n == 1 else f"{rid}/{i}"
+        for i, core_rid in enumerate(core_rids):
             fork = RequestOutput(core_rid, rid, i, params,
-                                 IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+                                 IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
+                                                        ids),
                                  StopMatcher(params.stop) if params.stop else None, sink, now)
             self._forks[core_rid] = fork
             forks.append(fork)
@@ -333,6 +356,7 @@ class Engine:
                                             namespace, now))
         # Fork 0 goes first; the others follow once its prompt is in the radix cache (its first
         # token), so every fork reuses the prompt's KV whatever its length.
+        self._open_rids[rid] = len(forks)
         forks[0].deferred = requests[1:]
         self._send(requests[0])
         return forks
@@ -448,12 +472,16 @@ class Engine:
         return await asyncio.wrap_future(self._control_future(kind, payload))
 
     def flush_cache(self) -> None:
-        """Empty the radix cache once running requests finish; new `instance_id`."""
-        self._control("flush_cache")
-        self.instance_id = uuid.uuid4().hex
+        """Empty the radix cache; new `instance_id`. Only while idle: with requests running or
+        waiting it raises `EngineBusy` at once and changes nothing."""
+        self._flushed(self._control("flush_cache"))
 
     async def flush_cache_async(self) -> None:
-        await self._control_async("flush_cache")
+        self._flushed(await self._control_async("flush_cache"))
+
+    def _flushed(self, busy: dict[str, int] | None) -> None:
+        if busy is not None:
+            raise EngineBusy(busy["running"], busy["waiting"])
         self.instance_id = uuid.uuid4().hex
 
     def probe(self, input_ids: list[int], namespace: str | None = None) -> int:

@@ -191,11 +191,23 @@ class EngineCore:
         return deltas
 
     # ------------------------------------------------------------------ control
-    def flush_cache(self) -> None:
-        """Empty the radix cache. Only while idle: in-flight requests hold locks into it."""
-        if self.has_work:
+    def busy_counts(self) -> dict[str, int] | None:
+        """`{"running": r, "waiting": w}` while any request is queued or running; else None."""
+        sched = self.scheduler
+        if not sched.has_work:
+            return None
+        return {"running": len(sched.running), "waiting": len(sched.waiting)}
+
+    def flush_cache(self) -> list[TokenDelta]:
+        """Empty the radix cache. Only while no request is queued or running: they hold locks
+        into it. A step still in flight (its requests all left) is processed first; its
+        deltas are returned."""
+        if self.scheduler.has_work:
             raise RuntimeError("cannot flush while requests are running or waiting")
+        previous, self._inflight = self._inflight, None
+        deltas = self._process(previous) if previous is not None else []
         self.cache.reset()
+        return deltas
 
     def probe(self, input_ids: list[int], namespace: str | None = None) -> int:
         return self.cache.probe(input_ids, namespace)

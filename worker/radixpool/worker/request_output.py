@@ -64,19 +64,30 @@ class RequestOutput:
         if delta.error is not None:
             return self.fail("abort", delta.error, internal=False,
                              prompt_tokens=delta.prompt_tokens), False
-        if delta.token_ids and self.first_token_time is None:
+        tokens = delta.token_ids
+        if tokens and self.first_token_time is None:
             self.first_token_time = time.time()
-        self.output_ids.extend(delta.token_ids)
-        text = self.detok.push(delta.token_ids)
+        # The first min_new_tokens - 1 tokens cannot end the output with a stop string (the
+        # core already bans EOS and stop tokens there): their text is fed as "may not stop".
+        quiet = min(len(tokens), max(0, self.params.min_new_tokens - 1 - len(self.output_ids)))
+        self.output_ids.extend(tokens)
+        parts = [[self.detok.push(tokens[:quiet]), False]] if quiet else []
+        if quiet < len(tokens) or not parts:
+            parts.append([self.detok.push(tokens[quiet:]), True])
         if delta.finished:
-            text += self.detok.flush()
+            parts[-1][0] += self.detok.flush()
         reason, matched, stopped = delta.finish_reason, delta.matched_stop_token, False
-        if self.stop is not None:
-            check = self.stop.feed(text)
-            text = check.text
-            if check.stop is not None:
-                reason, matched, stopped = "stop", check.stop, True
-            elif delta.finished:
+        if self.stop is None:
+            text = "".join(part for part, _ in parts)
+        else:
+            text = ""
+            for part, may_stop in parts:
+                check = self.stop.feed(part, may_stop)
+                text += check.text
+                if check.stop is not None:
+                    reason, matched, stopped = "stop", check.stop, True
+                    break
+            if delta.finished and not stopped:
                 text += self.stop.flush()
         self.finished = delta.finished or stopped
         return StreamChunk(

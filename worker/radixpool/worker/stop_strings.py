@@ -8,6 +8,10 @@ Text arrives in chunks (one per detokenizer push), and a stop string may straddl
 is a proper prefix of some stop string: that tail is emitted only once the next chunk proves it
 is not a stop. Every other character is emitted as soon as it arrives. Each feed searches only the
 held tail plus the new chunk, so a stream costs O(total length × number of stops).
+
+Until `min_new_tokens` is reached the caller feeds with `may_stop=False`: nothing can match yet,
+but the tail that could start a stop is still held, so a stop that ends after the minimum is found
+even when it began before it. A stop counts only if it ends in text fed with `may_stop=True`.
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ class StopMatcher:
         self.stops = tuple(dict.fromkeys(stops))
         self.matched: str | None = None
         self._held = ""
+        self._held_quiet = 0   # leading characters of `_held` fed with may_stop=False
 
-    def feed(self, chunk: str) -> StopCheck:
+    def feed(self, chunk: str, may_stop: bool = True) -> StopCheck:
         """Take the next chunk; return the text that can be emitted and the stop, if one matched.
 
         After a match the output is over: later chunks return ("", stop).
@@ -37,22 +42,25 @@ class StopMatcher:
         if self.matched is not None:
             return StopCheck("", self.matched)
         text = self._held + chunk
+        quiet = len(text) if not may_stop else self._held_quiet
         best: tuple[int, int] | None = None  # (end, start) of the first completed stop
         stop = None
-        for s in self.stops:
-            at = text.find(s, 0, len(text) if best is None else best[0])
+        for s in self.stops if may_stop else ():
+            # only a stop that ends past the quiet text: start > quiet - len(s)
+            at = text.find(s, max(0, quiet - len(s) + 1), len(text) if best is None else best[0])
             if at >= 0 and (best is None or (at + len(s), at) < best):
                 best, stop = (at + len(s), at), s
         if best is not None:
-            self.matched, self._held = stop, ""
+            self.matched, self._held, self._held_quiet = stop, "", 0
             return StopCheck(text[:best[1]], stop)
         cut = len(text) - self._open_prefix(text)
         self._held = text[cut:]
+        self._held_quiet = max(0, quiet - cut)
         return StopCheck(text[:cut], None)
 
     def flush(self) -> str:
         """The stream ended without a stop: release the held tail."""
-        held, self._held = self._held, ""
+        held, self._held, self._held_quiet = self._held, "", 0
         return "" if self.matched is not None else held
 
     def _open_prefix(self, text: str) -> int:

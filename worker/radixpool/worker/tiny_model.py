@@ -1,8 +1,15 @@
-"""Tiny models of the real architectures, made locally: random weights, a BPE tokenizer trained on
-a synthetic corpus, saved in Hugging Face format so `transformers` loads them offline.
+"""Tiny models of the real architectures, made locally: random weights, a tokenizer trained on a
+synthetic corpus, saved in Hugging Face format so `transformers` loads them offline.
+
+Two tokenizer styles, both trained here with `tokenizers`:
+- "bpe" (default): byte-level BPE, as Llama-3, Qwen and GPT-2 use;
+- "sentencepiece": what Llama-2 and Mistral ship: a metaspace "▁" pre-tokenizer that prepends "▁"
+  to the first word (SentencePiece's dummy prefix), BPE with byte fallback (`<0x00>`..`<0xFF>`
+  for any character it has no token for), and a decoder that strips the one leading space the
+  dummy prefix added. That strip is why a completion decoded alone loses its leading space.
 
 Tests, demos and benchmarks use these because nothing can be downloaded from a model hub here.
-The output is a pure function of (arch, seed): same files, same weights, same tokenizer.
+The output is a pure function of (arch, seed, tokenizer): same files, same weights, same tokenizer.
 """
 
 from __future__ import annotations
@@ -15,8 +22,11 @@ import tempfile
 from pathlib import Path
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+TOKENIZERS = ("bpe", "sentencepiece")
 VOCAB_SIZE = 1024
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")
+METASPACE = "\u2581"   # "▁": SentencePiece's stand-in for a space
+BYTE_TOKENS = tuple(f"<0x{b:02X}>" for b in range(256))
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
@@ -56,7 +66,7 @@ def _corpus(seed: int, lines: int = 3000) -> list[str]:
 
 def train_tokenizer(seed: int = 0, vocab_size: int = VOCAB_SIZE):
     """A byte-level BPE tokenizer (any UTF-8 text encodes) with a llama-style BOS post-processor."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -68,10 +78,43 @@ def train_tokenizer(seed: int = 0, vocab_size: int = VOCAB_SIZE):
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    _add_bos(tok)
+    return tok
+
+
+def train_sentencepiece_tokenizer(seed: int = 0, vocab_size: int = VOCAB_SIZE):
+    """A Llama-2/Mistral-style tokenizer: metaspace with a dummy prefix, BPE with byte fallback,
+    a decoder that strips the dummy prefix's space; ids: `<unk>`, the special tokens, the 256 byte
+    tokens, then the learned pieces."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    specials = ["<unk>", *SPECIAL_TOKENS]
+    learner = Tokenizer(models.BPE(unk_token="<unk>"))
+    # split on "▁" while learning: no merge ever spans two words, as in SentencePiece
+    learner.pre_tokenizer = pre_tokenizers.Metaspace(METASPACE, prepend_scheme="first")
+    learner.train_from_iterator(_corpus(seed), trainer=trainers.BpeTrainer(
+        vocab_size=vocab_size - len(BYTE_TOKENS), special_tokens=specials, show_progress=False))
+    learned = json.loads(learner.to_str())["model"]
+    vocab = {t: i for i, t in enumerate([*specials, *BYTE_TOKENS])}
+    for piece in sorted(learned["vocab"], key=learned["vocab"].get):
+        vocab.setdefault(piece, len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in learned["merges"]]
+    tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True,
+                               fuse_unk=True))
+    tok.add_special_tokens(specials)
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(METASPACE, prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence([decoders.Replace(METASPACE, " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    _add_bos(tok)
+    return tok
+
+
+def _add_bos(tok) -> None:
+    from tokenizers import processors
+
     bos = tok.token_to_id("<s>")
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
-    return tok
 
 
 def _config(arch: str, vocab_size: int, special: dict[str, int]):
@@ -97,17 +140,21 @@ def _config(arch: str, vocab_size: int, special: dict[str, int]):
     raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {arch!r}")
 
 
-def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0) -> Path:
-    """Write a tiny random-weight model of `arch` to `out_dir` and return the path."""
+def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0,
+                    tokenizer: str = "bpe") -> Path:
+    """Write a tiny random-weight model of `arch` with a `tokenizer`-style tokenizer (see the
+    module docstring) to `out_dir` and return the path."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {arch!r}")
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(f"tokenizer must be one of {', '.join(TOKENIZERS)}, got {tokenizer!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    tok = train_tokenizer(seed)
+    tok = train_tokenizer(seed) if tokenizer == "bpe" else train_sentencepiece_tokenizer(seed)
     special = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({

@@ -70,7 +70,6 @@ class Scheduler:
         self.retracted_total = 0
         self._seq = 0
         self._pending_deltas: list[TokenDelta] = []  # finishes decided outside `process`
-        self.admission_paused = False  # set while a cache flush waits for running requests
 
     # ------------------------------------------------------------------ intake
     def add(self, req: Req) -> TokenDelta | None:
@@ -171,7 +170,7 @@ class Scheduler:
             max_running=cfg.max_running_requests, num_running=len(self.running),
             ratio=self.run_set.new_token_ratio, now=now)
         adder.continue_chunks(chunking)
-        if not self.admission_paused and adder.may_admit():
+        if adder.may_admit():
             self.waiting.offer(now, cfg.max_queue_wait_s, adder.decide)
         return adder
 

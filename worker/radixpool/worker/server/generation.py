@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
+from radixpool.worker.engine_errors import RidInUse
 from radixpool.worker.sampling_params import SamplingParams
 from radixpool.worker.server.errors import APIError, bad_request, unavailable
 from radixpool.worker.server.state import WorkerState
@@ -109,6 +110,8 @@ class EngineRun:
         self._engine = state.engine
         self._metrics = state.metrics
         self._active = state.active_rids
+        # a duplicate rid is refused by the engine: its run must not unlist the first one's
+        self._owns_rid = rid not in self._active
         self._active.add(rid)
         self._renames = renames or {}
         self._prompt_param = prompt_param
@@ -123,14 +126,15 @@ class EngineRun:
         except ValueError as exc:
             self._open.clear()   # refused, not aborted: it is no finished request
             await self.close()
+            if isinstance(exc, RidInUse):
+                raise bad_request(str(exc), param="rid", code="duplicate_rid") from None
             raise engine_error(exc, self._renames, self._prompt_param) from None
         except RuntimeError:
             if self._engine.alive:
                 raise
             self._open.clear()
             await self.close()
-            # 503, so a gateway retries it on another worker; /health says why
-            raise unavailable("the engine core process died; this worker cannot serve") from None
+            raise _core_died() from None
         except StopAsyncIteration:
             self._first = None
         if self._first is not None:
@@ -160,11 +164,17 @@ class EngineRun:
                 async for chunk in self._stream:
                     self._observe(chunk)
                     yield chunk
+        except RuntimeError:
+            if self._engine.alive:
+                raise
+            raise _core_died() from None
         finally:
             await self.close()
 
     async def close(self) -> None:
-        self._active.discard(self.rid)
+        if self._owns_rid:
+            self._active.discard(self.rid)
+            self._owns_rid = False
         await self._stream.aclose()
         now = time.time()
         for _ in self._open:
@@ -181,6 +191,11 @@ class EngineRun:
         async for chunk in self:
             forks.setdefault(chunk.index, ForkOutput(chunk.index)).add(chunk)
         return [forks[i] for i in sorted(forks)]
+
+
+def _core_died() -> APIError:
+    # 503, so a gateway retries it on another worker; /health says why, and the worker exits
+    return unavailable("the engine core process died; this worker cannot serve")
 
 
 def server_timing(forks: list[ForkOutput]) -> dict[str, str]:

@@ -42,7 +42,7 @@ def router(state: WorkerState) -> APIRouter:
             raise _resync(since, log.last_seq)
         events = log.events_since(since)
         if events is not None and not events and timeout > 0:
-            await log.wait(since, timeout)
+            await state.lifecycle.until_stopping(log.wait(since, timeout))
             events = log.events_since(since)
         if events is None:
             raise _resync(since, log.last_seq)

@@ -1,10 +1,12 @@
-"""Worker lifecycle (loading → ready → draining → stopped) and the ASGI gate in front of the app.
+"""Worker lifecycle (loading → ready → draining → stopped, or failed) and the ASGI gate in front
+of the app.
 
 The gate is plain ASGI (no per-request Starlette middleware objects) and does three things:
-- `--api-key`: every path except `/health` and `/metrics` needs `Authorization: Bearer KEY`
-  (or `X-API-Key: KEY`); otherwise 401.
-- While loading or draining, every path except `/health` and `/metrics` gets 503 with
-  `Retry-After` (`/health` itself answers 503 from its route).
+- `--api-key`: every path except `/health`, `/livez` and `/metrics` needs
+  `Authorization: Bearer KEY` (or `X-API-Key: KEY`); otherwise 401.
+- While loading, draining or failed (the engine did not start, or its core process died), every
+  path except those three gets 503 with `Retry-After` (`/health` and `/livez` answer from their
+  routes).
 - It counts generation requests in flight, so a drain knows when the last one has finished.
 """
 
@@ -14,11 +16,12 @@ import asyncio
 import enum
 import hmac
 import json
+from collections.abc import Awaitable
 
 from radixpool.worker.server.errors import error_body
 
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/livez", "/metrics"})
 RETRY_AFTER_S = 5
 
 
@@ -38,6 +41,7 @@ class Lifecycle:
         self.inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self._stopping = asyncio.Event()
 
     @property
     def serving(self) -> bool:
@@ -48,7 +52,25 @@ class Lifecycle:
             self.phase = Phase.READY
 
     def mark_failed(self, reason: str) -> None:
+        """The engine is gone for good (`reason` is what a client is told); the worker exits."""
         self.phase, self.failure = Phase.FAILED, reason
+        self.stop_waiting()
+
+    def stop_waiting(self) -> None:
+        """The worker is stopping: end every wait in `until_stopping` (call on the event loop)."""
+        self._stopping.set()
+
+    async def until_stopping(self, wait: Awaitable[None]) -> None:
+        """Await `wait`, or stop awaiting it once the worker begins to stop, so that a long poll
+        answers at once instead of being cancelled (with a traceback) by the server's shutdown."""
+        waiter = asyncio.ensure_future(wait)
+        stopper = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (waiter, stopper):
+                task.cancel()
+            await asyncio.gather(waiter, stopper, return_exceptions=True)
 
     def begin_drain(self) -> bool:
         """Stop taking requests; False if already draining."""
@@ -79,7 +101,7 @@ class Lifecycle:
             return "the model is still loading; retry shortly"
         if self.phase is Phase.DRAINING:
             return "this worker is shutting down; send the request to another worker"
-        return f"the engine failed to start: {self.failure}"
+        return f"{self.failure}; this worker is exiting"
 
 
 def _header(scope: dict, name: bytes) -> str | None:

@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_
 from starlette.responses import JSONResponse
 
 from radixpool.protocol.server_info import ServerInfo
-from radixpool.worker.server.errors import APIError, bad_request, error_body
+from radixpool.worker.engine_errors import EngineBusy
+from radixpool.worker.server.errors import APIError, bad_request, error_body, unavailable
 from radixpool.worker.server.generation import (
     EngineRun,
     ForkOutput,
@@ -24,6 +25,7 @@ from radixpool.worker.server.generation import (
     start_all,
     until_disconnect,
 )
+from radixpool.worker.server.lifecycle import Phase
 from radixpool.worker.server.openai_protocol import ChatMessage
 from radixpool.worker.server.sse import DONE, EventStream, sse
 from radixpool.worker.server.state import WorkerState
@@ -145,12 +147,22 @@ def router(state: WorkerState) -> APIRouter:
         lifecycle = state.lifecycle
         if lifecycle.serving and state.engine.alive:
             return JSONResponse({"status": "ok"})
-        if lifecycle.serving:
-            return JSONResponse({"status": "failed", "message": "the engine core process died"},
+        if lifecycle.serving or lifecycle.phase is Phase.FAILED:
+            return JSONResponse({"status": "failed", "message": state.core_failure()},
                                 status_code=503)
         return JSONResponse({"status": lifecycle.phase.value,
                              "message": lifecycle.unavailable_reason()}, status_code=503,
                             headers={"Retry-After": "5"})
+
+    @r.get("/livez")
+    async def livez() -> JSONResponse:
+        """Liveness: fails only once the engine is gone for good (loading and draining are
+        alive), so an orchestrator restarts a worker whose core died."""
+        if state.lifecycle.phase is not Phase.FAILED and (state.engine is None
+                                                          or state.engine.alive):
+            return JSONResponse({"status": "alive"})
+        return JSONResponse({"status": "dead", "message": state.core_failure()},
+                            status_code=503)
 
     @r.get("/health_generate")
     async def health_generate() -> JSONResponse:
@@ -170,9 +182,10 @@ def router(state: WorkerState) -> APIRouter:
     async def flush_cache() -> dict:
         try:
             await state.engine.flush_cache_async()
+        except EngineBusy as exc:   # refused at once, as SGLang does: a flush never waits
+            raise APIError(409, str(exc), code="requests_in_flight") from None
         except RuntimeError as exc:
-            raise APIError(409, f"cannot flush the cache now: {exc}", code="flush_refused") \
-                from None
+            raise unavailable(f"cannot flush the cache: {exc}") from None
         return {"instance_id": state.engine.instance_id}
 
     @r.get("/server_info")

@@ -3,7 +3,8 @@
 The HTTP server starts first, so `/health` answers 503 while the model loads. SIGTERM starts a
 drain: `/health` and new requests get 503, running requests get up to `--drain-timeout` to finish,
 then the server stops, the engine shuts down and the process exits 0. A second SIGTERM or a
-SIGINT stops at once.
+SIGINT stops at once. If the engine core process dies, the worker logs why, lets the requests in
+flight end with 503, and exits 1 within seconds, so the container is restarted.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from radixpool.worker.server.state import WorkerState
 
 log = logging.getLogger("radixpool.worker.server")
 ABORT_GRACE_S = 5.0   # after a drain timeout, how long aborted requests get to send their end
+CORE_POLL_S = 0.5     # how often the engine core process is checked
+CORE_DEATH_GRACE_S = 3.0   # after the core died, how long failing requests get to answer
 
 
 class WorkerServer(uvicorn.Server):
@@ -40,6 +43,8 @@ class WorkerServer(uvicorn.Server):
             return
         if self.should_exit:
             self.force_exit = True
+        elif self.loop is not None:
+            self.loop.call_soon_threadsafe(self.state.lifecycle.stop_waiting)   # end long polls
         self.should_exit = True
 
     def _spawn(self, coro) -> None:
@@ -48,6 +53,7 @@ class WorkerServer(uvicorn.Server):
         task.add_done_callback(self._tasks.discard)
 
     async def _drain(self) -> None:
+        self.state.lifecycle.stop_waiting()   # long polls answer now; new ones get 503
         timeout = self.state.config.drain_timeout
         log.info("SIGTERM: draining %d running request(s), up to %.0f s",
                  self.state.lifecycle.inflight, timeout)
@@ -70,17 +76,32 @@ class WorkerServer(uvicorn.Server):
             engine = await asyncio.to_thread(Engine, **asdict(cfg.engine))
         except Exception as exc:
             log.error("engine failed to start: %s", exc)
-            self.state.lifecycle.mark_failed(str(exc))
+            self.state.lifecycle.mark_failed(f"the engine failed to start: {exc}")
             self.should_exit = True
             return
         engine.bind_loop()   # the core's output is read on this loop: no receiver thread hop
         self.state.attach(engine)
+        self._spawn(self._watch_core(engine))
         info = engine.info
         log.info("serving %s as '%s' on http://%s:%d — %s %s, context %d tokens, "
                  "KV capacity %d tokens (page size %d), instance %s",
                  cfg.engine.model_path, cfg.served_model_name, cfg.host, cfg.port, info.device,
                  info.dtype, info.context_length, info.kv_capacity_tokens, info.page_size,
                  engine.instance_id)
+
+    async def _watch_core(self, engine) -> None:
+        """Exit non-zero once the engine core process is gone: nothing here can revive it."""
+        while engine.alive:
+            await asyncio.sleep(CORE_POLL_S)
+        if self.should_exit:
+            return   # a shutdown already under way
+        reason = f"the engine core process died (exit code {engine.core_exit_code})"
+        log.error("%s; exiting with status 1 so the worker is restarted", reason)
+        lifecycle = self.state.lifecycle
+        lifecycle.mark_failed(reason)
+        await lifecycle.wait_idle(CORE_DEATH_GRACE_S)   # requests in flight end with 503 first
+        self.config.timeout_graceful_shutdown = 1
+        self.should_exit = True
 
     async def serve(self, sockets=None) -> None:
         self.loop = asyncio.get_running_loop()

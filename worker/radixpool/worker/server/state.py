@@ -49,6 +49,10 @@ class WorkerState:
         or refusal, and when it goes idle)."""
         return self.engine.stats() if self.engine is not None else None
 
+    def core_failure(self) -> str:
+        """Why the engine is unusable (its core process died, or it never started)."""
+        return self.lifecycle.failure or "the engine core process died"
+
     def abort_all(self) -> int:
         """Abort every running request; their streams end with finish_reason "abort"."""
         rids = list(self.active_rids)
