@@ -37,6 +37,9 @@ class EngineConfig:
     # Replay decode steps from CUDA graphs captured at start-up (GPU, with a backend that
     # supports it; up to min(max_running_requests, 256) requests a step).
     cuda_graph: bool = True
+    # Fill the weights with random values instead of reading a checkpoint (benchmarks of a real
+    # configuration whose weights are not at hand: model_path then needs only config.json).
+    random_weights: bool = False
 
     def __post_init__(self) -> None:
         def fail(name: str, expected: str) -> None:

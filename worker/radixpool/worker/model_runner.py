@@ -17,6 +17,8 @@ KV cache size, in tokens:
 Weights are allocated on the target device and filled tensor by tensor from the safetensors
 files (`model/loader.py`): the host never holds more than one checkpoint tensor. Running out of
 memory at start-up is an error that names what did not fit (weights, KV cache, graphs).
+`random_weights` skips the checkpoint (benchmarks of real configurations, `model/
+reference_configs.py`).
 
 Decode steps replay CUDA graphs (`decode_graphs.py`) on a GPU whose attention backend supports
 them, unless `cuda_graph` is off.
@@ -113,6 +115,17 @@ def _default_tensor_placement(device: torch.device, dtype: torch.dtype) -> Itera
         torch.set_default_dtype(previous)
 
 
+@torch.no_grad()
+def _fill_random(model: torch.nn.Module, std: float = 0.02) -> None:
+    """Norm scales 1, everything else N(0, std): activations stay in range over many layers."""
+    generator = torch.Generator(next(model.parameters()).device).manual_seed(0)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, std, generator=generator)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         from transformers import AutoConfig
@@ -174,7 +187,10 @@ class ModelRunner:
         try:
             with _default_tensor_placement(self.device, self.dtype):
                 self.model = CausalLM(self.spec, self.attn_backend)
-            load_checkpoint(self.model, self.config.model_path)
+            if self.config.random_weights:
+                _fill_random(self.model)
+            else:
+                load_checkpoint(self.model, self.config.model_path)
         except torch.OutOfMemoryError:
             raise MemoryError(f"the model's weights ({self.shape.weight_bytes / GIB:.2f} GiB) "
                               f"did not fit on {self.device}") from None
