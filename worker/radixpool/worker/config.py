@@ -34,6 +34,12 @@ class EngineConfig:
     # Schedule step N+1 while step N runs (its tokens stay on the device until processed).
     # None: on for CUDA, off on CPU (where nothing runs concurrently to gain from it).
     overlap_schedule: bool | None = None
+    # Replay decode steps from CUDA graphs captured at start-up (GPU, with a backend that
+    # supports it; up to min(max_running_requests, 256) requests a step).
+    cuda_graph: bool = True
+    # Fill the weights with random values instead of reading a checkpoint (benchmarks of a real
+    # configuration whose weights are not at hand: model_path then needs only config.json).
+    random_weights: bool = False
 
     def __post_init__(self) -> None:
         def fail(name: str, expected: str) -> None:

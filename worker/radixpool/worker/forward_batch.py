@@ -9,7 +9,9 @@ Modes:
 - EXTEND: each request computes `extend_lens[i] >= 1` new tokens on top of `prefix_lens[i]`
   tokens already in the KV pool (prefill, a prefill chunk, a resumed request, forced tokens).
 - DECODE: every request computes exactly one new token. Backends may use fixed-shape kernels
-  (CUDA graphs) for it.
+  (CUDA graphs) for it: `graph_size` is then the captured batch size this batch was padded to
+  (padded lanes: one token at position 0 written to the pool's padding slot; their output is
+  dropped).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class ForwardBatch:
     req_to_token: torch.Tensor    # the ReqToTokenPool table (slot of token i of row r)
     kv_pool: Any                  # the KVPool the attention layers read and write
     attn_metadata: Any = field(default=None)  # the attention backend's per-step plan
+    graph_size: int | None = None             # the CUDA-graph batch size it is padded to
 
     @property
     def num_tokens(self) -> int:

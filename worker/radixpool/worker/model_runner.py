@@ -9,14 +9,25 @@ request→token table. `forward(batch)` computes one `ForwardBatch` and returns 
 KV cache size, in tokens:
 - `kv_cache_tokens` when given;
 - on GPU, `mem_fraction` (default 0.85) of the memory still free once the weights are loaded,
-  less every per-request tensor (`mem/memory_plan.py`), reserved before the pool is sized;
+  less every per-request tensor, the largest step's activations and the CUDA graphs
+  (`mem/memory_plan.py`), all reserved before the pool is sized;
 - on CPU, min(4 × context_length, what fits in 2 GiB): enough for a few full-length requests
   without letting a large model's KV take the host's memory by surprise.
+
+Weights are allocated on the target device and filled tensor by tensor from the safetensors
+files (`model/loader.py`): the host never holds more than one checkpoint tensor. Running out of
+memory at start-up is an error that names what did not fit (weights, KV cache, graphs).
+`random_weights` skips the checkpoint (benchmarks of real configurations, `model/
+reference_configs.py`).
+
+Decode steps replay CUDA graphs (`decode_graphs.py`) on a GPU whose attention backend supports
+them, unless `cuda_graph` is off.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,10 +37,28 @@ import torch
 
 from radixpool.worker.attention.base import AttentionShape, create_backend
 from radixpool.worker.config import EngineConfig
-from radixpool.worker.forward_batch import ForwardBatch, forward_context
+from radixpool.worker.decode_graphs import (
+    DEFAULT_MAX_GRAPH_BATCH,
+    Capture,
+    CudaGraphCapture,
+    DecodeGraphs,
+    Padding,
+    StaticDecodeInputs,
+    graph_batch_sizes,
+)
+from radixpool.worker.forward_batch import ForwardBatch, ForwardMode, forward_context
 from radixpool.worker.mem.kv_pool import KVPool, ReqToTokenPool
-from radixpool.worker.mem.memory_plan import PerRequestMemory, kv_tokens_for_memory
-from radixpool.worker.model import CausalLM, load_checkpoint, model_spec
+from radixpool.worker.mem.memory_plan import (
+    GIB,
+    ModelShape,
+    PerRequestMemory,
+    StepMemory,
+    check_weights_fit,
+    kv_tokens_for_memory,
+)
+from radixpool.worker.model import CausalLM, ModelSpec, load_checkpoint, model_spec
+
+log = logging.getLogger(__name__)
 
 DEFAULT_GPU_MEM_FRACTION = 0.85
 CPU_KV_CONTEXTS = 4
@@ -56,6 +85,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def model_shape(spec: ModelSpec, dtype: torch.dtype) -> ModelShape:
+    return ModelShape(spec.vocab_size, spec.hidden_size, spec.intermediate_size, spec.num_layers,
+                      spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim,
+                      spec.tie_word_embeddings, torch.empty((), dtype=dtype).element_size())
+
+
 def read_eos_token_ids(model_dir: str | Path, hf_config: Any) -> tuple[int, ...]:
     """EOS ids of config.json and generation_config.json together (each an int or a list)."""
     sources = [getattr(hf_config, "eos_token_id", None)]
@@ -80,6 +115,17 @@ def _default_tensor_placement(device: torch.device, dtype: torch.dtype) -> Itera
         torch.set_default_dtype(previous)
 
 
+@torch.no_grad()
+def _fill_random(model: torch.nn.Module, std: float = 0.02) -> None:
+    """Norm scales 1, everything else N(0, std): activations stay in range over many layers."""
+    generator = torch.Generator(next(model.parameters()).device).manual_seed(0)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, std, generator=generator)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         from transformers import AutoConfig
@@ -101,21 +147,84 @@ class ModelRunner:
         shape = AttentionShape(self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim,
                                scale=self.spec.head_dim ** -0.5)
         self.attn_backend = create_backend(self.attention_backend_name, shape, self.device)
-        with _default_tensor_placement(self.device, self.dtype):
-            self.model = CausalLM(self.spec, self.attn_backend)
-        load_checkpoint(self.model, config.model_path)
-        self.model.eval()
+        self.shape = model_shape(self.spec, self.dtype)
+        self._load_model()
 
         rows = config.max_running_requests + SPARE_REQ_ROWS
         # The sampler keeps penalty counts for at most `rows` requests (engine_core.py).
         self.per_request = PerRequestMemory(rows, self.context_length, self.vocab_size,
                                             penalty_rows=rows,
                                             max_batch=config.max_running_requests)
+        use_graphs = (self.device.type == "cuda" and config.cuda_graph
+                      and self.attn_backend.supports_cuda_graph)
+        if self.device.type == "cuda" and config.cuda_graph and not use_graphs:
+            log.info("decode CUDA graphs off: attention backend %r cannot be captured",
+                     self.attention_backend_name)
+        graph_batch = min(config.max_running_requests, DEFAULT_MAX_GRAPH_BATCH)
+        self.graph_kv_pages = graph_batch * -(-self.context_length // config.page_size)
+        self.step_memory = StepMemory(self.shape, config.max_prefill_tokens,
+                                      config.max_running_requests,
+                                      graph_batch if use_graphs else 0,
+                                      self.graph_kv_pages if use_graphs else 0)
         kv_tokens = self._kv_cache_tokens()
         self.req_to_token_pool = ReqToTokenPool(rows, self.context_length, self.device)
-        self.kv_pool = KVPool(kv_tokens, config.page_size, self.num_layers,
-                              self.num_kv_heads, self.head_dim, self.dtype, self.device,
-                              debug=config.debug_invariants)
+        try:
+            self.kv_pool = KVPool(kv_tokens, config.page_size, self.num_layers,
+                                  self.num_kv_heads, self.head_dim, self.dtype, self.device,
+                                  debug=config.debug_invariants)
+        except torch.OutOfMemoryError:
+            raise MemoryError(f"the KV cache ({kv_tokens} tokens) did not fit on {self.device}: "
+                              f"lower kv_cache_tokens or mem_fraction") from None
+        self.padding = Padding(row=0, slot=0)
+        self.decode_graphs: DecodeGraphs | None = None
+        if use_graphs:
+            self._capture_decode_graphs(graph_batch)
+
+    def _load_model(self) -> None:
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            check_weights_fit(self.shape.weight_bytes, free, str(self.device))
+        try:
+            with _default_tensor_placement(self.device, self.dtype):
+                self.model = CausalLM(self.spec, self.attn_backend)
+            if self.config.random_weights:
+                _fill_random(self.model)
+            else:
+                load_checkpoint(self.model, self.config.model_path)
+        except torch.OutOfMemoryError:
+            raise MemoryError(f"the model's weights ({self.shape.weight_bytes / GIB:.2f} GiB) "
+                              f"did not fit on {self.device}") from None
+        self.model.eval()
+
+    def init_decode_graphs(self, sizes: tuple[int, ...], capture: Capture) -> DecodeGraphs:
+        """Capture (or, with an eager `capture`, prepare) the decode steps of `sizes`; decode
+        batches up to `max(sizes)` then run through them."""
+        max_batch = max(sizes)
+        self.attn_backend.init_cuda_graph(max_batch, max_batch * -(-self.context_length
+                                                                   // self.config.page_size))
+        inputs = StaticDecodeInputs(max_batch, self.spec.hidden_size, self.dtype, self.device)
+        empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        template = ForwardBatch(ForwardMode.DECODE, empty, empty, empty, empty, empty, [], [],
+                                empty, self.req_to_token_pool.table, self.kv_pool)
+        with torch.inference_mode():
+            self.decode_graphs = DecodeGraphs(self.model, self.attn_backend, sizes, self.padding,
+                                              inputs, template, capture)
+        return self.decode_graphs
+
+    def _capture_decode_graphs(self, max_batch: int) -> None:
+        sizes = graph_batch_sizes(max_batch)
+        free_before, _ = torch.cuda.mem_get_info(self.device)
+        try:
+            graphs = self.init_decode_graphs(sizes, CudaGraphCapture())
+        except torch.OutOfMemoryError:
+            raise MemoryError(f"capturing decode CUDA graphs (batch sizes up to {max_batch}, "
+                              f"{self.step_memory.graph_bytes / GIB:.2f} GiB reserved) ran out "
+                              f"of memory: pass --disable-cuda-graph or lower mem_fraction / "
+                              f"max_running_requests") from None
+        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        log.info("captured %d decode CUDA graphs (batch sizes %s..%s) in %.1f s using %.2f GiB "
+                 "(%.2f GiB reserved)", len(sizes), sizes[0], sizes[-1], graphs.capture_seconds,
+                 used / GIB, self.step_memory.graph_bytes / GIB)
 
     @property
     def vocab_size(self) -> int:
@@ -155,7 +264,8 @@ class ModelRunner:
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             tokens = kv_tokens_for_memory(free, cfg.mem_fraction or DEFAULT_GPU_MEM_FRACTION,
-                                          per_token, self.per_request, cfg.page_size)
+                                          per_token, self.per_request, cfg.page_size,
+                                          self.step_memory)
         elif cfg.mem_fraction is not None:
             raise ValueError("mem_fraction sizes the KV cache from free GPU memory; "
                              "on CPU set kv_cache_tokens")
@@ -169,14 +279,14 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits `[len(batch.logits_indices), vocab_size]` for one step."""
-        self.attn_backend.plan(batch)
         with forward_context(batch):
             hidden = self._run_model(batch)
             return self.model.compute_logits(hidden[batch.logits_indices]).float()
 
     def _run_model(self, batch: ForwardBatch) -> torch.Tensor:
-        # Fixed-shape DECODE steps (CUDA graph replay, a later issue) will branch off here: a
-        # captured graph per padded batch size, fed from the same batch.
+        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+            return self.decode_graphs.run(batch)
+        self.attn_backend.plan(batch)
         return self.model(batch.input_ids, batch.positions)
 
     def __repr__(self) -> str:

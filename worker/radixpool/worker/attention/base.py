@@ -8,6 +8,11 @@ A backend computes attention for the tokens of a `ForwardBatch` against the page
   the new tokens) and returns `[num_tokens, num_heads * head_dim]`.
 Backends that need a GPU import their libraries inside their own module, so every backend's
 registration is importable on a CPU-only machine.
+
+CUDA-graph decode (`supports_cuda_graph`): `init_cuda_graph(max_batch, max_kv_pages)` allocates
+fixed buffers once; a DECODE batch with `graph_size` set is padded to that captured size and
+`plan` must write its metadata into that size's fixed buffers (captured kernels read them), never
+allocate new ones. `forward` then must not depend on host values that change between steps.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -30,6 +36,8 @@ class AttentionShape:
 
 
 class AttentionBackend(ABC):
+    supports_cuda_graph: ClassVar[bool] = False
+
     def __init__(self, shape: AttentionShape, device: torch.device) -> None:
         self.shape = shape
         self.device = device
@@ -40,6 +48,11 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatch) -> torch.Tensor: ...
+
+    def init_cuda_graph(self, max_batch: int, max_kv_pages: int) -> None:
+        """Allocate the fixed buffers that graph-sized decode steps plan into (none here: a
+        backend without them still runs padded batches eagerly, it cannot be captured)."""
+        return
 
 
 _REGISTRY: dict[str, Callable[[], type[AttentionBackend]]] = {}

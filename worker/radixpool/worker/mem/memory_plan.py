@@ -1,11 +1,13 @@
-"""Sizing the KV pool from a memory fraction, with every per-request tensor reserved first.
+"""Sizing the KV pool from a memory fraction, with every other tensor reserved first.
 
-`mem_fraction` of the accelerator memory still free once the weights are loaded is the static
-budget: the per-request tensors (the request→token table, the penalty counts, the sampler's
-per-step buffers at a full batch) are taken out of it *first*, and the KV pool gets the rest, in
-whole pages. The remaining `1 - mem_fraction` is the forward pass's activations' headroom. A
-full batch therefore never runs out of memory because a per-request tensor grew after the KV
-cache took its share (the penalty counts never grow past `penalty_rows`).
+`mem_fraction` of the accelerator memory still free once the weights are loaded is the budget:
+the per-request tensors (the request→token table, the penalty counts, the sampler's per-step
+buffers at a full batch), the activations of the largest step, and the CUDA graphs' memory are
+taken out of it *first*, and the KV pool gets the rest, in whole pages. The remaining
+`1 - mem_fraction` is slack for the allocator's fragmentation and the CUDA context. A full batch
+therefore never runs out of memory because something grew after the KV cache took its share (the
+penalty counts never grow past `penalty_rows`). When nothing is left for the KV cache, the error
+lists every reservation so the user sees what did not fit.
 """
 
 from __future__ import annotations
@@ -15,7 +17,63 @@ from dataclasses import dataclass
 # Float32 [batch, vocab] buffers a sampling step may hold at once: the logits, the log-softmax for
 # logprobs, and the Gumbel noise / candidate scores.
 SAMPLER_VOCAB_BUFFERS = 3
-INT64_BYTES, FLOAT32_BYTES, BOOL_BYTES = 8, 4, 1
+INT64_BYTES, FLOAT32_BYTES, BOOL_BYTES, INT32_BYTES = 8, 4, 1, 4
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a decoder that its weights and activations follow."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    q_size: int           # num_heads * head_dim
+    kv_size: int          # num_kv_heads * head_dim
+    tied_embeddings: bool
+    itemsize: int         # bytes per weight / activation element
+
+    @property
+    def weight_bytes(self) -> int:
+        """Every parameter (biases and norms included approximately: they are < 0.1 %)."""
+        h, layer = self.hidden_size, 0
+        layer += h * (self.q_size + 2 * self.kv_size) + self.q_size * h   # qkv, o
+        layer += 3 * h * self.intermediate_size                           # gate, up, down
+        layer += 2 * h                                                     # two norms
+        embeddings = self.vocab_size * h * (1 if self.tied_embeddings else 2)
+        return self.itemsize * (self.num_layers * layer + embeddings + h)
+
+    @property
+    def activation_bytes_per_token(self) -> int:
+        """An upper bound of what one token keeps alive inside a layer: the residual, the
+        normed input, q/k/v, the attention output, the fused gate|up and the activated MLP."""
+        h, inter = self.hidden_size, self.intermediate_size
+        return self.itemsize * (4 * h + 4 * inter + 2 * self.q_size + 2 * self.kv_size)
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """What a forward step needs beyond the weights and the KV pool."""
+
+    model: ModelShape
+    max_step_tokens: int      # the largest step (max_prefill_tokens)
+    max_batch: int            # logits rows of a step
+    graph_batch: int          # largest captured decode batch; 0 without CUDA graphs
+    graph_kv_pages: int       # the page-index buffer captured graphs read (0 without graphs)
+
+    @property
+    def activation_bytes(self) -> int:
+        logits = self.max_batch * self.model.vocab_size * self.model.itemsize
+        return self.max_step_tokens * self.model.activation_bytes_per_token + logits
+
+    @property
+    def graph_bytes(self) -> int:
+        """The graphs share one memory pool, as large as the largest graph's activations."""
+        if not self.graph_batch:
+            return 0
+        return (self.graph_batch * self.model.activation_bytes_per_token
+                + self.graph_kv_pages * INT32_BYTES)
 
 
 @dataclass(frozen=True)
@@ -44,15 +102,31 @@ class PerRequestMemory:
 
 
 def kv_tokens_for_memory(free_bytes: int, mem_fraction: float, kv_bytes_per_token: int,
-                         per_request: PerRequestMemory, page_size: int) -> int:
+                         per_request: PerRequestMemory, page_size: int,
+                         step: StepMemory | None = None) -> int:
     """KV tokens (whole pages) that fit in `mem_fraction` of `free_bytes` once the per-request
-    tensors are reserved."""
-    budget = int(free_bytes * mem_fraction) - per_request.total_bytes
+    tensors, the step's activations and the CUDA graphs are reserved."""
+    reserved = {"per-request tensors (max_running_requests, context_length)":
+                per_request.total_bytes}
+    if step is not None:
+        reserved["step activations (max_prefill_tokens)"] = step.activation_bytes
+        reserved["decode CUDA graphs (--disable-cuda-graph to drop)"] = step.graph_bytes
+    budget = int(free_bytes * mem_fraction) - sum(reserved.values())
     tokens = max(0, budget) // kv_bytes_per_token
     tokens -= tokens % page_size
     if tokens < page_size:
+        listing = ", ".join(f"{name} {size / GIB:.2f} GiB" for name, size in reserved.items())
         raise ValueError(
-            f"mem_fraction {mem_fraction} of {free_bytes / 2**30:.2f} GiB free leaves no room "
-            f"for the KV cache after {per_request.total_bytes / 2**30:.2f} GiB of per-request "
-            f"tensors: raise mem_fraction or lower max_running_requests / context_length")
+            f"mem_fraction {mem_fraction} of {free_bytes / GIB:.2f} GiB free leaves no room for "
+            f"one KV page ({page_size * kv_bytes_per_token / GIB:.3f} GiB) after {listing}: "
+            f"raise mem_fraction or lower max_running_requests / context_length / "
+            f"max_prefill_tokens")
     return tokens
+
+
+def check_weights_fit(weight_bytes: int, free_bytes: int, where: str) -> None:
+    """A clear error, before allocating, when the weights alone exceed the free memory."""
+    if weight_bytes > free_bytes:
+        raise MemoryError(f"the model's weights ({weight_bytes / GIB:.2f} GiB) do not fit in "
+                          f"the {free_bytes / GIB:.2f} GiB free on {where}: use a smaller "
+                          f"model, a smaller --dtype, or a larger device")

@@ -80,8 +80,11 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-length", type=int, metavar="N",
                    help="cap the model's context length (may only shrink it)")
     p.add_argument("--attention-backend", default=_default("attention_backend"),
-                   help="attention backend: auto or torch (default: auto = torch; "
-                        "FlashInfer is not built yet)")
+                   help="attention backend: auto, torch or flashinfer (default: auto = torch; "
+                        "flashinfer needs a CUDA GPU and the flashinfer-python package)")
+    p.add_argument("--disable-cuda-graph", action="store_true",
+                   help="run decode steps eagerly instead of replaying the CUDA graphs captured "
+                        "at start-up (GPU with the flashinfer backend only)")
     p.add_argument("--debug-invariants", action="store_true",
                    help="check KV cache invariants whenever the engine goes idle (slow)")
     p.add_argument("--api-key", metavar="KEY", default=os.environ.get(API_KEY_ENV),
@@ -127,6 +130,7 @@ def _config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_prefill_tokens=args.max_prefill_tokens,
         schedule_policy=args.schedule_policy,
         attention_backend=args.attention_backend,
+        cuda_graph=not args.disable_cuda_graph,
         context_length=args.context_length,
         debug_invariants=args.debug_invariants,
     )

@@ -1,0 +1,133 @@
+"""GPU memory sizing, checked on CPU where it is pure: the weight estimate against the real
+configurations' parameter counts, the KV pool sized after activations and graphs, errors that
+name what did not fit, bf16 by default on GPU, and a loader that streams the checkpoint (the host
+never holds more than one of its tensors)."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from radixpool.worker.attention.base import AttentionShape, create_backend
+from radixpool.worker.config import EngineConfig
+from radixpool.worker.mem.kv_pool import KVPool
+from radixpool.worker.mem.memory_plan import (
+    GIB,
+    PerRequestMemory,
+    StepMemory,
+    check_weights_fit,
+    kv_tokens_for_memory,
+)
+from radixpool.worker.model import CausalLM, loader, model_spec
+from radixpool.worker.model.reference_configs import REFERENCE_CONFIGS, write_reference_config
+from radixpool.worker.model_runner import ModelRunner, model_shape, resolve_dtype
+
+
+def reference(name: str, tmp_path):
+    from transformers import AutoConfig
+
+    return model_spec(AutoConfig.from_pretrained(write_reference_config(tmp_path / name, name)))
+
+
+@pytest.mark.parametrize("name", REFERENCE_CONFIGS)
+def test_weight_estimate_matches_the_real_parameter_count(name, tmp_path):
+    spec = reference(name, tmp_path)
+    backend = create_backend("torch", AttentionShape(spec.num_heads, spec.num_kv_heads,
+                                                     spec.head_dim, 1.0), torch.device("cpu"))
+    with torch.device("meta"):
+        model = CausalLM(spec, backend)
+    real = sum(p.numel() for p in model.parameters()) * 2   # bf16
+    estimate = model_shape(spec, torch.bfloat16).weight_bytes
+    assert estimate == pytest.approx(real, rel=1e-3)
+    if name == "llama-3.1-8b":
+        assert 14.9 * GIB < estimate < 15.0 * GIB   # 8.03 B parameters in bf16
+
+
+def step_memory(spec, graph_batch: int, context: int = 8192) -> StepMemory:
+    return StepMemory(model_shape(spec, torch.bfloat16), max_step_tokens=8192, max_batch=256,
+                      graph_batch=graph_batch, graph_kv_pages=graph_batch * context)
+
+
+def test_kv_is_sized_after_activations_and_graphs(tmp_path):
+    spec = reference("llama-3.1-8b", tmp_path)
+    per_token = KVPool.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                                       torch.bfloat16)
+    per_request = PerRequestMemory(260, 8192, spec.vocab_size, 260, 256)
+    free = 60 * GIB   # an 80 GB H100 after 15 GiB of weights
+    plain = kv_tokens_for_memory(free, 0.85, per_token, per_request, 16)
+    eager = kv_tokens_for_memory(free, 0.85, per_token, per_request, 16, step_memory(spec, 0))
+    graphs = kv_tokens_for_memory(free, 0.85, per_token, per_request, 16, step_memory(spec, 256))
+    assert graphs < eager < plain
+    reserved = step_memory(spec, 256)
+    assert (plain - graphs) * per_token == pytest.approx(
+        reserved.activation_bytes + reserved.graph_bytes, abs=16 * per_token)
+    assert 390_000 < graphs < 410_000   # ~49 GiB of KV at 128 KiB per token
+
+
+def test_running_out_at_start_up_names_what_did_not_fit(tmp_path):
+    spec = reference("llama-3.1-8b", tmp_path)
+    per_request = PerRequestMemory(260, 131072, spec.vocab_size, 260, 256)
+    with pytest.raises(ValueError) as err:
+        kv_tokens_for_memory(2 * GIB, 0.85, 131072, per_request, 16,
+                             step_memory(spec, 256, context=131072))
+    message = str(err.value)
+    for part in ("per-request tensors", "step activations", "decode CUDA graphs",
+                 "--disable-cuda-graph", "GiB", "mem_fraction 0.85"):
+        assert part in message
+    with pytest.raises(MemoryError, match=r"weights \(14\.9\d GiB\) do not fit in the 10\.00 GiB"):
+        check_weights_fit(model_shape(spec, torch.bfloat16).weight_bytes, 10 * GIB, "cuda:0")
+
+
+def test_bf16_is_the_default_on_gpu_and_float32_on_cpu():
+    assert resolve_dtype("auto", torch.device("cuda")) is torch.bfloat16
+    assert resolve_dtype("auto", torch.device("cpu")) is torch.float32
+
+
+def test_random_weights_need_only_a_config(tmp_path):
+    path = write_reference_config(tmp_path / "q", "qwen3-0.6b", num_hidden_layers=2,
+                                  hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=16, vocab_size=512)
+    runner = ModelRunner(EngineConfig(str(path), device="cpu", random_weights=True,
+                                      kv_cache_tokens=256, context_length=128))
+    assert runner.architecture == "Qwen3ForCausalLM"
+    weights = dict(runner.model.named_parameters())
+    assert torch.all(weights["model.norm.weight"] == 1)
+    assert 0.015 < weights["model.layers.0.mlp.down_proj.weight"].std() < 0.025
+
+
+def test_loader_holds_one_checkpoint_tensor_at_a_time(tiny_model, monkeypatch):
+    """Weights go from the file into their (device) parameters one tensor at a time: the host
+    never holds a second full copy of the checkpoint."""
+    alive: list[weakref.ref] = []
+    most_alive = 0
+    real_safe_open = loader.safe_open
+
+    class Tracking:
+        def __init__(self, *args, **kwargs):
+            self.inner = real_safe_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.f = self.inner.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+        def keys(self):
+            return self.f.keys()
+
+        def get_tensor(self, name):
+            nonlocal most_alive
+            gc.collect()
+            most_alive = max(most_alive, sum(r() is not None for r in alive) + 1)
+            tensor = self.f.get_tensor(name)
+            alive.append(weakref.ref(tensor))
+            return tensor
+
+    monkeypatch.setattr(loader, "safe_open", Tracking)
+    runner = ModelRunner(EngineConfig(str(tiny_model), device="cpu", kv_cache_tokens=256))
+    assert len(alive) >= 10 and most_alive == 1
+    assert runner.model.lm_head.weight.abs().sum() > 0
