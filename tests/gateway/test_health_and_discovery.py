@@ -1,10 +1,10 @@
-"""Health hysteresis, the circuit breaker, and EndpointSlice discovery (plain dicts, no cluster)."""
+"""Health hysteresis and EndpointSlice discovery (plain dicts, no cluster)."""
 
 from __future__ import annotations
 
 from radixpool.gateway.config import GatewayConfig
 from radixpool.gateway.discovery import EndpointSliceState, slice_endpoints
-from radixpool.gateway.health import CircuitBreaker, HealthHysteresis
+from radixpool.gateway.health import HealthHysteresis
 from radixpool.gateway.proxy import Gateway
 
 
@@ -15,23 +15,6 @@ def test_hysteresis_needs_n_failures_down_and_m_successes_up():
     assert h.record(False) and not h.healthy
     assert not h.record(True) and not h.healthy
     assert h.record(True) and h.healthy
-
-
-def test_breaker_opens_probes_once_half_open_and_closes_on_success():
-    b = CircuitBreaker(failures=2, open_seconds=10)
-    b.record(False, now=0)
-    assert b.allows(1)
-    b.record(False, now=1)
-    assert b.state == "open" and not b.allows(5)
-    assert b.allows(11) and b.state == "half_open"
-    b.on_dispatch()
-    assert not b.allows(11.5)            # one probe at a time
-    b.record(False, now=12)               # the probe failed: open again
-    assert b.state == "open" and not b.allows(13)
-    assert b.allows(22)
-    b.on_dispatch()
-    b.record(True, now=22)
-    assert b.state == "closed" and b.allows(22)
 
 
 def eps(name, endpoints, port=8000, port_name="http"):

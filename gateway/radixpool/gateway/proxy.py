@@ -218,17 +218,18 @@ class Gateway:
             if attempt:
                 self.metrics.retry()
             worker.inflight += 1
-            worker.breaker.on_dispatch()
+            worker.breaker.dispatched(now)
             try:
                 upstream = await self.pool(worker).request("POST", path, headers, body)
             except UpstreamError as exc:
                 worker.inflight -= 1
-                worker.breaker.record(False, self.clock())
+                worker.breaker.record_failure("connect_error", self.clock())
                 errors.append(f"{worker.url}: {exc}")
             else:
                 if upstream.status != 503 or attempt == self.config.max_retries:
                     return worker, decision, upstream
                 worker.inflight -= 1
+                worker.breaker.record_failure("server_error", self.clock())
                 with contextlib.suppress(UpstreamError):
                     await upstream.body()  # read to the end so the connection can be reused
                 worker.draining = True  # cleared when its /health answers 200 again
@@ -259,7 +260,7 @@ class Gateway:
                 usage, ttfb = await self._relay_events(upstream, respond, strip_usage, started)
                 await respond.end()
         except UpstreamError:
-            worker.breaker.record(False, self.clock())
+            worker.breaker.record_failure("cut", self.clock())
             upstream.release()
             if not respond.started:
                 await respond.send_error(502, f"worker {worker.url} failed before answering")
@@ -273,7 +274,10 @@ class Gateway:
             return
         finally:
             upstream.release()
-        worker.breaker.record(status < 500, self.clock())
+        if status < 500:
+            worker.breaker.record_success(self.clock())
+        else:
+            worker.breaker.record_failure("server_error", self.clock())
         worker.requests += 1
         self.metrics.answered(worker.url, status, time.perf_counter() - started, ttfb)
         if usage is not None:

@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from radixpool.gateway.breaker import CircuitBreaker
 from radixpool.gateway.config import GatewayConfig, normalize_worker_url
-from radixpool.gateway.health import CircuitBreaker, HealthHysteresis
+from radixpool.gateway.health import HealthHysteresis
 from radixpool.gateway.prefix_index import PrefixIndex
 from radixpool.gateway.route_key import BYTES_PER_TOKEN, KeyBuilder
 from radixpool.protocol.server_info import ServerInfo
