@@ -53,6 +53,8 @@ def describe(gateway: Gateway, worker: Worker, now: float) -> dict:
         "actual_hit_rate": _rate(worker.cached_tokens, worker.prompt_tokens),
         "predicted_hit_rate": _rate(worker.predicted_tokens, worker.prompt_tokens),
         "tree_corrections": dict(worker.corrections),
+        "tree_source": worker.tree_source,
+        "unreported_answers": worker.unreported_answers,
     }
 
 

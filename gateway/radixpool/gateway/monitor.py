@@ -4,13 +4,14 @@ capacity, the model's tokenizer, and the KV-event stream. All of them feed the p
 - Health: every `health_interval`, `GET /health`; results go through the hysteresis (N failures
   down, M successes up). A 503 marks the worker draining at once (no new requests); a 200 clears
   it. Coming back up closes the circuit breaker.
-- Identity: `GET /server_info` each round. A new `instance_id` (restart or `/flush_cache`) empties
-  that worker's tree at once; `kv_capacity_tokens` sizes it.
+- Identity: `GET /server_info` each round (`/get_server_info` for SGLang workers). A new
+  `instance_id` (restart or `/flush_cache`) empties that worker's tree at once;
+  `kv_capacity_tokens` (SGLang: `max_total_num_tokens`) sizes it.
 - Tokenizer: without `--tokenizer`, the first worker that answers `GET /tokenizer` supplies it;
   the trees switch from text to token ids (and are emptied, their hashes meant bytes).
 - KV events (token mode, when the worker serves them and `--kv-events` is on): a long poll on
   `GET /kv_events?since=S` applies exact stores and evictions; a 409 or a new instance id resyncs
-  from `/kv_events/snapshot`.
+  from `/kv_events/snapshot`. While the stream is followed, `Worker.kv_events_live` is set.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import logging
 
 from radixpool.gateway.proxy import Gateway
 from radixpool.gateway.upstream import UpstreamError
+from radixpool.gateway.worker_info import INFO_PATHS, parse_server_info
 from radixpool.gateway.workers import Worker
 from radixpool.protocol.kv_blocks import KVEvent, from_hex
 from radixpool.protocol.server_info import ServerInfo
@@ -95,14 +97,26 @@ class Monitor:
                 worker.breaker.reset()
         if not ok:
             return
-        try:
-            status, doc = await self._get_json(worker, "/server_info", timeout)
-        except (UpstreamError, asyncio.TimeoutError, OSError):
-            return
-        if status == 200 and isinstance(doc, dict):
-            self.observe_identity(worker, ServerInfo.from_json(doc))
+        info = await self._server_info(worker, timeout)
+        if info is not None:
+            self.observe_identity(worker, info)
             if self.gateway.keys.tokenizer is None:
                 await self._fetch_tokenizer(worker)
+
+    async def _server_info(self, worker: Worker, timeout: float) -> ServerInfo | None:
+        """The worker's description from the path it answered last, else from the other
+        dialect's path (an SGLang server serves `/get_server_info`)."""
+        paths = [worker.info_path, *(p for p in INFO_PATHS if p != worker.info_path)]
+        for path in paths:
+            try:
+                status, doc = await self._get_json(worker, path, timeout)
+            except (UpstreamError, asyncio.TimeoutError, OSError):
+                return None
+            info = parse_server_info(doc) if status == 200 else None
+            if info is not None:
+                worker.info_path = path
+                return info
+        return None
 
     def observe_identity(self, worker: Worker, info: ServerInfo) -> None:
         if worker.instance_id is not None and info.instance_id != worker.instance_id:
@@ -151,7 +165,9 @@ class Monitor:
         instance: str | None = None
         synced = False
         while not worker.removed:
-            if not self._kv_usable(worker):
+            usable = self._kv_usable(worker)
+            worker.kv_events_live = usable and since is not None
+            if not usable:
                 since = None
                 await asyncio.sleep(min(self.config.health_interval, KV_RETRY_SECONDS))
                 continue
@@ -165,6 +181,7 @@ class Monitor:
                     KV_POLL_SECONDS + self.config.health_timeout + 5)
                 if status == 404:
                     log.info("worker %s serves no /kv_events; relying on cached_tokens", worker.url)
+                    worker.kv_events_live = False
                     return
                 if status != 200 or not isinstance(doc, dict) or doc["instance_id"] != instance:
                     since = None

@@ -24,12 +24,7 @@ from collections.abc import Callable
 
 from radixpool.gateway import admin
 from radixpool.gateway.config import GatewayConfig, normalize_worker_url
-from radixpool.gateway.feedback import (
-    first_missing_block,
-    is_usage_only_event,
-    predicted_tokens,
-    usage_in,
-)
+from radixpool.gateway.feedback import is_usage_only_event, learn, usage_in
 from radixpool.gateway.http_server import Headers, Request, Responder, error_body
 from radixpool.gateway.metrics import GatewayMetrics
 from radixpool.gateway.policies import CacheAware, Candidate, Decision, make_policy
@@ -285,7 +280,7 @@ class Gateway:
 
     async def _relay_events(self, upstream: UpstreamResponse, respond: Responder,
                             strip_usage: bool, started: float
-                            ) -> tuple[tuple[int, int] | None, float | None]:
+                            ) -> tuple[tuple[int, int | None] | None, float | None]:
         """Forward whole SSE events the moment they arrive; note the last usage report."""
         usage, ttfb, pending = None, None, b""
         while (chunk := await upstream.read()) is not None:
@@ -319,20 +314,8 @@ class Gateway:
         return headers
 
     def _learn(self, worker: Worker, decision: Decision, key: RouteKey, prompt: int,
-               cached: int) -> None:
-        worker.prompt_tokens += prompt
-        worker.cached_tokens += cached
-        worker.observe_uncached(prompt - cached)
-        predicted = None
-        if self.predicts:
-            predicted = predicted_tokens(decision, key, prompt)
-            worker.predicted_tokens += predicted
-            missing = first_missing_block(decision, key, prompt, cached)
-            if missing is not None and missing < len(decision.prior_epochs):
-                self.index.trim_through(worker.url, decision.prior_epochs[missing])
-                worker.corrected("cached_tokens")
-                self.metrics.corrected(worker.url, "cached_tokens")
-        self.metrics.usage(worker.url, prompt, cached, predicted)
+               cached: int | None) -> None:
+        learn(worker, self.index, self.metrics, decision, key, prompt, cached, self.predicts)
 
 
 def _cut_stream_event(worker_url: str) -> bytes:

@@ -41,6 +41,10 @@ class Worker:
     predicted_tokens: int = 0
     mean_uncached: float | None = None  # recent uncached prompt tokens per request (average)
     corrections: dict[str, int] = field(default_factory=dict)
+    reports_cached: bool | None = None  # whether its last answer said how much was cached
+    unreported_answers: int = 0         # answers without cached_tokens (left out of hit rates)
+    kv_events_live: bool = False        # the monitor is following its KV-event stream
+    info_path: str = "/server_info"     # where it describes itself (SGLang: /get_server_info)
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
@@ -53,6 +57,14 @@ class Worker:
     @property
     def model(self) -> str | None:
         return None if self.info is None else self.info.served_model_name
+
+    @property
+    def tree_source(self) -> str:
+        """What keeps this worker's tree right besides routing history: its KV events, else the
+        cached_tokens its answers report, else nothing but the tree's LRU bound."""
+        if self.kv_events_live:
+            return "kv_events"
+        return "cached_tokens" if self.reports_cached else "lru"
 
     def observe_uncached(self, tokens: int) -> None:
         if self.mean_uncached is None:
