@@ -15,7 +15,6 @@ feeds the metrics and the tree correction (`feedback.first_missing_block` → `t
 from __future__ import annotations
 
 import contextlib
-import hmac
 import itertools
 import json
 import time
@@ -23,6 +22,7 @@ import uuid
 from collections.abc import Callable
 
 from radixpool.gateway import admin
+from radixpool.gateway.access import AccessPolicy
 from radixpool.gateway.config import GatewayConfig, normalize_worker_url
 from radixpool.gateway.feedback import is_usage_only_event, learn, usage_in
 from radixpool.gateway.http_server import Headers, Request, Responder, error_body
@@ -40,8 +40,6 @@ from radixpool.gateway.upstream import HOP_BY_HOP, UpstreamError, UpstreamPool, 
 from radixpool.gateway.workers import Worker, WorkerSet
 from radixpool.tokenization import PromptTokenizer
 
-OPEN_PATHS = ("/health", "/metrics")
-
 
 class Gateway:
     def __init__(self, config: GatewayConfig, tokenizer: PromptTokenizer | None = None,
@@ -56,7 +54,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.pools: dict[str, UpstreamPool] = {}
         self.clock = time.monotonic
-        self._auth = f"Bearer {config.api_key}".encode() if config.api_key else None
+        self.access = AccessPolicy(config.api_key, config.admin_api_key)
         key = config.upstream_key
         self.upstream_auth: Headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
         # client headers not forwarded: hop-by-hop ones, and the client's key when we send ours
@@ -116,10 +114,9 @@ class Gateway:
     # --- endpoints ----------------------------------------------------------------------------
     async def __call__(self, request: Request, respond: Responder) -> None:
         path, method = request.path, request.method
-        if self._auth is not None and path not in OPEN_PATHS \
-                and not hmac.compare_digest(request.headers.get(b"authorization", b""), self._auth):
-            await respond.send(*error_body(401, "missing or wrong API key (Authorization: Bearer)",
-                                           "invalid_api_key"))
+        denied = self.access.check(path, method, request.headers.get(b"authorization", b""))
+        if denied is not None:
+            await respond.send(*error_body(*denied))
         elif path in ROUTED_PATHS:
             if method != "POST":
                 await respond.send_error(405, f"{path} accepts POST, not {method}")
