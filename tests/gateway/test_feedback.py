@@ -129,7 +129,7 @@ def test_an_sglang_worker_sizes_its_tree_from_max_total_num_tokens(make_stack):
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
         stack = make_stack(1, tree_capacity_tokens=1000)
-        worker = stack.loop.call(stack.gateway.add_worker, url)
+        worker = stack.loop.call(stack.gateway.workers.add, url)
         stack.loop.run(stack.server.monitor.check(worker))
         row = next(r for r in stack.client.get("/workers").json()["workers"] if r["url"] == url)
         assert row["kv_capacity_tokens"] == 123456 and row["model"] == "qwen"

@@ -19,11 +19,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Awaitable, Callable
 
-from radixpool.gateway.proxy import Gateway
-from radixpool.gateway.upstream import UpstreamError
+from radixpool.gateway.metrics import GatewayMetrics
 from radixpool.gateway.worker_info import INFO_PATHS, parse_server_info
-from radixpool.gateway.workers import Worker
+from radixpool.gateway.workers import Worker, WorkerSet
 from radixpool.protocol.kv_blocks import KVEvent, from_hex
 from radixpool.protocol.server_info import ServerInfo
 from radixpool.tokenization import PromptTokenizer
@@ -33,17 +33,26 @@ log = logging.getLogger("radixpool.gateway")
 KV_POLL_SECONDS = 5.0
 KV_RETRY_SECONDS = 0.5
 
+# `GET path` from a worker → (status, body); raises OSError (ConnectionError) when unreachable
+Fetch = Callable[[Worker, str], Awaitable[tuple[int, bytes]]]
+
 
 class Monitor:
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
-        self.config = gateway.config
+    """Watches the workers of a `WorkerSet`, reaching them only through `fetch`."""
+
+    def __init__(self, workers: WorkerSet, fetch: Fetch, metrics: GatewayMetrics) -> None:
+        self.workers = workers
+        self.fetch = fetch
+        self.metrics = metrics
+        self.config = workers.config
+        self.index = workers.index
+        self.keys = workers.keys
         self._tasks: dict[str, list[asyncio.Task]] = {}
         self._tokenizer_lock = asyncio.Lock()
-        gateway.membership_hooks.append(self._membership)
+        workers.membership_hooks.append(self._membership)
 
     def start(self) -> None:
-        for worker in self.gateway.workers:
+        for worker in self.workers:
             self._membership(worker, True)
 
     async def stop(self) -> None:
@@ -66,15 +75,11 @@ class Monitor:
                 task.cancel()
 
     async def _get_json(self, worker: Worker, path: str, timeout: float) -> tuple[int, object]:
-        async def call() -> tuple[int, object]:
-            upstream = await self.gateway.pool(worker).request(
-                "GET", path, self.gateway.upstream_auth)
-            body = await upstream.body()
-            try:
-                return upstream.status, json.loads(body) if body else None
-            except ValueError:
-                return upstream.status, None
-        return await asyncio.wait_for(call(), timeout)
+        status, body = await asyncio.wait_for(self.fetch(worker, path), timeout)
+        try:
+            return status, json.loads(body) if body else None
+        except ValueError:
+            return status, None
 
     # --- health, identity, tokenizer ----------------------------------------------------------
     async def _watch(self, worker: Worker) -> None:
@@ -87,7 +92,7 @@ class Monitor:
         timeout = self.config.health_timeout
         try:
             status, _ = await self._get_json(worker, "/health", timeout)
-        except (UpstreamError, asyncio.TimeoutError, OSError):
+        except (asyncio.TimeoutError, OSError):
             status = 0
         ok = status == 200
         worker.draining = status == 503
@@ -100,7 +105,7 @@ class Monitor:
         info = await self._server_info(worker, timeout)
         if info is not None:
             self.observe_identity(worker, info)
-            if self.gateway.keys.tokenizer is None:
+            if self.keys.tokenizer is None:
                 await self._fetch_tokenizer(worker)
 
     async def _server_info(self, worker: Worker, timeout: float) -> ServerInfo | None:
@@ -110,7 +115,7 @@ class Monitor:
         for path in paths:
             try:
                 status, doc = await self._get_json(worker, path, timeout)
-            except (UpstreamError, asyncio.TimeoutError, OSError):
+            except (asyncio.TimeoutError, OSError):
                 return None
             info = parse_server_info(doc) if status == 200 else None
             if info is not None:
@@ -122,23 +127,23 @@ class Monitor:
         if worker.instance_id is not None and info.instance_id != worker.instance_id:
             log.info("worker %s has a new instance id (restart or flush): forgetting its tree",
                      worker.url)
-            self.gateway.index.reset(worker.url)
+            self.index.reset(worker.url)
             worker.corrected("instance_id")
-            self.gateway.metrics.corrected(worker.url, "instance_id")
+            self.metrics.corrected(worker.url, "instance_id")
         worker.instance_id = info.instance_id
-        self.gateway.workers.set_info(worker, info)
-        keys = self.gateway.keys
+        self.workers.set_info(worker, info)
+        keys = self.keys
         if keys.tokenizer is not None and not keys.block_size_known:
             # a local tokenizer (--tokenizer): hash in the blocks the workers hash in, so their
             # KV events can correct the trees
             keys.use_tokenizer(keys.tokenizer, info.kv_block_size)
-            self.gateway.workers.resize_trees()
+            self.workers.resize_trees()
             log.info("routing on token ids in %d-token blocks (from %s)", info.kv_block_size,
                      worker.url)
 
     async def _fetch_tokenizer(self, worker: Worker) -> None:
         async with self._tokenizer_lock:
-            if self.gateway.keys.tokenizer is not None or worker.info is None:
+            if self.keys.tokenizer is not None or worker.info is None:
                 return
             try:
                 status, doc = await self._get_json(worker, "/tokenizer", 30.0)
@@ -148,14 +153,14 @@ class Monitor:
             except Exception as exc:  # any failure leaves the gateway routing on text
                 log.warning("could not use %s/tokenizer (routing on text): %r", worker.url, exc)
                 return
-            self.gateway.keys.use_tokenizer(tokenizer, worker.info.kv_block_size)
-            self.gateway.workers.resize_trees()
+            self.keys.use_tokenizer(tokenizer, worker.info.kv_block_size)
+            self.workers.resize_trees()
             log.info("routing on token ids (tokenizer from %s, block size %d)",
                      worker.url, worker.info.kv_block_size)
 
     # --- KV events ----------------------------------------------------------------------------
     def _kv_usable(self, worker: Worker) -> bool:
-        keys = self.gateway.keys
+        keys = self.keys
         return (self.config.kv_events and keys.tokenizer is not None and worker.info is not None
                 and worker.info.kv_events and worker.info.kv_block_size == keys.block_size
                 and worker.health.healthy)
@@ -187,10 +192,9 @@ class Monitor:
                     since = None
                     continue
                 for event in doc["events"]:
-                    self.gateway.index.apply_event(worker.url, KVEvent.from_json(event))
+                    self.index.apply_event(worker.url, KVEvent.from_json(event))
                 since = int(doc["next"])
-            except (UpstreamError, asyncio.TimeoutError, OSError, KeyError, ValueError,
-                    TypeError) as exc:
+            except (asyncio.TimeoutError, OSError, KeyError, ValueError, TypeError) as exc:
                 log.debug("kv events from %s: %r", worker.url, exc)
                 since = None
                 await asyncio.sleep(min(self.config.health_interval, KV_RETRY_SECONDS))
@@ -200,8 +204,8 @@ class Monitor:
         status, doc = await self._get_json(worker, "/kv_events/snapshot", 30.0)
         if status != 200 or not isinstance(doc, dict):
             raise ValueError(f"snapshot answered {status}")
-        self.gateway.index.load_snapshot(worker.url, from_hex(doc["blocks"]))
+        self.index.load_snapshot(worker.url, from_hex(doc["blocks"]))
         if count:
             worker.corrected("kv_resync")
-            self.gateway.metrics.corrected(worker.url, "kv_resync")
+            self.metrics.corrected(worker.url, "kv_resync")
         return int(doc["seq"]), str(doc["instance_id"])

@@ -19,11 +19,10 @@ import itertools
 import json
 import time
 import uuid
-from collections.abc import Callable
 
 from radixpool.gateway import admin
 from radixpool.gateway.access import AccessPolicy
-from radixpool.gateway.config import GatewayConfig, normalize_worker_url
+from radixpool.gateway.config import GatewayConfig
 from radixpool.gateway.feedback import is_usage_only_event, learn, usage_in
 from radixpool.gateway.http_server import Headers, Request, Responder, error_body
 from radixpool.gateway.metrics import GatewayMetrics
@@ -59,40 +58,13 @@ class Gateway:
         self.upstream_auth: Headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
         # client headers not forwarded: hop-by-hop ones, and the client's key when we send ours
         self._unforwarded = HOP_BY_HOP | {b"authorization"} if key else HOP_BY_HOP
-        self.membership_hooks: list[Callable[[Worker, bool], None]] = []
+        self.workers.membership_hooks.append(self._membership)
         for url in config.worker_urls:
-            self.add_worker(url)
+            self.workers.add(url)
 
-    def add_worker(self, url: str) -> Worker:
-        url = normalize_worker_url(url)   # the set's key: `host:port` and `http://host:port/`
-        known = self.workers.get(url)      # are one worker, whose watchers start once
-        worker = self.workers.add(url)
-        if worker is not known:
-            for hook in self.membership_hooks:
-                hook(worker, True)
-        return worker
-
-    def remove_worker(self, url: str) -> Worker | None:
-        worker = self.workers.remove(url)
-        if worker is not None:
+    def _membership(self, worker: Worker, joined: bool) -> None:
+        if not joined:
             self.forget_pool(worker.url)
-            for hook in self.membership_hooks:
-                hook(worker, False)
-        return worker
-
-    def reconcile(self, ready: set[str], terminating: set[str]) -> None:
-        """Make the worker set match discovery, with the hooks: add ready endpoints, drain
-        terminating ones (they finish their streams but get no new requests), remove the ones
-        that disappeared."""
-        ready = {normalize_worker_url(url) for url in ready}
-        terminating = {normalize_worker_url(url) for url in terminating} - ready
-        for url in ready:
-            self.add_worker(url)   # clears `terminating` on a worker that came back
-        for worker in self.workers:
-            if worker.url in terminating:
-                worker.terminating = True
-            elif worker.url not in ready:
-                self.remove_worker(worker.url)
 
     @property
     def predicts(self) -> bool:
@@ -110,6 +82,11 @@ class Gateway:
         pool = self.pools.pop(url, None)
         if pool is not None:
             pool.close()
+
+    async def fetch(self, worker: Worker, path: str) -> tuple[int, bytes]:
+        """`GET path` from a worker with the gateway's worker key: the health monitor's way out."""
+        upstream = await self.pool(worker).request("GET", path, self.upstream_auth)
+        return upstream.status, await upstream.body()
 
     # --- endpoints ----------------------------------------------------------------------------
     async def __call__(self, request: Request, respond: Responder) -> None:
@@ -131,7 +108,7 @@ class Gateway:
         elif path == "/v1/models":
             await self.forward_models(request, respond)
         elif path == "/workers" or path.startswith("/workers/"):
-            await respond.send(*admin.workers_endpoint(self, request))
+            await respond.send(*admin.workers_endpoint(self.workers, request, self.clock()))
         else:
             await respond.send_error(404, f"unknown path {path!r}; the gateway serves "
                                           f"{', '.join(ROUTED_PATHS)}, /v1/models, /workers, "

@@ -1,5 +1,7 @@
 """The fleet as the gateway sees it: one `Worker` per upstream, and the `WorkerSet` that adds,
-drains and removes them and keeps the prefix index's membership and capacities in step.
+drains and removes them (from the admin API or discovery), tells the membership hooks (the health
+monitor, the proxy's connection pools), and keeps the prefix index's membership and capacities in
+step. The admin API and the monitor reach the gateway's state only through a `WorkerSet`.
 
 A worker is *eligible* for a new request when its active checks say healthy, it is not draining
 (it answered 503) or terminating (discovery says so), it has not been removed,
@@ -9,6 +11,7 @@ in flight: their connections and this object live until their streams end.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -82,12 +85,16 @@ class Worker:
         self.corrections[source] = self.corrections.get(source, 0) + 1
 
 
+MembershipHook = Callable[[Worker, bool], None]   # (worker, joined)
+
+
 class WorkerSet:
     def __init__(self, config: GatewayConfig, index: PrefixIndex, keys: KeyBuilder) -> None:
         self.config = config
         self.index = index
         self.keys = keys
         self.workers: dict[str, Worker] = {}
+        self.membership_hooks: list[MembershipHook] = []
 
     def __iter__(self):
         return iter(list(self.workers.values()))
@@ -99,6 +106,8 @@ class WorkerSet:
         return self.workers.get(url)
 
     def add(self, url: str) -> Worker:
+        """Add a worker (or clear `terminating` on a known one); the hooks hear of new ones.
+        `host:port` and `http://host:port/` are one worker, whose watchers start once."""
         url = normalize_worker_url(url)
         worker = self.workers.get(url)
         if worker is not None:
@@ -109,6 +118,8 @@ class WorkerSet:
                         CircuitBreaker(cfg.breaker_failures, cfg.breaker_open_seconds))
         self.workers[url] = worker
         self.index.add_worker(url, self.tree_capacity(None))
+        for hook in self.membership_hooks:
+            hook(worker, True)
         return worker
 
     def remove(self, url: str) -> Worker | None:
@@ -116,7 +127,22 @@ class WorkerSet:
         if worker is not None:
             worker.removed = True
             self.index.remove_worker(worker.url)
+            for hook in self.membership_hooks:
+                hook(worker, False)
         return worker
+
+    def reconcile(self, ready: set[str], terminating: set[str]) -> None:
+        """Match discovery: add ready endpoints, drain terminating ones (they finish their
+        streams but get no new requests), remove the ones that disappeared."""
+        ready = {normalize_worker_url(url) for url in ready}
+        terminating = {normalize_worker_url(url) for url in terminating} - ready
+        for url in ready:
+            self.add(url)   # clears `terminating` on a worker that came back
+        for worker in self:
+            if worker.url in terminating:
+                worker.terminating = True
+            elif worker.url not in ready:
+                self.remove(worker.url)
 
     def eligible(self, now: float, model: str | None = None) -> list[Worker]:
         ready = [w for w in self.workers.values() if w.eligible(now)]
