@@ -3,6 +3,7 @@
     python bench/routing.py quality            # 2-16 workers x 3 workloads x 2 policies
     python bench/routing.py quality --workers 4 --workloads shared-prefix --policies cache_aware
     python bench/routing.py overhead           # what the gateway itself adds (zero-time workers)
+    python bench/routing.py quality --omit-cached-tokens   # workers that never report cached_tokens
 
 Three processes: the simulated fleet (`radixpool sim-worker --count N`: each worker a modelled
 bounded radix cache whose prefills run one at a time and cost `--prefill-us-per-token` per
@@ -63,7 +64,11 @@ def free_port() -> int:
 
 
 def spawn_fleet(n: int, args: argparse.Namespace, zero: bool = False):
-    cmd = [sys.executable, "-m", "radixpool.cli", "sim-worker", "--count", str(n),
+    if getattr(args, "omit_cached_tokens", False):
+        program = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "sim_no_cached.py")]
+    else:
+        program = ["-m", "radixpool.cli", "sim-worker"]
+    cmd = [sys.executable, *program, "--count", str(n),
            "--kv-capacity-tokens", str(args.kv_capacity_tokens),
            "--prefill-us-per-token", "0" if zero else str(args.prefill_us_per_token),
            "--decode-ms-per-token", "0" if zero else str(args.decode_ms_per_token)]
@@ -232,6 +237,8 @@ def decision_counts(metrics: str) -> str:
 
 def quality(args: argparse.Namespace) -> None:
     print(f"# gateway flags: {' '.join(args.gateway_arg) or '(defaults)'}")
+    if args.omit_cached_tokens:
+        print("# simulated workers leave cached_tokens out of their answers")
     print(f"# simulated workers: prefill {args.prefill_us_per_token} us/uncached token "
           f"(one prefill at a time), decode {args.decode_ms_per_token} ms/token x "
           f"{args.max_tokens}, KV {args.kv_capacity_tokens} tokens/worker; "
@@ -313,6 +320,8 @@ def main() -> None:
     q.add_argument("--kv-capacity-tokens", type=int, default=8192)
     q.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
                    help="extra gateway flag, repeatable (--gateway-arg=--balance-abs-threshold=4)")
+    q.add_argument("--omit-cached-tokens", action="store_true",
+                   help="simulated workers answer without cached_tokens (bench/sim_no_cached.py)")
     o = sub.add_parser("overhead", help="what the gateway adds, with zero-time workers")
     o.add_argument("--sequential", type=int, default=2000)
     o.add_argument("--concurrency", type=int, default=32)

@@ -1,10 +1,10 @@
-"""Health hysteresis, the circuit breaker, and EndpointSlice discovery (plain dicts, no cluster)."""
+"""Health hysteresis and EndpointSlice discovery (plain dicts, no cluster)."""
 
 from __future__ import annotations
 
 from radixpool.gateway.config import GatewayConfig
 from radixpool.gateway.discovery import EndpointSliceState, slice_endpoints
-from radixpool.gateway.health import CircuitBreaker, HealthHysteresis
+from radixpool.gateway.health import HealthHysteresis
 from radixpool.gateway.proxy import Gateway
 
 
@@ -15,23 +15,6 @@ def test_hysteresis_needs_n_failures_down_and_m_successes_up():
     assert h.record(False) and not h.healthy
     assert not h.record(True) and not h.healthy
     assert h.record(True) and h.healthy
-
-
-def test_breaker_opens_probes_once_half_open_and_closes_on_success():
-    b = CircuitBreaker(failures=2, open_seconds=10)
-    b.record(False, now=0)
-    assert b.allows(1)
-    b.record(False, now=1)
-    assert b.state == "open" and not b.allows(5)
-    assert b.allows(11) and b.state == "half_open"
-    b.on_dispatch()
-    assert not b.allows(11.5)            # one probe at a time
-    b.record(False, now=12)               # the probe failed: open again
-    assert b.state == "open" and not b.allows(13)
-    assert b.allows(22)
-    b.on_dispatch()
-    b.record(True, now=22)
-    assert b.state == "closed" and b.allows(22)
 
 
 def eps(name, endpoints, port=8000, port_name="http"):
@@ -69,15 +52,15 @@ def test_watch_events_maintain_the_worker_set_across_slices():
 
 def test_discovered_set_drains_terminating_and_removes_vanished_workers():
     gw = Gateway(GatewayConfig(k8s_service="pool-workers"))
-    gw.reconcile({"http://10.0.0.1:8000", "http://10.0.0.2:8000"}, set())
+    gw.workers.reconcile({"http://10.0.0.1:8000", "http://10.0.0.2:8000"}, set())
     assert {w.url for w in gw.workers.eligible(0)} == {"http://10.0.0.1:8000",
                                                        "http://10.0.0.2:8000"}
     w1 = gw.workers.get("http://10.0.0.1:8000")
     w1.inflight = 1  # a stream in progress
-    gw.reconcile({"http://10.0.0.2:8000"}, {"http://10.0.0.1:8000"})
+    gw.workers.reconcile({"http://10.0.0.2:8000"}, {"http://10.0.0.1:8000"})
     assert w1.terminating and not w1.removed and [w.url for w in gw.workers.eligible(0)] == \
         ["http://10.0.0.2:8000"]
-    gw.reconcile({"http://10.0.0.2:8000"}, set())
+    gw.workers.reconcile({"http://10.0.0.2:8000"}, set())
     assert w1.removed and gw.workers.get("http://10.0.0.1:8000") is None
     assert w1.inflight == 1  # its stream is untouched and finishes on its own connection
 
@@ -85,9 +68,9 @@ def test_discovered_set_drains_terminating_and_removes_vanished_workers():
 def test_one_worker_spelled_several_ways_is_added_once():
     gw = Gateway(GatewayConfig(worker_urls=["127.0.0.1:9000"]))
     added: list[str] = []
-    gw.membership_hooks.append(lambda worker, joined: added.append(worker.url))
+    gw.workers.membership_hooks.append(lambda worker, joined: added.append(worker.url))
     for url in ("127.0.0.1:9000", "http://127.0.0.1:9000/", "http://127.0.0.1:9000"):
-        gw.add_worker(url)
+        gw.workers.add(url)
     assert added == [] and [w.url for w in gw.workers] == ["http://127.0.0.1:9000"]
 
 
@@ -154,7 +137,7 @@ def test_a_new_instance_id_empties_that_workers_tree_at_once():
     from radixpool.protocol.server_info import ServerInfo
 
     gw = Gateway(GatewayConfig(worker_urls=("http://10.0.0.1:8000", "http://10.0.0.2:8000")))
-    monitor = Monitor(gw)
+    monitor = Monitor(gw.workers, gw.fetch, gw.metrics)
     a, b = gw.workers.get("http://10.0.0.1:8000"), gw.workers.get("http://10.0.0.2:8000")
 
     def info(instance: str) -> ServerInfo:
@@ -188,7 +171,49 @@ def test_a_local_tokenizer_hashes_in_the_block_size_the_workers_report(tiny_mode
 
     gw = Gateway(GatewayConfig(worker_urls=("http://10.0.0.1:8000",)),
                  PromptTokenizer.from_dir(tiny_model))   # as `--tokenizer DIR` does
-    monitor = Monitor(gw)
+    monitor = Monitor(gw.workers, gw.fetch, gw.metrics)
     worker = gw.workers.get("http://10.0.0.1:8000")
     monitor.observe_identity(worker, ServerInfo("m", "m", 4096, 65536, 1, 32, "i-1", "test"))
     assert gw.keys.block_size == 32 == worker.info.kv_block_size   # KV events now line up
+
+
+def test_the_admin_api_and_the_monitor_stand_without_the_proxy():
+    import subprocess
+    import sys
+
+    code = ("import sys, radixpool.gateway.admin, radixpool.gateway.monitor; "
+            "sys.exit('radixpool.gateway.proxy' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_the_monitor_needs_only_a_worker_set_and_a_way_to_fetch():
+    import asyncio
+    import json
+
+    from radixpool.gateway.metrics import GatewayMetrics
+    from radixpool.gateway.monitor import Monitor
+    from radixpool.gateway.prefix_index import PrefixIndex
+    from radixpool.gateway.route_key import KeyBuilder
+    from radixpool.gateway.workers import WorkerSet
+
+    config = GatewayConfig(health_failures=1, health_successes=1)
+    fleet = WorkerSet(config, PrefixIndex(), KeyBuilder(config.text_block_bytes, 256))
+    answers = {"/health": (503, b"{}"), "/server_info": (404, b""),
+               "/get_server_info": (200, json.dumps({"max_total_num_tokens": 6400}).encode())}
+
+    async def fetch(worker, path):
+        if path not in answers:
+            raise ConnectionRefusedError(path)
+        return answers[path]
+
+    async def scenario():
+        worker = fleet.add("http://10.0.0.9:30000")
+        monitor = Monitor(fleet, fetch, GatewayMetrics())   # not started: checks run by hand
+        await monitor.check(worker)
+        assert worker.draining and not worker.eligible(0)
+        answers["/health"] = (200, b"")
+        await monitor.check(worker)
+        assert worker.eligible(0) and worker.info.kv_capacity_tokens == 6400
+        assert worker.info_path == "/get_server_info"
+
+    asyncio.run(scenario())

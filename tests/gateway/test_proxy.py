@@ -173,22 +173,23 @@ def test_active_health_checks_take_a_worker_out_after_n_failures(make_stack):
 
 
 def test_admin_adds_and_removes_workers_and_removal_lets_streams_finish(make_stack):
-    stack = make_stack(1, sim=SimConfig(decode_ms_per_token=20.0))
+    stack = make_stack(1, sim=SimConfig(decode_ms_per_token=20.0), admin_api_key="admin")
+    admin = {"authorization": "Bearer admin"}
     extra = SimFleet(1, SimConfig(decode_ms_per_token=20.0))
     stack.loop.run(extra.start())
     try:
-        added = stack.client.post("/workers", json={"url": extra.urls[0]})
+        added = stack.client.post("/workers", json={"url": extra.urls[0]}, headers=admin)
         assert added.status_code == 200 and added.json()["url"] == extra.urls[0]
         assert len(stack.client.get("/workers").json()["workers"]) == 2
-        assert stack.client.post("/workers", json={"nope": 1}).status_code == 400
-        assert stack.client.delete("/workers", params={"url": "http://127.0.0.1:1"}) \
-            .status_code == 404
+        assert stack.client.post("/workers", json={"nope": 1}, headers=admin).status_code == 400
+        assert stack.client.delete("/workers", params={"url": "http://127.0.0.1:1"},
+                                 headers=admin).status_code == 404
         with stack.client.stream("POST", "/v1/completions", json={
                 "prompt": words(0, 10), "max_tokens": 15, "stream": True}) as r:
             lines = r.iter_lines()
             first = next(lines)
             owner = r.headers["x-radixpool-worker"]
-            removed = stack.client.delete("/workers", params={"url": owner})
+            removed = stack.client.delete("/workers", params={"url": owner}, headers=admin)
             assert removed.json() == {"removed": owner, "inflight_finishing": 1}
             rest = [line for line in lines if line.startswith("data:")]
         assert first.startswith("data:") and rest[-1] == "data: [DONE]" and len(rest) == 15

@@ -1,6 +1,7 @@
 """Admin endpoints: `GET /workers` (what the gateway knows and believes about each worker),
 `POST /workers {"url": ...}` and `DELETE /workers?url=...` (static mode only; with Kubernetes
-discovery the EndpointSlices own membership), and the gateway's own `/health` document.
+discovery the EndpointSlices own membership; who may call them is `access.py`'s business), and
+the gateway's own `/health` document. They see the gateway only through its `WorkerSet`.
 
 `GET /workers` puts the routing-quality numbers side by side: per worker and for the fleet, the
 prompt tokens answered, the cached tokens the workers reported (`actual_hit_rate`) and the cached
@@ -10,14 +11,10 @@ tokens the trees predicted (`predicted_hit_rate`), plus how often the trees were
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
 from urllib.parse import parse_qs
 
 from radixpool.gateway.http_server import Headers, Request, error_body, json_body
-from radixpool.gateway.workers import Worker
-
-if TYPE_CHECKING:
-    from radixpool.gateway.proxy import Gateway
+from radixpool.gateway.workers import Worker, WorkerSet
 
 
 def health_body(eligible: int, total: int) -> tuple[int, Headers, bytes]:
@@ -30,7 +27,7 @@ def _rate(part: int, whole: int) -> float:
     return round(part / whole, 4) if whole else 0.0
 
 
-def describe(gateway: Gateway, worker: Worker, now: float) -> dict:
+def describe(fleet: WorkerSet, worker: Worker, now: float) -> dict:
     info = worker.info
     return {
         "url": worker.url,
@@ -38,13 +35,14 @@ def describe(gateway: Gateway, worker: Worker, now: float) -> dict:
         "healthy": worker.health.healthy,
         "draining": worker.draining,
         "terminating": worker.terminating,
-        "circuit_breaker": worker.breaker.state,
+        "circuit_breaker": worker.breaker.state(now),
+        "breaker_failures": dict(worker.breaker.failures_by_kind),
         "inflight": worker.inflight,
         "instance_id": worker.instance_id,
         "model": worker.model,
         "kv_capacity_tokens": info.kv_capacity_tokens if info else None,
-        "tree_blocks": gateway.index.size(worker.url),
-        "tree_capacity_blocks": gateway.index.capacity(worker.url),
+        "tree_blocks": fleet.index.size(worker.url),
+        "tree_capacity_blocks": fleet.index.capacity(worker.url),
         "requests": worker.requests,
         "prompt_tokens": worker.prompt_tokens,
         "cached_tokens": worker.cached_tokens,
@@ -52,16 +50,17 @@ def describe(gateway: Gateway, worker: Worker, now: float) -> dict:
         "actual_hit_rate": _rate(worker.cached_tokens, worker.prompt_tokens),
         "predicted_hit_rate": _rate(worker.predicted_tokens, worker.prompt_tokens),
         "tree_corrections": dict(worker.corrections),
+        "tree_source": worker.tree_source,
+        "unreported_answers": worker.unreported_answers,
     }
 
 
-def workers_document(gateway: Gateway) -> dict:
-    now = gateway.clock()
-    rows = [describe(gateway, w, now) for w in gateway.workers]
+def workers_document(fleet: WorkerSet, now: float) -> dict:
+    rows = [describe(fleet, w, now) for w in fleet]
     prompt = sum(r["prompt_tokens"] for r in rows)
     return {
-        "policy": gateway.config.policy,
-        "routing_on": "tokens" if gateway.keys.tokenizer is not None else "text",
+        "policy": fleet.config.policy,
+        "routing_on": "tokens" if fleet.keys.tokenizer is not None else "text",
         "fleet": {
             "prompt_tokens": prompt,
             "cached_tokens": sum(r["cached_tokens"] for r in rows),
@@ -73,12 +72,13 @@ def workers_document(gateway: Gateway) -> dict:
     }
 
 
-def workers_endpoint(gateway: Gateway, request: Request) -> tuple[int, Headers, bytes]:
+def workers_endpoint(fleet: WorkerSet, request: Request, now: float
+                     ) -> tuple[int, Headers, bytes]:
     if request.method == "GET":
-        return json_body(200, workers_document(gateway))
+        return json_body(200, workers_document(fleet, now))
     if request.method not in ("POST", "DELETE"):
         return error_body(405, f"/workers accepts GET, POST and DELETE, not {request.method}")
-    if not gateway.config.static_mode:
+    if not fleet.config.static_mode:
         return error_body(409, "workers come from Kubernetes discovery (--k8s-service); "
                                "add or remove them there")
     url = _target_url(request)
@@ -86,9 +86,9 @@ def workers_endpoint(gateway: Gateway, request: Request) -> tuple[int, Headers, 
         return error_body(400, "give the worker as {\"url\": \"http://HOST:PORT\"} or ?url=")
     try:
         if request.method == "POST":
-            worker = gateway.add_worker(url)
-            return json_body(200, describe(gateway, worker, gateway.clock()))
-        removed = gateway.remove_worker(url)
+            worker = fleet.add(url)
+            return json_body(200, describe(fleet, worker, now))
+        removed = fleet.remove(url)
     except ValueError as exc:
         return error_body(400, str(exc))
     if removed is None:

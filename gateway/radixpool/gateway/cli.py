@@ -6,8 +6,19 @@ Defaults come from `GatewayConfig`, so the help text, the docs and the code cann
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from collections.abc import Mapping
 
+from radixpool.gateway.api_keys import (
+    ADMIN_KEY,
+    ADMIN_KEY_ENV,
+    CLIENT_KEY,
+    CLIENT_KEY_ENV,
+    WORKER_KEY,
+    WORKER_KEY_ENV,
+    read_key,
+)
 from radixpool.gateway.config import POLICIES, GatewayConfig
 
 D = GatewayConfig()
@@ -54,9 +65,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s = p.add_argument_group("server and fleet")
     s.add_argument("--host", default=D.host)
     s.add_argument("--port", type=int, default=D.port)
-    s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
+    s.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help=f"file holding the key clients must send as Authorization: Bearer KEY "
+                        f"(without it: ${CLIENT_KEY_ENV}, else no key)")
+    s.add_argument("--worker-api-key-file", default=None, metavar="PATH",
+                   help=f"file holding the key the gateway presents to workers, their control "
+                        f"key (without it: ${WORKER_KEY_ENV}, else the client key)")
+    s.add_argument("--admin-api-key-file", default=None, metavar="PATH",
+                   help=f"file holding the key that may add and remove workers "
+                        f"(without it: ${ADMIN_KEY_ENV}, else nobody may)")
+    s.add_argument("--api-key", default=None,
+                   help=f"deprecated, visible in the process list: use ${CLIENT_KEY_ENV}")
     s.add_argument("--worker-api-key", default=None,
-                   help="key the gateway presents to workers (default: --api-key)")
+                   help=f"deprecated, visible in the process list: use ${WORKER_KEY_ENV}")
     s.add_argument("--max-body-bytes", type=int, default=D.max_body_bytes)
     s.add_argument("--health-interval", type=float, default=D.health_interval, help="seconds")
     s.add_argument("--health-timeout", type=float, default=D.health_timeout, help="seconds")
@@ -86,32 +107,50 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sim.set_defaults(func=_sim_worker)
 
 
-def config_from_args(args: argparse.Namespace) -> GatewayConfig:
-    return GatewayConfig(
+def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.environ
+                     ) -> tuple[GatewayConfig, list[str]]:
+    """The validated config, and warnings for the user (keys given on the command line)."""
+    keys, warnings = {}, []
+    for source, path, value in ((CLIENT_KEY, args.api_key_file, args.api_key),
+                                (WORKER_KEY, args.worker_api_key_file, args.worker_api_key),
+                                (ADMIN_KEY, args.admin_api_key_file, None)):
+        keys[source.name], warning = read_key(source, path, value, environ)
+        if warning:
+            warnings.append(warning)
+    config = GatewayConfig(
         worker_urls=tuple(args.worker_urls), k8s_service=args.k8s_service,
         namespace=args.namespace, k8s_port_name=args.k8s_port_name, policy=args.policy,
         cache_threshold=args.cache_threshold, balance_abs_threshold=args.balance_abs_threshold,
         balance_rel_threshold=args.balance_rel_threshold,
         hot_prefix_factor=args.hot_prefix_factor, prefix_token_count=args.prefix_token_count,
         prefix_hash_load_factor=args.prefix_hash_load_factor, tokenizer=args.tokenizer,
-        host=args.host, port=args.port, api_key=args.api_key, worker_api_key=args.worker_api_key,
-        max_body_bytes=args.max_body_bytes,
+        host=args.host, port=args.port, api_key=keys["client"], worker_api_key=keys["worker"],
+        admin_api_key=keys["admin"], max_body_bytes=args.max_body_bytes,
         health_interval=args.health_interval, health_timeout=args.health_timeout,
         health_failures=args.health_failures, health_successes=args.health_successes,
         breaker_failures=args.breaker_failures, breaker_open_seconds=args.breaker_open_seconds,
         max_retries=args.max_retries, connect_timeout=args.connect_timeout,
         kv_events=args.kv_events, tree_capacity_tokens=args.tree_capacity_tokens,
         text_block_bytes=args.text_block_bytes, log_level=args.log_level)
+    if config.api_key and not config.worker_api_key:
+        warnings.append(f"the gateway presents the client key to workers; set ${WORKER_KEY_ENV} "
+                        "to the workers' control key so clients cannot reach their control "
+                        "endpoints")
+    return config, warnings
 
 
 def _gateway(args: argparse.Namespace) -> int:
     try:
-        config = config_from_args(args)
+        config, warnings = config_from_args(args)
     except ValueError as exc:
         print(f"radixpool gateway: {exc}", file=sys.stderr)
         return 2
+    for warning in warnings:
+        print(f"radixpool gateway: warning: {warning}", file=sys.stderr)
     if not config.worker_urls and not config.k8s_service:
-        print("radixpool gateway: starting with no workers; add them with POST /workers",
+        how = "POST /workers with the admin key" if config.admin_api_key \
+            else f"POST /workers (set ${ADMIN_KEY_ENV} first)"
+        print(f"radixpool gateway: starting with no workers; add them with {how}",
               file=sys.stderr)
     from radixpool.gateway.server import run
 

@@ -43,8 +43,9 @@ class GatewayConfig:
     tokenizer: str | None = None
     host: str = "0.0.0.0"
     port: int = 8080
-    api_key: str | None = None
-    worker_api_key: str | None = None
+    api_key: str | None = None          # clients' key
+    worker_api_key: str | None = None   # the key presented to workers (their control key)
+    admin_api_key: str | None = None    # the key that may change the worker set
     max_body_bytes: int = 32 * 1024 * 1024
     health_interval: float = 2.0
     health_timeout: float = 1.0
@@ -77,6 +78,9 @@ class GatewayConfig:
         _check(0 <= self.port < 65536, "port", "within [0, 65535]")
         _check(self.api_key != "", "api_key", "non-empty (omit it to serve without a key)")
         _check(self.worker_api_key != "", "worker_api_key", "non-empty")
+        _check(self.admin_api_key != "", "admin_api_key", "non-empty")
+        _check(self.admin_api_key is None or self.admin_api_key != self.api_key,
+               "admin_api_key", "different from the client api_key")
         _check(self.max_body_bytes > 0, "max_body_bytes", "> 0")
         _check(self.health_interval > 0, "health_interval", "> 0")
         _check(self.health_timeout > 0, "health_timeout", "> 0")

@@ -1,30 +1,40 @@
 """Ground truth from responses: what each answer says about the worker's cache.
 
-Every worker response carries `prompt_tokens` and `cached_tokens` (OpenAI `usage` or `/generate`
-`meta_info`). They are read with a byte regex over the body or the SSE events, never a JSON parse
-of the whole answer. `first_missing_block` turns (prediction, report) into "the first block the
-gateway believed cached that was not": the proxy then trims that worker's tree.
+A RadixPool or SGLang worker's response carries `prompt_tokens` and `cached_tokens` (OpenAI
+`usage.prompt_tokens_details` or `/generate` `meta_info`). They are read with a byte regex over the
+body or the SSE events, never a JSON parse of the whole answer. `first_missing_block` turns
+(prediction, report) into "the first block the gateway believed cached that was not": `learn`
+then trims that worker's tree.
+
+An answer without `cached_tokens` (a vLLM server without prompt-token details, any
+OpenAI-compatible server that leaves it out) says nothing about the cache: it is unknown, never
+zero, and trims nothing. Such a worker's tree is then kept right by its KV events when it serves
+them, and otherwise only by the tree's own LRU bound (`Worker.tree_source` says which).
 """
 
 from __future__ import annotations
 
 import re
 
+from radixpool.gateway.metrics import GatewayMetrics
 from radixpool.gateway.policies import Decision
+from radixpool.gateway.prefix_index import PrefixIndex
 from radixpool.gateway.route_key import RouteKey
+from radixpool.gateway.workers import Worker
 
 _PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _USAGE_ONLY = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 
 
-def usage_in(data: bytes) -> tuple[int, int] | None:
-    """(prompt_tokens, cached_tokens) from the last report in `data`, if any."""
+def usage_in(data: bytes) -> tuple[int, int | None] | None:
+    """(prompt_tokens, cached_tokens) from the last report in `data`, if any; cached_tokens is
+    None when the answer does not say (absent or null)."""
     prompts = _PROMPT.findall(data)
     if not prompts:
         return None
     cached = _CACHED.findall(data)
-    return int(prompts[-1]), int(cached[-1]) if cached else 0
+    return int(prompts[-1]), int(cached[-1]) if cached else None
 
 
 def is_usage_only_event(event: bytes) -> bool:
@@ -59,3 +69,27 @@ def first_missing_block(decision: Decision, key: RouteKey, prompt_tokens: int,
     if held >= predicted or (covers_all and held >= predicted - 1):
         return None
     return held
+
+
+def learn(worker: Worker, index: PrefixIndex, metrics: GatewayMetrics, decision: Decision,
+          key: RouteKey, prompt: int, cached: int | None, predicts: bool) -> None:
+    """Take in one answer's report: the hit-rate counters, the worker's load estimate and, when
+    the tree predicted more than the worker had, the trim of that worker's tree."""
+    predicted = predicted_tokens(decision, key, prompt) if predicts else None
+    if cached is None:
+        worker.reports_cached = False
+        worker.unreported_answers += 1
+        worker.observe_uncached(prompt - (predicted or 0))
+        return
+    worker.reports_cached = True
+    worker.prompt_tokens += prompt
+    worker.cached_tokens += cached
+    worker.observe_uncached(prompt - cached)
+    if predicted is not None:
+        worker.predicted_tokens += predicted
+        missing = first_missing_block(decision, key, prompt, cached)
+        if missing is not None and missing < len(decision.prior_epochs):
+            index.trim_through(worker.url, decision.prior_epochs[missing])
+            worker.corrected("cached_tokens")
+            metrics.corrected(worker.url, "cached_tokens")
+    metrics.usage(worker.url, prompt, cached, predicted)

@@ -4,13 +4,14 @@ capacity, the model's tokenizer, and the KV-event stream. All of them feed the p
 - Health: every `health_interval`, `GET /health`; results go through the hysteresis (N failures
   down, M successes up). A 503 marks the worker draining at once (no new requests); a 200 clears
   it. Coming back up closes the circuit breaker.
-- Identity: `GET /server_info` each round. A new `instance_id` (restart or `/flush_cache`) empties
-  that worker's tree at once; `kv_capacity_tokens` sizes it.
+- Identity: `GET /server_info` each round (`/get_server_info` for SGLang workers). A new
+  `instance_id` (restart or `/flush_cache`) empties that worker's tree at once;
+  `kv_capacity_tokens` (SGLang: `max_total_num_tokens`) sizes it.
 - Tokenizer: without `--tokenizer`, the first worker that answers `GET /tokenizer` supplies it;
   the trees switch from text to token ids (and are emptied, their hashes meant bytes).
 - KV events (token mode, when the worker serves them and `--kv-events` is on): a long poll on
   `GET /kv_events?since=S` applies exact stores and evictions; a 409 or a new instance id resyncs
-  from `/kv_events/snapshot`.
+  from `/kv_events/snapshot`. While the stream is followed, `Worker.kv_events_live` is set.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Awaitable, Callable
 
-from radixpool.gateway.proxy import Gateway
-from radixpool.gateway.upstream import UpstreamError
-from radixpool.gateway.workers import Worker
+from radixpool.gateway.metrics import GatewayMetrics
+from radixpool.gateway.worker_info import INFO_PATHS, parse_server_info
+from radixpool.gateway.workers import Worker, WorkerSet
 from radixpool.protocol.kv_blocks import KVEvent, from_hex
 from radixpool.protocol.server_info import ServerInfo
 from radixpool.tokenization import PromptTokenizer
@@ -31,17 +33,26 @@ log = logging.getLogger("radixpool.gateway")
 KV_POLL_SECONDS = 5.0
 KV_RETRY_SECONDS = 0.5
 
+# `GET path` from a worker → (status, body); raises OSError (ConnectionError) when unreachable
+Fetch = Callable[[Worker, str], Awaitable[tuple[int, bytes]]]
+
 
 class Monitor:
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
-        self.config = gateway.config
+    """Watches the workers of a `WorkerSet`, reaching them only through `fetch`."""
+
+    def __init__(self, workers: WorkerSet, fetch: Fetch, metrics: GatewayMetrics) -> None:
+        self.workers = workers
+        self.fetch = fetch
+        self.metrics = metrics
+        self.config = workers.config
+        self.index = workers.index
+        self.keys = workers.keys
         self._tasks: dict[str, list[asyncio.Task]] = {}
         self._tokenizer_lock = asyncio.Lock()
-        gateway.membership_hooks.append(self._membership)
+        workers.membership_hooks.append(self._membership)
 
     def start(self) -> None:
-        for worker in self.gateway.workers:
+        for worker in self.workers:
             self._membership(worker, True)
 
     async def stop(self) -> None:
@@ -64,15 +75,11 @@ class Monitor:
                 task.cancel()
 
     async def _get_json(self, worker: Worker, path: str, timeout: float) -> tuple[int, object]:
-        async def call() -> tuple[int, object]:
-            upstream = await self.gateway.pool(worker).request(
-                "GET", path, self.gateway.upstream_auth)
-            body = await upstream.body()
-            try:
-                return upstream.status, json.loads(body) if body else None
-            except ValueError:
-                return upstream.status, None
-        return await asyncio.wait_for(call(), timeout)
+        status, body = await asyncio.wait_for(self.fetch(worker, path), timeout)
+        try:
+            return status, json.loads(body) if body else None
+        except ValueError:
+            return status, None
 
     # --- health, identity, tokenizer ----------------------------------------------------------
     async def _watch(self, worker: Worker) -> None:
@@ -85,7 +92,7 @@ class Monitor:
         timeout = self.config.health_timeout
         try:
             status, _ = await self._get_json(worker, "/health", timeout)
-        except (UpstreamError, asyncio.TimeoutError, OSError):
+        except (asyncio.TimeoutError, OSError):
             status = 0
         ok = status == 200
         worker.draining = status == 503
@@ -95,36 +102,48 @@ class Monitor:
                 worker.breaker.reset()
         if not ok:
             return
-        try:
-            status, doc = await self._get_json(worker, "/server_info", timeout)
-        except (UpstreamError, asyncio.TimeoutError, OSError):
-            return
-        if status == 200 and isinstance(doc, dict):
-            self.observe_identity(worker, ServerInfo.from_json(doc))
-            if self.gateway.keys.tokenizer is None:
+        info = await self._server_info(worker, timeout)
+        if info is not None:
+            self.observe_identity(worker, info)
+            if self.keys.tokenizer is None:
                 await self._fetch_tokenizer(worker)
+
+    async def _server_info(self, worker: Worker, timeout: float) -> ServerInfo | None:
+        """The worker's description from the path it answered last, else from the other
+        dialect's path (an SGLang server serves `/get_server_info`)."""
+        paths = [worker.info_path, *(p for p in INFO_PATHS if p != worker.info_path)]
+        for path in paths:
+            try:
+                status, doc = await self._get_json(worker, path, timeout)
+            except (asyncio.TimeoutError, OSError):
+                return None
+            info = parse_server_info(doc) if status == 200 else None
+            if info is not None:
+                worker.info_path = path
+                return info
+        return None
 
     def observe_identity(self, worker: Worker, info: ServerInfo) -> None:
         if worker.instance_id is not None and info.instance_id != worker.instance_id:
             log.info("worker %s has a new instance id (restart or flush): forgetting its tree",
                      worker.url)
-            self.gateway.index.reset(worker.url)
+            self.index.reset(worker.url)
             worker.corrected("instance_id")
-            self.gateway.metrics.corrected(worker.url, "instance_id")
+            self.metrics.corrected(worker.url, "instance_id")
         worker.instance_id = info.instance_id
-        self.gateway.workers.set_info(worker, info)
-        keys = self.gateway.keys
+        self.workers.set_info(worker, info)
+        keys = self.keys
         if keys.tokenizer is not None and not keys.block_size_known:
             # a local tokenizer (--tokenizer): hash in the blocks the workers hash in, so their
             # KV events can correct the trees
             keys.use_tokenizer(keys.tokenizer, info.kv_block_size)
-            self.gateway.workers.resize_trees()
+            self.workers.resize_trees()
             log.info("routing on token ids in %d-token blocks (from %s)", info.kv_block_size,
                      worker.url)
 
     async def _fetch_tokenizer(self, worker: Worker) -> None:
         async with self._tokenizer_lock:
-            if self.gateway.keys.tokenizer is not None or worker.info is None:
+            if self.keys.tokenizer is not None or worker.info is None:
                 return
             try:
                 status, doc = await self._get_json(worker, "/tokenizer", 30.0)
@@ -134,14 +153,14 @@ class Monitor:
             except Exception as exc:  # any failure leaves the gateway routing on text
                 log.warning("could not use %s/tokenizer (routing on text): %r", worker.url, exc)
                 return
-            self.gateway.keys.use_tokenizer(tokenizer, worker.info.kv_block_size)
-            self.gateway.workers.resize_trees()
+            self.keys.use_tokenizer(tokenizer, worker.info.kv_block_size)
+            self.workers.resize_trees()
             log.info("routing on token ids (tokenizer from %s, block size %d)",
                      worker.url, worker.info.kv_block_size)
 
     # --- KV events ----------------------------------------------------------------------------
     def _kv_usable(self, worker: Worker) -> bool:
-        keys = self.gateway.keys
+        keys = self.keys
         return (self.config.kv_events and keys.tokenizer is not None and worker.info is not None
                 and worker.info.kv_events and worker.info.kv_block_size == keys.block_size
                 and worker.health.healthy)
@@ -151,7 +170,9 @@ class Monitor:
         instance: str | None = None
         synced = False
         while not worker.removed:
-            if not self._kv_usable(worker):
+            usable = self._kv_usable(worker)
+            worker.kv_events_live = usable and since is not None
+            if not usable:
                 since = None
                 await asyncio.sleep(min(self.config.health_interval, KV_RETRY_SECONDS))
                 continue
@@ -165,15 +186,15 @@ class Monitor:
                     KV_POLL_SECONDS + self.config.health_timeout + 5)
                 if status == 404:
                     log.info("worker %s serves no /kv_events; relying on cached_tokens", worker.url)
+                    worker.kv_events_live = False
                     return
                 if status != 200 or not isinstance(doc, dict) or doc["instance_id"] != instance:
                     since = None
                     continue
                 for event in doc["events"]:
-                    self.gateway.index.apply_event(worker.url, KVEvent.from_json(event))
+                    self.index.apply_event(worker.url, KVEvent.from_json(event))
                 since = int(doc["next"])
-            except (UpstreamError, asyncio.TimeoutError, OSError, KeyError, ValueError,
-                    TypeError) as exc:
+            except (asyncio.TimeoutError, OSError, KeyError, ValueError, TypeError) as exc:
                 log.debug("kv events from %s: %r", worker.url, exc)
                 since = None
                 await asyncio.sleep(min(self.config.health_interval, KV_RETRY_SECONDS))
@@ -183,8 +204,8 @@ class Monitor:
         status, doc = await self._get_json(worker, "/kv_events/snapshot", 30.0)
         if status != 200 or not isinstance(doc, dict):
             raise ValueError(f"snapshot answered {status}")
-        self.gateway.index.load_snapshot(worker.url, from_hex(doc["blocks"]))
+        self.index.load_snapshot(worker.url, from_hex(doc["blocks"]))
         if count:
             worker.corrected("kv_resync")
-            self.gateway.metrics.corrected(worker.url, "kv_resync")
+            self.metrics.corrected(worker.url, "kv_resync")
         return int(doc["seq"]), str(doc["instance_id"])

@@ -15,21 +15,15 @@ feeds the metrics and the tree correction (`feedback.first_missing_block` → `t
 from __future__ import annotations
 
 import contextlib
-import hmac
 import itertools
 import json
 import time
 import uuid
-from collections.abc import Callable
 
 from radixpool.gateway import admin
-from radixpool.gateway.config import GatewayConfig, normalize_worker_url
-from radixpool.gateway.feedback import (
-    first_missing_block,
-    is_usage_only_event,
-    predicted_tokens,
-    usage_in,
-)
+from radixpool.gateway.access import AccessPolicy
+from radixpool.gateway.config import GatewayConfig
+from radixpool.gateway.feedback import is_usage_only_event, learn, usage_in
 from radixpool.gateway.http_server import Headers, Request, Responder, error_body
 from radixpool.gateway.metrics import GatewayMetrics
 from radixpool.gateway.policies import CacheAware, Candidate, Decision, make_policy
@@ -45,8 +39,6 @@ from radixpool.gateway.upstream import HOP_BY_HOP, UpstreamError, UpstreamPool, 
 from radixpool.gateway.workers import Worker, WorkerSet
 from radixpool.tokenization import PromptTokenizer
 
-OPEN_PATHS = ("/health", "/metrics")
-
 
 class Gateway:
     def __init__(self, config: GatewayConfig, tokenizer: PromptTokenizer | None = None,
@@ -61,45 +53,18 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.pools: dict[str, UpstreamPool] = {}
         self.clock = time.monotonic
-        self._auth = f"Bearer {config.api_key}".encode() if config.api_key else None
+        self.access = AccessPolicy(config.api_key, config.admin_api_key)
         key = config.upstream_key
         self.upstream_auth: Headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
         # client headers not forwarded: hop-by-hop ones, and the client's key when we send ours
         self._unforwarded = HOP_BY_HOP | {b"authorization"} if key else HOP_BY_HOP
-        self.membership_hooks: list[Callable[[Worker, bool], None]] = []
+        self.workers.membership_hooks.append(self._membership)
         for url in config.worker_urls:
-            self.add_worker(url)
+            self.workers.add(url)
 
-    def add_worker(self, url: str) -> Worker:
-        url = normalize_worker_url(url)   # the set's key: `host:port` and `http://host:port/`
-        known = self.workers.get(url)      # are one worker, whose watchers start once
-        worker = self.workers.add(url)
-        if worker is not known:
-            for hook in self.membership_hooks:
-                hook(worker, True)
-        return worker
-
-    def remove_worker(self, url: str) -> Worker | None:
-        worker = self.workers.remove(url)
-        if worker is not None:
+    def _membership(self, worker: Worker, joined: bool) -> None:
+        if not joined:
             self.forget_pool(worker.url)
-            for hook in self.membership_hooks:
-                hook(worker, False)
-        return worker
-
-    def reconcile(self, ready: set[str], terminating: set[str]) -> None:
-        """Make the worker set match discovery, with the hooks: add ready endpoints, drain
-        terminating ones (they finish their streams but get no new requests), remove the ones
-        that disappeared."""
-        ready = {normalize_worker_url(url) for url in ready}
-        terminating = {normalize_worker_url(url) for url in terminating} - ready
-        for url in ready:
-            self.add_worker(url)   # clears `terminating` on a worker that came back
-        for worker in self.workers:
-            if worker.url in terminating:
-                worker.terminating = True
-            elif worker.url not in ready:
-                self.remove_worker(worker.url)
 
     @property
     def predicts(self) -> bool:
@@ -118,13 +83,17 @@ class Gateway:
         if pool is not None:
             pool.close()
 
+    async def fetch(self, worker: Worker, path: str) -> tuple[int, bytes]:
+        """`GET path` from a worker with the gateway's worker key: the health monitor's way out."""
+        upstream = await self.pool(worker).request("GET", path, self.upstream_auth)
+        return upstream.status, await upstream.body()
+
     # --- endpoints ----------------------------------------------------------------------------
     async def __call__(self, request: Request, respond: Responder) -> None:
         path, method = request.path, request.method
-        if self._auth is not None and path not in OPEN_PATHS \
-                and not hmac.compare_digest(request.headers.get(b"authorization", b""), self._auth):
-            await respond.send(*error_body(401, "missing or wrong API key (Authorization: Bearer)",
-                                           "invalid_api_key"))
+        denied = self.access.check(path, method, request.headers.get(b"authorization", b""))
+        if denied is not None:
+            await respond.send(*error_body(*denied))
         elif path in ROUTED_PATHS:
             if method != "POST":
                 await respond.send_error(405, f"{path} accepts POST, not {method}")
@@ -139,7 +108,7 @@ class Gateway:
         elif path == "/v1/models":
             await self.forward_models(request, respond)
         elif path == "/workers" or path.startswith("/workers/"):
-            await respond.send(*admin.workers_endpoint(self, request))
+            await respond.send(*admin.workers_endpoint(self.workers, request, self.clock()))
         else:
             await respond.send_error(404, f"unknown path {path!r}; the gateway serves "
                                           f"{', '.join(ROUTED_PATHS)}, /v1/models, /workers, "
@@ -218,17 +187,18 @@ class Gateway:
             if attempt:
                 self.metrics.retry()
             worker.inflight += 1
-            worker.breaker.on_dispatch()
+            worker.breaker.dispatched(now)
             try:
                 upstream = await self.pool(worker).request("POST", path, headers, body)
             except UpstreamError as exc:
                 worker.inflight -= 1
-                worker.breaker.record(False, self.clock())
+                worker.breaker.record_failure("connect_error", self.clock())
                 errors.append(f"{worker.url}: {exc}")
             else:
                 if upstream.status != 503 or attempt == self.config.max_retries:
                     return worker, decision, upstream
                 worker.inflight -= 1
+                worker.breaker.record_failure("server_error", self.clock())
                 with contextlib.suppress(UpstreamError):
                     await upstream.body()  # read to the end so the connection can be reused
                 worker.draining = True  # cleared when its /health answers 200 again
@@ -259,7 +229,7 @@ class Gateway:
                 usage, ttfb = await self._relay_events(upstream, respond, strip_usage, started)
                 await respond.end()
         except UpstreamError:
-            worker.breaker.record(False, self.clock())
+            worker.breaker.record_failure("cut", self.clock())
             upstream.release()
             if not respond.started:
                 await respond.send_error(502, f"worker {worker.url} failed before answering")
@@ -273,7 +243,10 @@ class Gateway:
             return
         finally:
             upstream.release()
-        worker.breaker.record(status < 500, self.clock())
+        if status < 500:
+            worker.breaker.record_success(self.clock())
+        else:
+            worker.breaker.record_failure("server_error", self.clock())
         worker.requests += 1
         self.metrics.answered(worker.url, status, time.perf_counter() - started, ttfb)
         if usage is not None:
@@ -281,7 +254,7 @@ class Gateway:
 
     async def _relay_events(self, upstream: UpstreamResponse, respond: Responder,
                             strip_usage: bool, started: float
-                            ) -> tuple[tuple[int, int] | None, float | None]:
+                            ) -> tuple[tuple[int, int | None] | None, float | None]:
         """Forward whole SSE events the moment they arrive; note the last usage report."""
         usage, ttfb, pending = None, None, b""
         while (chunk := await upstream.read()) is not None:
@@ -315,20 +288,8 @@ class Gateway:
         return headers
 
     def _learn(self, worker: Worker, decision: Decision, key: RouteKey, prompt: int,
-               cached: int) -> None:
-        worker.prompt_tokens += prompt
-        worker.cached_tokens += cached
-        worker.observe_uncached(prompt - cached)
-        predicted = None
-        if self.predicts:
-            predicted = predicted_tokens(decision, key, prompt)
-            worker.predicted_tokens += predicted
-            missing = first_missing_block(decision, key, prompt, cached)
-            if missing is not None and missing < len(decision.prior_epochs):
-                self.index.trim_through(worker.url, decision.prior_epochs[missing])
-                worker.corrected("cached_tokens")
-                self.metrics.corrected(worker.url, "cached_tokens")
-        self.metrics.usage(worker.url, prompt, cached, predicted)
+               cached: int | None) -> None:
+        learn(worker, self.index, self.metrics, decision, key, prompt, cached, self.predicts)
 
 
 def _cut_stream_event(worker_url: str) -> bytes:

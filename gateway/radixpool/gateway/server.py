@@ -38,13 +38,14 @@ class GatewayServer:
         return bound_port(self.server)
 
     async def start(self, sock: socket.socket | None = None) -> None:
-        self.monitor = Monitor(self.gateway)
+        self.monitor = Monitor(self.gateway.workers, self.gateway.fetch, self.gateway.metrics)
         self.monitor.start()
         if self.config.k8s_service:
             from radixpool.gateway.kubernetes_watch import start_watch
 
             self._discovery_stop = start_watch(self.config.k8s_service, self.config.namespace,
-                                               self.config.k8s_port_name, self.gateway.reconcile)
+                                               self.config.k8s_port_name,
+                                               self.gateway.workers.reconcile)
         self.server = await serve(self.gateway, self.config.host, self.config.port,
                                   self.config.max_body_bytes, sock)
 

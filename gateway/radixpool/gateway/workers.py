@@ -1,5 +1,7 @@
 """The fleet as the gateway sees it: one `Worker` per upstream, and the `WorkerSet` that adds,
-drains and removes them and keeps the prefix index's membership and capacities in step.
+drains and removes them (from the admin API or discovery), tells the membership hooks (the health
+monitor, the proxy's connection pools), and keeps the prefix index's membership and capacities in
+step. The admin API and the monitor reach the gateway's state only through a `WorkerSet`.
 
 A worker is *eligible* for a new request when its active checks say healthy, it is not draining
 (it answered 503) or terminating (discovery says so), it has not been removed,
@@ -9,11 +11,13 @@ in flight: their connections and this object live until their streams end.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from radixpool.gateway.breaker import CircuitBreaker
 from radixpool.gateway.config import GatewayConfig, normalize_worker_url
-from radixpool.gateway.health import CircuitBreaker, HealthHysteresis
+from radixpool.gateway.health import HealthHysteresis
 from radixpool.gateway.prefix_index import PrefixIndex
 from radixpool.gateway.route_key import BYTES_PER_TOKEN, KeyBuilder
 from radixpool.protocol.server_info import ServerInfo
@@ -40,6 +44,10 @@ class Worker:
     predicted_tokens: int = 0
     mean_uncached: float | None = None  # recent uncached prompt tokens per request (average)
     corrections: dict[str, int] = field(default_factory=dict)
+    reports_cached: bool | None = None  # whether its last answer said how much was cached
+    unreported_answers: int = 0         # answers without cached_tokens (left out of hit rates)
+    kv_events_live: bool = False        # the monitor is following its KV-event stream
+    info_path: str = "/server_info"     # where it describes itself (SGLang: /get_server_info)
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
@@ -52,6 +60,14 @@ class Worker:
     @property
     def model(self) -> str | None:
         return None if self.info is None else self.info.served_model_name
+
+    @property
+    def tree_source(self) -> str:
+        """What keeps this worker's tree right besides routing history: its KV events, else the
+        cached_tokens its answers report, else nothing but the tree's LRU bound."""
+        if self.kv_events_live:
+            return "kv_events"
+        return "cached_tokens" if self.reports_cached else "lru"
 
     def observe_uncached(self, tokens: int) -> None:
         if self.mean_uncached is None:
@@ -69,12 +85,16 @@ class Worker:
         self.corrections[source] = self.corrections.get(source, 0) + 1
 
 
+MembershipHook = Callable[[Worker, bool], None]   # (worker, joined)
+
+
 class WorkerSet:
     def __init__(self, config: GatewayConfig, index: PrefixIndex, keys: KeyBuilder) -> None:
         self.config = config
         self.index = index
         self.keys = keys
         self.workers: dict[str, Worker] = {}
+        self.membership_hooks: list[MembershipHook] = []
 
     def __iter__(self):
         return iter(list(self.workers.values()))
@@ -86,6 +106,8 @@ class WorkerSet:
         return self.workers.get(url)
 
     def add(self, url: str) -> Worker:
+        """Add a worker (or clear `terminating` on a known one); the hooks hear of new ones.
+        `host:port` and `http://host:port/` are one worker, whose watchers start once."""
         url = normalize_worker_url(url)
         worker = self.workers.get(url)
         if worker is not None:
@@ -96,6 +118,8 @@ class WorkerSet:
                         CircuitBreaker(cfg.breaker_failures, cfg.breaker_open_seconds))
         self.workers[url] = worker
         self.index.add_worker(url, self.tree_capacity(None))
+        for hook in self.membership_hooks:
+            hook(worker, True)
         return worker
 
     def remove(self, url: str) -> Worker | None:
@@ -103,7 +127,22 @@ class WorkerSet:
         if worker is not None:
             worker.removed = True
             self.index.remove_worker(worker.url)
+            for hook in self.membership_hooks:
+                hook(worker, False)
         return worker
+
+    def reconcile(self, ready: set[str], terminating: set[str]) -> None:
+        """Match discovery: add ready endpoints, drain terminating ones (they finish their
+        streams but get no new requests), remove the ones that disappeared."""
+        ready = {normalize_worker_url(url) for url in ready}
+        terminating = {normalize_worker_url(url) for url in terminating} - ready
+        for url in ready:
+            self.add(url)   # clears `terminating` on a worker that came back
+        for worker in self:
+            if worker.url in terminating:
+                worker.terminating = True
+            elif worker.url not in ready:
+                self.remove(worker.url)
 
     def eligible(self, now: float, model: str | None = None) -> list[Worker]:
         ready = [w for w in self.workers.values() if w.eligible(now)]

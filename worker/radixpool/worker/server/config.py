@@ -14,6 +14,7 @@ from radixpool.worker.config import DEVICES, DTYPES, SCHEDULE_POLICIES, EngineCo
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 API_KEY_ENV = "RADIXPOOL_API_KEY"
+CONTROL_KEY_ENV = "RADIXPOOL_CONTROL_API_KEY"
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    control_api_key: str | None = None   # for the gateway: required on /flush_cache, /kv_events...
     drain_timeout: float = 30.0      # seconds
     log_level: str = "info"
 
@@ -37,6 +39,8 @@ class ServerConfig:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (omit it to serve without a key)")
+        if self.control_api_key is not None and self.control_api_key == self.api_key:
+            raise ValueError("the control key must differ from the serving key")
 
 
 def _default(name: str):
@@ -90,12 +94,34 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", metavar="KEY", default=os.environ.get(API_KEY_ENV),
                    help="require `Authorization: Bearer KEY` on every endpoint except /health "
                         f"and /metrics (default: ${API_KEY_ENV}, else no key)")
+    p.add_argument("--control-api-key-file", metavar="PATH",
+                   help="file holding the control key: required on /flush_cache, /kv_events, "
+                        "/kv_events/snapshot and /prefix_probe, accepted everywhere (give it "
+                        f"to the gateway only; default: ${CONTROL_KEY_ENV}, else those paths "
+                        "take the serving key)")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, how long running requests may take to finish before they "
                         "are aborted; keep it below the pod's terminationGracePeriodSeconds "
                         "(default: 30)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                    help="log level (default: info)")
+
+
+def _control_key(path: str | None) -> str | None:
+    """From `--control-api-key-file`, else the environment (never argv: `ps` shows argv)."""
+    if path is None:
+        key = os.environ.get(CONTROL_KEY_ENV)
+        if key is not None and not key.strip():
+            raise ValueError(f"${CONTROL_KEY_ENV} is set but empty")
+        return key.strip() if key else None
+    try:
+        with open(path, encoding="utf-8") as f:
+            key = f.read().strip()
+    except OSError as exc:
+        raise ValueError(f"--control-api-key-file {path}: {exc.strerror or exc}") from None
+    if not key:
+        raise ValueError(f"--control-api-key-file {path}: the file is empty")
+    return key
 
 
 def _as_flag(exc: ValueError) -> ValueError:
@@ -141,6 +167,7 @@ def _config_from_args(args: argparse.Namespace) -> ServerConfig:
         host=args.host,
         port=args.port,
         api_key=args.api_key,
+        control_api_key=_control_key(args.control_api_key_file),
         drain_timeout=args.drain_timeout,
         log_level=args.log_level,
     )

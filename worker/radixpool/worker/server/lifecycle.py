@@ -2,10 +2,15 @@
 of the app.
 
 The gate is plain ASGI (no per-request Starlette middleware objects) and does three things:
-- `--api-key`: every path except `/health`, `/livez` and `/metrics` needs
-  `Authorization: Bearer KEY` (or `X-API-Key: KEY`); otherwise 401.
+- Keys (`Authorization: Bearer KEY` or `X-API-Key: KEY`, compared in constant time; `/health`,
+  `/livez` and `/metrics` are open). The control key (`$RADIXPOOL_CONTROL_API_KEY`) is required
+  for the control paths (`/flush_cache`, `/kv_events`, `/kv_events/snapshot`, `/prefix_probe`:
+  the gateway's) and accepted everywhere; the serving key (`$RADIXPOOL_API_KEY`) grants every other
+  path, so clients holding it cannot flush or watch the cache. Without a control key, the
+  control paths take the serving key as before. A missing or wrong key gets 401, the serving key
+  on a control path 403.
 - While loading, draining or failed (the engine did not start, or its core process died), every
-  path except those three gets 503 with `Retry-After` (`/health` and `/livez` answer from their
+  path except the open ones gets 503 with `Retry-After` (`/health` and `/livez` answer from their
   routes).
 - It counts generation requests in flight, so a drain knows when the last one has finished.
 """
@@ -22,6 +27,7 @@ from radixpool.worker.server.errors import error_body
 
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
 OPEN_PATHS = frozenset({"/health", "/livez", "/metrics"})
+CONTROL_PATHS = frozenset({"/flush_cache", "/kv_events", "/kv_events/snapshot", "/prefix_probe"})
 RETRY_AFTER_S = 5
 
 
@@ -120,15 +126,32 @@ async def _send_json(send, status: int, body: dict, headers: list[tuple[bytes, b
 
 
 class Gate:
-    def __init__(self, app, lifecycle: Lifecycle, api_key: str | None) -> None:
+    def __init__(self, app, lifecycle: Lifecycle, api_key: str | None,
+                 control_key: str | None = None) -> None:
         self.app = app
         self.lifecycle = lifecycle
         self.api_key = api_key.encode() if api_key else None
+        self.control_key = control_key.encode() if control_key else None
 
-    def _authorized(self, scope: dict) -> bool:
+    def _denied(self, scope: dict) -> tuple[int, str, str] | None:
+        """None when the request may pass, else (status, message, code)."""
+        if self.api_key is None and self.control_key is None:
+            return None
         auth = _header(scope, b"authorization") or ""
         key = auth[7:].strip() if auth[:7].lower() == "bearer " else _header(scope, b"x-api-key")
-        return key is not None and hmac.compare_digest(key.encode(), self.api_key)
+        given = (key or "").encode()
+        control = self.control_key is not None and hmac.compare_digest(given, self.control_key)
+        serving = self.api_key is not None and hmac.compare_digest(given, self.api_key)
+        if control:
+            return None
+        if scope["path"] in CONTROL_PATHS and self.control_key is not None:
+            if serving:
+                return 403, "this path needs the control key, not the serving key", \
+                    "control_key_required"
+        elif serving or self.api_key is None:
+            return None
+        return 401, "missing or wrong API key: send `Authorization: Bearer <key>`", \
+            "invalid_api_key"
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -136,10 +159,12 @@ class Gate:
             return
         path = scope["path"]
         if path not in OPEN_PATHS:
-            if self.api_key is not None and not self._authorized(scope):
-                body = error_body("missing or wrong API key: send `Authorization: Bearer <key>`",
-                                  "authentication_error", None, "invalid_api_key")
-                await _send_json(send, 401, body, [(b"www-authenticate", b"Bearer")])
+            denied = self._denied(scope)
+            if denied is not None:
+                status, message, code = denied
+                body = error_body(message, "authentication_error" if status == 401
+                                  else "permission_error", None, code)
+                await _send_json(send, status, body, [(b"www-authenticate", b"Bearer")])
                 return
             if not self.lifecycle.serving:
                 body = error_body(self.lifecycle.unavailable_reason(), "service_unavailable",

@@ -1,0 +1,151 @@
+"""The circuit breaker: the state machine driven directly (and by hypothesis), and through a real
+gateway where a half-open probe answered 503 used to exclude a healthy worker for good."""
+
+from __future__ import annotations
+
+import time
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from radixpool.gateway.breaker import FAILURE_KINDS, CircuitBreaker
+from tests.gateway.conftest import words
+
+FAILURES, OPEN_S = 3, 10.0
+
+
+def test_breaker_opens_probes_once_half_open_and_closes_on_success():
+    b = CircuitBreaker(failures=2, open_seconds=10)
+    b.record_failure("server_error", now=0)
+    assert b.allows(1)
+    b.record_failure("connect_error", now=1)
+    assert b.state(1) == "open" and not b.allows(5)
+    assert b.allows(11) and b.state(11) == "half_open"
+    b.dispatched(11)
+    assert not b.allows(11.5)            # one probe at a time
+    b.record_failure("timeout", now=12)  # the probe timed out: open again
+    assert b.state(12) == "open" and not b.allows(13)
+    assert b.allows(22)
+    b.dispatched(22)
+    b.record_success(now=22)
+    assert b.state(22) == "closed" and b.allows(22)
+    assert b.failures_by_kind == {"server_error": 1, "connect_error": 1, "timeout": 1}
+
+
+def test_every_half_open_outcome_resolves_it():
+    for outcome in ("success", *FAILURE_KINDS):
+        b = CircuitBreaker(failures=1, open_seconds=1)
+        b.record_failure("server_error", now=0)
+        b.dispatched(1)
+        if outcome == "success":
+            b.record_success(1.5)
+        else:
+            b.record_failure(outcome, 1.5)
+        assert b.state(1.5) == ("closed" if outcome == "success" else "open"), outcome
+
+
+def test_a_probe_whose_outcome_never_comes_frees_its_slot():
+    b = CircuitBreaker(failures=1, open_seconds=1)
+    b.record_failure("server_error", now=0)
+    b.dispatched(1)                      # the probe's client left; nothing is ever recorded
+    assert not b.allows(1.5)
+    assert b.allows(2.0) and b.state(2.0) == "half_open"
+
+
+outcomes = st.one_of(
+    st.tuples(st.just("tick"), st.floats(0, 2 * OPEN_S)),
+    st.tuples(st.just("dispatch"), st.none()),
+    st.tuples(st.just("success"), st.none()),
+    st.tuples(st.just("failure"), st.sampled_from(FAILURE_KINDS)),
+)
+
+
+def drive(b: CircuitBreaker, steps: list[tuple[str, object]]) -> float:
+    now = 0.0
+    for op, arg in steps:
+        if op == "tick":
+            now += arg
+        elif op == "dispatch":
+            if b.allows(now):
+                b.dispatched(now)
+        elif op == "success":
+            b.record_success(now)
+        else:
+            b.record_failure(arg, now)
+    return now
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(outcomes, max_size=40))
+def test_from_any_history_the_breaker_lets_a_probe_through_after_the_cool_down(steps):
+    b = CircuitBreaker(FAILURES, OPEN_S)
+    now = drive(b, steps)
+    assert b.allows(now + OPEN_S)         # never stuck: open or half-open, a probe goes
+    state = b.state(now + OPEN_S)
+    assert state in ("closed", "half_open")
+    if state == "half_open":
+        b.dispatched(now + OPEN_S)
+        assert not b.allows(now + OPEN_S)  # exactly one probe at a time
+        b.record_success(now + OPEN_S)
+        assert b.state(now + OPEN_S) == "closed"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(outcomes, max_size=40), st.sampled_from(FAILURE_KINDS))
+def test_from_any_history_consecutive_failures_open_it_until_the_cool_down(steps, kind):
+    b = CircuitBreaker(FAILURES, OPEN_S)
+    now = drive(b, steps)
+    if b.state(now) == "open":
+        now += OPEN_S                      # let it reach half-open first
+    for _ in range(FAILURES):
+        b.record_failure(kind, now)
+    assert b.state(now) == "open" and not b.allows(now)
+    assert not b.allows(now + OPEN_S * 0.99)
+    assert b.allows(now + OPEN_S) and b.state(now + OPEN_S) == "half_open"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(outcomes, max_size=40), st.sampled_from(("success", *FAILURE_KINDS)))
+def test_from_any_history_a_half_open_outcome_resolves_the_state(steps, outcome):
+    b = CircuitBreaker(FAILURES, OPEN_S)
+    now = drive(b, steps)
+    if b.state(now) != "half_open":
+        return
+    if outcome == "success":
+        b.record_success(now)
+    else:
+        b.record_failure(outcome, now)
+    assert b.state(now) == ("closed" if outcome == "success" else "open")
+
+
+def test_a_probe_answered_503_does_not_exclude_a_recovered_worker_for_good(make_stack):
+    stack = make_stack(2, policy="round_robin", max_retries=1, breaker_failures=1,
+                       breaker_open_seconds=0.3)
+    a, b = stack.fleet.urls
+    for url in (a, b):
+        stack.client.post(url + "/sim/fail", json={"requests": True})
+    # the first worker's 503 is retried on the second, whose 503 is the answer: a breaker opens
+    assert stack.client.post("/generate", json={"text": "w1"}).status_code == 503
+    states = [w["circuit_breaker"] for w in stack.client.get("/workers").json()["workers"]]
+    bad = [a, b][max(i for i, state in enumerate(states) if state == "open")]
+    good = b if bad == a else a
+    stack.client.post(good + "/sim/fail", json={})
+    stack.check_all()
+    time.sleep(0.35)
+    # half-open: round robin sends a probe to `bad` within two requests; it answers 503 and the
+    # request is retried on `good`
+    for i in range(4):
+        assert stack.client.post("/generate", json={"text": words(i, 4)}).status_code == 200
+    stack.client.post(bad + "/sim/fail", json={})   # it recovers; its /health was 200 throughout
+    deadline = time.monotonic() + 5
+    served_by_bad = 0
+    while time.monotonic() < deadline and not served_by_bad:
+        stack.check_all()
+        time.sleep(0.1)
+        for i in range(4):
+            r = stack.client.post("/generate", json={"text": words(100 + i, 4)})
+            assert r.status_code == 200
+            served_by_bad += r.headers["x-radixpool-worker"] == bad
+    assert served_by_bad, "the recovered worker never got traffic back"
+    assert stack.client.get("/workers").json()["workers"][(a, b).index(bad)][
+        "circuit_breaker"] == "closed"
