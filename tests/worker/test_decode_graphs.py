@@ -95,3 +95,17 @@ def test_padded_lanes_write_only_the_padding_slot(runners):
         changed = set((before != after).any(-1).any(-1).nonzero().flatten().tolist())
         assert changed <= written | {runner.padding.slot}
         assert runner.padding.slot in changed   # five padded lanes wrote there
+
+
+def test_disable_cuda_graph_flag(tmp_path):
+    import argparse
+
+    from radixpool.worker.server.config import add_worker_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_worker_arguments(parser)
+    on = config_from_args(parser.parse_args(["--model", str(tmp_path)]))
+    off = config_from_args(parser.parse_args(["--model", str(tmp_path), "--disable-cuda-graph",
+                                              "--attention-backend", "flashinfer"]))
+    assert on.engine.cuda_graph and not off.engine.cuda_graph
+    assert off.engine.attention_backend == "flashinfer"

@@ -161,11 +161,10 @@ class ModelRunner:
             log.info("decode CUDA graphs off: attention backend %r cannot be captured",
                      self.attention_backend_name)
         graph_batch = min(config.max_running_requests, DEFAULT_MAX_GRAPH_BATCH)
-        self.graph_kv_pages = graph_batch * -(-self.context_length // config.page_size)
         self.step_memory = StepMemory(self.shape, config.max_prefill_tokens,
                                       config.max_running_requests,
                                       graph_batch if use_graphs else 0,
-                                      self.graph_kv_pages if use_graphs else 0)
+                                      graph_batch * self.pages_per_context if use_graphs else 0)
         kv_tokens = self._kv_cache_tokens()
         self.req_to_token_pool = ReqToTokenPool(rows, self.context_length, self.device)
         try:
@@ -175,6 +174,7 @@ class ModelRunner:
         except torch.OutOfMemoryError:
             raise MemoryError(f"the KV cache ({kv_tokens} tokens) did not fit on {self.device}: "
                               f"lower kv_cache_tokens or mem_fraction") from None
+        # Padded decode lanes write slot 0 (the pool's padding page) and read row 0's first slot.
         self.padding = Padding(row=0, slot=0)
         self.decode_graphs: DecodeGraphs | None = None
         if use_graphs:
@@ -200,8 +200,7 @@ class ModelRunner:
         """Capture (or, with an eager `capture`, prepare) the decode steps of `sizes`; decode
         batches up to `max(sizes)` then run through them."""
         max_batch = max(sizes)
-        self.attn_backend.init_cuda_graph(max_batch, max_batch * -(-self.context_length
-                                                                   // self.config.page_size))
+        self.attn_backend.init_cuda_graph(max_batch, max_batch * self.pages_per_context)
         inputs = StaticDecodeInputs(max_batch, self.spec.hidden_size, self.dtype, self.device)
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         template = ForwardBatch(ForwardMode.DECODE, empty, empty, empty, empty, empty, [], [],
@@ -225,6 +224,10 @@ class ModelRunner:
         log.info("captured %d decode CUDA graphs (batch sizes %s..%s) in %.1f s using %.2f GiB "
                  "(%.2f GiB reserved)", len(sizes), sizes[0], sizes[-1], graphs.capture_seconds,
                  used / GIB, self.step_memory.graph_bytes / GIB)
+
+    @property
+    def pages_per_context(self) -> int:
+        return -(-self.context_length // self.config.page_size)
 
     @property
     def vocab_size(self) -> int:
