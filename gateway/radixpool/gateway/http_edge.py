@@ -192,6 +192,9 @@ class EdgeServer:
                 await respond.send_error(500, f"internal gateway error: {exc!r}")
         finally:
             gone.cancel()
+            # Granian ends a stream when its transport object is released, not when the handler
+            # returns: drop it here, whatever still refers to the Responder (a traceback, ...)
+            respond._stream = None
 
     async def _read_body(self, headers: dict[bytes, bytes], proto,
                          respond: Responder) -> bytes | None:

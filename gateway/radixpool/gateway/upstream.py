@@ -149,7 +149,7 @@ class _Connection(asyncio.Protocol):
             if self.done:
                 return None
             if isinstance(self._error, UpstreamTimeout):
-                raise self._error
+                raise UpstreamTimeout(str(self._error))  # fresh: no traceback kept on the conn
             if self._error is not None:
                 raise UpstreamError(f"worker connection broke mid-response: {self._error}")
             self._waiter = asyncio.get_running_loop().create_future()
