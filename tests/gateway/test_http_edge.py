@@ -12,6 +12,7 @@ import time
 
 import httptools
 import httpx
+import pytest
 
 from radixpool.gateway.config import GatewayConfig
 from radixpool.gateway.server import GatewayServer
@@ -209,3 +210,23 @@ def test_livez_is_200_without_workers_while_health_is_503(make_stack):
     stack = make_stack(0, api_key="secret")
     assert stack.client.get("/livez").status_code == 200   # no key needed: it is a probe
     assert stack.client.get("/health").status_code == 503
+
+
+def test_an_oversized_chunked_body_gets_an_openai_style_413(make_stack):
+    stack = make_stack(1, max_body_bytes=10_000)
+
+    def chunks():
+        for _ in range(10):
+            yield b"x" * 4096
+
+    r = stack.client.post("/v1/completions", content=chunks())
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == "request_too_large"
+    assert stack.fleet.workers[0].requests == 0
+
+
+def test_edge_limits_are_validated_naming_the_field():
+    for field, value in (("max_header_bytes", 100), ("header_read_timeout", 0),
+                         ("upstream_timeout", -1), ("max_route_prompt_chars", 0)):
+        with pytest.raises(ValueError, match=field):
+            GatewayConfig(**{field: value})
