@@ -170,3 +170,35 @@ def test_killing_a_real_worker_mid_run_loses_no_request(gateway, real_workers):
                         max_retries=0)
     served = {ask(sdk, 9, i).http_response.headers["x-radixpool-worker"] for i in range(4)}
     assert urls[1] not in served
+
+
+def aborted_on(url: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith('radixpool_requests_total{finish_reason="abort"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_aborts_its_request_on_the_real_worker(gateway, real_workers,
+                                                                    stream):
+    server = gateway(policy="round_robin")
+    urls = real_workers[1]
+    before = {url: aborted_on(url) for url in urls}
+    body = {"model": "tiny", "prompt": "the cache", "max_tokens": 1800, "ignore_eos": True,
+            "stream": stream}
+    url = f"http://127.0.0.1:{server.port}/v1/completions"
+    with httpx.Client(timeout=1.0) as c:
+        if stream:   # read a few events, then hang up
+            with c.stream("POST", url, json=body) as r:
+                for i, _ in enumerate(r.iter_lines()):
+                    if i == 4:
+                        break
+        else:        # the answer never comes within the client's patience
+            with pytest.raises(httpx.TimeoutException):
+                c.post(url, json=body)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and all(aborted_on(u) == before[u] for u in urls):
+        time.sleep(0.1)
+    assert any(aborted_on(u) == before[u] + 1 for u in urls)   # the worker stopped generating
+    assert all(w.inflight == 0 for w in server.gateway.workers)

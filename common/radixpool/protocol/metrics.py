@@ -131,11 +131,16 @@ GW_TREE_CORRECTIONS = MetricSpec(
     "radixpool_gateway_tree_corrections_total", "counter",
     "Times a worker's tree was corrected from ground truth, by source (cached_tokens, "
     "instance_id, kv_resync).", ("worker", "source"))
+GW_UPSTREAM_TIMEOUTS = MetricSpec(
+    "radixpool_gateway_upstream_timeouts_total", "counter",
+    "Requests cut because the worker sent no headers or did not finish within its deadline.",
+    ("worker",))
 
 GATEWAY_METRICS: tuple[MetricSpec, ...] = (
     GW_REQUESTS, GW_ROUTE_DECISIONS, GW_INFLIGHT, GW_WORKER_HEALTHY, GW_PROMPT_TOKENS,
     GW_CACHED_TOKENS, GW_PREDICTED_CACHED_TOKENS, GW_TREE_TOKENS, GW_RETRIES,
     GW_REQUEST_DURATION, GW_TIME_TO_FIRST_TOKEN, GW_HIT_RATE, GW_TREE_CORRECTIONS,
+    GW_UPSTREAM_TIMEOUTS,
 )
 
 ALL_METRICS: tuple[MetricSpec, ...] = WORKER_METRICS + GATEWAY_METRICS

@@ -1,6 +1,6 @@
 """Who may call what on the gateway: the client key and the admin key, compared in constant time.
 
-- `/health` and `/metrics` are open (probes and Prometheus).
+- `/health`, `/livez` and `/metrics` are open (probes and Prometheus).
 - Changing the worker set (`POST` / `DELETE /workers`) needs the admin key. Without an admin key
   configured it is refused to everyone: the client key never changes the worker set, in static
   mode or with discovery.
@@ -16,7 +16,7 @@ import hmac
 
 from radixpool.gateway.api_keys import ADMIN_KEY_ENV
 
-OPEN_PATHS = ("/health", "/metrics")
+OPEN_PATHS = ("/health", "/livez", "/metrics")
 READ_METHODS = ("GET", "HEAD")
 
 Denial = tuple[int, str, str]   # status, message, error code

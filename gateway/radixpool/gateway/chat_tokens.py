@@ -35,6 +35,15 @@ VERIFY_FIRST = 16
 VERIFY_EVERY = 256
 
 
+def encode_releasing_gil(tokenizer: PromptTokenizer, text: str,
+                         add_special_tokens: bool) -> np.ndarray:
+    """`tokenizer.encode`, but through `encode_batch`, the call of the `tokenizers` library that
+    releases the GIL (`encode` holds it: half a second for 250k characters, during which no
+    other thread, the event loop's included, runs). For use off the event loop's thread."""
+    batch = tokenizer.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+    return as_token_array(batch[0].ids)
+
+
 class ChatEncoder:
     def __init__(self, tokenizer: PromptTokenizer) -> None:
         self.tokenizer = tokenizer
@@ -50,7 +59,26 @@ class ChatEncoder:
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     **kwargs: Any) -> np.ndarray:
         """The prompt's token ids (uint64), exactly as the worker's tokenizer makes them."""
+        return self._encode_text(self.tokenizer.render_chat(messages, add_generation_prompt,
+                                                            **kwargs))
+
+    def encode_chat_prefix(self, messages: list[dict], add_generation_prompt: bool,
+                           max_chars: int, use_cache: bool, **kwargs: Any
+                           ) -> tuple[np.ndarray, bool]:
+        """Token ids of at most the first `max_chars` characters of the rendered prompt, and
+        whether it was cut (then the last ids may differ from the whole prompt's). Without
+        `use_cache` the prompt is encoded whole, never touching the piece cache, and without
+        holding the GIL (for a thread off the event loop)."""
         text = self.tokenizer.render_chat(messages, add_generation_prompt, **kwargs)
+        cut = len(text) > max_chars
+        if not use_cache:
+            return encode_releasing_gil(self.tokenizer, text[:max_chars], False), cut
+        if cut:
+            return as_token_array(self.tokenizer.encode(text[:max_chars],
+                                                        add_special_tokens=False)), cut
+        return self._encode_text(text), False
+
+    def _encode_text(self, text: str) -> np.ndarray:
         if not self.piecewise:
             return as_token_array(self.tokenizer.encode(text, add_special_tokens=False))
         ids = self._encode_pieces(text)

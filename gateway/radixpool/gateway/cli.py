@@ -78,7 +78,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help=f"deprecated, visible in the process list: use ${CLIENT_KEY_ENV}")
     s.add_argument("--worker-api-key", default=None,
                    help=f"deprecated, visible in the process list: use ${WORKER_KEY_ENV}")
-    s.add_argument("--max-body-bytes", type=int, default=D.max_body_bytes)
+    s.add_argument("--max-body-bytes", type=int, default=D.max_body_bytes,
+                   help="request bodies above this get 413")
     s.add_argument("--health-interval", type=float, default=D.health_interval, help="seconds")
     s.add_argument("--health-timeout", type=float, default=D.health_timeout, help="seconds")
     s.add_argument("--health-failures", type=int, default=D.health_failures,
@@ -94,6 +95,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--connect-timeout", type=float, default=D.connect_timeout, help="seconds")
     s.add_argument("--log-level", default=D.log_level,
                    choices=("debug", "info", "warning", "error"))
+    e = p.add_argument_group("limits and timeouts (the HTTP edge)")
+    e.add_argument("--header-read-timeout", type=float, default=D.header_read_timeout,
+                   help="seconds to receive a request's headers; idle keep-alive connections "
+                        "close after it too")
+    e.add_argument("--max-header-bytes", type=int, default=D.max_header_bytes,
+                   help="request line + headers above this get 431")
+    e.add_argument("--body-read-timeout", type=float, default=D.body_read_timeout,
+                   help="seconds to receive a request's body (408 after)")
+    e.add_argument("--upstream-first-byte-timeout", type=float,
+                   default=D.upstream_first_byte_timeout,
+                   help="seconds a worker may take to send its response headers (504 after)")
+    e.add_argument("--upstream-timeout", type=float, default=D.upstream_timeout,
+                   help="seconds a worker may take for a whole response (504, or the stream "
+                        "is cut)")
+    e.add_argument("--max-route-prompt-chars", type=int, default=D.max_route_prompt_chars,
+                   help="the router tokenizes and hashes at most this prefix of a prompt")
     p.set_defaults(func=_gateway)
 
     sim = subparsers.add_parser(
@@ -131,7 +148,12 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.e
         breaker_failures=args.breaker_failures, breaker_open_seconds=args.breaker_open_seconds,
         max_retries=args.max_retries, connect_timeout=args.connect_timeout,
         kv_events=args.kv_events, tree_capacity_tokens=args.tree_capacity_tokens,
-        text_block_bytes=args.text_block_bytes, log_level=args.log_level)
+        text_block_bytes=args.text_block_bytes, log_level=args.log_level,
+        header_read_timeout=args.header_read_timeout, max_header_bytes=args.max_header_bytes,
+        body_read_timeout=args.body_read_timeout,
+        upstream_first_byte_timeout=args.upstream_first_byte_timeout,
+        upstream_timeout=args.upstream_timeout,
+        max_route_prompt_chars=args.max_route_prompt_chars)
     if config.api_key and not config.worker_api_key:
         warnings.append(f"the gateway presents the client key to workers; set ${WORKER_KEY_ENV} "
                         "to the workers' control key so clients cannot reach their control "

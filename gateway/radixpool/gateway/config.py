@@ -59,6 +59,13 @@ class GatewayConfig:
     tree_capacity_tokens: int = 1 << 20
     text_block_bytes: int = 64
     log_level: str = "info"
+    # the HTTP edge: limits and deadlines (seconds)
+    header_read_timeout: float = 10.0   # also closes idle keep-alive connections (hyper's timer)
+    max_header_bytes: int = 64 * 1024
+    body_read_timeout: float = 30.0
+    upstream_first_byte_timeout: float = 300.0
+    upstream_timeout: float = 1800.0
+    max_route_prompt_chars: int = 256 * 1024  # the router tokenizes and hashes this prefix only
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -92,6 +99,12 @@ class GatewayConfig:
         _check(self.connect_timeout > 0, "connect_timeout", "> 0")
         _check(self.tree_capacity_tokens > 0, "tree_capacity_tokens", "> 0")
         _check(self.text_block_bytes > 0, "text_block_bytes", "> 0")
+        _check(self.header_read_timeout >= 0.001, "header_read_timeout", ">= 0.001")
+        _check(self.max_header_bytes >= 8192, "max_header_bytes", ">= 8192")
+        _check(self.body_read_timeout > 0, "body_read_timeout", "> 0")
+        _check(self.upstream_first_byte_timeout > 0, "upstream_first_byte_timeout", "> 0")
+        _check(self.upstream_timeout > 0, "upstream_timeout", "> 0")
+        _check(self.max_route_prompt_chars > 0, "max_route_prompt_chars", "> 0")
 
     @property
     def upstream_key(self) -> str | None:

@@ -1,10 +1,12 @@
-"""A lean HTTP/1.1 server on asyncio + httptools: the gateway's (and the simulated worker's) front.
+"""The simulated workers' HTTP/1.1 server (test and benchmark support), on asyncio + httptools.
 
-Why not an ASGI stack: the gateway's budget is a fraction of a millisecond per request, and a
-framework round trip alone costs about that. This server parses with httptools, keeps connections
-alive, sets TCP_NODELAY (so streamed events leave at once instead of waiting on Nagle), answers
-requests on one connection in order, enforces a body-size limit while the body arrives (413
-before it is all read), and hands the application a `Request` and a `Responder`:
+The gateway no longer runs on it: it is served by Granian (`http_edge`), which enforces the
+timeouts and limits this one lacks (no header timeout, no header cap, pipelined requests read
+ahead without bound). The simulated workers keep it because a test can cut every connection at
+once (`HttpProtocol.abort`: a crashed worker, as clients see it); it should move out of the
+product package with them. It parses with httptools, keeps connections alive, sets TCP_NODELAY,
+answers requests on one connection in order, and hands the application a `Request` and a
+`Responder`:
 
     async def app(request: Request, respond: Responder) -> None
 
@@ -15,7 +17,6 @@ chunked encoding, one chunk per `write`, honouring the transport's flow control.
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -23,7 +24,12 @@ from http import HTTPStatus
 
 import httptools
 
-Headers = list[tuple[bytes, bytes]]
+from radixpool.gateway.http_edge import Headers, error_body, json_body
+from radixpool.gateway.upstream import set_nodelay
+
+__all__ = ["Headers", "HttpProtocol", "Request", "Responder", "bound_port", "error_body",
+           "json_body", "serve"]
+
 App = Callable[["Request", "Responder"], Awaitable[None]]
 
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
@@ -40,23 +46,6 @@ class Request:
         self.headers = headers
         self.body = body
         self.keep_alive = keep_alive
-
-
-def set_nodelay(transport: asyncio.BaseTransport) -> None:
-    sock = transport.get_extra_info("socket")
-    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-def json_body(status: int, doc: object) -> tuple[int, Headers, bytes]:
-    return status, [(b"content-type", b"application/json")], json.dumps(doc).encode()
-
-
-def error_body(status: int, message: str, code: str | None = None) -> tuple[int, Headers, bytes]:
-    """An OpenAI-style error document."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return json_body(status, {"error": {"message": message, "type": kind,
-                                        "code": code or HTTPStatus(status).phrase}})
 
 
 class Responder:

@@ -55,6 +55,7 @@ class GatewayMetrics:
         self.cached: dict[tuple[str], int] = defaultdict(int)
         self.predicted: dict[tuple[str], int] = defaultdict(int)
         self.corrections: dict[tuple[str, str], int] = defaultdict(int)
+        self.timeouts: dict[tuple[str], int] = defaultdict(int)
         self.retries = 0
         self.duration = _Histogram()
         self.ttft = _Histogram()
@@ -84,6 +85,9 @@ class GatewayMetrics:
     def corrected(self, worker: str, source: str) -> None:
         self.corrections[worker, source] += 1
 
+    def upstream_timeout(self, worker: str) -> None:
+        self.timeouts[worker,] += 1
+
     # --- the scrape ---------------------------------------------------------------------------
     def render(self, workers: WorkerSet, index: PrefixIndex) -> bytes:
         self._state = (workers, index)
@@ -96,6 +100,7 @@ class GatewayMetrics:
         yield _counter(spec.GW_CACHED_TOKENS, self.cached)
         yield _counter(spec.GW_PREDICTED_CACHED_TOKENS, self.predicted)
         yield _counter(spec.GW_TREE_CORRECTIONS, self.corrections)
+        yield _counter(spec.GW_UPSTREAM_TIMEOUTS, self.timeouts)
         yield _counter(spec.GW_RETRIES, {(): self.retries})
         yield self.duration.family(spec.GW_REQUEST_DURATION)
         yield self.ttft.family(spec.GW_TIME_TO_FIRST_TOKEN)

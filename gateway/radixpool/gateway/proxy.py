@@ -10,21 +10,31 @@ worker is undone. The worker's own status and error body pass through unchanged 
 Streams ask the worker for `stream_options.include_usage` so every answer reports
 `cached_tokens`; the added usage event is stripped when the client did not ask for it. The report
 feeds the metrics and the tree correction (`feedback.first_missing_block` → `trim_through`).
+
+Deadlines: a worker that sends no headers within `upstream_first_byte_timeout`, or does not finish
+within `upstream_timeout`, is cut: 504 (or, mid-stream, a last error event), counted in
+`radixpool_gateway_upstream_timeouts_total`, and its breaker records a failure. A client that
+leaves cancels its handler (see `http_edge`): the worker connection closes on the way out, the
+worker aborts the request, and the in-flight count drops. A large body is parsed and its route
+key built on a thread (`tokenizers` releases the GIL), over at most `max_route_prompt_chars` of
+the prompt, so one huge prompt never holds up the small ones.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import json
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 from radixpool.gateway import admin
 from radixpool.gateway.access import AccessPolicy
 from radixpool.gateway.config import GatewayConfig
 from radixpool.gateway.feedback import is_usage_only_event, learn, usage_in
-from radixpool.gateway.http_server import Headers, Request, Responder, error_body
+from radixpool.gateway.http_edge import Headers, Request, Responder, error_body
 from radixpool.gateway.metrics import GatewayMetrics
 from radixpool.gateway.policies import CacheAware, Candidate, Decision, make_policy
 from radixpool.gateway.prefix_index import PrefixIndex
@@ -35,17 +45,26 @@ from radixpool.gateway.route_key import (
     KeyBuilder,
     RouteKey,
 )
-from radixpool.gateway.upstream import HOP_BY_HOP, UpstreamError, UpstreamPool, UpstreamResponse
+from radixpool.gateway.upstream import (
+    HOP_BY_HOP,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
 from radixpool.gateway.workers import Worker, WorkerSet
 from radixpool.tokenization import PromptTokenizer
 
+OFFLOAD_BODY_BYTES = 64 * 1024  # larger bodies are parsed and keyed off the event loop
 
 class Gateway:
     def __init__(self, config: GatewayConfig, tokenizer: PromptTokenizer | None = None,
                  block_size: int | None = None) -> None:
         self.config = config
         self.index = PrefixIndex()
-        self.keys = KeyBuilder(config.text_block_bytes, config.prefix_token_count)
+        self.keys = KeyBuilder(config.text_block_bytes, config.prefix_token_count,
+                               config.max_route_prompt_chars)
+        self._key_threads = ThreadPoolExecutor(2, thread_name_prefix="route-key")
         if tokenizer is not None:
             self.keys.use_tokenizer(tokenizer, block_size)
         self.workers = WorkerSet(config, self.index, self.keys)
@@ -99,6 +118,8 @@ class Gateway:
                 await respond.send_error(405, f"{path} accepts POST, not {method}")
             else:
                 await self.proxy(request, respond)
+        elif path == "/livez":  # the process serves; workers do not matter here
+            await respond.send(200, [(b"content-type", b"application/json")], b'{"status":"ok"}')
         elif path == "/health":
             ready = len(self.workers.eligible(self.clock()))
             await respond.send(*admin.health_body(ready, len(self.workers)))
@@ -133,14 +154,14 @@ class Gateway:
     async def proxy(self, request: Request, respond: Responder) -> None:
         started = time.perf_counter()
         try:
-            doc = json.loads(request.body)
+            if len(request.body) <= OFFLOAD_BODY_BYTES:
+                doc, key = self._parse(request.path, request.body, True)
+            else:
+                doc, key = await asyncio.get_running_loop().run_in_executor(
+                    self._key_threads, self._parse, request.path, request.body, False)
         except (ValueError, UnicodeDecodeError) as exc:
-            await respond.send_error(400, f"malformed JSON body: {exc}")
-            return
-        try:
-            key = self.keys.build(request.path, doc)
-        except BadRequest as exc:
-            await respond.send_error(400, str(exc))
+            await respond.send_error(400, str(exc) if isinstance(exc, BadRequest)
+                                     else f"malformed JSON body: {exc}")
             return
         body, strip_usage = request.body, False
         if doc.get("stream") is True and request.path != "/generate":
@@ -164,6 +185,10 @@ class Gateway:
             await self._relay(worker, decision, key, upstream, respond, strip_usage, started)
         finally:
             worker.inflight -= 1
+
+    def _parse(self, path: str, body: bytes, on_loop: bool) -> tuple[dict, RouteKey]:
+        doc = json.loads(body)
+        return doc, self.keys.build(path, doc, shared_caches=on_loop)
 
     async def _dispatch(self, path: str, headers: Headers, body: bytes, key: RouteKey
                         ) -> tuple[Worker, Decision, UpstreamResponse] | tuple[int, str]:
@@ -189,11 +214,21 @@ class Gateway:
             worker.inflight += 1
             worker.breaker.dispatched(now)
             try:
-                upstream = await self.pool(worker).request("POST", path, headers, body)
+                upstream = await self.pool(worker).request(
+                    "POST", path, headers, body, self.config.upstream_first_byte_timeout,
+                    self.config.upstream_timeout)
+            except UpstreamTimeout as exc:  # a hung worker: no retry (it may still be working)
+                worker.inflight -= 1
+                self._timed_out(worker)
+                self.policy.failed(decision, key)
+                return 504, f"worker {worker.url} timed out: {exc}"
             except UpstreamError as exc:
                 worker.inflight -= 1
                 worker.breaker.record_failure("connect_error", self.clock())
                 errors.append(f"{worker.url}: {exc}")
+            except BaseException:  # the client left while the worker was being asked
+                worker.inflight -= 1
+                raise
             else:
                 if upstream.status != 503 or attempt == self.config.max_retries:
                     return worker, decision, upstream
@@ -227,20 +262,26 @@ class Gateway:
             else:
                 await respond.start(status, headers)
                 usage, ttfb = await self._relay_events(upstream, respond, strip_usage, started)
-                await respond.end()
-        except UpstreamError:
-            worker.breaker.record_failure("cut", self.clock())
+        except UpstreamError as exc:
+            timed_out = isinstance(exc, UpstreamTimeout)
+            if timed_out:
+                self._timed_out(worker)
+            else:
+                worker.breaker.record_failure("cut", self.clock())
             upstream.release()
+            code = 504 if timed_out else 502
             if not respond.started:
-                await respond.send_error(502, f"worker {worker.url} failed before answering")
+                await respond.send_error(code, f"worker {worker.url} failed before answering: "
+                                               f"{exc}")
             else:
                 # A cut stream: one last event says why (the openai SDK raises it as an APIError
-                # instead of a bare "Connection error"), then the connection closes without the
-                # final chunk, so even a client that ignores the event learns it is short.
-                await respond.write(_cut_stream_event(worker.url))
-                respond.keep_alive = False
-            self.metrics.answered(worker.url, 502, time.perf_counter() - started, ttfb)
+                # instead of a bare "Connection error"), and no [DONE] follows.
+                await respond.write(_cut_stream_event(worker.url, exc))
+            self.metrics.answered(worker.url, code, time.perf_counter() - started, ttfb)
             return
+        except asyncio.CancelledError:  # the client left: the worker connection closes below
+            self.metrics.answered(worker.url, 499, time.perf_counter() - started, ttfb)
+            raise
         finally:
             upstream.release()
         if status < 500:
@@ -287,14 +328,20 @@ class Gateway:
             headers.append((b"x-request-id", b"%s-%x" % (_ID_PREFIX, next(_REQUEST_IDS))))
         return headers
 
+    def _timed_out(self, worker: Worker) -> None:
+        worker.breaker.record_failure("timeout", self.clock())
+        self.metrics.upstream_timeout(worker.url)
+
     def _learn(self, worker: Worker, decision: Decision, key: RouteKey, prompt: int,
                cached: int | None) -> None:
         learn(worker, self.index, self.metrics, decision, key, prompt, cached, self.predicts)
 
 
-def _cut_stream_event(worker_url: str) -> bytes:
-    error = {"message": f"worker {worker_url} failed mid-stream; the answer is incomplete",
-             "type": "server_error", "code": "worker_failed"}
+def _cut_stream_event(worker_url: str, exc: UpstreamError) -> bytes:
+    timed_out = isinstance(exc, UpstreamTimeout)
+    error = {"message": f"worker {worker_url} {'timed out' if timed_out else 'failed'} "
+                        f"mid-stream ({exc}); the answer is incomplete",
+             "type": "server_error", "code": "worker_timeout" if timed_out else "worker_failed"}
     return b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
 
 

@@ -7,6 +7,10 @@ events speak the same hashes. Without a tokenizer (or when the template rejects 
 the worker will answer the 4xx), the prompt's UTF-8 bytes are hashed in `text_block_bytes` blocks.
 `cache_salt` is the hash namespace, as on the worker. The body is validated here: a malformed
 request gets a 400 that names the field, before any worker sees it.
+
+Only the first `max_prompt_chars` characters (or token ids) of a prompt are tokenized and hashed:
+a longer prompt routes on that prefix (its tokens near the cut may differ from the whole
+prompt's, so the last block is dropped), and its length is estimated for load balancing.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from radixpool.gateway.chat_tokens import ChatEncoder
+from radixpool.gateway.chat_tokens import ChatEncoder, encode_releasing_gil
 from radixpool.protocol.kv_blocks import DEFAULT_BLOCK_SIZE, as_token_array, prefix_block_hashes
 from radixpool.tokenization import PromptTokenizer
 
@@ -32,7 +36,7 @@ class BadRequest(ValueError):
 class RouteKey:
     hashes: list[int]   # chained block hashes of the whole blocks of the prompt
     block_units: int    # tokens (exact) or bytes (text) per block
-    units: int          # prompt length in tokens (exact) or bytes (text)
+    units: int          # prompt length in tokens (exact) or bytes (text); estimated when cut
     exact: bool
     model: str | None
     prefix_key: int     # digest of the first `prefix_token_count` units (prefix_hash policy)
@@ -43,9 +47,11 @@ class RouteKey:
 
 
 class KeyBuilder:
-    def __init__(self, text_block_bytes: int, prefix_token_count: int) -> None:
+    def __init__(self, text_block_bytes: int, prefix_token_count: int,
+                 max_prompt_chars: int = 256 * 1024) -> None:
         self.text_block_bytes = text_block_bytes
         self.prefix_token_count = prefix_token_count
+        self.max_prompt_chars = max_prompt_chars
         self.tokenizer: PromptTokenizer | None = None
         self.chat: ChatEncoder | None = None
         self.block_size = DEFAULT_BLOCK_SIZE
@@ -59,7 +65,10 @@ class KeyBuilder:
         self.block_size = block_size or DEFAULT_BLOCK_SIZE
         self.block_size_known = block_size is not None
 
-    def build(self, path: str, doc: object) -> RouteKey:
+    def build(self, path: str, doc: object, shared_caches: bool = True) -> RouteKey:
+        """The route key of a request body; `shared_caches=False` when called off the event
+        loop's thread: the chat piece cache (not thread-safe) is left alone and tokenization
+        releases the GIL."""
         if not isinstance(doc, dict):
             raise BadRequest("request body must be a JSON object")
         model = doc.get("model")
@@ -69,11 +78,11 @@ class KeyBuilder:
         if salt is not None and not isinstance(salt, str):
             raise BadRequest("'cache_salt' must be a string")
         if path == "/v1/chat/completions":
-            return self._chat(doc, model, salt)
+            return self._chat(doc, model, salt, shared_caches)
         if path == "/v1/completions":
             if "prompt" not in doc:
                 raise BadRequest("'prompt' is required")
-            return self._prompt(doc["prompt"], "prompt", model, salt)
+            return self._prompt(doc["prompt"], "prompt", model, salt, shared_caches)
         ids = doc.get("input_ids")
         if ids is not None:
             if isinstance(ids, list) and ids and isinstance(ids[0], list):
@@ -81,9 +90,10 @@ class KeyBuilder:
             return self._ids(ids, "input_ids", model, salt)
         if "text" not in doc:
             raise BadRequest("'text' or 'input_ids' is required")
-        return self._prompt(doc["text"], "text", model, salt)
+        return self._prompt(doc["text"], "text", model, salt, shared_caches)
 
-    def _chat(self, doc: dict, model: str | None, salt: str | None) -> RouteKey:
+    def _chat(self, doc: dict, model: str | None, salt: str | None,
+              shared_caches: bool) -> RouteKey:
         messages = doc.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("'messages' must be a non-empty array")
@@ -93,20 +103,29 @@ class KeyBuilder:
         if self.chat is not None:
             kwargs = doc.get("chat_template_kwargs")
             try:
-                ids = self.chat.encode_chat(messages, doc.get("add_generation_prompt", True) is not
-                                            False, **(kwargs if isinstance(kwargs, dict) else {}))
+                ids, cut = self.chat.encode_chat_prefix(
+                    messages, doc.get("add_generation_prompt", True) is not False,
+                    self.max_prompt_chars, shared_caches,
+                    **(kwargs if isinstance(kwargs, dict) else {}))
             except Exception:  # the worker will answer with its own 4xx; route on text meanwhile
                 ids = None
             if ids is not None:
-                return self._token_key(ids, model, salt)
+                return self._token_key(ids, model, salt, cut)
         text = "".join(f"{m['role']}\n{_content_text(m.get('content'))}\n" for m in messages)
         return self._text_key(text, model, salt)
 
-    def _prompt(self, prompt: object, field: str, model: str | None, salt: str | None) -> RouteKey:
+    def _prompt(self, prompt: object, field: str, model: str | None, salt: str | None,
+                on_loop: bool) -> RouteKey:
         prompt = _first(prompt, field)
         if isinstance(prompt, str):
             if self.tokenizer is not None:
-                return self._token_key(as_token_array(self.tokenizer.encode(prompt)), model, salt)
+                head = prompt[: self.max_prompt_chars]
+                ids = as_token_array(self.tokenizer.encode(head)) if on_loop else \
+                    encode_releasing_gil(self.tokenizer, head, True)
+                key = self._token_key(ids, model, salt, len(head) < len(prompt))
+                if len(head) < len(prompt):
+                    key.units = key.units * len(prompt) // len(head)
+                return key
             return self._text_key(prompt, model, salt)
         return self._ids(prompt, field, model, salt)
 
@@ -114,22 +133,30 @@ class KeyBuilder:
         if not isinstance(ids, list) or not ids:
             raise BadRequest(f"'{field}' must be a non-empty array of token ids")
         try:
-            tokens = as_token_array(ids)
+            tokens = as_token_array(ids[: self.max_prompt_chars])
         except (TypeError, OverflowError) as exc:
             raise BadRequest(f"'{field}' must hold integer token ids") from exc
-        return self._token_key(tokens, model, salt)
+        key = self._token_key(tokens, model, salt)
+        key.units = len(ids)
+        return key
 
-    def _token_key(self, tokens: np.ndarray, model: str | None, salt: str | None) -> RouteKey:
+    def _token_key(self, tokens: np.ndarray, model: str | None, salt: str | None,
+                   cut: bool = False) -> RouteKey:
+        units = len(tokens)
+        if cut:  # ids next to the cut may differ from the whole prompt's: route on whole blocks
+            tokens = tokens[: max(0, len(tokens) - self.block_size)]
         hashes = prefix_block_hashes(tokens, self.block_size, salt).tolist()
         head = tokens[: self.prefix_token_count].tobytes()
-        return RouteKey(hashes, self.block_size, len(tokens), True, model, _digest(head, salt))
+        return RouteKey(hashes, self.block_size, units, True, model, _digest(head, salt))
 
     def _text_key(self, text: str, model: str | None, salt: str | None) -> RouteKey:
-        data = text.encode("utf-8", "surrogatepass")
+        head = text[: self.max_prompt_chars]
+        data = head.encode("utf-8", "surrogatepass")
         units = np.frombuffer(data, dtype=np.uint8).astype(np.uint64)
         hashes = prefix_block_hashes(units, self.text_block_bytes, salt).tolist()
-        head = data[: self.prefix_token_count * BYTES_PER_TOKEN]
-        return RouteKey(hashes, self.text_block_bytes, len(data), False, model, _digest(head, salt))
+        digest = _digest(data[: self.prefix_token_count * BYTES_PER_TOKEN], salt)
+        length = len(data) + len(text) - len(head)  # bytes, estimated past the cut
+        return RouteKey(hashes, self.text_block_bytes, length, False, model, digest)
 
 
 def _first(value: object, field: str) -> object:

@@ -1,4 +1,4 @@
-"""Assembling and running the gateway: the app, its HTTP server, the monitors, discovery.
+"""Assembling and running the gateway: the app, its HTTP edge (Granian), the monitors, discovery.
 
 `GatewayServer` is used the same way by the CLI (`run`, blocking, uvloop, stops on SIGTERM/SIGINT
 after in-flight requests finish) and by tests and benchmarks (`await start()` / `await stop()`
@@ -10,11 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import socket
 import threading
 
 from radixpool.gateway.config import GatewayConfig
-from radixpool.gateway.http_server import bound_port, serve
+from radixpool.gateway.http_edge import EdgeLimits, EdgeServer
 from radixpool.gateway.monitor import Monitor
 from radixpool.gateway.proxy import Gateway
 from radixpool.tokenization import PromptTokenizer
@@ -29,15 +28,15 @@ class GatewayServer:
         self.config = config
         self.gateway = Gateway(config, tokenizer)
         self.monitor: Monitor | None = None
-        self.server: asyncio.Server | None = None
+        self.server: EdgeServer | None = None
         self._discovery_stop: threading.Event | None = None
 
     @property
     def port(self) -> int:
         assert self.server is not None
-        return bound_port(self.server)
+        return self.server.port
 
-    async def start(self, sock: socket.socket | None = None) -> None:
+    async def start(self) -> None:
         self.monitor = Monitor(self.gateway.workers, self.gateway.fetch, self.gateway.metrics)
         self.monitor.start()
         if self.config.k8s_service:
@@ -46,18 +45,21 @@ class GatewayServer:
             self._discovery_stop = start_watch(self.config.k8s_service, self.config.namespace,
                                                self.config.k8s_port_name,
                                                self.gateway.workers.reconcile)
-        self.server = await serve(self.gateway, self.config.host, self.config.port,
-                                  self.config.max_body_bytes, sock)
+        cfg = self.config
+        self.server = EdgeServer(self.gateway, cfg.host, cfg.port, EdgeLimits(
+            header_read_timeout=cfg.header_read_timeout, max_header_bytes=cfg.max_header_bytes,
+            max_body_bytes=cfg.max_body_bytes, body_read_timeout=cfg.body_read_timeout))
+        await self.server.start()
 
     async def stop(self, drain_seconds: float = 0.0) -> None:
-        if self.server is not None:
-            self.server.close()
         if self._discovery_stop is not None:
             self._discovery_stop.set()
         deadline = asyncio.get_running_loop().time() + drain_seconds
         while (any(w.inflight for w in self.gateway.workers)
                and asyncio.get_running_loop().time() < deadline):
             await asyncio.sleep(0.05)
+        if self.server is not None:
+            await self.server.stop()
         if self.monitor is not None:
             await self.monitor.stop()
         for pool in self.gateway.pools.values():

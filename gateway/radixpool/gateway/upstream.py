@@ -8,16 +8,23 @@ the worker allowed keep-alive; anything else closes it. TCP_NODELAY is set on ev
 Every failure to talk to the worker is an `UpstreamError`; before the response headers it is
 safe for the proxy to retry elsewhere. A pooled connection the worker closed while idle is
 retried on a fresh one (that race is the ordinary end of a keep-alive, not a worker failure).
+
+Deadlines are timers on the connection, not a task per request: `first_byte_timeout` until the
+response headers, `total_timeout` until the last byte. Either one closing the connection makes
+the pending call raise `UpstreamTimeout`, and the worker sees the close (and aborts the request).
+A call cancelled from outside (a health check's own timeout, a client that left) closes its
+connection too: it never returns to the pool half-read, and it is never left open.
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections import deque
 
 import httptools
 
-from radixpool.gateway.http_server import Headers, set_nodelay
+Headers = list[tuple[bytes, bytes]]
 
 # Not forwarded in either direction: hop-by-hop headers, framing the proxy redoes itself, and
 # `expect` (the gateway already answered the client's 100-continue and sends the body at once).
@@ -27,6 +34,16 @@ HOP_BY_HOP = frozenset((b"connection", b"keep-alive", b"transfer-encoding", b"co
 
 class UpstreamError(ConnectionError):
     """The worker could not be reached, or the connection broke or spoke garbage."""
+
+
+class UpstreamTimeout(UpstreamError):
+    """The worker sent no response headers, or did not finish, within its deadline."""
+
+
+def set_nodelay(transport: asyncio.BaseTransport) -> None:
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 class _Connection(asyncio.Protocol):
@@ -43,6 +60,8 @@ class _Connection(asyncio.Protocol):
         self._headers_ready: asyncio.Future | None = None
         self._waiter: asyncio.Future | None = None
         self._error: Exception | None = None
+        self._first_byte_timer: asyncio.TimerHandle | None = None
+        self._total_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -66,6 +85,8 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
+        if self._first_byte_timer is not None:
+            self._first_byte_timer.cancel()
         if self._headers_ready is not None and not self._headers_ready.done():
             self._headers_ready.set_result(None)
 
@@ -76,6 +97,7 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         self.keep_alive = self.parser.should_keep_alive()  # only valid inside the callback
         self.done = True
+        self._disarm()
         self._wake()
 
     def _wake(self) -> None:
@@ -83,26 +105,51 @@ class _Connection(asyncio.Protocol):
             self._waiter.set_result(None)
 
     def _fail(self, exc: Exception) -> None:
-        self._error = exc
+        if self._error is None:  # the first cause wins (a timeout, not the close it caused)
+            self._error = exc
+        exc = self._error
         if self._headers_ready is not None and not self._headers_ready.done():
             self._headers_ready.set_exception(exc)
         self._wake()
 
-    def begin(self, data: bytes) -> asyncio.Future:
+    def begin(self, data: bytes, first_byte_timeout: float | None,
+              total_timeout: float | None) -> asyncio.Future:
         self.parser = httptools.HttpResponseParser(self)
         self.status, self.headers, self.done, self.got_bytes = 0, [], False, False
         self.keep_alive = False
         self.chunks.clear()
         self._error = None
-        self._headers_ready = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        self._headers_ready = loop.create_future()
+        if first_byte_timeout is not None:
+            self._first_byte_timer = loop.call_later(
+                first_byte_timeout, self._expire,
+                f"no response headers within {first_byte_timeout:g} s")
+        if total_timeout is not None:
+            self._total_timer = loop.call_later(
+                total_timeout, self._expire, f"response not finished within {total_timeout:g} s")
         assert self.transport is not None
         self.transport.write(data)
         return self._headers_ready
+
+    def _expire(self, message: str) -> None:
+        self._fail(UpstreamTimeout(message))
+        self.close()
+
+    def _disarm(self) -> None:
+        if self._first_byte_timer is not None:
+            self._first_byte_timer.cancel()
+            self._first_byte_timer = None
+        if self._total_timer is not None:
+            self._total_timer.cancel()
+            self._total_timer = None
 
     async def read(self) -> bytes | None:
         while not self.chunks:
             if self.done:
                 return None
+            if isinstance(self._error, UpstreamTimeout):
+                raise UpstreamTimeout(str(self._error))  # fresh: no traceback kept on the conn
             if self._error is not None:
                 raise UpstreamError(f"worker connection broke mid-response: {self._error}")
             self._waiter = asyncio.get_running_loop().create_future()
@@ -115,6 +162,7 @@ class _Connection(asyncio.Protocol):
 
     def close(self) -> None:
         self.closed = True
+        self._disarm()
         if self.transport is not None:
             self.transport.close()
 
@@ -136,8 +184,12 @@ class UpstreamResponse:
 
     async def read(self) -> bytes | None:
         """The next body chunk as it arrived, or None at the end (the connection is then
-        returned to the pool)."""
-        chunk = await self._conn.read()
+        returned to the pool). Any failure or cancellation closes the connection."""
+        try:
+            chunk = await self._conn.read()
+        except BaseException:
+            self.release()
+            raise
         if chunk is None:
             self.release()
         return chunk
@@ -200,27 +252,36 @@ class UpstreamPool:
         return b"".join(lines)
 
     async def request(self, method: str, path: str, headers: Headers = (),
-                      body: bytes = b"", timeout: float | None = None) -> UpstreamResponse:
+                      body: bytes = b"", first_byte_timeout: float | None = None,
+                      total_timeout: float | None = None) -> UpstreamResponse:
         data = self.encode(method, path, list(headers), body)
+        deadlines = first_byte_timeout, total_timeout
         while self._idle:
             conn = self._idle.pop()
             if conn.closed:
                 continue
             try:
-                return await self._exchange(conn, data, timeout)
+                return await self._exchange(conn, data, *deadlines)
+            except UpstreamTimeout:
+                raise
             except UpstreamError as exc:
                 if conn.got_bytes:  # the worker answered garbage: not an idle-close race
                     raise exc
-        return await self._exchange(await self._connect(), data, timeout)
+        return await self._exchange(await self._connect(), data, *deadlines)
 
-    async def _exchange(self, conn: _Connection, data: bytes,
-                        timeout: float | None) -> UpstreamResponse:
+    async def _exchange(self, conn: _Connection, data: bytes, first_byte_timeout: float | None,
+                        total_timeout: float | None) -> UpstreamResponse:
         try:
             if conn.closed:
                 raise ConnectionResetError("connection already closed")
-            ready = conn.begin(data)
-            await (ready if timeout is None else asyncio.wait_for(ready, timeout))
-        except (OSError, asyncio.TimeoutError, httptools.HttpParserError) as exc:
+            await conn.begin(data, first_byte_timeout, total_timeout)
+        except UpstreamTimeout:
+            conn.close()
+            raise
+        except (OSError, httptools.HttpParserError) as exc:
             conn.close()
             raise UpstreamError(f"no response from {self.host}:{self.port}: {exc!r}") from exc
+        except BaseException:  # cancelled while waiting: the connection must not linger
+            conn.close()
+            raise
         return UpstreamResponse(self, conn)

@@ -1,0 +1,232 @@
+"""The gateway's HTTP edge under clients that misbehave: slow-loris, huge headers and bodies,
+pipelining, a huge prompt among small requests, and `/livez`. Raw sockets on loopback against a
+real gateway (Granian), with simulated workers where a worker matters."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+
+import httptools
+import httpx
+import pytest
+
+from radixpool.gateway.config import GatewayConfig
+from radixpool.gateway.server import GatewayServer
+from radixpool.gateway.simcache import sim_tokenizer_files
+from radixpool.tokenization import PromptTokenizer
+from tests.gateway.conftest import words
+
+
+def connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def read_until_closed(sock: socket.socket, seconds: float = 10.0) -> bytes:
+    sock.settimeout(seconds)
+    got = b""
+    try:
+        while chunk := sock.recv(65536):
+            got += chunk
+    except (ConnectionResetError, TimeoutError):
+        pass
+    return got
+
+
+class Responses:
+    """Parses a byte stream of HTTP/1.1 responses (1xx included) into (status, body) pairs."""
+
+    def __init__(self, data: bytes) -> None:
+        self.messages: list[tuple[int, bytes]] = []
+        self._body = b""
+        self.parser = httptools.HttpResponseParser(self)
+        self.parser.feed_data(data)
+
+    def on_message_begin(self) -> None:
+        self._body = b""
+
+    def on_body(self, body: bytes) -> None:
+        self._body += body
+
+    def on_message_complete(self) -> None:
+        self.messages.append((self.parser.get_status_code(), self._body))
+
+
+def completion(stream: bool = False, extra: bytes = b"") -> bytes:
+    body = json.dumps({"prompt": words(0, 8), "max_tokens": 3, "stream": stream}).encode()
+    return (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"%scontent-length: %d\r\n\r\n%s" % (extra, len(body), body))
+
+
+def test_slow_loris_connections_are_closed_after_the_header_timeout(make_stack):
+    stack = make_stack(1, header_read_timeout=1.0)
+    conns = [connect(stack.url) for _ in range(30)]
+    for c in conns:
+        c.sendall(b"POST /v1/completions HT")   # half a request line, then nothing
+    assert stack.client.get("/livez").status_code == 200  # others are still served
+    started = time.monotonic()
+    closed = [read_until_closed(c, 10.0) == b"" for c in conns]
+    assert all(closed) and time.monotonic() - started < 8.0
+    for c in conns:
+        c.close()
+
+
+def test_an_idle_keep_alive_connection_is_closed_after_the_timeout(make_stack):
+    stack = make_stack(1, header_read_timeout=1.0)
+    with connect(stack.url) as c:
+        c.sendall(b"GET /livez HTTP/1.1\r\nhost: x\r\n\r\n")
+        started = time.monotonic()
+        got = read_until_closed(c, 10.0)
+    assert got.startswith(b"HTTP/1.1 200") and time.monotonic() - started < 8.0
+
+
+def test_a_1_mib_header_gets_431_and_never_reaches_a_worker(make_stack):
+    stack = make_stack(1)
+    with connect(stack.url) as c:
+        head = completion().replace(b"host: x\r\n", b"host: x\r\nx-big: " + b"a" * (1 << 20)
+                                    + b"\r\n")
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            c.sendall(head)   # closed on us before we finished: also a refusal
+        got = read_until_closed(c)
+    assert got == b"" or got.startswith(b"HTTP/1.1 431")
+    assert stack.fleet.workers[0].requests == 0
+
+
+def test_a_pipelined_expect_100_continue_stays_out_of_the_previous_stream(make_stack):
+    stack = make_stack(1)
+    with connect(stack.url) as c:
+        c.sendall(completion(stream=True)
+                  + completion(extra=b"expect: 100-continue\r\nconnection: close\r\n"))
+        messages = Responses(read_until_closed(c)).messages
+    statuses = [status for status, _ in messages]
+    assert statuses in ([200, 100, 200], [200, 200])
+    stream = messages[0][1]
+    assert stream.endswith(b"data: [DONE]\n\n") and b"HTTP/1.1" not in stream
+    assert json.loads(messages[-1][1])["choices"][0]["text"]
+
+
+def test_a_pipelined_malformed_request_leaves_the_previous_answer_intact(make_stack):
+    stack = make_stack(1)
+    with connect(stack.url) as c:
+        c.sendall(completion() + b"GARBAGE \x00\x01 NOT HTTP\r\n\r\n")
+        messages = Responses(read_until_closed(c)).messages
+    assert messages[0][0] == 200
+    assert json.loads(messages[0][1])["usage"]["prompt_tokens"] == 8
+    assert [status for status, _ in messages[1:]] in ([], [400])
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def test_many_pipelined_large_bodies_keep_memory_bounded(make_stack):
+    stack = make_stack(1)
+    body = json.dumps({"prompt": words(0, 8), "max_tokens": 1, "user": "u" * (1 << 20)}).encode()
+    one = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%s"
+           % (len(body), body))
+    count = 120
+    baseline, peak = rss_bytes(), [0]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], rss_bytes())
+            time.sleep(0.01)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    with connect(stack.url) as c:
+        def send_all() -> None:
+            for _ in range(count):
+                c.sendall(one)
+
+        sender = threading.Thread(target=send_all, daemon=True)
+        sender.start()
+        got, answered = b"", 0
+        c.settimeout(60)
+        while answered < count:
+            chunk = c.recv(1 << 20)
+            assert chunk, f"the gateway closed the connection after {answered}: {got[-300:]!r}"
+            got += chunk
+            answered = got.count(b"HTTP/1.1 200")
+        sender.join(60)
+    done.set()
+    sampler.join()
+    # 120 MiB went through; the old server buffered every pipelined request (+200 MiB for 200)
+    assert peak[0] - baseline < 60 << 20
+
+
+def test_a_huge_prompt_does_not_hold_up_small_requests(loop_thread):
+    server = GatewayServer(GatewayConfig(host="127.0.0.1", port=0),
+                           PromptTokenizer(sim_tokenizer_files()))
+    loop_thread.run(server.start())
+    url = f"http://127.0.0.1:{server.port}"
+    try:
+        prompt = " ".join(f"w{i % 4096}" for i in range(700_000))   # ~4 MB, 700k tokens
+        big_done: list[float] = []
+        small_times: list[tuple[float, float]] = []
+
+        def big() -> None:
+            with httpx.Client(timeout=120) as c:
+                c.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+            big_done.append(time.monotonic())
+
+        probe = httpx.Client(base_url=url, timeout=120)   # made before: clients cost GIL time
+        probe.get("/health")
+
+        def small() -> None:
+            started = time.monotonic()
+            probe.get("/health")
+            small_times.append((started, time.monotonic()))
+
+        big_thread = threading.Thread(target=big)
+        big_thread.start()
+        time.sleep(0.3)   # the big body is in and being keyed
+        smalls = [threading.Thread(target=small) for _ in range(20)]
+        for t in smalls:
+            t.start()
+        for t in smalls:
+            t.join(120)
+        big_thread.join(120)
+        assert len(small_times) == 20 and big_done
+        # loose bounds: small requests never wait for the huge prompt's tokenization (seconds
+        # on the event loop before: 11 s for this prompt with the simulated tokenizer)
+        assert max(end - start for start, end in small_times) < 5.0
+        assert max(end for _, end in small_times) <= big_done[0]
+        probe.close()
+    finally:
+        loop_thread.run(server.stop())
+
+
+def test_livez_is_200_without_workers_while_health_is_503(make_stack):
+    stack = make_stack(0, api_key="secret")
+    assert stack.client.get("/livez").status_code == 200   # no key needed: it is a probe
+    assert stack.client.get("/health").status_code == 503
+
+
+def test_an_oversized_chunked_body_gets_an_openai_style_413(make_stack):
+    stack = make_stack(1, max_body_bytes=10_000)
+
+    def chunks():
+        for _ in range(10):
+            yield b"x" * 4096
+
+    r = stack.client.post("/v1/completions", content=chunks())
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == "request_too_large"
+    assert stack.fleet.workers[0].requests == 0
+
+
+def test_edge_limits_are_validated_naming_the_field():
+    for field, value in (("max_header_bytes", 100), ("header_read_timeout", 0),
+                         ("upstream_timeout", -1), ("max_route_prompt_chars", 0)):
+        with pytest.raises(ValueError, match=field):
+            GatewayConfig(**{field: value})

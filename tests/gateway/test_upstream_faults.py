@@ -1,0 +1,125 @@
+"""The gateway against workers that hang and clients that leave: upstream deadlines (504, counted,
+the breaker told), cancellation of the worker's request when its client goes, and health checks
+that time out without leaking connections."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from typing import ClassVar
+
+import httpx
+import pytest
+
+from radixpool.gateway.config import GatewayConfig
+from radixpool.gateway.server import GatewayServer
+from radixpool.gateway.simworker import SimConfig
+from tests.gateway.conftest import words
+
+
+def wait_for(condition, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+def leave_early(url: str, body: dict, after: float) -> None:
+    """Send `body` and hang up after `after` seconds without reading the answer."""
+    with pytest.raises(httpx.TimeoutException), httpx.Client(timeout=after) as c:
+        if body.get("stream"):
+            with c.stream("POST", url + "/v1/completions", json=body) as r:
+                for _ in r.iter_bytes():
+                    pass
+        else:
+            c.post(url + "/v1/completions", json=body)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_cancels_the_workers_request(make_stack, stream):
+    # non-streamed: 60 tokens of 100 ms; streamed: a prefill of 6 s before any byte (the old
+    # gateway only noticed a gone client when the worker's next chunk arrived)
+    sim = SimConfig(decode_ms_per_token=100.0) if not stream else \
+        SimConfig(prefill_us_per_token=200_000.0)
+    stack = make_stack(1, sim=sim)
+    worker = stack.fleet.workers[0]
+    thread = threading.Thread(target=leave_early, args=(
+        stack.url, {"prompt": words(0, 30), "max_tokens": 60, "stream": stream}, 1.0))
+    thread.start()
+    assert wait_for(lambda: stack.gateway.workers.get(worker.url).inflight == 1, 5)
+    in_flight_connections = len(worker.connections)
+    thread.join(10)
+    # the gateway closed its connection to the worker (which aborts there) and let go
+    assert wait_for(lambda: stack.gateway.workers.get(worker.url).inflight == 0, 3)
+    assert wait_for(lambda: len(worker.connections) < in_flight_connections, 3)
+
+
+def test_a_hung_worker_is_cut_by_the_first_byte_timeout(make_stack):
+    stack = make_stack(1, sim=SimConfig(prefill_us_per_token=1_000_000.0),
+                       upstream_first_byte_timeout=0.5, breaker_failures=1)
+    url = stack.fleet.urls[0]
+    started = time.monotonic()
+    r = stack.client.post("/v1/completions", json={"prompt": words(0, 8), "max_tokens": 1})
+    assert r.status_code == 504 and time.monotonic() - started < 5
+    assert r.json()["error"]["type"] == "server_error" and "timed out" in r.json()["error"][
+        "message"]
+    stack.settle()
+    assert stack.gateway.workers.get(url).inflight == 0
+    assert f'radixpool_gateway_upstream_timeouts_total{{worker="{url}"}} 1.0' in \
+        stack.client.get("/metrics").text
+    row = next(w for w in stack.client.get("/workers").json()["workers"] if w["url"] == url)
+    assert row["circuit_breaker"] == "open"   # the breaker learned of it
+
+
+def test_a_stream_past_the_whole_request_timeout_is_cut_with_an_error_event(make_stack):
+    stack = make_stack(1, sim=SimConfig(decode_ms_per_token=100.0), upstream_timeout=1.0)
+    started = time.monotonic()
+    with stack.client.stream("POST", "/v1/completions", json={
+            "prompt": words(0, 8), "max_tokens": 60, "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert time.monotonic() - started < 5
+    assert "data: [DONE]" not in lines
+    assert json.loads(lines[-1][6:])["error"]["code"] == "worker_timeout"
+    assert stack.gateway.workers.get(stack.fleet.urls[0]).inflight == 0
+
+
+class StallingWorker(asyncio.Protocol):
+    """Answers every request with headers and the first byte of a 100-byte body, then stalls."""
+
+    open: ClassVar[set[StallingWorker]] = set()
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        StallingWorker.open.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                             b"content-length: 100\r\n\r\n{")
+
+    def connection_lost(self, exc) -> None:
+        StallingWorker.open.discard(self)
+
+
+def test_health_checks_that_time_out_mid_body_leave_no_connection_open(loop_thread):
+    async def listen():
+        return await asyncio.get_running_loop().create_server(StallingWorker, "127.0.0.1", 0)
+
+    listener = loop_thread.run(listen())
+    port = listener.sockets[0].getsockname()[1]
+    server = GatewayServer(GatewayConfig(worker_urls=(f"http://127.0.0.1:{port}",),
+                                         host="127.0.0.1", port=0, health_interval=3600.0,
+                                         health_timeout=0.2))
+    loop_thread.run(server.start())
+    try:
+        worker = next(iter(server.gateway.workers))
+        for _ in range(5):
+            loop_thread.run(server.monitor.check(worker))
+        # every timed-out check closed its connection (before: one leaked per check)
+        assert wait_for(lambda: len(StallingWorker.open) == 0, 3), len(StallingWorker.open)
+    finally:
+        loop_thread.run(server.stop())
+        loop_thread.call(listener.close)
