@@ -171,37 +171,34 @@ def test_a_huge_prompt_does_not_hold_up_small_requests(loop_thread):
     url = f"http://127.0.0.1:{server.port}"
     try:
         prompt = " ".join(f"w{i % 4096}" for i in range(700_000))   # ~4 MB, 700k tokens
-        big_done: list[float] = []
-        small_times: list[tuple[float, float]] = []
-
-        def big() -> None:
-            with httpx.Client(timeout=120) as c:
-                c.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1})
-            big_done.append(time.monotonic())
-
+        latencies: list[float] = []
+        done = threading.Event()
         probe = httpx.Client(base_url=url, timeout=120)   # made before: clients cost GIL time
         probe.get("/health")
 
-        def small() -> None:
-            started = time.monotonic()
-            probe.get("/health")
-            small_times.append((started, time.monotonic()))
+        def small_requests() -> None:
+            while not done.is_set():
+                started = time.monotonic()
+                probe.get("/health")
+                latencies.append(time.monotonic() - started)
 
-        big_thread = threading.Thread(target=big)
-        big_thread.start()
-        time.sleep(0.3)   # the big body is in and being keyed
-        smalls = [threading.Thread(target=small) for _ in range(20)]
-        for t in smalls:
-            t.start()
-        for t in smalls:
-            t.join(120)
-        big_thread.join(120)
-        assert len(small_times) == 20 and big_done
-        # loose bounds: small requests never wait for the huge prompt's tokenization (seconds
-        # on the event loop before: 11 s for this prompt with the simulated tokenizer)
-        assert max(end - start for start, end in small_times) < 5.0
-        assert max(end for _, end in small_times) <= big_done[0]
+        smalls = threading.Thread(target=small_requests)
+        smalls.start()
+        time.sleep(0.2)
+        body = json.dumps({"prompt": prompt, "max_tokens": 1}).encode()
+        with httpx.Client(timeout=120) as c:
+            started = time.monotonic()
+            c.post(url + "/v1/completions", content=body)
+            big_latency = time.monotonic() - started
+        done.set()
+        smalls.join(120)
         probe.close()
+        # small requests kept flowing while the huge prompt was in the gateway; before, its
+        # tokenization held the event loop, so a small request waited about as long as the big
+        # one took (2-11 s here, with the load). A loose bound, relative to the big request:
+        # the test process shares its GIL with the gateway.
+        assert len(latencies) >= 5
+        assert max(latencies) < 0.5 * big_latency, (max(latencies), big_latency)
     finally:
         loop_thread.run(server.stop())
 

@@ -140,38 +140,6 @@ def test_a_flushed_real_worker_is_noticed_and_the_hit_rate_recovers(gateway, loo
     assert recovered.parse().usage.prompt_tokens_details.cached_tokens > 100
 
 
-def test_killing_a_real_worker_mid_run_loses_no_request(gateway, real_workers):
-    server = gateway()
-    procs, urls = real_workers
-    statuses: list[int] = []
-    errors: list[str] = []
-
-    def client(t: int) -> None:
-        sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x",
-                            max_retries=0)
-        for i in range(4):
-            try:
-                ask(sdk, t, i)
-                statuses.append(200)
-            except openai.OpenAIError as exc:
-                errors.append(repr(exc))
-
-    threads = [threading.Thread(target=client, args=(t,)) for t in range(4)]
-    for t in threads:
-        t.start()
-    while len(statuses) + len(errors) < 4:
-        time.sleep(0.01)
-    os.kill(procs[1].pid, signal.SIGKILL)
-    procs[1].wait(10)
-    for t in threads:
-        t.join(120)
-    assert errors == [] and len(statuses) == 16
-    sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x",
-                        max_retries=0)
-    served = {ask(sdk, 9, i).http_response.headers["x-radixpool-worker"] for i in range(4)}
-    assert urls[1] not in served
-
-
 def aborted_on(url: str) -> float:
     for line in httpx.get(url + "/metrics").text.splitlines():
         if line.startswith('radixpool_requests_total{finish_reason="abort"}'):
@@ -202,3 +170,35 @@ def test_a_client_that_leaves_aborts_its_request_on_the_real_worker(gateway, rea
         time.sleep(0.1)
     assert any(aborted_on(u) == before[u] + 1 for u in urls)   # the worker stopped generating
     assert all(w.inflight == 0 for w in server.gateway.workers)
+
+
+def test_killing_a_real_worker_mid_run_loses_no_request(gateway, real_workers):
+    server = gateway()
+    procs, urls = real_workers
+    statuses: list[int] = []
+    errors: list[str] = []
+
+    def client(t: int) -> None:
+        sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x",
+                            max_retries=0)
+        for i in range(4):
+            try:
+                ask(sdk, t, i)
+                statuses.append(200)
+            except openai.OpenAIError as exc:
+                errors.append(repr(exc))
+
+    threads = [threading.Thread(target=client, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    while len(statuses) + len(errors) < 4:
+        time.sleep(0.01)
+    os.kill(procs[1].pid, signal.SIGKILL)
+    procs[1].wait(10)
+    for t in threads:
+        t.join(120)
+    assert errors == [] and len(statuses) == 16
+    sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x",
+                        max_retries=0)
+    served = {ask(sdk, 9, i).http_response.headers["x-radixpool-worker"] for i in range(4)}
+    assert urls[1] not in served
