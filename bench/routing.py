@@ -194,7 +194,11 @@ def pct(values: list[float], q: float) -> float:
 # --- quality --------------------------------------------------------------------------------------
 def quality_run(n: int, workload: str, policy: str, args: argparse.Namespace) -> str:
     fleet, urls = spawn_fleet(n, args)
-    gateway, port = spawn_gateway(urls, policy, args.gateway_arg)
+    try:
+        gateway, port = spawn_gateway(urls, policy, args.gateway_arg)
+    except BaseException:
+        stop(fleet)
+        raise
     try:
         wl = Workload(workload, n)
 
