@@ -41,7 +41,10 @@ def test_resource_identity_scale_and_printer_columns():
         "specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
         "labelSelectorPath": ".status.selector"}
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
-    assert columns["Model"] == ".status.model" and columns["Ready"] == ".status.ready"
+    assert columns["Model"] == ".status.model" and columns["Workers"] == ".status.ready"
+    # `kubectl get llmpool` tells a rejected pool from one still starting.
+    assert columns["Accepted"] == '.status.conditions[?(@.type=="Accepted")].status'
+    assert columns["Ready"] == '.status.conditions[?(@.type=="Ready")].status'
     assert columns["Policy"] == ".spec.gateway.policy"
     assert columns["Age"] == ".metadata.creationTimestamp"
 

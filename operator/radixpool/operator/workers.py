@@ -4,8 +4,9 @@ Worker pods are built to survive real operations:
 - startup probe on `/health` with a budget of `startupTimeoutSeconds`, so a 100 GB model can load;
 - readiness on `/health`, which turns 503 while loading or draining: the pod leaves the
   EndpointSlice and the gateway stops sending it work;
-- liveness is a TCP check: a worker busy with a long prefill answers HTTP slowly but its socket
-  accepts, so it is never killed for being busy; a dead process still is;
+- liveness on `/livez`, 200 while the engine core is alive (a dead engine core behind a live HTTP
+  server is restarted); it does not depend on load, and a generous timeout and threshold keep a
+  worker busy with a long prefill from being killed for answering slowly;
 - on deletion, preStop waits for the EndpointSlice change to reach the gateway, then SIGTERM makes
   the worker drain; the grace period covers both plus the drain timeout;
 - non-root, no privilege escalation, read-only root filesystem: the writable paths (/tmp, caches,
@@ -149,7 +150,7 @@ def _probes() -> dict[str, Any]:
                          "timeoutSeconds": 5},
         "readinessProbe": {"httpGet": health, "periodSeconds": 5, "timeoutSeconds": 3,
                            "failureThreshold": 2, "successThreshold": 1},
-        "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 20,
+        "livenessProbe": {"httpGet": {"path": "/livez", "port": "http"}, "periodSeconds": 20,
                           "timeoutSeconds": 10, "failureThreshold": 6},
     }
 
