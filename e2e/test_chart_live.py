@@ -197,6 +197,14 @@ def make_pods_ready(kube, namespace: str, pool: str) -> int:
     return len(pods.items)
 
 
+def apply_requests() -> float:
+    """Server-side apply requests the API server has answered, from its /metrics."""
+    text = subprocess.run(["kubectl", "--kubeconfig", KUBECONFIG, "get", "--raw", "/metrics"],
+                          check=True, capture_output=True, text=True).stdout
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("apiserver_request_total{") and 'verb="APPLY"' in line)
+
+
 def events_about(kube, namespace: str, pool: str) -> list[Any]:
     return kube.core.list_namespaced_event(
         namespace, field_selector=f"involvedObject.name={pool}").items
@@ -242,6 +250,8 @@ def test_the_operator_as_the_charts_account_creates_pools_in_other_namespaces(
         assert not pool["metadata"].get("finalizers")
         binding = kube.rbac.read_namespaced_role_binding("llm-gateway", namespace)
         assert binding.role_ref.name == "llm-gateway"
+        control = kube.core.read_namespaced_secret("llm-control-key", namespace)
+        assert control.metadata.owner_references[0].uid == pool["metadata"]["uid"]
         assert operator.process.poll() is None, operator.log.read_text()[-3000:]
 
 
@@ -272,9 +282,12 @@ def test_steady_state_writes_nothing(kube, namespaces, operator):
                 found[item.metadata.name + type(item).__name__] = item.metadata.resource_version
         return found
 
-    before = versions()
+    before, applies = versions(), apply_requests()
     time.sleep(RESYNC * 4)  # four timer passes
+    # No object or status written (resourceVersions), and not even a no-op server-side apply
+    # (the API server's own request counter: only the operator applies here).
     assert versions() == before
+    assert apply_requests() == applies
 
 
 def test_drift_including_a_hand_added_env_var_is_put_back(kube, namespaces, operator):

@@ -105,6 +105,12 @@ class FakeCluster:
             else:
                 del node[int(last) if isinstance(node, list) else last]
 
+    def create_once(self, obj: dict[str, Any]) -> None:
+        key = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
+        if key not in self.objects:
+            self.writes.append(("create", obj["kind"], obj["metadata"]["name"]))
+            self.objects[key] = copy.deepcopy(obj)
+
     def delete(self, ref: ObjectRef) -> None:
         self.writes.append(("delete", ref.kind, ref.name))
         self.objects.pop((ref.kind, ref.namespace, ref.name), None)

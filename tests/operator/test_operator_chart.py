@@ -168,10 +168,11 @@ def test_cluster_role_grants_what_the_operator_applies_and_no_wildcards(pool_bod
     role = by_kind(render({}))["ClusterRole"][0]
     granted = grants(role["rules"])
     assert_grants_what_the_operator_does(granted, pool_body)
-    assert ("", "secrets") not in granted  # reading every Secret in the cluster: opt-in only
+    # Reading every Secret in the cluster is opt-in; creating the pools' control keys is not.
+    assert granted[("", "secrets")] == {"create"}
     with_secrets = grants(by_kind(render({"rbac": {"readSecrets": True}}))["ClusterRole"][0][
         "rules"])
-    assert with_secrets[("", "secrets")] == {"get"}
+    assert with_secrets[("", "secrets")] == {"create", "get"}
 
 
 def test_watched_namespaces_get_roles_and_the_cluster_role_keeps_only_cluster_things(pool_body):
@@ -185,7 +186,7 @@ def test_watched_namespaces_get_roles_and_the_cluster_role_keeps_only_cluster_th
     for role in roles:
         granted = grants(role["rules"])
         assert_grants_what_the_operator_does(granted, pool_body)
-        assert granted[("", "secrets")] == {"get"}
+        assert granted[("", "secrets")] == {"create", "get"}
         assert {"get", "list", "watch", "patch"} <= granted[("kopf.dev", "kopfpeerings")]
     bindings = kinds["RoleBinding"]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]

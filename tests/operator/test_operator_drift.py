@@ -30,6 +30,10 @@ def test_holds_ignores_what_the_server_adds_and_sees_what_was_changed():
     assert not holds(want, live)
     assert not holds({"rules": [{"verbs": ["get"]}]}, {"rules": []})
     assert not holds({"a": "true"}, {"a": True}) and not holds({"a": 1}, {})
+    # The API server drops false and empty fields: still as wanted.
+    assert holds({"spec": {"publishNotReadyAddresses": False, "clusterIP": "None"}},
+                 {"spec": {"clusterIP": "None"}})
+    assert not holds({"spec": {"publishNotReadyAddresses": True}}, {"spec": {}})
 
 
 def test_stray_env_patch_removes_only_what_the_pool_does_not_set(pool_body):

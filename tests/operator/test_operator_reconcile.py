@@ -22,8 +22,8 @@ def test_valid_pool_creates_everything_and_reports_it_is_not_ready_yet(cluster, 
     # The RoleBinding is created although its Role did not exist before this pass: without the
     # `bind` verb the API server checks the Role, so it is never dry-run ahead of the Role.
     assert cluster.kinds() == ["Deployment", "Deployment", "PodDisruptionBudget",
-                               "PodDisruptionBudget", "Role", "RoleBinding", "Service", "Service",
-                               "ServiceAccount"]
+                               "PodDisruptionBudget", "Role", "RoleBinding", "Secret", "Service",
+                               "Service", "ServiceAccount"]
     status = outcome.status
     cond = conditions(status)
     assert cond["Accepted"]["status"] == "True"
@@ -161,7 +161,7 @@ def test_steady_state_writes_nothing(cluster, pool_body):
     body = pool_body(replicas=2, engine={"env": [{"name": "A", "value": "1"}],
                                          "resources": {"cpu": "0.5"}})
     first = reconcile_pool(body, cluster, CONFIG, now=T0)
-    assert len(cluster.writes) == 9
+    assert len(cluster.writes) == 10  # 9 objects and the control-key Secret
     # The API server normalizes quantities ("0.5" → "500m"): still the same value.
     worker = cluster.stored("Deployment", "ml", "llama-worker")
     worker["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]["cpu"] = "500m"
@@ -227,12 +227,12 @@ def test_a_pool_is_accepted_where_the_operator_may_not_read_secrets(cluster, poo
 
 def test_refusals_name_the_spec_field_not_the_generated_path(cluster, pool_body):
     cluster.refuse["Deployment"] = (
-        'Deployment.apps "llama-worker" is invalid: spec.template.spec.containers[0].env[6].name:'
+        'Deployment.apps "llama-worker" is invalid: spec.template.spec.containers[0].env[7].name:'
         ' Invalid value: "1BAD": a valid environment variable name must consist of letters')
     body = pool_body(engine={"env": [{"name": "1BAD", "value": "v"}]})
     outcome = reconcile_pool(body, cluster, CONFIG, now=T0)
     message = conditions(outcome.status)["Accepted"]["message"]
-    assert "spec.engine.env[0].name (spec.template.spec.containers[0].env[6].name)" in message
+    assert "spec.engine.env[0].name (spec.template.spec.containers[0].env[7].name)" in message
 
 
 def test_ready_names_the_first_thing_missing(cluster, pool_body):
@@ -242,3 +242,36 @@ def test_ready_names_the_first_thing_missing(cluster, pool_body):
     assert ready["status"] == "False" and ready["reason"] == "WorkersNotReady"
     invalid = reconcile_pool(pool_body(replicas=-1), cluster, CONFIG, now=T0).status
     assert conditions(invalid)["Ready"]["reason"] == "NotAccepted"
+
+
+def test_the_control_key_is_made_once_and_reaches_workers_and_gateway_by_reference(
+        cluster, pool_body):
+    body = pool_body(apiKeySecret={"name": "client-key"})
+    cluster.add("Secret", "ml", "client-key")
+    reconcile_pool(body, cluster, CONFIG)
+    secret = cluster.stored("Secret", "ml", "llama-control-key")
+    key = secret["stringData"]["key"]
+    assert len(key) >= 32 and secret["metadata"]["ownerReferences"][0]["uid"] == "uid-llama"
+    reconcile_pool(body, cluster, CONFIG)
+    assert cluster.stored("Secret", "ml", "llama-control-key")["stringData"]["key"] == key
+
+    def env(deployment: str) -> dict:
+        container = cluster.stored("Deployment", "ml", deployment)["spec"]["template"]["spec"][
+            "containers"][0]
+        assert not any("key" in arg.lower() for arg in container["args"])  # never in argv
+        return {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"]
+                if "valueFrom" in e}
+
+    control = {"name": "llama-control-key", "key": "key"}
+    client = {"name": "client-key", "key": "api-key"}
+    assert env("llama-worker") == {"RADIXPOOL_API_KEY": client,
+                                   "RADIXPOOL_CONTROL_API_KEY": control}
+    assert env("llama-gateway") == {"RADIXPOOL_API_KEY": client,
+                                    "RADIXPOOL_WORKER_API_KEY": control}
+
+
+def test_a_refused_pool_gets_no_control_key(cluster, pool_body):
+    cluster.refuse["Deployment"] = "spec.template.spec.tolerations[0].operator: Unsupported"
+    reconcile_pool(pool_body(engine={"tolerations": [{"key": "k", "operator": "X"}]}), cluster,
+                   CONFIG)
+    assert cluster.objects == {}

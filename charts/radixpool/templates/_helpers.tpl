@@ -79,11 +79,10 @@ app.kubernetes.io/component: operator
   - apiGroups: [""]
     resources: ["persistentvolumeclaims"]
     verbs: ["get"]
-  {{- if .Values.rbac.readSecrets }}
+  # Each pool's control key, made once (an existing one answers 409: no read needed).
   - apiGroups: [""]
     resources: ["secrets"]
-    verbs: ["get"]
-  {{- end }}
+    verbs: ["create"{{ if .Values.rbac.readSecrets }}, "get"{{ end }}]
   - apiGroups: [""]
     resources: ["events"]
     verbs: ["create", "patch"]

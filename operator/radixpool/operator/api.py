@@ -46,6 +46,14 @@ def gateway_pdb_name(pool: str) -> str:
     return f"{pool}-gateway"
 
 
+def control_key_secret_name(pool: str) -> str:
+    """The pool's control key: what the gateway presents to its workers (generated once)."""
+    return f"{pool}-control-key"
+
+
+CONTROL_KEY_FIELD = "key"
+
+
 def network_policy_name(pool: str) -> str:
     return f"{pool}-worker"
 

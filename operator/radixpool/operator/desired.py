@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +86,17 @@ def desired_pdb(pool: Pool) -> dict[str, Any]:
             "selector": {"matchLabels": api.selector_labels(pool.name, "worker")},
         },
     }
+
+
+def control_key_secret(pool: Pool) -> dict[str, Any]:
+    """The pool's control key, random, made once: never re-applied (a new key each pass would
+    restart every pod), so it is not among `desired_objects`; owned by the pool like them."""
+    return owned(pool, {
+        "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+        "metadata": {"name": api.control_key_secret_name(pool.name), "namespace": pool.namespace,
+                     "labels": api.pool_labels(pool.name, "control-key")},
+        "stringData": {api.CONTROL_KEY_FIELD: secrets.token_urlsafe(32)},
+    })
 
 
 def desired_network_policy(pool: Pool, config: OperatorConfig) -> dict[str, Any]:

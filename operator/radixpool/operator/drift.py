@@ -1,8 +1,9 @@
 """Drift: does a live object still hold what the operator wants it to hold?
 
 `holds(desired, live)` is pure and deliberately one-sided: every field the operator sets must be
-in the live object with the same value; fields the API server adds (defaults, status, managed
-fields) or other controllers own are ignored. So an unchanged pool needs no write at all, and only
+in the live object with the same value (or, if false or empty, may be absent: the API server
+drops those); fields the API server adds (defaults, status, managed fields) or other controllers
+own are ignored. So an unchanged pool needs no write at all, and only
 a real change (an edit, a deleted object, a new spec) is applied again.
 
 `stray_env_patch` covers what server-side apply cannot: an env var someone added by hand is owned
@@ -31,6 +32,11 @@ def _same_scalar(want: Any, have: Any) -> bool:
     return False
 
 
+def _omitted(value: Any) -> bool:
+    """The API server drops empty and false fields (`publishNotReadyAddresses: false`, `{}`)."""
+    return value is False or value is None or value in ("", [], {})
+
+
 def _named(items: list[Any]) -> bool:
     return bool(items) and all(isinstance(item, dict) and "name" in item for item in items)
 
@@ -40,7 +46,8 @@ def holds(desired: Any, live: Any) -> bool:
     if isinstance(desired, dict):
         if not isinstance(live, dict):
             return False
-        return all(key in live and holds(value, live[key]) for key, value in desired.items())
+        return all(holds(value, live[key]) if key in live else _omitted(value)
+                   for key, value in desired.items())
     if isinstance(desired, list):
         if not isinstance(live, list):
             return False

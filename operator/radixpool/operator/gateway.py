@@ -16,6 +16,7 @@ from .workers import (
     HOME,
     api_key_env,
     container_security,
+    control_key_env,
     pod_security,
 )
 
@@ -77,9 +78,7 @@ def gateway_args(pool: Pool) -> list[str]:
             "--balance-abs-threshold", str(gw["balanceAbsThreshold"]),
             "--balance-rel-threshold", str(gw["balanceRelThreshold"]),
             "--host", "0.0.0.0", "--port", str(api.GATEWAY_PORT)]
-    if pool.api_key:
-        args += ["--api-key", "$(RADIXPOOL_API_KEY)"]
-    return args
+    return args  # keys come from the environment only: RADIXPOOL_API_KEY, RADIXPOOL_WORKER_API_KEY
 
 
 def desired_gateway_deployment(pool: Pool, image: str) -> dict[str, Any]:
@@ -93,7 +92,8 @@ def desired_gateway_deployment(pool: Pool, image: str) -> dict[str, Any]:
         "imagePullPolicy": gw.get("imagePullPolicy", "IfNotPresent"),
         "command": ["radixpool"], "args": gateway_args(pool),
         "ports": [{"name": "http", "containerPort": api.GATEWAY_PORT, "protocol": "TCP"}],
-        "env": [{"name": "HOME", "value": HOME}, *api_key_env(pool)],
+        "env": [{"name": "HOME", "value": HOME}, *api_key_env(pool),
+                control_key_env(pool, "RADIXPOOL_WORKER_API_KEY")],
         "resources": {
             "requests": {"cpu": str(gw["resources"]["cpu"]),
                          "memory": str(gw["resources"]["memory"])},

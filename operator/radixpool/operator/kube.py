@@ -25,7 +25,7 @@ from kubernetes.dynamic.exceptions import DynamicApiError, NotFoundError, Resour
 from urllib3.exceptions import HTTPError
 
 from . import api
-from .desired import ObjectRef
+from .desired import ObjectRef, ref_of
 from .reconcile import ApiFailure, ObjectRejected
 from .status import Event
 
@@ -78,6 +78,7 @@ class KubeCluster:
         self.extensions = client.ApiextensionsV1Api(api_client)
         self.dynamic = DynamicClient(api_client)
         self._monitors: tuple[float, bool] = (0.0, False)
+        self._created: set[ObjectRef] = set()  # by create_once, in this process
         self.instance = socket.gethostname()
 
     def _resource(self, api_version: str, kind: str) -> Any:
@@ -140,6 +141,19 @@ class KubeCluster:
             self._resource(ref.api_version, ref.kind).patch(
                 name=ref.name, namespace=ref.namespace, body=operations,
                 content_type="application/json-patch+json", field_manager=api.FIELD_MANAGER)
+
+    def create_once(self, obj: dict[str, Any]) -> None:
+        ref = ref_of(obj)
+        if ref in self._created:
+            return
+        with _naming("create", ref.kind, ref.namespace, ref.name):
+            try:
+                self._resource(ref.api_version, ref.kind).create(body=obj,
+                                                                 namespace=ref.namespace)
+            except DynamicApiError as error:
+                if error.status != 409:  # 409: it exists already
+                    raise
+        self._created.add(ref)
 
     def delete(self, ref: ObjectRef) -> None:
         with _naming("delete", ref.kind, ref.namespace, ref.name), \

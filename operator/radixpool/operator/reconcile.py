@@ -17,7 +17,14 @@ from datetime import datetime, timezone
 from typing import Any, Protocol
 
 from . import api
-from .desired import ObjectRef, OperatorConfig, desired_objects, obsolete_objects, ref_of
+from .desired import (
+    ObjectRef,
+    OperatorConfig,
+    control_key_secret,
+    desired_objects,
+    obsolete_objects,
+    ref_of,
+)
 from .drift import holds, stray_env_patch
 from .openapi import FieldError
 from .spec import InvalidPool, Pool, parse_pool
@@ -66,6 +73,10 @@ class Cluster(Protocol):
 
     def patch_json(self, ref: ObjectRef, operations: list[dict[str, Any]]) -> None:
         """Apply a JSON patch to the object."""
+
+    def create_once(self, obj: dict[str, Any]) -> None:
+        """Create `obj` unless it exists; never update it (the pool's generated control key).
+        Needs no read permission: an existing object is a 409 from the API server."""
 
     def delete(self, ref: ObjectRef) -> None:
         """Delete the object if it exists."""
@@ -149,12 +160,14 @@ def _apply(pool: Pool, cluster: Cluster, config: OperatorConfig,
     for obj in objects:
         live[ref_of(obj)] = cluster.get(ref_of(obj))
     changed = [obj for obj in objects if not _holds(obj, live[ref_of(obj)])]
-    if changed:
-        checked = [obj for obj in changed if obj["kind"] not in NOT_DRY_RUN]
-        rejection = _apply_all(checked, cluster, pool, live, dry_run=True) or \
-            _apply_all(changed, cluster, pool, live, dry_run=False)  # admission may change
-        if rejection is not None:
-            return rejection
+    checked = [obj for obj in changed if obj["kind"] not in NOT_DRY_RUN]
+    rejection = _apply_all(checked, cluster, pool, live, dry_run=True)
+    if rejection is not None:
+        return rejection
+    cluster.create_once(control_key_secret(pool))
+    rejection = _apply_all(changed, cluster, pool, live, dry_run=False)  # admission may change
+    if rejection is not None:
+        return rejection
     for obj in objects:
         current = live[ref_of(obj)]
         if obj["kind"] == "Deployment" and current is not None:

@@ -67,13 +67,19 @@ def worker_args(pool: Pool) -> list[str]:
 
 
 def api_key_env(pool: Pool) -> list[dict[str, Any]]:
-    """The API key from its Secret as $RADIXPOOL_API_KEY, which `radixpool worker` reads itself
-    (so the key never shows in the pod spec or the process list); the gateway's args reference
-    it as $(RADIXPOOL_API_KEY)."""
+    """The client API key from its Secret as $RADIXPOOL_API_KEY: workers and gateway read it
+    from the environment themselves, so no key shows in the pod spec or the process list."""
     if not pool.api_key:
         return []
     ref = {"name": pool.api_key.name, "key": pool.api_key.key}
     return [{"name": "RADIXPOOL_API_KEY", "valueFrom": {"secretKeyRef": ref}}]
+
+
+def control_key_env(pool: Pool, variable: str) -> dict[str, Any]:
+    """The pool's control key (its own Secret, made once by the operator) as `variable`:
+    RADIXPOOL_CONTROL_API_KEY in workers, RADIXPOOL_WORKER_API_KEY in the gateway."""
+    return {"name": variable, "valueFrom": {"secretKeyRef": {
+        "name": api.control_key_secret_name(pool.name), "key": api.CONTROL_KEY_FIELD}}}
 
 
 def container_security() -> dict[str, Any]:
@@ -178,7 +184,8 @@ def desired_worker_deployment(pool: Pool, image: str) -> dict[str, Any]:
                 {"name": "TRITON_CACHE_DIR", "value": f"{HOME}/.cache/triton"},
                 {"name": "CUDA_CACHE_PATH", "value": f"{HOME}/.cache/nv"},
                 {"name": "HF_HUB_OFFLINE", "value": "1"},
-                *api_key_env(pool), *engine.get("env", [])],
+                *api_key_env(pool), control_key_env(pool, "RADIXPOOL_CONTROL_API_KEY"),
+                *engine.get("env", [])],
         "resources": _resources(pool),
         "securityContext": container_security(),
         "volumeMounts": mounts,
