@@ -87,3 +87,12 @@ def test_fleet_view_covers_what_operators_watch():
         assert word in titles, word
     worker = boards()["radixpool-worker.json"]
     assert any(v["name"] == "pod" for v in worker["templating"]["list"])
+
+
+def test_workers_up_counts_each_worker_once_whatever_the_gateway_replicas():
+    panel = next(p for p in boards()["radixpool-fleet.json"]["panels"]
+                 if p["title"] == "Workers up")
+    healthy = next(t["expr"] for t in panel["targets"] if "gateway_worker_healthy" in t["expr"])
+    # Each gateway replica exports one series per worker: they are folded per worker first.
+    assert re.fullmatch(r"sum\(max by \(worker\) \(radixpool_gateway_worker_healthy\{.*\}\)\)",
+                        healthy), healthy

@@ -9,8 +9,8 @@ import pytest
 
 from radixpool.operator import api
 from radixpool.operator.desired import ObjectRef
-from radixpool.operator.reconcile import ObjectRejected
-from radixpool.operator.status import Observed
+from radixpool.operator.reconcile import ApiFailure, ObjectRejected
+from radixpool.operator.status import Event
 
 K8S_VERSION = "1.33"
 
@@ -29,35 +29,55 @@ class FakeCluster:
 
     `apply` stores the object as the operator sent it (server-side apply owns every field it
     sets); tests play the kubelet and controllers by editing `status` through `set_ready`.
+    Like the real API server without the `bind` verb, a RoleBinding (even in a dry run) is
+    refused with 404 while the Role it names does not exist (the escalation check reads it).
     """
 
     def __init__(self, *, service_monitors: bool = False):
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
         self.service_monitors = service_monitors
         self.applies = 0
+        self.writes: list[tuple[str, str, str]] = []  # (verb, kind, name) of every write
         self.refuse: dict[str, str] = {}  # kind → the API server's message, on any apply
+        self.fail: dict[str, ApiFailure] = {}  # kind → raised on any apply
+        self.events: list[Event] = []
+        self.secrets_readable = True
 
     def add(self, kind: str, namespace: str, name: str, obj: dict | None = None) -> None:
         self.objects[(kind, namespace, name)] = obj or {"metadata": {"name": name}}
 
-    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+    def stored(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         return self.objects.get((kind, namespace, name))
 
     def kinds(self) -> list[str]:
         return sorted(kind for kind, _, _ in self.objects)
 
-    def exists(self, kind: str, namespace: str, name: str) -> bool:
+    def exists(self, kind: str, namespace: str, name: str) -> bool | None:
+        if kind == "Secret" and not self.secrets_readable:
+            return None
         return (kind, namespace, name) in self.objects
 
     def has_service_monitors(self) -> bool:
         return self.service_monitors
 
-    def apply(self, obj: dict[str, Any], *, dry_run: bool = False) -> None:
+    def get(self, ref: ObjectRef) -> dict[str, Any] | None:
+        return copy.deepcopy(self.objects.get((ref.kind, ref.namespace, ref.name)))
+
+    def apply(self, obj: dict[str, Any], *, dry_run: bool = False) -> dict[str, Any]:
+        meta = obj["metadata"]
+        if obj["kind"] in self.fail:
+            raise self.fail[obj["kind"]]
         if obj["kind"] in self.refuse:
             raise ObjectRejected(self.refuse[obj["kind"]])
+        role = obj.get("roleRef", {}).get("name")
+        if obj["kind"] == "RoleBinding" and not self.exists("Role", meta["namespace"], role):
+            raise ApiFailure("dry-run apply" if dry_run else "apply", "RoleBinding",
+                             meta["namespace"], meta["name"], 404, "Not Found",
+                             f'roles.rbac.authorization.k8s.io "{role}" not found')
         if dry_run:
-            return
+            return copy.deepcopy(obj)
         self.applies += 1
+        self.writes.append(("apply", obj["kind"], meta["name"]))
         key = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
         before = self.objects.get(key)
         stored = copy.deepcopy(obj)
@@ -69,20 +89,39 @@ class FakeCluster:
                 generation += 1
         stored["metadata"]["generation"] = generation
         self.objects[key] = stored
+        return copy.deepcopy(stored)
+
+    def patch_json(self, ref: ObjectRef, operations: list[dict[str, Any]]) -> None:
+        self.writes.append(("patch", ref.kind, ref.name))
+        obj = self.objects[(ref.kind, ref.namespace, ref.name)]
+        for op in operations:
+            *parents, last = op["path"].strip("/").split("/")
+            node = obj
+            for part in parents:
+                node = node[int(part)] if isinstance(node, list) else node[part]
+            target = node[int(last)] if isinstance(node, list) else node[last]
+            if op["op"] == "test":
+                assert target == op["value"], op
+            else:
+                del node[int(last) if isinstance(node, list) else last]
+
+    def create_once(self, obj: dict[str, Any]) -> None:
+        key = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
+        if key not in self.objects:
+            self.writes.append(("create", obj["kind"], obj["metadata"]["name"]))
+            self.objects[key] = copy.deepcopy(obj)
 
     def delete(self, ref: ObjectRef) -> None:
+        self.writes.append(("delete", ref.kind, ref.name))
         self.objects.pop((ref.kind, ref.namespace, ref.name), None)
 
-    def observe(self, namespace: str, pool: str) -> Observed:
-        pods = [obj for (kind, ns, _), obj in self.objects.items()
+    def pods(self, namespace: str, pool: str) -> list[dict[str, Any]]:
+        return [obj for (kind, ns, _), obj in self.objects.items()
                 if kind == "Pod" and ns == namespace
                 and obj["metadata"].get("labels", {}).get(api.POOL_LABEL) == pool]
-        return Observed(
-            worker_deployment=self.get("Deployment", namespace, api.worker_deployment_name(pool)),
-            gateway_deployment=self.get("Deployment", namespace, api.gateway_name(pool)),
-            gateway_service=self.get("Service", namespace, api.gateway_name(pool)),
-            pods=pods,
-        )
+
+    def post_event(self, body: dict[str, Any], event: Event) -> None:
+        self.events.append(event)
 
     def set_ready(self, namespace: str, name: str, ready: int, updated: int | None = None,
                   replicas: int | None = None) -> None:

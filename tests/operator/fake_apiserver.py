@@ -90,6 +90,7 @@ class Store:
         self.version = 0
         self.changed = threading.Condition()
         self.refuse: dict[str, str] = {}  # path → message answered with 422 to any write
+        self.forbid: dict[str, str] = {}  # path → message answered with 403 to any write
 
     def put(self, path: str, obj: dict[str, Any]) -> dict[str, Any]:
         with self.changed:
@@ -240,6 +241,10 @@ class Handler(BaseHTTPRequestHandler):
     def do_PATCH(self) -> None:
         path, query = self._route("PATCH")
         body = self._body()
+        if path in self.store.forbid:
+            return self._send(403, {"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                                    "reason": "Forbidden", "code": 403,
+                                    "message": self.store.forbid[path]})
         if path in self.store.refuse:
             return self._send(422, {"kind": "Status", "apiVersion": "v1", "status": "Failure",
                                     "reason": "Invalid", "code": 422,

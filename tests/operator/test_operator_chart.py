@@ -130,18 +130,23 @@ def test_values_schema_rejects_nonsense_naming_the_value():
                 chart.validate_schema(bad)
 
 
-def test_cluster_role_grants_what_the_operator_applies_and_no_wildcards(pool_body):
-    role = by_kind(render({}))["ClusterRole"][0]
+def grants(rules: list[dict]) -> dict[tuple[str, str], set[str]]:
     granted: dict[tuple[str, str], set[str]] = {}
-    for rule in role["rules"]:
+    for rule in rules:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"]
         for group in rule["apiGroups"]:
             for resource in rule["resources"]:
                 granted.setdefault((group, resource), set()).update(rule["verbs"])
+    return granted
+
+
+def assert_grants_what_the_operator_does(granted, pool_body) -> None:
     plural = {"Deployment": "deployments", "Service": "services",
               "ServiceAccount": "serviceaccounts", "Role": "roles", "RoleBinding": "rolebindings",
-              "PodDisruptionBudget": "poddisruptionbudgets", "ServiceMonitor": "servicemonitors"}
-    objs = desired_objects(parse_pool(pool_body()), OperatorConfig(), service_monitors=True)
+              "PodDisruptionBudget": "poddisruptionbudgets", "ServiceMonitor": "servicemonitors",
+              "NetworkPolicy": "networkpolicies"}
+    objs = desired_objects(parse_pool(pool_body()), OperatorConfig(network_policy=True),
+                           service_monitors=True)
     for obj in objs:
         group = obj["apiVersion"].rpartition("/")[0]
         assert {"create", "patch", "get"} <= granted[(group, plural[obj["kind"]])], obj["kind"]
@@ -149,4 +154,79 @@ def test_cluster_role_grants_what_the_operator_applies_and_no_wildcards(pool_bod
     assert "patch" in granted[(api.GROUP, f"{api.PLURAL}/status")]
     # The operator may grant the gateway only what it holds itself.
     assert {"get", "list", "watch"} <= granted[("discovery.k8s.io", "endpointslices")]
-    assert granted[("", "secrets")] == {"get"}
+    for kind in ("poddisruptionbudgets", "servicemonitors", "networkpolicies"):
+        assert "delete" in granted[(plural_group(kind), kind)]
+    assert {"create"} <= granted[("", "events")] and {"list"} <= granted[("", "pods")]
+
+
+def plural_group(plural: str) -> str:
+    return {"poddisruptionbudgets": "policy", "servicemonitors": "monitoring.coreos.com",
+            "networkpolicies": "networking.k8s.io"}[plural]
+
+
+def test_cluster_role_grants_what_the_operator_applies_and_no_wildcards(pool_body):
+    role = by_kind(render({}))["ClusterRole"][0]
+    granted = grants(role["rules"])
+    assert_grants_what_the_operator_does(granted, pool_body)
+    # Reading every Secret in the cluster is opt-in; creating the pools' control keys is not.
+    assert granted[("", "secrets")] == {"create"}
+    with_secrets = grants(by_kind(render({"rbac": {"readSecrets": True}}))["ClusterRole"][0][
+        "rules"])
+    assert with_secrets[("", "secrets")] == {"create", "get"}
+
+
+def test_watched_namespaces_get_roles_and_the_cluster_role_keeps_only_cluster_things(pool_body):
+    kinds = by_kind(render({"watchNamespaces": ["team-a", "team-b"], "rbac": {
+        "readSecrets": True}}))
+    cluster = grants(kinds["ClusterRole"][0]["rules"])
+    assert set(cluster) == {("apiextensions.k8s.io", "customresourcedefinitions"),
+                            ("", "namespaces")}
+    roles = kinds["Role"]
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    for role in roles:
+        granted = grants(role["rules"])
+        assert_grants_what_the_operator_does(granted, pool_body)
+        assert granted[("", "secrets")] == {"create", "get"}
+        assert {"get", "list", "watch", "patch"} <= granted[("kopf.dev", "kopfpeerings")]
+    bindings = kinds["RoleBinding"]
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+    for binding in bindings:
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                      "name": "rp-radixpool"}
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "rp-radixpool",
+                                        "namespace": "radixpool-system"}]
+
+
+def test_standalone_with_more_than_one_replica_is_refused():
+    with pytest.raises(helm.HelmError, match="replicaCount must be 1"):
+        render({"peering": {"enabled": False}, "replicaCount": 2})
+    deployment = by_kind(render({"peering": {"enabled": False}}))["Deployment"][0]
+    assert "--standalone" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_chart_supports_kubernetes_1_28():
+    with helm.Chart.load(CHART) as chart:
+        assert chart.metadata["kubeVersion"] == ">=1.28.0-0"
+    report = helm.lint(str(CHART), {}, strict=True, kube_version="v1.28.4")
+    assert report["errors"] == []
+
+
+def test_network_policy_is_on_by_default_and_its_peer_reaches_the_operator():
+    env = {e["name"]: e["value"] for e in by_kind(render({}))["Deployment"][0]["spec"][
+        "template"]["spec"]["containers"][0]["env"]}
+    assert env["RADIXPOOL_NETWORK_POLICY"] == "true"
+    assert json.loads(env["RADIXPOOL_PROMETHEUS_PEER"]) == {
+        "namespaceSelector": {}, "podSelector": {"matchLabels": {
+            "app.kubernetes.io/name": "prometheus"}}}
+    off = by_kind(render({"networkPolicy": {"enabled": False}}))["Deployment"][0]
+    env = {e["name"]: e["value"] for e in off["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["RADIXPOOL_NETWORK_POLICY"] == "false"
+
+
+def test_fleet_service_monitor_skips_pools_that_have_their_own(pool_body):
+    monitor = by_kind(render(CUSTOM))["ServiceMonitor"][0]
+    expressions = monitor["spec"]["selector"]["matchExpressions"]
+    assert {"key": api.OWN_MONITOR_LABEL, "operator": "DoesNotExist"} in expressions
+    objs = desired_objects(parse_pool(pool_body()), OperatorConfig(), service_monitors=True)
+    for service in (o for o in objs if o["kind"] == "Service"):
+        assert api.OWN_MONITOR_LABEL in service["metadata"]["labels"]  # so not selected twice

@@ -41,7 +41,10 @@ def test_resource_identity_scale_and_printer_columns():
         "specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
         "labelSelectorPath": ".status.selector"}
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
-    assert columns["Model"] == ".status.model" and columns["Ready"] == ".status.ready"
+    assert columns["Model"] == ".status.model" and columns["Workers"] == ".status.ready"
+    # `kubectl get llmpool` tells a rejected pool from one still starting.
+    assert columns["Accepted"] == '.status.conditions[?(@.type=="Accepted")].status'
+    assert columns["Ready"] == '.status.conditions[?(@.type=="Ready")].status'
     assert columns["Policy"] == ".spec.gateway.policy"
     assert columns["Age"] == ".metadata.creationTimestamp"
 
@@ -164,12 +167,15 @@ def test_autoscaling_examples_target_the_scale_subresource_with_exported_metrics
 
     exported = {series for spec in ALL_METRICS for series in spec.series}
     docs = list(yaml.safe_load_all((REPO / "examples/autoscaling.yaml").read_text()))
-    hpa = next(d for d in docs if d["kind"] == "HorizontalPodAutoscaler")
+    # Only core kinds in the default example: `kubectl apply` works without KEDA.
+    assert [d["apiVersion"] for d in docs] == ["autoscaling/v2"]
+    hpa = docs[0]
     assert_k8s_valid(hpa)
-    for doc in docs:
+    keda = list(yaml.safe_load_all((REPO / "examples/autoscaling-keda.yaml").read_text()))
+    assert [d["kind"] for d in keda] == ["ScaledObject"]
+    for doc in docs + keda:
         target = doc["spec"]["scaleTargetRef"]
         assert (target["apiVersion"], target["kind"]) == (api.API_VERSION, api.KIND)
     assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] in exported
-    keda = next(d for d in docs if d["kind"] == "ScaledObject")
-    query = keda["spec"]["triggers"][0]["metadata"]["query"]
+    query = keda[0]["spec"]["triggers"][0]["metadata"]["query"]
     assert query.split("(", 1)[1].split("{", 1)[0] in exported

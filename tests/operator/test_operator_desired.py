@@ -35,7 +35,8 @@ def worker_container(objs: dict, name: str = "llama") -> dict:
 def test_default_pool_owns_exactly_the_documented_objects(pool_body):
     assert sorted(objects_of(pool_body())) == [
         "Deployment/llama-gateway", "Deployment/llama-worker",
-        "PodDisruptionBudget/llama-worker", "Role/llama-gateway", "RoleBinding/llama-gateway",
+        "PodDisruptionBudget/llama-gateway", "PodDisruptionBudget/llama-worker",
+        "Role/llama-gateway", "RoleBinding/llama-gateway",
         "Service/llama-gateway", "Service/llama-workers", "ServiceAccount/llama-gateway",
     ]
     assert "ServiceMonitor/llama" in objects_of(pool_body(), service_monitors=True)
@@ -83,7 +84,9 @@ def test_worker_pod_is_hardened_probed_and_drains(pool_body):
     startup = container["startupProbe"]
     assert startup["httpGet"]["path"] == "/health"
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 1200
-    assert "tcpSocket" in container["livenessProbe"]  # a busy worker is never killed
+    # Liveness asks whether the engine core is alive (/livez), not whether the socket accepts.
+    assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "http"}
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
     assert container["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
     assert pod["terminationGracePeriodSeconds"] > 90
     assert container["args"][container["args"].index("--drain-timeout") + 1] == "90"
@@ -134,10 +137,7 @@ def test_api_key_comes_from_the_secret_never_inline(pool_body):
         container = objs[f"Deployment/{deployment}"]["spec"]["template"]["spec"]["containers"][0]
         key = next(e for e in container["env"] if e["name"] == "RADIXPOOL_API_KEY")
         assert key["valueFrom"] == {"secretKeyRef": {"name": "key", "key": "token"}}
-        assert "--api-key" not in container["args"] or (
-            container["args"][container["args"].index("--api-key") + 1] == "$(RADIXPOOL_API_KEY)")
-    worker = objs["Deployment/llama-worker"]["spec"]["template"]["spec"]["containers"][0]
-    assert "--api-key" not in worker["args"]  # the worker reads $RADIXPOOL_API_KEY itself
+        assert "--api-key" not in container["args"]  # read from the environment, never argv
 
 
 def test_hf_model_is_downloaded_by_an_init_container_into_the_cache_volume(pool_body):
@@ -196,5 +196,72 @@ def test_service_monitor_scrapes_the_named_http_port_of_both_services(pool_body)
         assert service["spec"]["ports"][0]["name"] == "http"
     off = pool_body(monitoring={"serviceMonitor": {"enabled": False}})
     assert "ServiceMonitor/llama" not in objects_of(off, service_monitors=True)
-    assert [r.kind for r in obsolete_objects(parse_pool(off), service_monitors=True)] == [
-        "ServiceMonitor"]
+    assert [r.kind for r in obsolete_objects(parse_pool(off), CONFIG, service_monitors=True)] == [
+        "NetworkPolicy", "ServiceMonitor"]
+
+
+def test_gateway_liveness_does_not_depend_on_workers_and_its_drain_is_whole(pool_body):
+    from radixpool.gateway.server import DRAIN_SECONDS
+
+    objs = objects_of(pool_body())
+    pod = objs["Deployment/llama-gateway"]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "http"}
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"  # 503 with no worker
+    pre_stop = int(container["lifecycle"]["preStop"]["exec"]["command"][1])
+    # The grace period covers the preStop wait and then the gateway's whole drain after SIGTERM.
+    assert pod["terminationGracePeriodSeconds"] - pre_stop > DRAIN_SECONDS
+
+
+def test_gateway_pdb_lets_one_gateway_pod_go_at_a_time(pool_body):
+    objs = objects_of(pool_body(gateway={"replicas": 3}))
+    pdb = objs["PodDisruptionBudget/llama-gateway"]
+    assert pdb["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": {
+        api.POOL_LABEL: "llama", api.COMPONENT_LABEL: "gateway"}}}
+    off = pool_body(lifecycle={"podDisruptionBudget": {"enabled": False}})
+    assert not [key for key in objects_of(off) if key.startswith("PodDisruptionBudget")]
+    assert {r.name for r in obsolete_objects(parse_pool(off), CONFIG, service_monitors=False)
+            if r.kind == "PodDisruptionBudget"} == {"llama-worker", "llama-gateway"}
+
+
+def test_network_policy_lets_only_the_gateway_and_prometheus_reach_workers(pool_body,
+                                                                          assert_k8s_valid):
+    import dataclasses
+
+    assert not any(k.startswith("NetworkPolicy") for k in objects_of(pool_body()))
+    config = dataclasses.replace(CONFIG, network_policy=True)
+    objs = {f"{o['kind']}/{o['metadata']['name']}": o
+            for o in desired_objects(parse_pool(pool_body()), config, service_monitors=False)}
+    policy = objs["NetworkPolicy/llama-worker"]
+    assert_k8s_valid(policy)
+    worker_pod_labels = objs["Deployment/llama-worker"]["spec"]["template"]["metadata"]["labels"]
+    gateway_pod_labels = objs["Deployment/llama-gateway"]["spec"]["template"]["metadata"][
+        "labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= worker_pod_labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    gateway_rule, prometheus_rule = policy["spec"]["ingress"]
+    assert gateway_rule["from"][0]["podSelector"]["matchLabels"].items() <= (
+        gateway_pod_labels.items())
+    assert "namespaceSelector" not in gateway_rule["from"][0]  # this namespace's gateway only
+    assert prometheus_rule["from"] == [{"namespaceSelector": {}, "podSelector": {
+        "matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]
+    assert gateway_rule["ports"] == prometheus_rule["ports"] == [
+        {"port": api.WORKER_PORT, "protocol": "TCP"}]
+    assert obsolete_objects(parse_pool(pool_body()), config, service_monitors=False) == []
+
+
+def test_network_policy_and_prometheus_peer_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("RADIXPOOL_NETWORK_POLICY", "true")
+    monkeypatch.setenv("RADIXPOOL_PROMETHEUS_PEER",
+                       '{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}')
+    config = OperatorConfig.from_env()
+    assert config.network_policy is True
+    assert config.prometheus_peer == {"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}
+
+
+def test_services_of_a_pool_with_its_own_service_monitor_say_so(pool_body):
+    own = objects_of(pool_body(), service_monitors=True)
+    assert own["Service/llama-workers"]["metadata"]["labels"][api.OWN_MONITOR_LABEL] == "true"
+    assert own["Service/llama-gateway"]["metadata"]["labels"][api.OWN_MONITOR_LABEL] == "true"
+    without_crd = objects_of(pool_body(), service_monitors=False)
+    assert api.OWN_MONITOR_LABEL not in without_crd["Service/llama-workers"]["metadata"]["labels"]

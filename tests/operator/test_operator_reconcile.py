@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from radixpool.operator.desired import OperatorConfig
-from radixpool.operator.reconcile import reconcile_pool
+from radixpool.operator.reconcile import ApiFailure, reconcile_pool
 
 CONFIG = OperatorConfig()
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
@@ -19,8 +19,11 @@ def with_status(body, status):
 
 def test_valid_pool_creates_everything_and_reports_it_is_not_ready_yet(cluster, pool_body):
     outcome = reconcile_pool(pool_body(), cluster, CONFIG, now=T0)
-    assert cluster.kinds() == ["Deployment", "Deployment", "PodDisruptionBudget", "Role",
-                               "RoleBinding", "Service", "Service", "ServiceAccount"]
+    # The RoleBinding is created although its Role did not exist before this pass: without the
+    # `bind` verb the API server checks the Role, so it is never dry-run ahead of the Role.
+    assert cluster.kinds() == ["Deployment", "Deployment", "PodDisruptionBudget",
+                               "PodDisruptionBudget", "Role", "RoleBinding", "Secret", "Service",
+                               "Service", "ServiceAccount"]
     status = outcome.status
     cond = conditions(status)
     assert cond["Accepted"]["status"] == "True"
@@ -40,8 +43,8 @@ def test_status_follows_what_the_deployments_report(cluster, pool_body):
     status = reconcile_pool(body, cluster, CONFIG, now=T1).status
     cond = conditions(status)
     assert [cond[k]["status"] for k in ("Accepted", "WorkersReady", "GatewayReady",
-                                        "Progressing", "Degraded")] == [
-        "True", "True", "True", "False", "False"]
+                                        "Progressing", "Degraded", "Ready")] == [
+        "True", "True", "True", "False", "False", "True"]
     assert status["ready"] == "2/2" and status["gatewayReadyReplicas"] == 1
 
 
@@ -72,14 +75,14 @@ def test_missing_secret_or_claim_blocks_creation_until_it_exists(cluster, pool_b
     healed = reconcile_pool(with_status(body, outcome.status), cluster, CONFIG, now=T1)
     assert conditions(healed.status)["Accepted"]["status"] == "True"
     assert ("Normal", "Valid") in [(e.type, e.reason) for e in healed.events]
-    assert cluster.get("Deployment", "ml", "llama-worker") is not None
+    assert cluster.stored("Deployment", "ml", "llama-worker") is not None
 
 
 def test_bad_edit_of_a_running_pool_keeps_it_running_as_it_was(cluster, pool_body):
     reconcile_pool(pool_body(replicas=2), cluster, CONFIG, now=T0)
     cluster.set_ready("ml", "llama-worker", 2)
     outcome = reconcile_pool(pool_body(replicas=2, engine={"pageSize": 0}), cluster, CONFIG)
-    assert cluster.get("Deployment", "ml", "llama-worker")["spec"]["replicas"] == 2
+    assert cluster.stored("Deployment", "ml", "llama-worker")["spec"]["replicas"] == 2
     cond = conditions(outcome.status)
     assert cond["Accepted"]["status"] == "False"
     assert "spec.engine.pageSize" in cond["Accepted"]["message"]
@@ -103,12 +106,12 @@ def test_drift_is_put_back(cluster, pool_body):
     body = pool_body(replicas=3)
     reconcile_pool(body, cluster, CONFIG)
     cluster.objects.pop(("Service", "ml", "llama-workers"))
-    cluster.get("Deployment", "ml", "llama-worker")["spec"]["replicas"] = 1
-    cluster.get("Role", "ml", "llama-gateway")["rules"] = []
+    cluster.stored("Deployment", "ml", "llama-worker")["spec"]["replicas"] = 1
+    cluster.stored("Role", "ml", "llama-gateway")["rules"] = []
     reconcile_pool(body, cluster, CONFIG)
-    assert cluster.get("Service", "ml", "llama-workers")["spec"]["clusterIP"] == "None"
-    assert cluster.get("Deployment", "ml", "llama-worker")["spec"]["replicas"] == 3
-    assert cluster.get("Role", "ml", "llama-gateway")["rules"][0]["resources"] == [
+    assert cluster.stored("Service", "ml", "llama-workers")["spec"]["clusterIP"] == "None"
+    assert cluster.stored("Deployment", "ml", "llama-worker")["spec"]["replicas"] == 3
+    assert cluster.stored("Role", "ml", "llama-gateway")["rules"][0]["resources"] == [
         "endpointslices"]
 
 
@@ -116,7 +119,7 @@ def test_scaling_and_rollout_show_as_progressing(cluster, pool_body):
     reconcile_pool(pool_body(replicas=2), cluster, CONFIG)
     cluster.set_ready("ml", "llama-worker", 2)
     scaled = reconcile_pool(pool_body(replicas=4, generation=2), cluster, CONFIG)
-    assert cluster.get("Deployment", "ml", "llama-worker")["spec"]["replicas"] == 4
+    assert cluster.stored("Deployment", "ml", "llama-worker")["spec"]["replicas"] == 4
     progressing = conditions(scaled.status)["Progressing"]
     assert progressing["status"] == "True" and progressing["observedGeneration"] == 2
     assert scaled.status["ready"] == "2/4"
@@ -133,10 +136,10 @@ def test_scaling_and_rollout_show_as_progressing(cluster, pool_body):
 
 def test_disabling_the_pdb_removes_it(cluster, pool_body):
     reconcile_pool(pool_body(), cluster, CONFIG)
-    assert cluster.get("PodDisruptionBudget", "ml", "llama-worker")
+    assert cluster.stored("PodDisruptionBudget", "ml", "llama-worker")
     reconcile_pool(pool_body(lifecycle={"podDisruptionBudget": {"enabled": False}}), cluster,
                    CONFIG)
-    assert cluster.get("PodDisruptionBudget", "ml", "llama-worker") is None
+    assert cluster.stored("PodDisruptionBudget", "ml", "llama-worker") is None
 
 
 def test_service_monitor_only_where_its_crd_exists(pool_body, make_cluster):
@@ -152,3 +155,123 @@ def test_one_bad_pool_does_not_affect_another(cluster, pool_body):
     assert conditions(good.status)["Accepted"]["status"] == "True"
     assert {name for _, _, name in cluster.objects} >= {"good-worker", "good-gateway"}
     assert not any(name.startswith("bad") for _, _, name in cluster.objects)
+
+
+def test_steady_state_writes_nothing(cluster, pool_body):
+    body = pool_body(replicas=2, engine={"env": [{"name": "A", "value": "1"}],
+                                         "resources": {"cpu": "0.5"}})
+    first = reconcile_pool(body, cluster, CONFIG, now=T0)
+    assert len(cluster.writes) == 10  # 9 objects and the control-key Secret
+    # The API server normalizes quantities ("0.5" → "500m"): still the same value.
+    worker = cluster.stored("Deployment", "ml", "llama-worker")
+    worker["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]["cpu"] = "500m"
+    worker["metadata"]["resourceVersion"] = "42"  # and adds fields of its own
+    cluster.writes.clear()
+    again = reconcile_pool(with_status(body, first.status), cluster, CONFIG, now=T1)
+    assert cluster.writes == [] and again.status == first.status and again.events == []
+
+
+def test_a_changed_spec_rewrites_only_what_changed(cluster, pool_body):
+    reconcile_pool(pool_body(replicas=2), cluster, CONFIG, now=T0)
+    cluster.writes.clear()
+    reconcile_pool(pool_body(replicas=5, generation=2), cluster, CONFIG, now=T1)
+    assert cluster.writes == [("apply", "Deployment", "llama-worker")]
+
+
+def test_an_env_var_added_by_hand_is_removed(cluster, pool_body):
+    body = pool_body(engine={"env": [{"name": "MINE", "value": "1"}]})
+    reconcile_pool(body, cluster, CONFIG)
+    env = cluster.stored("Deployment", "ml", "llama-worker")["spec"]["template"]["spec"][
+        "containers"][0]["env"]
+    env.insert(2, {"name": "DEBUG", "value": "1"})
+    env.append({"name": "HACK", "value": "x"})
+    reconcile_pool(body, cluster, CONFIG)
+    names = [e["name"] for e in cluster.stored("Deployment", "ml", "llama-worker")["spec"][
+        "template"]["spec"]["containers"][0]["env"]]
+    assert "DEBUG" not in names and "HACK" not in names and "MINE" in names
+
+
+def test_api_errors_name_the_object_and_degrade_the_pool(cluster, pool_body):
+    body = pool_body()
+    cluster.fail["Deployment"] = ApiFailure(
+        "apply", "Deployment", "ml", "llama-worker", 403, "Forbidden",
+        'deployments.apps "llama-worker" is forbidden: User "system:serviceaccount:x:y" '
+        'cannot patch resource "deployments"')
+    outcome = reconcile_pool(body, cluster, CONFIG, now=T0, retry_in=30)
+    assert "apply Deployment ml/llama-worker: 403 Forbidden" in outcome.failure
+    cond = conditions(outcome.status)
+    assert cond["Degraded"]["status"] == "True" and cond["Degraded"]["reason"] == "APIError"
+    assert "Deployment ml/llama-worker" in cond["Degraded"]["message"]
+    assert "cannot patch resource" in cond["Degraded"]["message"]
+    assert "next attempt in 30s" in cond["Degraded"]["message"]
+    assert cond["Ready"]["status"] == "False" and cond["Ready"]["reason"] == "Degraded"
+    assert [(e.type, e.reason) for e in outcome.events] == [("Warning", "APIError")]
+
+    # A retry that fails the same way says so in the status, without another Event.
+    again = reconcile_pool(with_status(body, outcome.status), cluster, CONFIG, now=T1,
+                           retry_in=60)
+    assert again.events == [] and "next attempt in 60s" in conditions(again.status)[
+        "Degraded"]["message"]
+    del cluster.fail["Deployment"]
+    healed = reconcile_pool(with_status(body, again.status), cluster, CONFIG, now=T1)
+    assert healed.failure is None
+    assert conditions(healed.status)["Degraded"]["status"] == "False"
+
+
+def test_a_pool_is_accepted_where_the_operator_may_not_read_secrets(cluster, pool_body):
+    cluster.secrets_readable = False
+    outcome = reconcile_pool(pool_body(apiKeySecret={"name": "api-key"}), cluster, CONFIG)
+    assert conditions(outcome.status)["Accepted"]["status"] == "True"
+    assert cluster.stored("Deployment", "ml", "llama-worker") is not None
+
+
+def test_refusals_name_the_spec_field_not_the_generated_path(cluster, pool_body):
+    cluster.refuse["Deployment"] = (
+        'Deployment.apps "llama-worker" is invalid: spec.template.spec.containers[0].env[7].name:'
+        ' Invalid value: "1BAD": a valid environment variable name must consist of letters')
+    body = pool_body(engine={"env": [{"name": "1BAD", "value": "v"}]})
+    outcome = reconcile_pool(body, cluster, CONFIG, now=T0)
+    message = conditions(outcome.status)["Accepted"]["message"]
+    assert "spec.engine.env[0].name (spec.template.spec.containers[0].env[7].name)" in message
+
+
+def test_ready_names_the_first_thing_missing(cluster, pool_body):
+    body = pool_body(replicas=2)
+    status = reconcile_pool(body, cluster, CONFIG, now=T0).status
+    ready = conditions(status)["Ready"]
+    assert ready["status"] == "False" and ready["reason"] == "WorkersNotReady"
+    invalid = reconcile_pool(pool_body(replicas=-1), cluster, CONFIG, now=T0).status
+    assert conditions(invalid)["Ready"]["reason"] == "NotAccepted"
+
+
+def test_the_control_key_is_made_once_and_reaches_workers_and_gateway_by_reference(
+        cluster, pool_body):
+    body = pool_body(apiKeySecret={"name": "client-key"})
+    cluster.add("Secret", "ml", "client-key")
+    reconcile_pool(body, cluster, CONFIG)
+    secret = cluster.stored("Secret", "ml", "llama-control-key")
+    key = secret["stringData"]["key"]
+    assert len(key) >= 32 and secret["metadata"]["ownerReferences"][0]["uid"] == "uid-llama"
+    reconcile_pool(body, cluster, CONFIG)
+    assert cluster.stored("Secret", "ml", "llama-control-key")["stringData"]["key"] == key
+
+    def env(deployment: str) -> dict:
+        container = cluster.stored("Deployment", "ml", deployment)["spec"]["template"]["spec"][
+            "containers"][0]
+        assert not any("key" in arg.lower() for arg in container["args"])  # never in argv
+        return {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"]
+                if "valueFrom" in e}
+
+    control = {"name": "llama-control-key", "key": "key"}
+    client = {"name": "client-key", "key": "api-key"}
+    assert env("llama-worker") == {"RADIXPOOL_API_KEY": client,
+                                   "RADIXPOOL_CONTROL_API_KEY": control}
+    assert env("llama-gateway") == {"RADIXPOOL_API_KEY": client,
+                                    "RADIXPOOL_WORKER_API_KEY": control}
+
+
+def test_a_refused_pool_gets_no_control_key(cluster, pool_body):
+    cluster.refuse["Deployment"] = "spec.template.spec.tolerations[0].operator: Unsupported"
+    reconcile_pool(pool_body(engine={"tolerations": [{"key": "k", "operator": "X"}]}), cluster,
+                   CONFIG)
+    assert cluster.objects == {}

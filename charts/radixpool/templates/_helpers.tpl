@@ -32,3 +32,58 @@ app.kubernetes.io/component: operator
 {{- define "radixpool.image" -}}
 {{- printf "%s:%s" .image.repository (default .chart.AppVersion .image.tag) -}}
 {{- end -}}
+
+{{/* What the operator does to pools and the objects they own, in a namespace or cluster-wide. */}}
+{{- define "radixpool.poolRules" }}
+  # Watch pools, record handler progress in annotations, write status.
+  - apiGroups: ["radixpool.io"]
+    resources: ["inferencepools"]
+    verbs: ["get", "list", "watch", "patch"]
+  - apiGroups: ["radixpool.io"]
+    resources: ["inferencepools/status"]
+    verbs: ["get", "patch"]
+  # Owner references with blockOwnerDeletion.
+  - apiGroups: ["radixpool.io"]
+    resources: ["inferencepools/finalizers"]
+    verbs: ["update"]
+  # Owned objects: read to compare, server-side apply (create + patch) only when they differ.
+  - apiGroups: ["apps"]
+    resources: ["deployments"]
+    verbs: ["get", "create", "patch"]
+  - apiGroups: [""]
+    resources: ["services", "serviceaccounts"]
+    verbs: ["get", "create", "patch"]
+  - apiGroups: ["rbac.authorization.k8s.io"]
+    resources: ["roles", "rolebindings"]
+    verbs: ["get", "create", "patch"]
+  # Removed when a pool (or the operator's --network-policy) turns them off.
+  - apiGroups: ["policy"]
+    resources: ["poddisruptionbudgets"]
+    verbs: ["get", "create", "patch", "delete"]
+  - apiGroups: ["networking.k8s.io"]
+    resources: ["networkpolicies"]
+    verbs: ["get", "create", "patch", "delete"]
+  - apiGroups: ["monitoring.coreos.com"]
+    resources: ["servicemonitors"]
+    verbs: ["get", "create", "patch", "delete"]
+  # The gateway's Role grants these; RBAC lets the operator grant only what it holds.
+  - apiGroups: ["discovery.k8s.io"]
+    resources: ["endpointslices"]
+    verbs: ["get", "list", "watch"]
+  # Status: why pods fail (crash loops, image pulls, scheduling).
+  - apiGroups: [""]
+    resources: ["pods"]
+    verbs: ["list"]
+  # Validation: a pool is accepted only when the claims (and, with rbac.readSecrets, the
+  # Secrets) it names exist.
+  - apiGroups: [""]
+    resources: ["persistentvolumeclaims"]
+    verbs: ["get"]
+  # Each pool's control key, made once (an existing one answers 409: no read needed).
+  - apiGroups: [""]
+    resources: ["secrets"]
+    verbs: ["create"{{ if .Values.rbac.readSecrets }}, "get"{{ end }}]
+  - apiGroups: [""]
+    resources: ["events"]
+    verbs: ["create", "patch"]
+{{- end }}

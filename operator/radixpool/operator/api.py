@@ -13,6 +13,9 @@ CRD_NAME = f"{PLURAL}.{GROUP}"
 
 FIELD_MANAGER = "radixpool-operator"
 POOL_LABEL = f"{GROUP}/pool"
+# On the worker and gateway Services of a pool that has its own ServiceMonitor: the chart's
+# fleet-wide ServiceMonitor skips them, so no endpoint is scraped twice.
+OWN_MONITOR_LABEL = f"{GROUP}/own-service-monitor"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 
 WORKER_PORT = 8000
@@ -36,6 +39,22 @@ def gateway_name(pool: str) -> str:
 
 
 def pdb_name(pool: str) -> str:
+    return f"{pool}-worker"
+
+
+def gateway_pdb_name(pool: str) -> str:
+    return f"{pool}-gateway"
+
+
+def control_key_secret_name(pool: str) -> str:
+    """The pool's control key: what the gateway presents to its workers (generated once)."""
+    return f"{pool}-control-key"
+
+
+CONTROL_KEY_FIELD = "key"
+
+
+def network_policy_name(pool: str) -> str:
     return f"{pool}-worker"
 
 

@@ -2,7 +2,9 @@
 
 Two replicas never fight: each starts with a random kopf peering priority, and kopf pauses every
 operator that sees a peer with a higher one, so exactly one works and another takes over when it
-stops. `--standalone` skips peering (one replica, no peering objects).
+stops. The peering object is created at start-up when missing; when it cannot be, the operator
+says why and exits 1 rather than wait silently. `--standalone` skips peering (one replica, no
+peering objects).
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--resync-seconds", type=float, default=15.0,
                         help="how often each pool is re-checked: drift healed, status refreshed "
                              "(default: %(default)s)")
+    parser.add_argument("--network-policy", action=argparse.BooleanOptionalAction,
+                        default=None,
+                        help="give each pool's workers a NetworkPolicy letting only its gateway "
+                             "and Prometheus in (default: $RADIXPOOL_NETWORK_POLICY, else off)")
     parser.add_argument("--verbose", action="store_true")
     parser.set_defaults(func=run_operator)
 
@@ -52,7 +58,9 @@ def run_operator(args: argparse.Namespace) -> int:
 
     from . import handlers  # registers the event handlers
     from .desired import OperatorConfig
+    from .gate import PoolGate
     from .kube import KubeCluster, load_api_client
+    from .peering import PeeringUnavailable, ensure_peering
 
     if args.kubeconfig:
         os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's own login reads it too
@@ -67,6 +75,16 @@ def run_operator(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, worker_image=args.worker_image)
     if args.gateway_image:
         config = dataclasses.replace(config, gateway_image=args.gateway_image)
+    if args.network_policy is not None:
+        config = dataclasses.replace(config, network_policy=args.network_policy)
+    if not args.standalone:
+        try:
+            for created in ensure_peering(cluster, args.peering, args.namespaces or ()):
+                print(f"radixpool operator: created the peering object {created}",
+                      file=sys.stderr)
+        except PeeringUnavailable as error:
+            print(f"radixpool operator: {error}", file=sys.stderr)
+            return 1
     handlers.register_periodic_check(args.resync_seconds)
     kopf.configure(verbose=args.verbose)
     try:
@@ -78,7 +96,8 @@ def run_operator(args: argparse.Namespace) -> int:
             peering_name=None if args.standalone else args.peering,
             priority=args.priority if args.priority is not None
             else random.SystemRandom().randint(1, 2**31 - 1),
-            memo=kopf.Memo(config=config, cluster=cluster),
+            memo=kopf.Memo(config=config, cluster=cluster, gate=PoolGate(
+                base=args.resync_seconds, cap=handlers.MAX_BACKOFF_SECONDS)),
         )
     except Exception as error:  # kopf raises on login and API failures; say so and exit non-zero
         print(f"radixpool operator: stopped: {error}", file=sys.stderr)

@@ -173,7 +173,7 @@ SPEC = obj("The desired pool.", {
 }, required=("model",), defaulted=False)
 
 _CONDITION = obj("An observation of one aspect of the pool.", {
-    "type": string("Accepted, WorkersReady, GatewayReady, Progressing or Degraded."),
+    "type": string("Accepted, WorkersReady, GatewayReady, Progressing, Degraded or Ready."),
     "status": string("True, False or Unknown.", enum=("True", "False", "Unknown")),
     "reason": string("CamelCase reason."),
     "message": string("What was observed, for humans."),
@@ -231,7 +231,12 @@ def inference_pool_crd() -> dict[str, Any]:
                     "labelSelectorPath": ".status.selector"}},
                 "additionalPrinterColumns": [
                     {"name": "Model", "type": "string", "jsonPath": ".status.model"},
-                    {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
+                    # A rejected pool shows Accepted=False, not a pool still starting.
+                    {"name": "Accepted", "type": "string",
+                     "jsonPath": '.status.conditions[?(@.type=="Accepted")].status'},
+                    {"name": "Ready", "type": "string",
+                     "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+                    {"name": "Workers", "type": "string", "jsonPath": ".status.ready"},
                     {"name": "Policy", "type": "string", "jsonPath": ".spec.gateway.policy"},
                     {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint",
                      "priority": 1},

@@ -151,7 +151,9 @@ def fleet_dashboard() -> dict[str, Any]:
             "1: the gateway sends this worker traffic.", kind="stat"),
         _panel("Workers up", [
             {"expr": f"count({m.WORKER_INFO.series[0]}{{{POOL}}})", "legendFormat": "workers"},
-            {"expr": f"sum({m.GW_WORKER_HEALTHY.name}{{{POOL}}})",
+            # Every gateway replica reports every worker: one per worker, healthy if any
+            # gateway routes to it, so more gateway replicas never count a worker twice.
+            {"expr": f"sum(max by (worker) ({m.GW_WORKER_HEALTHY.name}{{{POOL}}}))",
              "legendFormat": "healthy (gateway)"}], "short",
             "Workers exporting metrics vs workers the gateway routes to.", kind="stat"),
     ]

@@ -9,37 +9,57 @@ reference to the pool, so deleting the pool deletes them (Kubernetes garbage col
 from __future__ import annotations
 
 import copy
+import json
 import os
-from dataclasses import dataclass
+import secrets
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import api
 from .gateway import (
     desired_gateway_deployment,
+    desired_gateway_pdb,
     desired_gateway_role,
     desired_gateway_role_binding,
     desired_gateway_service,
     desired_gateway_service_account,
 )
 from .spec import Pool
-from .workers import desired_worker_deployment, desired_worker_service, worker_labels
+from .workers import (
+    desired_worker_deployment,
+    desired_worker_service,
+    worker_labels,
+    worker_selector,
+)
 
 DEFAULT_WORKER_IMAGE = "ghcr.io/radixpool/radixpool-worker:0.1.0"
 DEFAULT_CONTROL_IMAGE = "ghcr.io/radixpool/radixpool-control:0.1.0"
+# Who may scrape the workers besides the gateway: pods named prometheus, in any namespace.
+DEFAULT_PROMETHEUS_PEER: dict[str, Any] = {
+    "namespaceSelector": {},
+    "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
 
 
 @dataclass(frozen=True)
 class OperatorConfig:
-    """What the operator brings to every pool: images used when a pool names none."""
+    """What the operator brings to every pool: images used when a pool names none, and whether
+    each pool's workers get a NetworkPolicy (only the gateway and Prometheus may reach them)."""
 
     worker_image: str = DEFAULT_WORKER_IMAGE
     gateway_image: str = DEFAULT_CONTROL_IMAGE
+    network_policy: bool = False
+    prometheus_peer: dict[str, Any] = field(
+        default_factory=lambda: copy.deepcopy(DEFAULT_PROMETHEUS_PEER))
 
     @classmethod
     def from_env(cls) -> OperatorConfig:
+        peer = os.environ.get("RADIXPOOL_PROMETHEUS_PEER")
         return cls(
             worker_image=os.environ.get("RADIXPOOL_WORKER_IMAGE", DEFAULT_WORKER_IMAGE),
             gateway_image=os.environ.get("RADIXPOOL_GATEWAY_IMAGE", DEFAULT_CONTROL_IMAGE),
+            network_policy=os.environ.get("RADIXPOOL_NETWORK_POLICY", "").lower()
+            in ("1", "true", "yes"),
+            prometheus_peer=json.loads(peer) if peer else copy.deepcopy(DEFAULT_PROMETHEUS_PEER),
         )
 
 
@@ -51,6 +71,11 @@ class ObjectRef:
     name: str
 
 
+def ref_of(obj: dict[str, Any]) -> ObjectRef:
+    meta = obj["metadata"]
+    return ObjectRef(obj["apiVersion"], obj["kind"], meta.get("namespace", ""), meta["name"])
+
+
 def desired_pdb(pool: Pool) -> dict[str, Any]:
     return {
         "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
@@ -59,6 +84,36 @@ def desired_pdb(pool: Pool) -> dict[str, Any]:
         "spec": {
             "maxUnavailable": pool.lifecycle["podDisruptionBudget"]["maxUnavailable"],
             "selector": {"matchLabels": api.selector_labels(pool.name, "worker")},
+        },
+    }
+
+
+def control_key_secret(pool: Pool) -> dict[str, Any]:
+    """The pool's control key, random, made once: never re-applied (a new key each pass would
+    restart every pod), so it is not among `desired_objects`; owned by the pool like them."""
+    return owned(pool, {
+        "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+        "metadata": {"name": api.control_key_secret_name(pool.name), "namespace": pool.namespace,
+                     "labels": api.pool_labels(pool.name, "control-key")},
+        "stringData": {api.CONTROL_KEY_FIELD: secrets.token_urlsafe(32)},
+    })
+
+
+def desired_network_policy(pool: Pool, config: OperatorConfig) -> dict[str, Any]:
+    """Only the pool's gateway pods and Prometheus reach the workers' port."""
+    port = [{"port": api.WORKER_PORT, "protocol": "TCP"}]
+    return {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": {"name": api.network_policy_name(pool.name), "namespace": pool.namespace,
+                     "labels": worker_labels(pool)},
+        "spec": {
+            "podSelector": {"matchLabels": worker_selector(pool)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": {"matchLabels": api.selector_labels(
+                    pool.name, "gateway")}}], "ports": port},
+                {"from": [copy.deepcopy(config.prometheus_peer)], "ports": port},
+            ],
         },
     }
 
@@ -116,18 +171,27 @@ def desired_objects(pool: Pool, config: OperatorConfig, *,
         desired_gateway_service(pool),
     ]
     if wants_pdb(pool):
-        objects.append(desired_pdb(pool))
+        objects += [desired_pdb(pool), desired_gateway_pdb(pool)]
+    if config.network_policy:
+        objects.append(desired_network_policy(pool, config))
     if wants_service_monitor(pool, service_monitors):
         objects.append(desired_service_monitor(pool))
+        for obj in objects:
+            if obj["kind"] == "Service":
+                obj["metadata"]["labels"][api.OWN_MONITOR_LABEL] = "true"
     return [owned(pool, obj) for obj in objects]
 
 
-def obsolete_objects(pool: Pool, *, service_monitors: bool) -> list[ObjectRef]:
-    """Objects the pool owned under an earlier spec and no longer wants."""
+def obsolete_objects(pool: Pool, config: OperatorConfig, *,
+                     service_monitors: bool) -> list[ObjectRef]:
+    """Objects the pool owned under an earlier spec (or operator setting) and no longer wants."""
     refs = []
     if not wants_pdb(pool):
-        refs.append(ObjectRef("policy/v1", "PodDisruptionBudget", pool.namespace,
-                              api.pdb_name(pool.name)))
+        refs += [ObjectRef("policy/v1", "PodDisruptionBudget", pool.namespace, name)
+                 for name in (api.pdb_name(pool.name), api.gateway_pdb_name(pool.name))]
+    if not config.network_policy:
+        refs.append(ObjectRef("networking.k8s.io/v1", "NetworkPolicy", pool.namespace,
+                              api.network_policy_name(pool.name)))
     if service_monitors and not wants_service_monitor(pool, service_monitors):
         refs.append(ObjectRef("monitoring.coreos.com/v1", "ServiceMonitor", pool.namespace,
                               api.service_monitor_name(pool.name)))

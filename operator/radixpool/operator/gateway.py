@@ -11,7 +11,20 @@ from typing import Any
 
 from . import api
 from .spec import Pool
-from .workers import HOME, api_key_env, container_security, pod_security
+from .workers import (
+    ENDPOINT_PROPAGATION_SECONDS,
+    HOME,
+    api_key_env,
+    container_security,
+    control_key_env,
+    pod_security,
+)
+
+# What `radixpool gateway` gives in-flight requests after SIGTERM (radixpool.gateway.server).
+GATEWAY_DRAIN_SECONDS = 30
+# The grace period covers the preStop wait (the pod leaves the Service's endpoints first), the
+# whole drain, and a margin: so the effective drain is the gateway's own, not grace minus preStop.
+GATEWAY_GRACE_SECONDS = ENDPOINT_PROPAGATION_SECONDS + GATEWAY_DRAIN_SECONDS + 5
 
 
 def gateway_labels(pool: Pool) -> dict[str, str]:
@@ -49,6 +62,14 @@ def desired_gateway_role_binding(pool: Pool) -> dict[str, Any]:
     }
 
 
+def desired_gateway_pdb(pool: Pool) -> dict[str, Any]:
+    """Voluntary disruptions (node drains) take one gateway pod at a time."""
+    return {
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _meta(pool),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": gateway_selector(pool)}},
+    }
+
+
 def gateway_args(pool: Pool) -> list[str]:
     gw = pool.gateway
     args = ["gateway", "--k8s-service", api.worker_service_name(pool.name),
@@ -57,20 +78,22 @@ def gateway_args(pool: Pool) -> list[str]:
             "--balance-abs-threshold", str(gw["balanceAbsThreshold"]),
             "--balance-rel-threshold", str(gw["balanceRelThreshold"]),
             "--host", "0.0.0.0", "--port", str(api.GATEWAY_PORT)]
-    if pool.api_key:
-        args += ["--api-key", "$(RADIXPOOL_API_KEY)"]
-    return args
+    return args  # keys come from the environment only: RADIXPOOL_API_KEY, RADIXPOOL_WORKER_API_KEY
 
 
 def desired_gateway_deployment(pool: Pool, image: str) -> dict[str, Any]:
     gw = pool.gateway
+    # Readiness follows the workers (/health is 503 with none ready); liveness must not, or a
+    # healthy gateway is restarted in a loop while the model loads: /livez is 200 while it serves.
     health = {"path": "/health", "port": "http"}
+    alive = {"path": "/livez", "port": "http"}
     container = {
         "name": "gateway", "image": image,
         "imagePullPolicy": gw.get("imagePullPolicy", "IfNotPresent"),
         "command": ["radixpool"], "args": gateway_args(pool),
         "ports": [{"name": "http", "containerPort": api.GATEWAY_PORT, "protocol": "TCP"}],
-        "env": [{"name": "HOME", "value": HOME}, *api_key_env(pool)],
+        "env": [{"name": "HOME", "value": HOME}, *api_key_env(pool),
+                control_key_env(pool, "RADIXPOOL_WORKER_API_KEY")],
         "resources": {
             "requests": {"cpu": str(gw["resources"]["cpu"]),
                          "memory": str(gw["resources"]["memory"])},
@@ -79,15 +102,16 @@ def desired_gateway_deployment(pool: Pool, image: str) -> dict[str, Any]:
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"},
                          {"name": "cache", "mountPath": f"{HOME}/.cache"}],
         "readinessProbe": {"httpGet": health, "periodSeconds": 5, "timeoutSeconds": 2},
-        "livenessProbe": {"httpGet": health, "periodSeconds": 10, "timeoutSeconds": 5,
+        "livenessProbe": {"httpGet": alive, "periodSeconds": 10, "timeoutSeconds": 5,
                           "failureThreshold": 6},
-        "lifecycle": {"preStop": {"exec": {"command": ["sleep", "5"]}}},
+        "lifecycle": {"preStop": {"exec": {
+            "command": ["sleep", str(ENDPOINT_PROPAGATION_SECONDS)]}}},
     }
     pod_spec: dict[str, Any] = {
         "serviceAccountName": api.gateway_name(pool.name),
         "enableServiceLinks": False,
         "securityContext": pod_security(),
-        "terminationGracePeriodSeconds": 30,
+        "terminationGracePeriodSeconds": GATEWAY_GRACE_SECONDS,
         "containers": [container],
         "volumes": [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}],
     }

@@ -1,31 +1,35 @@
 """kopf handlers: a few lines each, all calling `reconcile_pool`.
 
 create / update / resume apply the spec; a timer (`register_periodic_check`) re-runs the same
-reconciliation so drift is put back and status follows the pods; delete needs no work because
-every owned object carries an owner reference. kopf puts its finalizer on each pool for the
-timer's sake and lifts it as soon as the pool is deleted, so delete pools before uninstalling the
-operator (or clear `metadata.finalizers`). Importing this module registers the event handlers.
+reconciliation so drift is put back and status follows the pods. No handler needs a finalizer:
+every owned object carries an owner reference, so deleting a pool needs no operator (Kubernetes
+garbage-collects what it owned), with or without a running operator. The timer is registered
+without kopf's finalizer, and kopf lifts the one older versions put on pools. One pass per pool at
+a time, with backoff after API errors (`gate.PoolGate`); status is written only when it changed,
+and Events come from `radixpool-operator`. Importing this module registers the event handlers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
 import kopf
-from kubernetes.client.exceptions import ApiException
 
 from . import api
+from .gate import PoolGate
 from .reconcile import reconcile_pool
 
 RESYNC_SECONDS = 15.0
+MAX_BACKOFF_SECONDS = 300.0
 
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=api.GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=api.GROUP)
-    settings.persistence.finalizer = f"{api.GROUP}/finalizer"
+    settings.persistence.finalizer = f"{api.GROUP}/finalizer"  # only ever removed now
     settings.posting.level = logging.WARNING
     # Watches reconnect regularly, so a silently dropped connection never stalls the operator.
     settings.watching.server_timeout = 300
@@ -49,34 +53,63 @@ def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
         certificate_path=config.cert_file, private_key_path=config.key_file)
 
 
-def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo) -> None:
-    try:
-        outcome = reconcile_pool(dict(body), memo.cluster, memo.config)
-    except ApiException as error:
-        raise kopf.TemporaryError(f"Kubernetes API said {error.status} {error.reason}",
-                                  delay=10) from error
-    patch.status.update(outcome.status)
-    for event in outcome.events:
-        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+def _gate(memo: kopf.Memo) -> PoolGate:
+    return memo.setdefault("gate", PoolGate(RESYNC_SECONDS, MAX_BACKOFF_SECONDS))
+
+
+def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger,
+               *, periodic: bool) -> None:
+    meta = body["metadata"]
+    if meta.get("deletionTimestamp"):
+        return  # going away: garbage collection removes what it owned
+    key, gate = meta.get("uid") or f"{meta.get('namespace')}/{meta['name']}", _gate(memo)
+    with gate.turn(key, wait=not periodic) as mine:
+        if not mine or (periodic and not gate.due(key)):
+            return
+        outcome = reconcile_pool(dict(body), memo.cluster, memo.config,
+                                 retry_in=gate.next_delay(key))
+        if outcome.failure:
+            delay = gate.failed(key)
+            logger.warning("pool %s/%s: %s; next attempt in %.0fs", meta.get("namespace"),
+                           meta["name"], outcome.failure, delay)
+        else:
+            gate.succeeded(key)
+        before = dict(body.get("status") or {})
+        if outcome.status != before:
+            patch.status.update(outcome.status)
+            for gone in before.keys() - outcome.status.keys():
+                patch.status[gone] = None
+        for event in outcome.events:
+            try:
+                memo.cluster.post_event(dict(body), event)
+            except Exception as error:  # an Event lost must not stop the reconciliation
+                logger.warning("could not post event %s: %s", event.reason, error)
 
 
 @kopf.on.resume(api.GROUP, api.VERSION, api.PLURAL)
 @kopf.on.create(api.GROUP, api.VERSION, api.PLURAL)
 @kopf.on.update(api.GROUP, api.VERSION, api.PLURAL)
-def apply_pool(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
-    _reconcile(body, patch, memo)
+def apply_pool(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo,
+               logger: logging.Logger = logging.getLogger(__name__), **_: Any) -> None:
+    _reconcile(body, patch, memo, logger, periodic=False)
 
 
-def check_pool(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
-    _reconcile(body, patch, memo)
+def check_pool(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo,
+               logger: logging.Logger = logging.getLogger(__name__), **_: Any) -> None:
+    _reconcile(body, patch, memo, logger, periodic=True)
 
 
-def register_periodic_check(interval: float = RESYNC_SECONDS) -> None:
-    """The timer that heals drift and refreshes status; its interval comes from the CLI."""
-    kopf.timer(api.GROUP, api.VERSION, api.PLURAL, interval=interval,
-               initial_delay=interval)(check_pool)
+def register_periodic_check(interval: float = RESYNC_SECONDS,
+                            registry: kopf.OperatorRegistry | None = None) -> None:
+    """The timer that heals drift and refreshes status; its interval comes from the CLI.
 
-
-@kopf.on.delete(api.GROUP, api.VERSION, api.PLURAL, optional=True)
-def pool_deleted(name: str, logger: kopf.Logger, **_: Any) -> None:
-    logger.info("pool %s deleted; Kubernetes garbage-collects its owned objects", name)
+    kopf gives every timer a finalizer, which would keep a deleted pool (and its namespace)
+    waiting for a running operator. This timer needs none: the registered handler is replaced by
+    the same one without it (kopf then stops the timer when it sees the pool deleted)."""
+    registry = registry or kopf.get_default_registry()
+    kopf.timer(api.GROUP, api.VERSION, api.PLURAL, interval=interval, initial_delay=interval,
+               registry=registry)(check_pool)
+    spawning = registry._spawning._handlers
+    for index, handler in enumerate(spawning):
+        if handler.fn is check_pool:
+            spawning[index] = dataclasses.replace(handler, requires_finalizer=False)

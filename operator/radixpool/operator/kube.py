@@ -3,27 +3,36 @@
 Server-side apply with `force=True` under the field manager `radixpool-operator` makes every
 apply both a create and a repair: fields someone edited are taken back, fields the pool no longer
 sets are removed, and fields other controllers own (an HPA on the pool, not on the Deployment)
-are left alone.
+are left alone. Every API error leaves here as `ObjectRejected` (400 / 422: the spec's fault) or
+`ApiFailure` naming the request and the object, never as the client's bare exception.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import socket
 import time
+import uuid
+from collections.abc import Iterator
+from datetime import datetime, timezone
 from typing import Any
 
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic import DynamicClient
-from kubernetes.dynamic.exceptions import DynamicApiError, NotFoundError
+from kubernetes.dynamic.exceptions import DynamicApiError, NotFoundError, ResourceNotFoundError
+from urllib3.exceptions import HTTPError
 
 from . import api
-from .desired import ObjectRef
-from .reconcile import ObjectRejected
-from .status import Observed
+from .desired import ObjectRef, ref_of
+from .reconcile import ApiFailure, ObjectRejected
+from .status import Event
 
 SERVICE_MONITOR_CRD = "servicemonitors.monitoring.coreos.com"
 CRD_RECHECK_SECONDS = 60.0
+# Events name this component (`kubectl describe` shows it under From).
+REPORTING_COMPONENT = api.FIELD_MANAGER
 
 
 def load_api_client(kubeconfig: str | None = None) -> client.ApiClient:
@@ -37,6 +46,31 @@ def load_api_client(kubeconfig: str | None = None) -> client.ApiClient:
     return client.ApiClient()
 
 
+def _api_message(error: ApiException | DynamicApiError) -> tuple[int | None, str, str]:
+    body = getattr(error, "body", None)
+    try:
+        parsed = json.loads(body) if body else {}
+    except (TypeError, ValueError):
+        parsed = {}
+    message = parsed.get("message") if isinstance(parsed, dict) else None
+    return error.status, str(error.reason or ""), message or ""
+
+
+@contextlib.contextmanager
+def _naming(action: str, kind: str, namespace: str, name: str) -> Iterator[None]:
+    """API errors inside become `ApiFailure`s that say what was asked of which object."""
+    try:
+        yield
+    except (ApiException, DynamicApiError) as error:
+        raise ApiFailure(action, kind, namespace, name, *_api_message(error)) from error
+    except ResourceNotFoundError as error:  # discovery: the API server does not serve the kind
+        raise ApiFailure(action, kind, namespace, name, 404, "NotFound",
+                         f"the API server does not serve {kind}") from error
+    except (HTTPError, OSError) as error:  # connection refused, timeouts
+        raise ApiFailure(action, kind, namespace, name, None, type(error).__name__,
+                         str(error)) from error
+
+
 class KubeCluster:
     def __init__(self, api_client: client.ApiClient):
         self.api_client = api_client
@@ -44,18 +78,23 @@ class KubeCluster:
         self.extensions = client.ApiextensionsV1Api(api_client)
         self.dynamic = DynamicClient(api_client)
         self._monitors: tuple[float, bool] = (0.0, False)
+        self._created: set[ObjectRef] = set()  # by create_once, in this process
+        self.instance = socket.gethostname()
 
     def _resource(self, api_version: str, kind: str) -> Any:
         return self.dynamic.resources.get(api_version=api_version, kind=kind)
 
-    def exists(self, kind: str, namespace: str, name: str) -> bool:
+    def exists(self, kind: str, namespace: str, name: str) -> bool | None:
         read = {"Secret": self.core.read_namespaced_secret,
                 "PersistentVolumeClaim": self.core.read_namespaced_persistent_volume_claim}[kind]
         try:
-            read(name, namespace, _preload_content=False).release_conn()  # never parse contents
-        except ApiException as error:
-            if error.status == 404:
+            with _naming("get", kind, namespace, name):
+                read(name, namespace, _preload_content=False).release_conn()  # never parsed
+        except ApiFailure as failure:
+            if failure.code == 404:
                 return False
+            if failure.code == 403 and kind == "Secret":
+                return None  # not allowed to read Secrets here: cannot tell
             raise
         return True
 
@@ -64,46 +103,99 @@ class KubeCluster:
         if time.monotonic() - checked_at < CRD_RECHECK_SECONDS:
             return present
         try:
-            self.extensions.read_custom_resource_definition(
-                SERVICE_MONITOR_CRD, _preload_content=False).release_conn()
+            with _naming("get", "CustomResourceDefinition", "", SERVICE_MONITOR_CRD):
+                self.extensions.read_custom_resource_definition(
+                    SERVICE_MONITOR_CRD, _preload_content=False).release_conn()
             present = True
-        except ApiException as error:
-            if error.status != 404:
+        except ApiFailure as failure:
+            if failure.code != 404:
                 raise
             present = False
         self._monitors = (time.monotonic(), present)
         return present
 
-    def apply(self, obj: dict[str, Any], *, dry_run: bool = False) -> None:
-        try:
-            self.dynamic.server_side_apply(
-                self._resource(obj["apiVersion"], obj["kind"]), body=obj,
-                namespace=obj["metadata"]["namespace"], field_manager=api.FIELD_MANAGER,
-                force_conflicts=True, dry_run="All" if dry_run else None)
-        except DynamicApiError as error:
-            if error.status in (400, 422):
-                raise ObjectRejected(error.summary()) from error
-            raise
+    def get(self, ref: ObjectRef) -> dict[str, Any] | None:
+        with _naming("get", ref.kind, ref.namespace, ref.name):
+            try:
+                return self._resource(ref.api_version, ref.kind).get(
+                    name=ref.name, namespace=ref.namespace).to_dict()
+            except (NotFoundError, ResourceNotFoundError):  # no such object, or no such kind
+                return None
+
+    def apply(self, obj: dict[str, Any], *, dry_run: bool = False) -> dict[str, Any]:
+        meta = obj["metadata"]
+        action = "dry-run apply" if dry_run else "apply"
+        with _naming(action, obj["kind"], meta["namespace"], meta["name"]):
+            try:
+                return self.dynamic.server_side_apply(
+                    self._resource(obj["apiVersion"], obj["kind"]), body=obj,
+                    namespace=meta["namespace"], field_manager=api.FIELD_MANAGER,
+                    force_conflicts=True, dry_run="All" if dry_run else None).to_dict()
+            except DynamicApiError as error:
+                if error.status in (400, 422):
+                    raise ObjectRejected(_api_message(error)[2] or error.summary()) from error
+                raise
+
+    def patch_json(self, ref: ObjectRef, operations: list[dict[str, Any]]) -> None:
+        with _naming("patch", ref.kind, ref.namespace, ref.name):
+            self._resource(ref.api_version, ref.kind).patch(
+                name=ref.name, namespace=ref.namespace, body=operations,
+                content_type="application/json-patch+json", field_manager=api.FIELD_MANAGER)
+
+    def create_once(self, obj: dict[str, Any]) -> None:
+        ref = ref_of(obj)
+        if ref in self._created:
+            return
+        with _naming("create", ref.kind, ref.namespace, ref.name):
+            try:
+                self._resource(ref.api_version, ref.kind).create(body=obj,
+                                                                 namespace=ref.namespace)
+            except DynamicApiError as error:
+                if error.status != 409:  # 409: it exists already
+                    raise
+        self._created.add(ref)
 
     def delete(self, ref: ObjectRef) -> None:
-        with contextlib.suppress(NotFoundError):
+        with _naming("delete", ref.kind, ref.namespace, ref.name), \
+                contextlib.suppress(NotFoundError):
             self._resource(ref.api_version, ref.kind).delete(name=ref.name,
                                                              namespace=ref.namespace)
 
-    def _get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
-        try:
-            return self._resource(api_version, kind).get(name=name, namespace=namespace).to_dict()
-        except NotFoundError:
-            return None
+    def pods(self, namespace: str, pool: str) -> list[dict[str, Any]]:
+        with _naming("list", "Pod", namespace, f"-l {api.POOL_LABEL}={pool}"):
+            found = self._resource("v1", "Pod").get(
+                namespace=namespace, label_selector=f"{api.POOL_LABEL}={pool}").to_dict()
+        return found.get("items") or []
 
-    def observe(self, namespace: str, pool: str) -> Observed:
-        pods = self._resource("v1", "Pod").get(
-            namespace=namespace, label_selector=f"{api.POOL_LABEL}={pool}").to_dict()
-        return Observed(
-            worker_deployment=self._get("apps/v1", "Deployment", namespace,
-                                        api.worker_deployment_name(pool)),
-            gateway_deployment=self._get("apps/v1", "Deployment", namespace,
-                                         api.gateway_name(pool)),
-            gateway_service=self._get("v1", "Service", namespace, api.gateway_name(pool)),
-            pods=pods.get("items") or [],
-        )
+    def post_event(self, body: dict[str, Any], event: Event) -> None:
+        """A core/v1 Event about the pool, from `radixpool-operator` (not from kopf)."""
+        meta = body["metadata"]
+        now = datetime.now(timezone.utc)
+        stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
+        namespace = meta.get("namespace", "default")
+        with _naming("create", "Event", namespace, f"about {api.KIND} {meta['name']}"):
+            self.core.create_namespaced_event(namespace, {
+                "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:12]}",
+                             "namespace": namespace},
+                "involvedObject": {"apiVersion": body.get("apiVersion", api.API_VERSION),
+                                   "kind": api.KIND, "name": meta["name"],
+                                   "namespace": namespace, "uid": meta.get("uid")},
+                "type": event.type, "reason": event.reason, "message": event.message[:1024],
+                "source": {"component": REPORTING_COMPONENT},
+                "reportingComponent": REPORTING_COMPONENT, "reportingInstance": self.instance,
+                "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1,
+                "eventTime": None, "action": event.reason,
+            })
+
+    def create_if_missing(self, obj: dict[str, Any]) -> bool:
+        """Create `obj` unless it exists; whether it was created."""
+        meta = obj["metadata"]
+        namespace = meta.get("namespace")
+        with _naming("create", obj["kind"], namespace or "", meta["name"]):
+            resource = self._resource(obj["apiVersion"], obj["kind"])
+            try:
+                resource.get(name=meta["name"], namespace=namespace)
+                return False
+            except NotFoundError:
+                resource.create(body=obj, namespace=namespace)
+                return True

@@ -1,11 +1,13 @@
-"""One reconciliation of one pool: validate, check references, dry-run, apply, observe, report.
+"""One reconciliation of one pool: validate, check references, compare, dry-run, apply, report.
 
 The order is the contract. Nothing is written to the cluster until the spec is valid, every
-Secret and PVC it names exists, and the API server has accepted every object in a dry run, so a
-rejected pool is never half-made (a pool that was valid and then gets a bad edit keeps running as
-it was, with `Accepted=False` saying why). Applying is idempotent and forceful (server-side
-apply), so running this on a timer puts back whatever was edited or deleted. Status is computed
-from what is observed *after* applying.
+Secret and PVC it names exists, and the API server has accepted every changed object in a dry run,
+so a rejected pool is never half-made (a pool that was valid and then gets a bad edit keeps running
+as it was, with `Accepted=False` saying why). Only objects that no longer hold what the pool wants
+are applied (server-side apply, forceful), so a pool whose objects are as wanted costs reads only,
+never a write; running this on a timer puts back whatever was edited or deleted. Status is computed
+from what is observed *after* applying. Any other API error (403, 404, 5xx) becomes
+`Degraded=True` with the API's message and the object it concerns, never an exception.
 """
 
 from __future__ import annotations
@@ -14,10 +16,20 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Protocol
 
-from .desired import ObjectRef, OperatorConfig, desired_objects, obsolete_objects
+from . import api
+from .desired import (
+    ObjectRef,
+    OperatorConfig,
+    control_key_secret,
+    desired_objects,
+    obsolete_objects,
+    ref_of,
+)
+from .drift import holds, stray_env_patch
 from .openapi import FieldError
 from .spec import InvalidPool, Pool, parse_pool
-from .status import Event, Observed, Verdict, pool_status, transition_events
+from .spec_paths import in_spec_terms
+from .status import Event, Observed, Verdict, failed_status, pool_status, transition_events
 
 
 class ObjectRejected(Exception):
@@ -25,36 +37,68 @@ class ObjectRejected(Exception):
     spec's pass-through fields (env, volumes, tolerations, ...), not with the cluster."""
 
 
-class Cluster(Protocol):
-    """The Kubernetes API as reconciliation needs it."""
+class ApiFailure(Exception):
+    """Any other API error, naming what was asked and of which object (403, 404, 409, 5xx)."""
 
-    def exists(self, kind: str, namespace: str, name: str) -> bool:
-        """Whether a Secret or PersistentVolumeClaim exists."""
+    def __init__(self, action: str, kind: str, namespace: str, name: str, code: int | None,
+                 reason: str, message: str):
+        self.code = code
+        where = f"{kind} {namespace}/{name}" if namespace else f"{kind} {name}"
+        super().__init__(f"{action} {where}: {code or ''} {reason}: {message}".replace(
+            ":  ", ": ").strip())
+
+
+# RBAC objects and the ServiceAccount carry no spec field, so the API server cannot refuse them
+# for the spec's sake; and a RoleBinding's dry run fails (404) while its Role does not exist yet,
+# because the escalation check looks the Role up. They are applied without a dry run.
+NOT_DRY_RUN = frozenset({"ServiceAccount", "Role", "RoleBinding"})
+
+
+class Cluster(Protocol):
+    """The Kubernetes API as reconciliation needs it. Methods raise `ApiFailure` on API errors."""
+
+    def exists(self, kind: str, namespace: str, name: str) -> bool | None:
+        """Whether a Secret or PersistentVolumeClaim exists; None when not allowed to look."""
 
     def has_service_monitors(self) -> bool:
         """Whether the monitoring.coreos.com ServiceMonitor CRD is installed."""
 
-    def apply(self, obj: dict[str, Any], *, dry_run: bool = False) -> None:
+    def get(self, ref: ObjectRef) -> dict[str, Any] | None:
+        """The object as stored, or None."""
+
+    def apply(self, obj: dict[str, Any], *, dry_run: bool = False) -> dict[str, Any]:
         """Create or update `obj`, taking ownership of every field it sets; with `dry_run` the
-        server validates and admits it without storing. Raises `ObjectRejected` on 400 / 422."""
+        server validates and admits it without storing. Returns the object as stored. Raises
+        `ObjectRejected` on 400 / 422."""
+
+    def patch_json(self, ref: ObjectRef, operations: list[dict[str, Any]]) -> None:
+        """Apply a JSON patch to the object."""
+
+    def create_once(self, obj: dict[str, Any]) -> None:
+        """Create `obj` unless it exists; never update it (the pool's generated control key).
+        Needs no read permission: an existing object is a 409 from the API server."""
 
     def delete(self, ref: ObjectRef) -> None:
         """Delete the object if it exists."""
 
-    def observe(self, namespace: str, pool: str) -> Observed:
-        """The pool's Deployments, gateway Service and pods as they are now."""
+    def pods(self, namespace: str, pool: str) -> list[dict[str, Any]]:
+        """The pool's pods."""
 
 
 @dataclass(frozen=True)
 class Outcome:
     status: dict[str, Any]
     events: list[Event]
+    failure: str | None = None  # the API error that stopped this pass, if any
 
 
 def missing_references(pool: Pool, cluster: Cluster) -> list[FieldError]:
+    # exists() is None where the operator may not read Secrets: then a missing one shows as
+    # pods failing with CreateContainerConfigError (Degraded), not as Accepted=False.
     return [FieldError(ref.path, f"{ref.kind} {ref.name!r} not found in namespace "
                                  f"{pool.namespace!r}")
-            for ref in pool.references() if not cluster.exists(ref.kind, pool.namespace, ref.name)]
+            for ref in pool.references()
+            if cluster.exists(ref.kind, pool.namespace, ref.name) is False]
 
 
 def _now() -> str:
@@ -62,7 +106,20 @@ def _now() -> str:
 
 
 def reconcile_pool(body: dict[str, Any], cluster: Cluster, config: OperatorConfig,
-                   now: str | None = None) -> Outcome:
+                   now: str | None = None, retry_in: float = 0.0) -> Outcome:
+    """One pass. `retry_in` is what the status says about the next attempt if this one fails."""
+    now = now or _now()
+    try:
+        return _reconcile(body, cluster, config, now)
+    except ApiFailure as failure:
+        message = f"{failure}; next attempt in {retry_in:.0f}s"
+        status = failed_status(body, message, now)
+        return Outcome(status=status, events=transition_events(body, status),
+                       failure=str(failure))
+
+
+def _reconcile(body: dict[str, Any], cluster: Cluster, config: OperatorConfig,
+               now: str) -> Outcome:
     meta = body["metadata"]
     try:
         pool = parse_pool(body)
@@ -74,45 +131,84 @@ def reconcile_pool(body: dict[str, Any], cluster: Cluster, config: OperatorConfi
     except InvalidPool as invalid:
         pool, verdict = None, Verdict(False, "InvalidSpec", str(invalid))
 
+    live: dict[ObjectRef, dict[str, Any] | None] = {}
     if pool is not None and verdict.accepted:
-        rejection = _apply(pool, cluster, config)
+        rejection = _apply(pool, cluster, config, live)
         if rejection is not None:
             verdict = Verdict(False, "RejectedByAPIServer", rejection)
 
-    observed = cluster.observe(meta.get("namespace", "default"), meta["name"])
+    observed = _observe(cluster, meta.get("namespace", "default"), meta["name"], live)
     status = pool_status(
         body, verdict, observed,
         desired_replicas=pool.replicas if pool else _requested_replicas(body, observed),
         desired_gateways=(pool.gateway["replicas"] if pool
                           else _observed_replicas(observed.gateway_deployment)),
         served_name=pool.model.served_name if pool else _served_name(body),
-        now=now or _now(),
+        now=now,
     )
     return Outcome(status=status, events=transition_events(body, status))
 
 
-def _apply(pool: Pool, cluster: Cluster, config: OperatorConfig) -> str | None:
-    """Apply the pool's objects and remove obsolete ones; the API server's refusal or None.
-    Every object passes a dry run (validation and admission) before any is written, so a spec
-    the server refuses leaves nothing half-made."""
+def _apply(pool: Pool, cluster: Cluster, config: OperatorConfig,
+           live: dict[ObjectRef, dict[str, Any] | None]) -> str | None:
+    """Apply the objects that do not hold what the pool wants, remove stray env vars and
+    obsolete objects; the API server's refusal or None. Every changed object passes a dry run
+    (validation and admission) before any is written, so a spec the server refuses leaves
+    nothing half-made. `live` is filled with the objects as they stand afterwards."""
     monitors = cluster.has_service_monitors()
     objects = desired_objects(pool, config, service_monitors=monitors)
-    rejection = _apply_all(objects, cluster, dry_run=True) or \
-        _apply_all(objects, cluster, dry_run=False)   # admission may change in between
-    if rejection is None:
-        for ref in obsolete_objects(pool, service_monitors=monitors):
+    for obj in objects:
+        live[ref_of(obj)] = cluster.get(ref_of(obj))
+    changed = [obj for obj in objects if not _holds(obj, live[ref_of(obj)])]
+    checked = [obj for obj in changed if obj["kind"] not in NOT_DRY_RUN]
+    rejection = _apply_all(checked, cluster, pool, live, dry_run=True)
+    if rejection is not None:
+        return rejection
+    cluster.create_once(control_key_secret(pool))
+    rejection = _apply_all(changed, cluster, pool, live, dry_run=False)  # admission may change
+    if rejection is not None:
+        return rejection
+    for obj in objects:
+        current = live[ref_of(obj)]
+        if obj["kind"] == "Deployment" and current is not None:
+            operations = stray_env_patch(obj, current)
+            if operations:
+                cluster.patch_json(ref_of(obj), operations)
+    for ref in obsolete_objects(pool, config, service_monitors=monitors):
+        if cluster.get(ref) is not None:
             cluster.delete(ref)
-    return rejection
+    return None
 
 
-def _apply_all(objects: list[dict[str, Any]], cluster: Cluster, *, dry_run: bool) -> str | None:
-    """Apply each object in order; the first refusal, or None."""
+def _holds(obj: dict[str, Any], current: dict[str, Any] | None) -> bool:
+    return current is not None and holds(obj, current)
+
+
+def _apply_all(objects: list[dict[str, Any]], cluster: Cluster, pool: Pool,
+               live: dict[ObjectRef, dict[str, Any] | None], *, dry_run: bool) -> str | None:
+    """Apply each object in order; the first refusal, in the spec's terms, or None."""
     for obj in objects:
         try:
-            cluster.apply(obj, dry_run=dry_run)
+            stored = cluster.apply(obj, dry_run=dry_run)
         except ObjectRejected as rejected:
-            return f"{obj['kind']} {obj['metadata']['name']}: {rejected}"
+            message = in_spec_terms(str(rejected), obj, pool.spec)
+            return f"{obj['kind']} {obj['metadata']['name']}: {message}"
+        if not dry_run:
+            live[ref_of(obj)] = stored
     return None
+
+
+def _observe(cluster: Cluster, namespace: str, pool: str,
+             live: dict[ObjectRef, dict[str, Any] | None]) -> Observed:
+    def current(api_version: str, kind: str, name: str) -> dict[str, Any] | None:
+        ref = ObjectRef(api_version, kind, namespace, name)
+        return live[ref] if ref in live else cluster.get(ref)
+    return Observed(
+        worker_deployment=current("apps/v1", "Deployment", api.worker_deployment_name(pool)),
+        gateway_deployment=current("apps/v1", "Deployment", api.gateway_name(pool)),
+        gateway_service=current("v1", "Service", api.gateway_name(pool)),
+        pods=cluster.pods(namespace, pool),
+    )
 
 
 def _requested_replicas(body: dict[str, Any], observed: Observed) -> int:
@@ -131,4 +227,3 @@ def _served_name(body: dict[str, Any]) -> str:
     model = (body.get("spec") or {}).get("model") or {}
     name = model.get("servedName") if isinstance(model, dict) else None
     return name if isinstance(name, str) else body["metadata"]["name"]
-

@@ -7,7 +7,10 @@
 - `GatewayReady`: as many ready gateway pods as `spec.gateway.replicas` asks.
 - `Progressing`: a rollout or scale is under way (False once it completes or gets stuck).
 - `Degraded`: something needs a human: pods crash-looping, images not pulling, pods
-  unschedulable, a rollout past its deadline.
+  unschedulable, a rollout past its deadline, or the Kubernetes API refusing the operator
+  (`APIError`: the API's message, the object it concerns, and when the next attempt is).
+- `Ready`: the one to watch: accepted, workers and gateway ready, nothing degraded; its reason
+  names the first thing missing.
 A condition keeps its `lastTransitionTime` while its status stays the same.
 """
 
@@ -156,6 +159,44 @@ def _endpoints(pool_name: str, namespace: str,
     return found
 
 
+def ready(conditions: list[dict[str, Any]]) -> dict[str, Any]:
+    """The aggregate: every other condition as a serving pool has it."""
+    by_type = {c["type"]: c for c in conditions}
+    for kind, wanted, reason in (("Degraded", "False", "Degraded"),
+                                 ("Accepted", "True", "NotAccepted"),
+                                 ("WorkersReady", "True", "WorkersNotReady"),
+                                 ("GatewayReady", "True", "GatewayNotReady")):
+        condition = by_type.get(kind)
+        if condition is None or condition["status"] != wanted:
+            message = condition["message"] if condition else f"{kind} is not known yet"
+            return _condition("Ready", False, reason, message)
+    return _condition("Ready", True, "Serving", "accepted; workers and gateway ready")
+
+
+def _stamp(conditions: list[dict[str, Any]], body: dict[str, Any], now: str,
+           generation: int) -> None:
+    previous = {c["type"]: c for c in (body.get("status") or {}).get("conditions") or []}
+    for condition in conditions:
+        before = previous.get(condition["type"])
+        unchanged = before and before.get("status") == condition["status"]
+        condition["lastTransitionTime"] = before["lastTransitionTime"] if unchanged else now
+        condition["observedGeneration"] = generation
+
+
+def failed_status(body: dict[str, Any], message: str, now: str) -> dict[str, Any]:
+    """The status after a pass the API stopped: what was known stays, `Degraded` says why."""
+    status = dict(body.get("status") or {})
+    kept = [dict(c) for c in status.get("conditions") or []
+            if c.get("type") not in ("Degraded", "Ready")]
+    conditions = [*kept, _condition("Degraded", True, "APIError", message)]
+    conditions.append(ready(conditions))
+    generation = int(body["metadata"].get("generation", 0))
+    fresh = conditions[len(kept):]
+    _stamp(fresh, body, now, generation)
+    status["conditions"] = conditions
+    return status
+
+
 def pool_status(body: dict[str, Any], verdict: Verdict, observed: Observed, *,
                 desired_replicas: int, desired_gateways: int, served_name: str,
                 now: str) -> dict[str, Any]:
@@ -170,12 +211,8 @@ def pool_status(body: dict[str, Any], verdict: Verdict, observed: Observed, *,
         progressing(observed.worker_deployment, desired_replicas),
         degraded(observed),
     ]
-    previous = {c["type"]: c for c in (body.get("status") or {}).get("conditions") or []}
-    for condition in conditions:
-        before = previous.get(condition["type"])
-        unchanged = before and before.get("status") == condition["status"]
-        condition["lastTransitionTime"] = before["lastTransitionTime"] if unchanged else now
-        condition["observedGeneration"] = generation
+    conditions.append(ready(conditions))
+    _stamp(conditions, body, now, generation)
     selector = api.selector_string(api.selector_labels(meta["name"], "worker"))
     return {
         "observedGeneration": generation,
@@ -193,12 +230,12 @@ def pool_status(body: dict[str, Any], verdict: Verdict, observed: Observed, *,
 
 def transition_events(body: dict[str, Any], status: dict[str, Any]) -> list[Event]:
     """Kubernetes Events for conditions that changed: once per change, not once per check."""
-    before = {c["type"]: c.get("status")
+    before = {c["type"]: (c.get("status"), c.get("reason"))
               for c in (body.get("status") or {}).get("conditions") or []}
     events = []
     for condition in status["conditions"]:
         kind, now_status = condition["type"], condition["status"]
-        if before.get(kind) == now_status:
+        if before.get(kind) == (now_status, condition["reason"]):
             continue
         if kind == "Accepted":
             bad = now_status == "False"
@@ -206,6 +243,7 @@ def transition_events(body: dict[str, Any], status: dict[str, Any]) -> list[Even
                                 condition["message"]))
         elif kind == "Degraded" and now_status == "True":
             events.append(Event("Warning", condition["reason"], condition["message"]))
-        elif kind == "WorkersReady" and now_status == "True":
+        elif kind == "WorkersReady" and now_status == "True" and (
+                before.get(kind, ("", ""))[0] != "True"):
             events.append(Event("Normal", "WorkersReady", condition["message"]))
     return events

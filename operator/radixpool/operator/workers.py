@@ -4,8 +4,9 @@ Worker pods are built to survive real operations:
 - startup probe on `/health` with a budget of `startupTimeoutSeconds`, so a 100 GB model can load;
 - readiness on `/health`, which turns 503 while loading or draining: the pod leaves the
   EndpointSlice and the gateway stops sending it work;
-- liveness is a TCP check: a worker busy with a long prefill answers HTTP slowly but its socket
-  accepts, so it is never killed for being busy; a dead process still is;
+- liveness on `/livez`, 200 while the engine core is alive (a dead engine core behind a live HTTP
+  server is restarted); it does not depend on load, and a generous timeout and threshold keep a
+  worker busy with a long prefill from being killed for answering slowly;
 - on deletion, preStop waits for the EndpointSlice change to reach the gateway, then SIGTERM makes
   the worker drain; the grace period covers both plus the drain timeout;
 - non-root, no privilege escalation, read-only root filesystem: the writable paths (/tmp, caches,
@@ -66,13 +67,19 @@ def worker_args(pool: Pool) -> list[str]:
 
 
 def api_key_env(pool: Pool) -> list[dict[str, Any]]:
-    """The API key from its Secret as $RADIXPOOL_API_KEY, which `radixpool worker` reads itself
-    (so the key never shows in the pod spec or the process list); the gateway's args reference
-    it as $(RADIXPOOL_API_KEY)."""
+    """The client API key from its Secret as $RADIXPOOL_API_KEY: workers and gateway read it
+    from the environment themselves, so no key shows in the pod spec or the process list."""
     if not pool.api_key:
         return []
     ref = {"name": pool.api_key.name, "key": pool.api_key.key}
     return [{"name": "RADIXPOOL_API_KEY", "valueFrom": {"secretKeyRef": ref}}]
+
+
+def control_key_env(pool: Pool, variable: str) -> dict[str, Any]:
+    """The pool's control key (its own Secret, made once by the operator) as `variable`:
+    RADIXPOOL_CONTROL_API_KEY in workers, RADIXPOOL_WORKER_API_KEY in the gateway."""
+    return {"name": variable, "valueFrom": {"secretKeyRef": {
+        "name": api.control_key_secret_name(pool.name), "key": api.CONTROL_KEY_FIELD}}}
 
 
 def container_security() -> dict[str, Any]:
@@ -149,7 +156,7 @@ def _probes() -> dict[str, Any]:
                          "timeoutSeconds": 5},
         "readinessProbe": {"httpGet": health, "periodSeconds": 5, "timeoutSeconds": 3,
                            "failureThreshold": 2, "successThreshold": 1},
-        "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 20,
+        "livenessProbe": {"httpGet": {"path": "/livez", "port": "http"}, "periodSeconds": 20,
                           "timeoutSeconds": 10, "failureThreshold": 6},
     }
 
@@ -177,7 +184,8 @@ def desired_worker_deployment(pool: Pool, image: str) -> dict[str, Any]:
                 {"name": "TRITON_CACHE_DIR", "value": f"{HOME}/.cache/triton"},
                 {"name": "CUDA_CACHE_PATH", "value": f"{HOME}/.cache/nv"},
                 {"name": "HF_HUB_OFFLINE", "value": "1"},
-                *api_key_env(pool), *engine.get("env", [])],
+                *api_key_env(pool), control_key_env(pool, "RADIXPOOL_CONTROL_API_KEY"),
+                *engine.get("env", [])],
         "resources": _resources(pool),
         "securityContext": container_security(),
         "volumeMounts": mounts,

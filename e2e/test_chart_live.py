@@ -1,0 +1,374 @@
+"""The chart as a cluster admin installs it, and the operator with the chart's own permissions.
+
+Runs only when RADIXPOOL_E2E_KUBECONFIG names a cluster-admin kubeconfig; otherwise every test
+here reports itself skipped (CI has no API server). Helm's own library (helm-python-sdk, Helm v4)
+installs `charts/radixpool` into a fresh namespace; the operator then runs from this checkout with
+exactly the arguments and environment of the chart's Deployment, but authenticated as the chart's
+ServiceAccount (a TokenRequest token in a kubeconfig), so every request meets the chart's RBAC
+as it would in the pod. Pools are made in other namespaces, deleted with and without a running
+operator, and the release is uninstalled. No kubelet is needed: where readiness matters the tests
+set the pods' status by hand, as a kubelet would.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import yaml
+from test_operator_live import (
+    GROUP,
+    KUBECONFIG,
+    PLURAL,
+    REPO,
+    VERSION,
+    condition,
+    get_pool,
+    pool_manifest,
+    wait_for,
+)
+
+pytestmark = pytest.mark.skipif(
+    not KUBECONFIG,
+    reason="live-cluster e2e skipped: set RADIXPOOL_E2E_KUBECONFIG to a cluster-admin "
+           "kubeconfig to run it (../shared/tools/k8s-local/ starts a local API server)")
+
+CHART = REPO / "charts" / "radixpool"
+RELEASE = f"rp{uuid.uuid4().hex[:5]}"
+RESYNC = 3
+
+
+@pytest.fixture(scope="module")
+def kube() -> Any:
+    from kubernetes import client, config
+
+    api_client = config.new_client_from_config(config_file=KUBECONFIG)
+    return SimpleNamespace(
+        api_client=api_client,
+        core=client.CoreV1Api(api_client), apps=client.AppsV1Api(api_client),
+        rbac=client.RbacAuthorizationV1Api(api_client), policy=client.PolicyV1Api(api_client),
+        net=client.NetworkingV1Api(api_client), auth=client.AuthorizationV1Api(api_client),
+        custom=client.CustomObjectsApi(api_client), errors=client.exceptions)
+
+
+@pytest.fixture(scope="module")
+def release(kube) -> Iterator[SimpleNamespace]:
+    """`helm install` of the chart with its defaults (cluster-wide, peering, NetworkPolicy)."""
+    import helm_python as helm
+
+    namespace = f"{RELEASE}-system"
+    with helm.Config(kubeconfig_path=KUBECONFIG, namespace=namespace) as cfg:
+        installed = cfg.install(str(CHART), RELEASE, {}, namespace=namespace,
+                                create_namespace=True, timeout=120)
+        assert installed["status"] == "deployed"
+        try:
+            yield SimpleNamespace(name=RELEASE, namespace=namespace, helm=cfg,
+                                  manifest=[d for d in yaml.safe_load_all(installed["manifest"])
+                                            if d])
+        finally:
+            cfg.uninstall(RELEASE, ignore_not_found=True)
+            kube.core.delete_namespace(namespace)
+
+
+def service_account_kubeconfig(kube, namespace: str, account: str, path: Path) -> Path:
+    """A kubeconfig that authenticates as the ServiceAccount, with a TokenRequest token."""
+    token = kube.core.create_namespaced_service_account_token(
+        account, namespace, {"spec": {"expirationSeconds": 3600}}).status.token
+    admin = yaml.safe_load(Path(KUBECONFIG).read_text())
+    context = next(c for c in admin["contexts"] if c["name"] == admin["current-context"])
+    cluster = next(c for c in admin["clusters"] if c["name"] == context["context"]["cluster"])
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "sa",
+        "clusters": [{"name": "c", "cluster": cluster["cluster"]}],
+        "users": [{"name": "sa", "user": {"token": token}}],
+        "contexts": [{"name": "sa", "context": {"cluster": "c", "user": "sa"}}]}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def as_chart(kube, release, tmp_path_factory) -> SimpleNamespace:
+    """The chart's operator Deployment, its ServiceAccount, and a kubeconfig as that account."""
+    deployment = next(d for d in release.manifest if d["kind"] == "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    kubeconfig = service_account_kubeconfig(kube, release.namespace, pod["serviceAccountName"],
+                                            tmp_path_factory.mktemp("sa") / "kubeconfig")
+    return SimpleNamespace(container=pod["containers"][0], account=pod["serviceAccountName"],
+                           kubeconfig=kubeconfig)
+
+
+class Operator:
+    """`radixpool operator` from this checkout, with the chart's args and env, as the chart's
+    ServiceAccount (only the liveness address, the kubeconfig and the resync period differ)."""
+
+    def __init__(self, as_chart: SimpleNamespace, log: Path, extra: tuple[str, ...] = ()):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        args = [a for a in as_chart.container["args"]
+                if not a.startswith(("--liveness", "--resync-seconds"))]
+        env = {**os.environ, **{e["name"]: e["value"] for e in as_chart.container["env"]}}
+        env.pop("KUBECONFIG", None)
+        self.log = log
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "radixpool.cli", *args, *extra,
+             "--kubeconfig", str(as_chart.kubeconfig), f"--resync-seconds={RESYNC}",
+             f"--liveness=http://127.0.0.1:{port}/healthz"],
+            env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def operator(as_chart, tmp_path_factory) -> Iterator[Operator]:
+    running = Operator(as_chart, tmp_path_factory.mktemp("op") / "operator.log")
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def namespaces(kube) -> Iterator[list[str]]:
+    names = [f"{RELEASE}-team-{team}" for team in ("a", "b")]
+    for name in names:
+        kube.core.create_namespace({"metadata": {"name": name}})
+    yield names
+    for name in names:
+        try:
+            kube.core.delete_namespace(name)
+        except kube.errors.ApiException as error:
+            if error.status != 404:
+                raise
+
+
+def create_pool(kube, namespace: str, name: str, **spec: Any) -> dict[str, Any]:
+    return kube.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+                                                       pool_manifest(name, **spec))
+
+
+def owned(kube, namespace: str, pool: str) -> set[str]:
+    selector = f"radixpool.io/pool={pool}"
+    found = set()
+    for kind, lister in (("Deployment", kube.apps.list_namespaced_deployment),
+                         ("Service", kube.core.list_namespaced_service),
+                         ("ServiceAccount", kube.core.list_namespaced_service_account),
+                         ("Role", kube.rbac.list_namespaced_role),
+                         ("RoleBinding", kube.rbac.list_namespaced_role_binding),
+                         ("PodDisruptionBudget", kube.policy.list_namespaced_pod_disruption_budget),
+                         ("NetworkPolicy", kube.net.list_namespaced_network_policy)):
+        found |= {f"{kind}/{item.metadata.name}"
+                  for item in lister(namespace, label_selector=selector).items}
+    return found
+
+
+def everything(pool: str) -> set[str]:
+    return {f"Deployment/{pool}-worker", f"Deployment/{pool}-gateway",
+            f"Service/{pool}-workers", f"Service/{pool}-gateway",
+            f"ServiceAccount/{pool}-gateway", f"Role/{pool}-gateway",
+            f"RoleBinding/{pool}-gateway", f"PodDisruptionBudget/{pool}-worker",
+            f"PodDisruptionBudget/{pool}-gateway", f"NetworkPolicy/{pool}-worker"}
+
+
+def make_pods_ready(kube, namespace: str, pool: str) -> int:
+    """Play the kubelet: every pod of the pool Running and Ready."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    pods = kube.core.list_namespaced_pod(namespace, label_selector=f"radixpool.io/pool={pool}")
+    for pod in pods.items:
+        kube.core.patch_namespaced_pod_status(pod.metadata.name, namespace, {"status": {
+            "phase": "Running", "podIP": "10.0.0.9",
+            "conditions": [{"type": kind, "status": "True", "lastTransitionTime": now}
+                           for kind in ("PodScheduled", "Initialized", "ContainersReady",
+                                        "Ready")]}})
+    return len(pods.items)
+
+
+def apply_requests() -> float:
+    """Server-side apply requests the API server has answered, from its /metrics."""
+    text = subprocess.run(["kubectl", "--kubeconfig", KUBECONFIG, "get", "--raw", "/metrics"],
+                          check=True, capture_output=True, text=True).stdout
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("apiserver_request_total{") and 'verb="APPLY"' in line)
+
+
+def events_about(kube, namespace: str, pool: str) -> list[Any]:
+    return kube.core.list_namespaced_event(
+        namespace, field_selector=f"involvedObject.name={pool}").items
+
+
+def test_the_chart_installs_on_this_cluster_with_least_privilege(kube, release, as_chart):
+    kinds = {d["kind"] for d in release.manifest}
+    assert {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment",
+            "ClusterKopfPeering"} <= kinds
+    from kubernetes import client
+
+    version = client.VersionApi(kube.api_client).get_code()
+    assert (int(version.major), int(version.minor.rstrip("+"))) >= (1, 28)  # kubeVersion
+
+    def can(verb: str, resource: str, group: str = "", namespace: str = "default") -> bool:
+        review = kube.auth.create_subject_access_review({"spec": {
+            "user": f"system:serviceaccount:{release.namespace}:{as_chart.account}",
+            "resourceAttributes": {"verb": verb, "resource": resource, "group": group,
+                                   "namespace": namespace}}})
+        return review.status.allowed
+
+    assert can("create", "deployments", "apps") and can("patch", "inferencepools/status",
+                                                          "radixpool.io")
+    # No `bind` or `escalate`: the gateway's RoleBinding is created by holding what it grants.
+    assert not can("bind", "roles", "rbac.authorization.k8s.io")
+    assert not can("escalate", "roles", "rbac.authorization.k8s.io")
+    assert not can("get", "secrets")  # opt-in (rbac.readSecrets)
+    assert not can("create", "clusterkopfpeerings", "kopf.dev", namespace="")
+
+
+def test_the_operator_as_the_charts_account_creates_pools_in_other_namespaces(
+        kube, namespaces, operator):
+    for namespace in namespaces:
+        create_pool(kube, namespace, "llm")
+    for namespace in namespaces:
+        wait_for(f"every object of {namespace}/llm", lambda ns=namespace: owned(
+            kube, ns, "llm") >= everything("llm"))
+        pool = wait_for("status", lambda ns=namespace: (p := get_pool(kube, ns, "llm")).get(
+            "status", {}).get("observedGeneration") == p["metadata"]["generation"] and p)
+        assert condition(pool, "Accepted")["status"] == "True"
+        assert condition(pool, "Degraded")["status"] == "False", condition(pool, "Degraded")
+        assert condition(pool, "Ready")["reason"] == "WorkersNotReady"
+        assert not pool["metadata"].get("finalizers")
+        binding = kube.rbac.read_namespaced_role_binding("llm-gateway", namespace)
+        assert binding.role_ref.name == "llm-gateway"
+        control = kube.core.read_namespaced_secret("llm-control-key", namespace)
+        assert control.metadata.owner_references[0].uid == pool["metadata"]["uid"]
+        assert operator.process.poll() is None, operator.log.read_text()[-3000:]
+
+
+def test_the_pool_turns_ready_when_its_pods_do(kube, namespaces, operator):
+    namespace = namespaces[0]
+    wait_for("pods of the pool", lambda: make_pods_ready(kube, namespace, "llm") >= 2)
+    pool = wait_for("Ready=True", lambda: condition(
+        p := get_pool(kube, namespace, "llm"), "Ready").get("status") == "True" and p)
+    assert condition(pool, "WorkersReady")["status"] == "True"
+    assert condition(pool, "GatewayReady")["status"] == "True"
+    reasons = {(e.reason, e.source.component) for e in events_about(kube, namespace, "llm")}
+    assert ("WorkersReady", "radixpool-operator") in reasons
+    assert not any(component == "kopf" for _, component in reasons)
+
+
+def test_steady_state_writes_nothing(kube, namespaces, operator):
+    namespace = namespaces[1]
+    wait_for("status", lambda: condition(get_pool(kube, namespace, "llm"), "Accepted"))
+    time.sleep(RESYNC * 2)  # the first passes settle
+
+    def versions() -> dict[str, str]:
+        found = {"pool": get_pool(kube, namespace, "llm")["metadata"]["resourceVersion"]}
+        for lister in (kube.apps.list_namespaced_deployment, kube.core.list_namespaced_service,
+                       kube.rbac.list_namespaced_role, kube.rbac.list_namespaced_role_binding,
+                       kube.policy.list_namespaced_pod_disruption_budget,
+                       kube.net.list_namespaced_network_policy):
+            for item in lister(namespace, label_selector="radixpool.io/pool=llm").items:
+                found[item.metadata.name + type(item).__name__] = item.metadata.resource_version
+        return found
+
+    before, applies = versions(), apply_requests()
+    time.sleep(RESYNC * 4)  # four timer passes
+    # No object or status written (resourceVersions), and not even a no-op server-side apply
+    # (the API server's own request counter: only the operator applies here).
+    assert versions() == before
+    assert apply_requests() == applies
+
+
+def test_drift_including_a_hand_added_env_var_is_put_back(kube, namespaces, operator):
+    namespace = namespaces[1]
+    kube.apps.patch_namespaced_deployment("llm-worker", namespace, {"spec": {"template": {
+        "spec": {"containers": [{"name": "worker", "env": [{"name": "BY_HAND", "value": "1"}]}]}}}})
+    kube.core.delete_namespaced_service("llm-workers", namespace)
+
+    def healed() -> bool:
+        env = kube.apps.read_namespaced_deployment("llm-worker", namespace).spec.template.spec
+        names = [e.name for e in env.containers[0].env or []]
+        return "BY_HAND" not in names and bool(
+            kube.core.read_namespaced_service("llm-workers", namespace))
+    wait_for("the env var removed and the Service back", healed)
+
+
+def test_api_errors_show_as_degraded_with_the_object_and_a_warning_event(kube, namespaces,
+                                                                         operator):
+    namespace = namespaces[1]
+    kube.core.create_namespaced_resource_quota(namespace, {
+        "metadata": {"name": "no-more-services"}, "spec": {"hard": {"services": "2"}}})
+    try:
+        create_pool(kube, namespace, "quota")  # its two Services exceed the quota
+        pool = wait_for("Degraded=True", lambda: condition(
+            p := get_pool(kube, namespace, "quota"), "Degraded").get("status") == "True" and p)
+        degraded = condition(pool, "Degraded")
+        assert degraded["reason"] == "APIError"
+        assert f"Service {namespace}/quota-workers: 403 Forbidden" in degraded["message"]
+        assert "exceeded quota: no-more-services" in degraded["message"]
+        assert "next attempt in" in degraded["message"]
+        assert condition(pool, "Ready")["status"] == "False"
+        warnings = [e for e in events_about(kube, namespace, "quota") if e.type == "Warning"]
+        assert [(e.reason, e.source.component) for e in warnings] == [
+            ("APIError", "radixpool-operator")]
+    finally:
+        kube.core.delete_namespaced_resource_quota("no-more-services", namespace)
+    wait_for("recovered", lambda: condition(get_pool(kube, namespace, "quota"), "Degraded").get(
+        "status") == "False", timeout=120)
+
+
+def test_deleting_a_pool_with_the_operator_running_removes_everything(kube, namespaces,
+                                                                      operator):
+    namespace = namespaces[1]
+    kube.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "quota")
+    wait_for("owned objects garbage-collected", lambda: not owned(kube, namespace, "quota"))
+
+
+def test_without_a_running_operator_pools_and_their_namespace_still_go(kube, namespaces,
+                                                                      operator):
+    operator.stop()
+    namespace = namespaces[0]
+    kube.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "llm")
+    wait_for("the pool gone", lambda: not kube.custom.list_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL)["items"] or None)
+    wait_for("owned objects garbage-collected", lambda: not owned(kube, namespace, "llm"))
+    kube.core.delete_namespace(namespaces[1])  # its pool "llm" still in it
+    wait_for("the namespace deleted, pool and all", lambda: namespaces[1] not in {
+        ns.metadata.name for ns in kube.core.list_namespace().items}, timeout=180)
+
+
+def test_without_its_peering_object_the_operator_says_so_and_exits(as_chart, tmp_path):
+    log = tmp_path / "operator.log"
+    absent = Operator(as_chart, log, extra=("--peering=absent-peering",))
+    code = absent.process.wait(timeout=120)
+    output = log.read_text()
+    assert code == 1, output[-2000:]
+    assert "ClusterKopfPeering absent-peering is missing and could not be created" in output
+    assert "--standalone" in output
+
+
+def test_uninstall_leaves_no_pool_stuck(kube, release, namespaces, as_chart, tmp_path):
+    namespace = namespaces[0]
+    leftover = Operator(as_chart, tmp_path / "operator.log")
+    try:
+        create_pool(kube, namespace, "after")
+        wait_for("objects", lambda: owned(kube, namespace, "after") >= everything("after"))
+    finally:
+        leftover.stop()
+    release.helm.uninstall(release.name)
+    wait_for("the release's ClusterRole gone", lambda: not [
+        r for r in kube.rbac.list_cluster_role().items if r.metadata.name.startswith(RELEASE)])
+    kube.core.delete_namespace(namespace)
+    wait_for("the namespace deleted with its pool, no operator anywhere", lambda: namespace not in {
+        ns.metadata.name for ns in kube.core.list_namespace().items}, timeout=180)

@@ -1,0 +1,88 @@
+"""Drift: does a live object still hold what the operator wants it to hold?
+
+`holds(desired, live)` is pure and deliberately one-sided: every field the operator sets must be
+in the live object with the same value (or, if false or empty, may be absent: the API server
+drops those); fields the API server adds (defaults, status, managed fields) or other controllers
+own are ignored. So an unchanged pool needs no write at all, and only
+a real change (an edit, a deleted object, a new spec) is applied again.
+
+`stray_env_patch` covers what server-side apply cannot: an env var someone added by hand is owned
+by their field manager, so a forced apply leaves it in place; the operator removes it with a JSON
+patch (each removal guarded by a `test` of its name, so a concurrent edit makes it fail, not
+remove the wrong entry).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kubernetes.utils import parse_quantity
+
+
+def _same_scalar(want: Any, have: Any) -> bool:
+    if want == have and type(want) is type(have):
+        return True
+    if isinstance(want, bool) or isinstance(have, bool):
+        return False
+    if isinstance(want, (str, int, float)) and isinstance(have, (str, int, float)):
+        try:  # "0.5" and "500m", "1024Mi" and "1Gi": the server normalizes quantities
+            return parse_quantity(want) == parse_quantity(have)
+        except (ValueError, TypeError, ArithmeticError):
+            return False
+    return False
+
+
+def _omitted(value: Any) -> bool:
+    """The API server drops empty and false fields (`publishNotReadyAddresses: false`, `{}`)."""
+    return value is False or value is None or value in ("", [], {})
+
+
+def _named(items: list[Any]) -> bool:
+    return bool(items) and all(isinstance(item, dict) and "name" in item for item in items)
+
+
+def holds(desired: Any, live: Any) -> bool:
+    """Whether `live` carries every field of `desired` with the same value."""
+    if isinstance(desired, dict):
+        if not isinstance(live, dict):
+            return False
+        return all(holds(value, live[key]) if key in live else _omitted(value)
+                   for key, value in desired.items())
+    if isinstance(desired, list):
+        if not isinstance(live, list):
+            return False
+        if _named(desired) and _named(live):
+            by_name = {item["name"]: item for item in live}
+            return all(item["name"] in by_name and holds(item, by_name[item["name"]])
+                       for item in desired)
+        return len(desired) == len(live) and all(map(holds, desired, live))
+    return _same_scalar(desired, live)
+
+
+def _containers(obj: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    pod = ((obj.get("spec") or {}).get("template") or {}).get("spec") or {}
+    return [(field, container) for field in ("initContainers", "containers")
+            for container in pod.get(field) or []]
+
+
+def stray_env_patch(desired: dict[str, Any], live: dict[str, Any]) -> list[dict[str, Any]]:
+    """JSON-patch operations removing env vars the live Deployment has and the pool does not."""
+    wanted = {(field, c["name"]): {e["name"] for e in c.get("env") or []}
+              for field, c in _containers(desired)}
+    indexes = {field: {c.get("name"): i for i, c in enumerate(
+        ((live.get("spec") or {}).get("template") or {}).get("spec", {}).get(field) or [])}
+        for field in ("initContainers", "containers")}
+    operations = []
+    for field, container in _containers(live):
+        keep = wanted.get((field, container.get("name")))
+        if keep is None:
+            continue
+        position = indexes[field][container.get("name")]
+        base = f"/spec/template/spec/{field}/{position}/env"
+        env = container.get("env") or []
+        for index in reversed(range(len(env))):  # from the end: earlier indexes stay valid
+            if env[index].get("name") not in keep:
+                operations += [{"op": "test", "path": f"{base}/{index}/name",
+                                "value": env[index].get("name")},
+                               {"op": "remove", "path": f"{base}/{index}"}]
+    return operations

@@ -1,0 +1,108 @@
+"""Drift detection, refusals in spec terms, and the peering object made at start-up."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixpool.operator.desired import OperatorConfig, desired_objects
+from radixpool.operator.drift import holds, stray_env_patch
+from radixpool.operator.peering import PeeringUnavailable, ensure_peering
+from radixpool.operator.reconcile import ApiFailure
+from radixpool.operator.spec import parse_pool
+from radixpool.operator.spec_paths import in_spec_terms
+
+
+def test_holds_ignores_what_the_server_adds_and_sees_what_was_changed():
+    want = {"spec": {"replicas": 2, "template": {"spec": {"containers": [
+        {"name": "w", "resources": {"requests": {"cpu": "0.5", "memory": "1Gi"}},
+         "ports": [{"name": "http", "containerPort": 8000}]}]}}}}
+    live = {"metadata": {"resourceVersion": "9"}, "status": {"replicas": 2},
+            "spec": {"replicas": 2, "progressDeadlineSeconds": 600, "template": {"spec": {
+                "containers": [{"name": "w", "terminationMessagePath": "/dev/termination-log",
+                                "resources": {"requests": {"cpu": "500m", "memory": "1024Mi"}},
+                                "ports": [{"name": "http", "containerPort": 8000,
+                                           "protocol": "TCP"}]}]}}}}
+    assert holds(want, live)
+    live["spec"]["replicas"] = 1
+    assert not holds(want, live)
+    live["spec"]["replicas"] = 2
+    live["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = 9000
+    assert not holds(want, live)
+    assert not holds({"rules": [{"verbs": ["get"]}]}, {"rules": []})
+    assert not holds({"a": "true"}, {"a": True}) and not holds({"a": 1}, {})
+    # The API server drops false and empty fields: still as wanted.
+    assert holds({"spec": {"publishNotReadyAddresses": False, "clusterIP": "None"}},
+                 {"spec": {"clusterIP": "None"}})
+    assert not holds({"spec": {"publishNotReadyAddresses": True}}, {"spec": {}})
+
+
+def test_stray_env_patch_removes_only_what_the_pool_does_not_set(pool_body):
+    desired = next(o for o in desired_objects(parse_pool(pool_body(engine={"env": [
+        {"name": "MINE", "value": "1"}]})), OperatorConfig(), service_monitors=False)
+        if o["metadata"]["name"] == "llama-worker")
+    live = {"spec": {"template": {"spec": {"containers": [
+        {"name": "worker", "env": [{"name": "HOME", "value": "/h"}, {"name": "X", "value": "1"},
+                                   {"name": "MINE", "value": "1"}, {"name": "Y", "value": "2"}]},
+        {"name": "sidecar-injected", "env": [{"name": "Z", "value": "3"}]}]}}}}
+    assert stray_env_patch(desired, live) == [
+        {"op": "test", "path": "/spec/template/spec/containers/0/env/3/name", "value": "Y"},
+        {"op": "remove", "path": "/spec/template/spec/containers/0/env/3"},
+        {"op": "test", "path": "/spec/template/spec/containers/0/env/1/name", "value": "X"},
+        {"op": "remove", "path": "/spec/template/spec/containers/0/env/1"},
+    ]  # a container the pool does not define (an injected sidecar) is not touched
+    assert stray_env_patch(desired, desired) == []
+
+
+def test_refusals_are_named_in_spec_terms(pool_body):
+    body = pool_body(engine={"env": [{"name": "A", "value": "1"}, {"name": "1B", "value": "2"}],
+                             "tolerations": [{"key": "k", "operator": "Sometimes"}],
+                             "args": ["--bogus"]})
+    pool = parse_pool(body)
+    objs = {o["metadata"]["name"]: o for o in desired_objects(
+        pool, OperatorConfig(), service_monitors=False) if o["kind"] == "Deployment"}
+    worker = objs["llama-worker"]
+    env_index = len(worker["spec"]["template"]["spec"]["containers"][0]["env"]) - 1
+    args_index = len(worker["spec"]["template"]["spec"]["containers"][0]["args"]) - 1
+    message = (f"spec.template.spec.containers[0].env[{env_index}].name: Invalid value; "
+               "spec.template.spec.tolerations[0].operator: Unsupported value; "
+               f"spec.template.spec.containers[0].args[{args_index}]: bad; "
+               "spec.template.spec.containers[0].env[0].name: the operator's own")
+    said = in_spec_terms(message, worker, pool.spec)
+    assert f"spec.engine.env[1].name (spec.template.spec.containers[0].env[{env_index}].name)" \
+        in said
+    assert "spec.engine.tolerations[0].operator (spec.template.spec.tolerations[0]" in said
+    assert f"spec.engine.args[0] (spec.template.spec.containers[0].args[{args_index}])" in said
+    assert said.endswith("spec.template.spec.containers[0].env[0].name: the operator's own")
+    gateway = in_spec_terms("spec.template.spec.nodeSelector: bad", objs["llama-gateway"],
+                            pool.spec)
+    assert gateway.startswith("spec.gateway.nodeSelector (spec.template.spec.nodeSelector)")
+
+
+class PeeringCluster:
+    def __init__(self, present=(), failure: ApiFailure | None = None):
+        self.present, self.failure, self.created = set(present), failure, []
+
+    def create_if_missing(self, obj):
+        if self.failure:
+            raise self.failure
+        key = (obj["kind"], obj["metadata"].get("namespace", ""), obj["metadata"]["name"])
+        if key in self.present:
+            return False
+        self.created.append(key)
+        return True
+
+
+def test_a_missing_peering_object_is_created_at_start_up():
+    cluster = PeeringCluster(present={("KopfPeering", "a", "radixpool")})
+    assert ensure_peering(cluster, "radixpool", ["a", "b"]) == ["KopfPeering b/radixpool"]
+    assert ensure_peering(PeeringCluster(), "rp", []) == ["ClusterKopfPeering rp"]
+
+
+@pytest.mark.parametrize("code,hint", [(404, "kubectl apply --server-side -f crds/kopf-peering"),
+                                       (403, "grant the operator create")])
+def test_a_peering_object_that_cannot_be_made_stops_the_operator_saying_why(code, hint):
+    failure = ApiFailure("create", "ClusterKopfPeering", "", "radixpool", code, "x", "y")
+    with pytest.raises(PeeringUnavailable, match="--standalone") as stopped:
+        ensure_peering(PeeringCluster(failure=failure), "radixpool", [])
+    assert hint in str(stopped.value)
+    assert "ClusterKopfPeering radixpool is missing" in str(stopped.value)
