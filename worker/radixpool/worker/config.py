@@ -34,6 +34,9 @@ class EngineConfig:
     # Schedule step N+1 while step N runs (its tokens stay on the device until processed).
     # None: on for CUDA, off on CPU (where nothing runs concurrently to gain from it).
     overlap_schedule: bool | None = None
+    # Structured output: append the text a grammar forces in one extend step (jump-forward)
+    # instead of one forward pass per token.
+    jump_forward: bool = True
 
     def __post_init__(self) -> None:
         def fail(name: str, expected: str) -> None:
