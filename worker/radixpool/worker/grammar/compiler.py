@@ -92,9 +92,6 @@ class GrammarCompiler:
             self._cache.popitem(last=False)
         return fut
 
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
-
     # ---------------------------------------------------------------- compile thread
     def _compile(self, key: tuple[str, str]) -> Any:
         kind, source = key
