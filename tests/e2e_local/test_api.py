@@ -105,12 +105,6 @@ def test_structured_output_through_the_gateway(fleet, sdk):
     doc = json.loads(content)
     assert set(doc) == {"answer"} and re.fullmatch("[a-z]{1,8}", doc["answer"])
     assert reply.choices[0].finish_reason == "stop"
-    for url in fleet.worker_urls:   # the same answer from every worker, asked directly
-        direct = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0).chat \
-            .completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
-                                response_format=fmt)
-        assert direct.choices[0].message.content == content
-        assert direct.usage.completion_tokens == reply.usage.completion_tokens
 
     with pytest.raises(openai.BadRequestError) as bad:
         sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=5,
@@ -133,3 +127,9 @@ def test_structured_output_through_the_gateway(fleet, sdk):
     assert reply.usage.prompt_tokens - 16 <= predicted <= cached
     assert after["tree_corrections"].get("cached_tokens", 0) == \
         view["tree_corrections"].get("cached_tokens", 0)
+    for url in fleet.worker_urls:   # the same answer from every worker, asked directly
+        direct = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0).chat \
+            .completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+                                response_format=fmt)
+        assert direct.choices[0].message.content == content
+        assert direct.usage.completion_tokens == reply.usage.completion_tokens
