@@ -4,16 +4,18 @@
     python bench/structured.py mask [--model DIR] [--batch 64] [--constrained 0 8 64] [--steps 40]
 
 `jump` runs the engine core in-process on a JSON-schema workload (objects with several keys:
-enums, bounded integers, short patterned strings — the forced text is the keys and the
-punctuation) twice, with jump-forward on and off, and prints forward passes, generated tokens,
-tokens per forward pass, wall time and generated tokens/s, after checking every output against
-the schema.
+enums, bounded integers, short patterned strings — the forced text is the keys, the punctuation
+and the rest of an enum value once its first token is chosen) twice, with jump-forward on and off,
+and prints engine steps (batched forward passes), request passes (forward passes summed over the
+requests: what one request alone would take), generated tokens, tokens per request pass, wall
+time and generated tokens/s, after checking every output against the schema. `--requests 1`
+gives the single-request case.
 
 `mask` decodes a batch of `--batch` requests of which `--constrained` carry a JSON schema with an
-unbounded language (an array of integers: they never finish early), jump-forward off so every
-step is one token, and prints the median decode step time and the median time of the sampler
-phase (where the masks are filled, moved and applied); "per mask" is the sampler time above the
-unconstrained batch's, per constrained request.
+unbounded language (an array of at least 1,000 integers: they never finish early), jump-forward
+off so every step is one token, and prints the decode step time (median and min), the sampler
+phase (masks applied there), and the time to build the step's masks (bitmasks filled by xgrammar,
+special tokens cleared, unpacked to a boolean mask), in total and per constrained request.
 """
 
 from __future__ import annotations
@@ -55,17 +57,19 @@ def _core(model: str, device: str, **options):
     return EngineCore(EngineConfig(model, device=device, kv_cache_tokens=65536, **options))
 
 
-def _run(core, requests) -> dict[str, list[int]]:
+def _run(core, requests) -> tuple[dict[str, list[int]], int]:
+    """Every request's tokens, and the forward passes the requests took (summed over them)."""
     from radixpool.worker.messages import GenerateRequest
 
-    out = {}
+    out, passes = {}, 0
     for rid, ids, params, seed in requests:
         core.add_request(GenerateRequest(rid, ids, params, seed))
         out[rid] = []
     while core.has_work:
         for delta in core.step().deltas:
             out[delta.rid] += delta.token_ids
-    return out
+            passes += bool(delta.token_ids)   # one delta per pass that sampled for it
+    return out, passes
 
 
 def jump(args: argparse.Namespace) -> None:
@@ -84,20 +88,19 @@ def jump(args: argparse.Namespace) -> None:
     _run(warm, requests[:2])   # xgrammar import, tokenizer info, compile: not measured
     print(f"JSON-schema workload: {args.requests} requests, 5 keys, sampled (T=1), "
           f"device {args.device}")
-    print(f"{'jump-forward':>12} {'forward passes':>15} {'tokens':>7} {'tokens/pass':>12} "
-          f"{'wall s':>7} {'tokens/s':>9}")
+    print(f"{'jump-forward':>12} {'engine steps':>13} {'request passes':>15} {'tokens':>7} "
+          f"{'tokens/pass':>12} {'wall s':>7} {'tokens/s':>9}")
     for on in (False, True):
         core = _core(model, args.device, jump_forward=on)
         core.grammars.compiler = warm.grammars.compiler   # compiled already: time decoding
         start = time.perf_counter()
-        out = _run(core, requests)
+        out, passes = _run(core, requests)
         wall = time.perf_counter() - start
         tokens = sum(len(ids) for ids in out.values())
         for ids in out.values():
             jsonschema.validate(json.loads(tok.tokenizer.decode(ids[:-1])), JUMP_SCHEMA)
-        passes = core.times.steps
-        print(f"{'on' if on else 'off':>12} {passes:>15} {tokens:>7} {tokens / passes:>12.2f} "
-              f"{wall:>7.2f} {tokens / wall:>9.0f}")
+        print(f"{'on' if on else 'off':>12} {core.times.steps:>13} {passes:>15} {tokens:>7} "
+              f"{tokens / passes:>12.2f} {wall:>7.2f} {tokens / wall:>9.0f}")
 
 
 def mask(args: argparse.Namespace) -> None:
@@ -107,8 +110,20 @@ def mask(args: argparse.Namespace) -> None:
     model = _model(args.model)
     schema = json.dumps(MASK_SCHEMA)
     print(f"decode step, batch {args.batch}, {args.steps} steps measured, device {args.device}")
-    print(f"{'constrained':>11} {'step ms p50':>12} {'sample ms p50':>14} {'per mask us':>12}")
-    base = None
+    print(f"{'constrained':>11} {'step ms p50':>12} {'step ms min':>12} {'sample ms p50':>14} "
+          f"{'masks ms p50':>13} {'us per mask':>12}")
+    from radixpool.worker.grammar.mask import GrammarMasks
+
+    build = GrammarMasks.build
+    mask_times: list[float] = []
+
+    def timed_build(self, grammars):
+        t = time.perf_counter()
+        out = build(self, grammars)
+        mask_times.append(time.perf_counter() - t)
+        return out
+
+    GrammarMasks.build = timed_build
     for constrained in args.constrained:
         core = _core(model, args.device, jump_forward=False,
                      max_running_requests=max(args.batch, 1))
@@ -121,6 +136,7 @@ def mask(args: argparse.Namespace) -> None:
             core.step()
         core.step()
         steps, samples = [], []
+        mask_times.clear()
         for _ in range(args.steps):
             before = core.times.sample
             t = time.perf_counter()
@@ -128,11 +144,10 @@ def mask(args: argparse.Namespace) -> None:
             steps.append(time.perf_counter() - t)
             samples.append(core.times.sample - before)
         step, sample = statistics.median(steps) * 1e3, statistics.median(samples) * 1e3
-        if constrained == 0:
-            base = sample
-        per_mask = "" if base is None or not constrained else \
-            f"{(sample - base) * 1e3 / constrained:.1f}"
-        print(f"{constrained:>11} {step:>12.2f} {sample:>14.2f} {per_mask:>12}")
+        masks = statistics.median(mask_times) * 1e3 if mask_times else 0.0
+        per_mask = f"{masks * 1e3 / constrained:.1f}" if constrained else ""
+        print(f"{constrained:>11} {step:>12.2f} {min(steps) * 1e3:>12.2f} {sample:>14.2f} "
+              f"{masks:>13.3f} {per_mask:>12}")
 
 
 def main(argv: list[str] | None = None) -> None:
