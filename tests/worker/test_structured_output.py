@@ -235,5 +235,7 @@ def test_two_constraints_at_once_are_refused():
         SamplingParams(json_schema="{not json")
     with pytest.raises(ValueError, match="json_schema must be a JSON object"):
         SamplingParams(json_schema="[1, 2]")
+    with pytest.raises(ValueError, match="regex has 100001 characters"):
+        SamplingParams(regex="a" * 100_001)
     params = SamplingParams.from_dict({"json_schema": {"type": "object"}})
     assert params.constraint == ("json_schema", '{"type": "object"}')

@@ -13,6 +13,7 @@ from typing import Any
 
 GREEDY_TEMPERATURE = 1e-5  # below this, logits / T overflows float32 for ordinary logits
 CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf")
+MAX_CONSTRAINT_CHARS = 100_000   # compiles run one at a time: a huge grammar would hold the rest
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -141,6 +142,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+            if len(value) > MAX_CONSTRAINT_CHARS:
+                raise ValueError(f"{name} has {len(value)} characters; at most "
+                                 f"{MAX_CONSTRAINT_CHARS} are accepted")
         if self.json_schema is not None:
             try:
                 schema = json.loads(self.json_schema)
