@@ -239,3 +239,44 @@ def test_two_constraints_at_once_are_refused():
         SamplingParams(regex="a" * 100_001)
     params = SamplingParams.from_dict({"json_schema": {"type": "object"}})
     assert params.constraint == ("json_schema", '{"type": "object"}')
+
+
+def test_jump_forward_equals_greedy_constrained_decoding_by_transformers(tiny_model, tok):
+    """The reference: Hugging Face `transformers` recomputing the whole sequence for every token,
+    the grammar's mask applied, argmax; where the grammar forces text, the same re-split tokens
+    are appended (one reference pass per sampled token). The engine, jump-forward on, gives the
+    same tokens in as many forward passes as the reference sampled tokens: fewer than tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from radixpool.worker.grammar.compiler import GrammarCompiler
+    from radixpool.worker.grammar.mask import GrammarMasks
+    from radixpool.worker.grammar.matcher import RequestGrammar
+
+    schema = FINITE_SCHEMAS[0]
+    prompt = prompts(tok)[1]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    compiler = GrammarCompiler(str(tiny_model), 1024, (2, 4))
+    compiled = compiler.submit(("json_schema", json.dumps(schema))).result()
+    grammar = RequestGrammar(compiled, compiler.vocab)
+    masks = GrammarMasks(compiler.vocab, 1024, torch.device("cpu"))
+    out: list[int] = []
+    passes = 0
+    with torch.no_grad():
+        while not grammar.terminated and len(out) < 80:
+            logits = hf(torch.tensor([prompt + out])).logits[0, -1]
+            token = int(logits.masked_fill(~masks.build([grammar])[0], -torch.inf).argmax())
+            passes += 1
+            assert grammar.accept(token)
+            out.append(token)
+            if not grammar.terminated:
+                forced = grammar.jump_forward(token, 80 - len(out) + 1)
+                if forced is not None:
+                    out[-1:] = forced
+
+    result, core = run(tiny_model, [("r", prompt, SamplingParams(
+        max_new_tokens=80, temperature=0, json_schema=json.dumps(schema)), 0)])
+    ids, reason, _ = result["r"]
+    assert ids == out and reason == "stop"
+    jsonschema.validate(json.loads(text_of(tok, ids)), schema)
+    assert core.times.steps == passes < len(ids) / 1.5, (core.times.steps, passes, len(ids))
