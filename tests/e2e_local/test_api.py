@@ -10,7 +10,7 @@ import re
 import openai
 import pytest
 
-from .fleet_probes import MODEL, eventually, long_text, scrape
+from .fleet_probes import MODEL, eventually, gateway_view, long_text, scrape
 
 pytestmark = pytest.mark.slow
 
@@ -88,17 +88,48 @@ def test_gateway_and_worker_token_counters_agree(fleet, sdk):
     assert gw_cached == w_cached == client_cached > 0
 
 
-def test_structured_output_or_a_clear_refusal(sdk):
+def test_structured_output_through_the_gateway(fleet, sdk):
+    """A constrained request routed by the gateway gets what each worker gives directly; a bad
+    schema is a 400 through the gateway too; and the next turn, which carries the constrained
+    answer (forced text appended by jump-forward), hits the worker's cache where the gateway
+    predicted, without the gateway over-predicting."""
     schema = {"type": "object", "required": ["answer"], "additionalProperties": False,
               "properties": {"answer": {"type": "string", "pattern": "^[a-z]{1,8}$"}}}
-    try:
-        reply = sdk.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "answer in JSON"}], max_tokens=40,
-            response_format={"type": "json_schema",
-                             "json_schema": {"name": "answer", "schema": schema}})
-    except openai.BadRequestError as exc:
-        assert "response_format" in str(exc)  # the worker names what it does not support
-        pytest.skip("structured output has not landed in the worker: response_format "
-                    "json_schema is refused with 400 (checked through the gateway)")
-    doc = json.loads(reply.choices[0].message.content)
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    messages = [{"role": "system", "content": long_text(31, 150)},
+                {"role": "user", "content": "answer in JSON"}]
+    raw = sdk.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, max_tokens=40, temperature=0, response_format=fmt)
+    reply, owner = raw.parse(), raw.headers["x-radixpool-worker"]
+    content = reply.choices[0].message.content
+    doc = json.loads(content)
     assert set(doc) == {"answer"} and re.fullmatch("[a-z]{1,8}", doc["answer"])
+    assert reply.choices[0].finish_reason == "stop"
+
+    with pytest.raises(openai.BadRequestError) as bad:
+        sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=5,
+                                    response_format={"type": "json_schema", "json_schema": {
+                                        "name": "x", "schema": {"type": "nope"}}})
+    assert bad.value.body["param"] == "response_format" and "nope" in bad.value.body["message"]
+
+    view = gateway_view(fleet.gateway.url)[owner]
+    turn = messages + [{"role": "assistant", "content": content},
+                       {"role": "user", "content": "and once more"}]
+    raw = sdk.chat.completions.with_raw_response.create(
+        model=MODEL, messages=turn, max_tokens=40, temperature=0, response_format=fmt)
+    assert raw.headers["x-radixpool-worker"] == owner
+    cached = raw.parse().usage.prompt_tokens_details.cached_tokens
+    assert cached >= reply.usage.prompt_tokens   # the whole first prompt, and more
+    eventually(lambda: gateway_view(fleet.gateway.url)[owner]["requests"] > view["requests"],
+               "the gateway booked the second turn")
+    after = gateway_view(fleet.gateway.url)[owner]
+    predicted = after["predicted_cached_tokens"] - view["predicted_cached_tokens"]
+    assert reply.usage.prompt_tokens - 16 <= predicted <= cached
+    assert after["tree_corrections"].get("cached_tokens", 0) == \
+        view["tree_corrections"].get("cached_tokens", 0)
+    for url in fleet.worker_urls:   # the same answer from every worker, asked directly
+        direct = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0).chat \
+            .completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+                                response_format=fmt)
+        assert direct.choices[0].message.content == content
+        assert direct.usage.completion_tokens == reply.usage.completion_tokens

@@ -34,6 +34,10 @@ LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
     1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0,
 )
+# Grammar compiles take from well under a millisecond to seconds (large schemas).
+GRAMMAR_COMPILE_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)
 
 # --- worker -----------------------------------------------------------------------------------
 PROMPT_TOKENS = MetricSpec(
@@ -78,6 +82,13 @@ E2E_REQUEST_LATENCY = MetricSpec(
     "radixpool_e2e_request_latency_seconds", "histogram", "Time from arrival to finish.")
 QUEUE_TIME = MetricSpec(
     "radixpool_queue_time_seconds", "histogram", "Time from arrival to first admission.")
+GRAMMAR_COMPILE_SECONDS = MetricSpec(
+    "radixpool_grammar_compile_seconds", "histogram",
+    "Time to compile a structured-output constraint (JSON schema, regex, EBNF); cache hits "
+    "are not compiled.")
+GRAMMAR_CACHE_HITS = MetricSpec(
+    "radixpool_grammar_cache_hits_total", "counter",
+    "Constrained requests whose grammar was already compiled (or compiling) in the cache.")
 WORKER_INFO = MetricSpec(
     "radixpool_worker", "info", "Model, version and instance id of this worker.",
     ("model", "version", "instance_id"))
@@ -86,7 +97,8 @@ WORKER_METRICS: tuple[MetricSpec, ...] = (
     PROMPT_TOKENS, CACHED_PROMPT_TOKENS, GENERATION_TOKENS, REQUESTS, RETRACTED_REQUESTS,
     RADIX_EVICTED_TOKENS, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE,
     KV_CACHE_CAPACITY, RADIX_CACHE_TOKENS, CACHE_HIT_RATE, TIME_TO_FIRST_TOKEN,
-    INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY, QUEUE_TIME, WORKER_INFO,
+    INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY, QUEUE_TIME, GRAMMAR_COMPILE_SECONDS,
+    GRAMMAR_CACHE_HITS, WORKER_INFO,
 )
 
 # --- gateway ----------------------------------------------------------------------------------

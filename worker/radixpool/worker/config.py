@@ -40,6 +40,9 @@ class EngineConfig:
     # Fill the weights with random values instead of reading a checkpoint (benchmarks of a real
     # configuration whose weights are not at hand: model_path then needs only config.json).
     random_weights: bool = False
+    # Structured output: append the text a grammar forces in one extend step (jump-forward)
+    # instead of one forward pass per token.
+    jump_forward: bool = True
 
     def __post_init__(self) -> None:
         def fail(name: str, expected: str) -> None:

@@ -17,6 +17,7 @@ like the synchronous loop. Either way a request gets the same tokens.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -25,6 +26,9 @@ import torch
 from radixpool.protocol.kv_blocks import DEFAULT_BLOCK_SIZE
 from radixpool.worker.config import EngineConfig
 from radixpool.worker.forward_batch import ForwardBatch
+from radixpool.worker.grammar.compiler import GrammarCompiler
+from radixpool.worker.grammar.mask import GrammarMasks
+from radixpool.worker.grammar.queue import GrammarQueue
 from radixpool.worker.mem.radix_cache import RadixCache
 from radixpool.worker.messages import (
     CoreReady,
@@ -62,6 +66,9 @@ class InFlight:
     result: SampleResult | None
 
 
+GRAMMAR_WAIT_S = 0.01   # an idle core waits this long for a compile before looking at its inbox
+
+
 def kv_block_size(page_size: int) -> int:
     """Event block size: the protocol default, rounded up to whole pages."""
     return -(-DEFAULT_BLOCK_SIZE // page_size) * page_size
@@ -84,6 +91,9 @@ class EngineCore:
         overlap = config.overlap_schedule
         self.overlap = self.runner.device.type == "cuda" if overlap is None else overlap
         self._inflight: InFlight | None = None
+        self.grammars = GrammarQueue(GrammarCompiler(config.model_path, self.runner.vocab_size,
+                                                     tuple(self.runner.eos_token_ids)))
+        self._masks: GrammarMasks | None = None
 
     def ready_message(self) -> CoreReady:
         r = self.runner
@@ -108,9 +118,27 @@ class EngineCore:
                               prompt_tokens=len(msg.input_ids), error=str(exc))
         req = Req(rid=msg.rid, input_ids=list(msg.input_ids), params=msg.params, seed=msg.seed,
                   namespace=msg.namespace, arrival_time=msg.arrival_time or time.time())
+        if msg.params.constraint is not None:
+            self.grammars.add(req)   # joins the scheduler once its grammar is compiled
+            return None
         return self.scheduler.add(req)
 
+    def _admit_compiled(self) -> list[TokenDelta]:
+        """Constrained requests whose grammar is ready join the scheduler (or are refused)."""
+        deltas = []
+        for req, error in self.grammars.ready():
+            delta = self.scheduler.add(req) if error is None else TokenDelta(
+                req.rid, [], finished=True, finish_reason="abort",
+                prompt_tokens=len(req.input_ids), error=error)
+            if delta is not None:
+                deltas.append(delta)
+        return deltas
+
     def abort(self, rid: str) -> TokenDelta | None:
+        req = self.grammars.remove(rid)
+        if req is not None:
+            return TokenDelta(rid, [], finished=True, finish_reason="abort",
+                              prompt_tokens=len(req.input_ids))
         delta = self.scheduler.abort(rid)
         if delta is not None:
             self.sampler.release(rid)
@@ -118,12 +146,16 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or self._inflight is not None
+        return self.scheduler.has_work or self._inflight is not None or len(self.grammars) > 0
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
     def step(self) -> StepOutput:
         out = StepOutput()
+        if len(self.grammars):
+            if not (self.scheduler.has_work or self._inflight):
+                self.grammars.wait(GRAMMAR_WAIT_S)   # nothing else to do meanwhile
+            out.deltas += self._admit_compiled()
         previous, self._inflight = self._inflight, None
         if previous is not None and not self.scheduler.can_schedule_ahead():
             out.deltas += self._process(previous)
@@ -166,14 +198,24 @@ class EngineCore:
             rows = [SamplingRow(r.params, r.seed, r.input_ids, r.output_ids, r.rid,
                                 len(r.output_ids) + r.pending - 1) for r in sampled]
             # the forward's logits are this step's alone: the sampler may edit them in place
-            result = self.sampler.sample(logits, rows, logits_owned=True,
-                                         to_host=not self.overlap)
+            mask_rows = [i for i, r in enumerate(sampled) if r.grammar is not None]
+            mask = None
+            if mask_rows:
+                mask = self._grammar_masks().build([sampled[i].grammar for i in mask_rows])
+            result = self.sampler.sample(logits, rows, vocab_mask=mask, logits_owned=True,
+                                         to_host=not self.overlap, mask_rows=mask_rows)
             index = torch.tensor([r.row for r in sampled], device=last_tokens.device)
             last_tokens[index] = result.tensor
         times.schedule += t1 - t0
         times.forward += t2 - t1
         times.sample += time.perf_counter() - t2
         return InFlight(batch, result)
+
+    def _grammar_masks(self) -> GrammarMasks:
+        if self._masks is None:   # the compiler built the vocabulary before any grammar ran
+            self._masks = GrammarMasks(self.grammars.compiler.vocab, self.runner.vocab_size,
+                                       self.runner.device)
+        return self._masks
 
     def _process(self, done: InFlight) -> list[TokenDelta]:
         t = time.perf_counter()
@@ -214,13 +256,17 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         pool, cache, sched = self.runner.kv_pool, self.cache, self.scheduler
+        compiler = self.grammars.compiler
         return EngineStats(
-            running=len(sched.running), waiting=len(sched.waiting),
+            running=len(sched.running), waiting=len(sched.waiting) + len(self.grammars),
             kv_capacity_tokens=pool.capacity,
             kv_used_tokens=pool.capacity - pool.available_size(),
             radix_cache_tokens=cache.total_size, evictable_tokens=cache.evictable_size,
             retracted_total=sched.retracted_total, evicted_tokens_total=cache.evicted_tokens_total,
-            kv_double_frees_total=pool.double_frees)
+            kv_double_frees_total=pool.double_frees,
+            grammar_compile_buckets=tuple(itertools.accumulate(compiler.compile_counts)),
+            grammar_compile_seconds_sum=compiler.compile_seconds_sum,
+            grammar_cache_hits_total=compiler.cache_hits)
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()

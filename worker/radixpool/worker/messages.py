@@ -82,6 +82,10 @@ class EngineStats:
     retracted_total: int
     evicted_tokens_total: int
     kv_double_frees_total: int = 0   # pages freed twice (ignored, counted; raised in debug)
+    # grammar compiles: cumulative counts per GRAMMAR_COMPILE_BUCKETS bound then +Inf, and sum
+    grammar_compile_buckets: tuple[int, ...] = ()
+    grammar_compile_seconds_sum: float = 0.0
+    grammar_cache_hits_total: int = 0
 
 
 @dataclass

@@ -18,11 +18,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from radixpool.worker.mem.radix_cache import TreeNode
 from radixpool.worker.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from radixpool.worker.grammar.matcher import RequestGrammar
 
 
 class Status(enum.Enum):
@@ -67,6 +71,7 @@ class Req:
     queue_group: object | None = None     # the waiting queue's group it is in
 
     seq_len: int = 0                      # len(input_ids) + len(output_ids), kept by append
+    grammar: RequestGrammar | None = None  # structured output: has accepted every output token
 
     def __post_init__(self) -> None:
         self.seq_len = len(self.input_ids) + len(self.output_ids)
@@ -74,6 +79,11 @@ class Req:
     def append(self, token: int) -> None:
         self.output_ids.append(token)
         self.seq_len += 1
+
+    def replace_last(self, tokens: list[int]) -> None:
+        """Put `tokens` in place of the last output token (which has no KV yet)."""
+        self.output_ids[-1:] = tokens
+        self.seq_len += len(tokens) - 1
 
     @property
     def fill_ids(self) -> list[int]:

@@ -6,8 +6,8 @@ One step, each stage a batched tensor op over the rows that need it:
      convention of the OpenAI API and of vLLM's default); a token the filters allowed but the
      model found unlikely shows up as such.
   2. repetition / frequency / presence penalties (penalties.py), logit_bias, the min_new_tokens
-     ban on eos and stop_token_ids, then `vocab_mask` (grammar hook: False = not allowed; a
-     row left with no allowed token at all gets the first eos id).
+     ban on eos and stop_token_ids, then `vocab_mask` (grammars: False = not allowed, for the
+     rows in `mask_rows`; a masked row left with no allowed token at all gets the first eos id).
   3. greedy rows (temperature 0, below GREEDY_TEMPERATURE, or top_k 1): argmax.
   4. sampled rows: logits / temperature; top-k, then top-p over the top-k renormalised
      distribution, then min-p (the Hugging Face order); then Gumbel-max over the kept tokens.
@@ -122,10 +122,12 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
                vocab_mask: torch.Tensor | None = None,
-               logits_owned: bool = False, to_host: bool = True) -> SampleResult:
+               logits_owned: bool = False, to_host: bool = True,
+               mask_rows: Sequence[int] | None = None) -> SampleResult:
         """Pick one token per row. `logits` [len(rows), vocab_size] is not modified unless
         `logits_owned` (the caller will not read them again: no copy is made to edit them).
-        Without `to_host` the tokens stay on the device (`tensor`) unless logprobs are asked."""
+        Without `to_host` the tokens stay on the device (`tensor`) unless logprobs are asked.
+        `vocab_mask` [len(mask_rows), vocab_size] (or [len(rows), ...] without `mask_rows`)."""
         n, vocab = len(rows), self.vocab_size
         if logits.shape != (n, vocab):
             raise ValueError(f"logits must be [{n}, {vocab}], got {list(logits.shape)}")
@@ -177,7 +179,11 @@ class Sampler:
         if ban_rows:
             work.index_put_((self._long(ban_rows), self._long(ban_tokens)), self._minus_inf)
         if vocab_mask is not None:
-            work.masked_fill_(vocab_mask.logical_not(), -math.inf)
+            if mask_rows is None or len(mask_rows) == n:
+                work.masked_fill_(vocab_mask.logical_not(), -math.inf)
+            else:
+                index = self._long(mask_rows)
+                work[index] = work[index].masked_fill_(vocab_mask.logical_not(), -math.inf)
 
         if not sampled:
             tokens = work.argmax(-1)

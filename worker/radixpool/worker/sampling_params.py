@@ -6,11 +6,14 @@ Every error is a `ValueError` that names the offending field, so the server can 
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 GREEDY_TEMPERATURE = 1e-5  # below this, logits / T overflows float32 for ordinary logits
+CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf")
+MAX_CONSTRAINT_CHARS = 100_000   # compiles run one at a time: a huge grammar would hold the rest
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -31,6 +34,10 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None       # None: no logprobs; k >= 0: chosen token + top k
     skip_special_tokens: bool = True
+    # Structured output (at most one): the output must match this grammar (grammar/ package).
+    json_schema: str | None = None    # a JSON schema, as JSON text (an object is dumped)
+    regex: str | None = None
+    ebnf: str | None = None
 
     @classmethod
     def from_dict(cls, doc: dict[str, Any] | None) -> SamplingParams:
@@ -45,6 +52,8 @@ class SamplingParams:
                              f"expected one of: {', '.join(sorted(known))}")
         if doc.get("logit_bias") is not None:
             doc["logit_bias"] = _parse_logit_bias(doc["logit_bias"])
+        if isinstance(doc.get("json_schema"), dict):
+            doc["json_schema"] = json.dumps(doc["json_schema"])
         for name in [k for k, v in doc.items() if v is None and k not in ("seed", "logprobs")]:
             doc.pop(name)
         return cls(**doc)
@@ -122,6 +131,37 @@ class SamplingParams:
                 raise ValueError(f"logit_bias token id must be ≥ 0, got {token}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias[{token}] must be in [-100, 100], got {bias}")
+        self._check_constraint()
+
+    def _check_constraint(self) -> None:
+        given = [name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"{given[0]} and {given[1]} were both given: a request takes at "
+                             f"most one output constraint ({', '.join(CONSTRAINT_FIELDS)})")
+        for name in given:
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+            if len(value) > MAX_CONSTRAINT_CHARS:
+                raise ValueError(f"{name} has {len(value)} characters; at most "
+                                 f"{MAX_CONSTRAINT_CHARS} are accepted")
+        if self.json_schema is not None:
+            try:
+                schema = json.loads(self.json_schema)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"json_schema is not valid JSON: {exc}") from None
+            if not isinstance(schema, dict):
+                raise ValueError(f"json_schema must be a JSON object (a schema), got "
+                                 f"{self.json_schema[:80]!r}")
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(kind, source) of the output constraint, if any: the grammar's compile-cache key."""
+        for name in CONSTRAINT_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                return name, value
+        return None
 
     @property
     def greedy(self) -> bool:
@@ -132,6 +172,12 @@ class SamplingParams:
         """Whether sampling reads the request's own past tokens."""
         return self.repetition_penalty != 1 or bool(self.frequency_penalty) or \
             bool(self.presence_penalty)
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Whether the next step's sampling needs this request's latest token on the host
+        (penalties count it; a grammar's mask follows it)."""
+        return self.penalised or self.constraint is not None
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids in the params must exist in the model's vocabulary."""

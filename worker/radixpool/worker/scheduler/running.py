@@ -25,7 +25,7 @@ class RunningSet:
         self.reqs: dict[str, Req] = {}
         self.new_token_ratio = RATIO_INIT
         # Running requests whose next sampling reads their own latest tokens on the host
-        # (penalties; a grammar would too): the next step is not scheduled ahead of them.
+        # (penalties, grammars): the next step is not scheduled ahead of them.
         self.need_host_tokens = 0
 
     def __len__(self) -> int:
@@ -52,12 +52,12 @@ class RunningSet:
     def add(self, req: Req) -> None:
         req.status = Status.RUNNING
         self.reqs[req.rid] = req
-        self.need_host_tokens += req.params.penalised
+        self.need_host_tokens += req.params.needs_host_tokens
 
     def remove(self, req: Req) -> None:
         """Out of the running set; its KV goes to the tree or back to the pool."""
         del self.reqs[req.rid]
-        self.need_host_tokens -= req.params.penalised
+        self.need_host_tokens -= req.params.needs_host_tokens
         self.kv.release(req)
 
     def on_retract(self) -> None:

@@ -68,6 +68,7 @@ class Scheduler:
         self.run_set = RunningSet(self.kv)
         self.running = self.run_set.reqs
         self.retracted_total = 0
+        self.jump_forward_tokens = 0   # tokens appended without a forward pass of their own
         self._seq = 0
         self._pending_deltas: list[TokenDelta] = []  # finishes decided outside `process`
 
@@ -220,17 +221,41 @@ class Scheduler:
                 continue
             token = sampled[j]
             req.append(token)
-            if self._check_finished(req, token):
+            tokens = [token] if req.grammar is None else self._follow_grammar(req, token)
+            if self._check_finished(req, tokens[-1]):
                 self._leave_running(req)
             elif n > 1 or len(req.output_ids) == 1:
                 self.kv.cache_prefix(req)
             if extend:
                 self.waiting.unpark(req.rid)   # its prompt is in the tree now
-            deltas.append(self._delta(req, [token], None if logprobs is None else logprobs[j],
+            deltas.append(self._delta(req, tokens, None if logprobs is None else logprobs[j],
                                       None if top_logprobs is None else top_logprobs[j]))
         if batch.mode is ForwardMode.DECODE:
             self.run_set.on_decode_step()
         return deltas
+
+    def _follow_grammar(self, req: Req, token: int) -> list[int]:
+        """Advance the request's grammar past its sampled token; with jump-forward, the forced
+        text that follows is appended too (the sampled token maybe re-split with it). Returns
+        the tokens that now end the output in the sampled token's place."""
+        grammar = req.grammar
+        if not grammar.accept(token):
+            # Only a grammar with no allowed token left gets here (the sampler gave it eos).
+            req.finish_reason = "stop"
+            return [token]
+        if grammar.terminated or not self.config.jump_forward or \
+                req.params.logprobs is not None:   # forced tokens have no logprobs
+            return [token]
+        budget = min(req.remaining_new_tokens(), self.context_length - req.seq_len) + 1
+        tokens = grammar.jump_forward(token, budget)
+        if tokens is None:
+            return [token]
+        req.replace_last(tokens)
+        if len(tokens) == 1:
+            # it decodes next from its row's device-side last token: that token changed
+            self.rows.last_token[req.row] = tokens[0]
+        self.jump_forward_tokens += len(tokens) - 1
+        return tokens
 
     def take_deltas(self) -> list[TokenDelta]:
         """Finishes decided while scheduling (a request that outgrew the KV, or can never fit):
@@ -242,7 +267,9 @@ class Scheduler:
         p = req.params
         n = len(req.output_ids)
         stops = (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
-        if stops and n >= p.min_new_tokens:
+        if req.grammar is not None and req.grammar.terminated:
+            stops = True   # the grammar accepted a stop token: the output is complete
+        if (stops and n >= p.min_new_tokens) or req.finish_reason == "stop":
             req.finish_reason, req.matched_stop_token = "stop", token
         if req.finish_reason is None and (n >= p.max_new_tokens
                                           or req.seq_len >= self.context_length):

@@ -89,6 +89,10 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-cuda-graph", action="store_true",
                    help="run decode steps eagerly instead of replaying the CUDA graphs captured "
                         "at start-up (GPU with the flashinfer backend only)")
+    p.add_argument("--jump-forward", action=argparse.BooleanOptionalAction,
+                   default=_default("jump_forward"),
+                   help="structured output: append the text a grammar forces in one extend "
+                        "step instead of one forward pass per token (default: on)")
     p.add_argument("--debug-invariants", action="store_true",
                    help="check KV cache invariants whenever the engine goes idle (slow)")
     p.add_argument("--api-key", metavar="KEY", default=os.environ.get(API_KEY_ENV),
@@ -159,6 +163,7 @@ def _config_from_args(args: argparse.Namespace) -> ServerConfig:
         cuda_graph=not args.disable_cuda_graph,
         context_length=args.context_length,
         debug_invariants=args.debug_invariants,
+        jump_forward=args.jump_forward,
     )
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     return ServerConfig(

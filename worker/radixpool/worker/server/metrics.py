@@ -14,11 +14,16 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+)
 from prometheus_client.registry import Collector
 
 from radixpool.protocol import metrics as spec
-from radixpool.protocol.metrics import LATENCY_BUCKETS, MetricSpec
+from radixpool.protocol.metrics import GRAMMAR_COMPILE_BUCKETS, LATENCY_BUCKETS, MetricSpec
 
 HIT_RATE_WINDOW = 1000   # finished requests in the `radixpool_cache_hit_rate` window
 
@@ -95,10 +100,22 @@ class EngineCollector(Collector):
             family.add_metric([], value)
             yield family
         for s, value in ((spec.RETRACTED_REQUESTS, stats.retracted_total),
-                         (spec.RADIX_EVICTED_TOKENS, stats.evicted_tokens_total)):
+                         (spec.RADIX_EVICTED_TOKENS, stats.evicted_tokens_total),
+                         (spec.GRAMMAR_CACHE_HITS, stats.grammar_cache_hits_total)):
             family = CounterMetricFamily(s.name, s.help)
             family.add_metric([], value)
             yield family
+        yield grammar_compile_histogram(stats)
+
+
+def grammar_compile_histogram(stats: Any) -> HistogramMetricFamily:
+    """The engine core's compile-time histogram (cumulative bucket counts in its stats)."""
+    s = spec.GRAMMAR_COMPILE_SECONDS
+    counts = stats.grammar_compile_buckets or (0,) * (len(GRAMMAR_COMPILE_BUCKETS) + 1)
+    bounds = [str(b) for b in GRAMMAR_COMPILE_BUCKETS] + ["+Inf"]
+    family = HistogramMetricFamily(s.name, s.help)
+    family.add_metric([], list(zip(bounds, counts)), stats.grammar_compile_seconds_sum)
+    return family
 
 
 class WorkerMetrics:

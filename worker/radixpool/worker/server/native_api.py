@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse
 
 from radixpool.protocol.server_info import ServerInfo
 from radixpool.worker.engine_errors import EngineBusy
+from radixpool.worker.sampling_params import CONSTRAINT_FIELDS
 from radixpool.worker.server.errors import APIError, bad_request, error_body, unavailable
 from radixpool.worker.server.generation import (
     EngineRun,
@@ -106,7 +107,7 @@ def router(state: WorkerState) -> APIRouter:
                                   f"{len(prompts)} prompts", param="sampling_params")
         else:
             params_docs = [params_docs or {}] * len(prompts)
-        inputs, params = [], []
+        inputs, params, prefixes = [], [], []
         for i, (prompt, doc) in enumerate(zip(prompts, params_docs, strict=True)):
             where = f"[{i}]" if batch else ""
             if isinstance(prompt, str):
@@ -122,9 +123,12 @@ def router(state: WorkerState) -> APIRouter:
                                f"{sp_prefix}max_new_tokens")
             inputs.append(ids)
             params.append(p)
+            prefixes.append(sp_prefix)
         rid = body.rid or uuid.uuid4().hex
         rids = [f"{rid}-{i}" if batch else rid for i in range(len(inputs))]
-        runs = [EngineRun(state, ids, p, body.cache_salt, rids[i])
+        # a constraint the engine cannot compile is reported under its sampling_params path
+        runs = [EngineRun(state, ids, p, body.cache_salt, rids[i],
+                          {name: prefixes[i] + name for name in CONSTRAINT_FIELDS})
                 for i, (ids, p) in enumerate(zip(inputs, params, strict=True))]
         await start_all(runs)
         if body.stream:

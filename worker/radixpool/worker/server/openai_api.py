@@ -31,8 +31,9 @@ from radixpool.worker.server.sse import DONE, EventStream, sse
 from radixpool.worker.server.state import WorkerState
 
 CHAT_RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
-                "logprobs": "top_logprobs"}
-COMPLETION_RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+                "logprobs": "top_logprobs", "json_schema": "response_format"}
+COMPLETION_RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
+                      "json_schema": "response_format"}
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:

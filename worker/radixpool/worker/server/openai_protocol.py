@@ -5,14 +5,24 @@ Ranges live in the field definitions, so a bad value is answered with the OpenAI
 fields are rejected like OpenAI does; features this server does not have (tools, audio, ...) are
 rejected with a message instead of being silently ignored. Engine-only sampling knobs (`top_k`,
 `min_p`, `repetition_penalty`, `ignore_eos`, ...) are accepted as extensions, and `cache_salt`
-names the KV cache namespace (see docs/protocol.md).
+names the KV cache namespace (see docs/protocol.md). Structured output: `response_format`
+(`json_object`, `json_schema`) on both endpoints, and the extensions `regex` and `ebnf`.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
 Seed = Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)]
 TokenId = Annotated[StrictInt, Field(ge=0)]
@@ -23,6 +33,40 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Annotated[str, Field(min_length=1, max_length=64)] | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """`text`, `json_object` (any JSON object) or `json_schema` (output valid for the schema)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema (with its `schema`) goes with type 'json_schema', "
+                             "and only with it")
+        return self
+
+    def schema_text(self) -> str | None:
+        """The engine's `json_schema`: JSON text, or None for plain text."""
+        if self.type == "json_object":
+            return JSON_OBJECT_SCHEMA
+        if self.json_schema is not None:
+            return json.dumps(self.json_schema.schema_)
+        return None
+
+
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
 
 
 class SamplingFields(BaseModel):
@@ -51,6 +95,10 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: StrictBool = True
     cache_salt: Annotated[str, Field(max_length=256)] | None = None
+    # structured output: at most one of these
+    response_format: ResponseFormat | None = None
+    regex: Annotated[str, Field(min_length=1)] | None = None
+    ebnf: Annotated[str, Field(min_length=1)] | None = None
     # accepted for SDK compatibility, no effect here
     metadata: dict[str, str] | None = None
     store: StrictBool | None = None
@@ -77,6 +125,9 @@ class SamplingFields(BaseModel):
             "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
             "logprobs": logprobs,
+            "json_schema": self.response_format and self.response_format.schema_text(),
+            "regex": self.regex,
+            "ebnf": self.ebnf,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "frequency_penalty",
                      "presence_penalty", "repetition_penalty"):
@@ -125,18 +176,12 @@ class ChatMessage(BaseModel):
         return doc
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
-    response_format: ResponseFormat | None = None
     parallel_tool_calls: StrictBool | None = None
     reasoning_effort: str | None = None
     # extensions

@@ -1,0 +1,282 @@
+"""Structured output on the tiny random model, which would otherwise emit noise: every constrained
+output parses and validates (finite languages must end with "stop"), an infinite one ends at the
+length limit, special tokens never slip in as text, jump-forward gives the same tokens as
+token-by-token decoding in fewer forward passes, free requests in the same batch are untouched,
+the overlapped loop gives the same outputs, and a bad constraint is refused before decoding."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+
+import jsonschema
+import pytest
+
+from radixpool.tokenization import PromptTokenizer
+from radixpool.worker.config import EngineConfig
+from radixpool.worker.engine_core import EngineCore
+from radixpool.worker.messages import GenerateRequest
+from radixpool.worker.sampling_params import SamplingParams
+
+FINITE_SCHEMAS = [
+    {"type": "object", "additionalProperties": False, "required": ["color", "n", "name"],
+     "properties": {"color": {"enum": ["red", "green", "blue"]},
+                    "n": {"type": "integer", "minimum": 1, "maximum": 20},
+                    "name": {"type": "string", "pattern": "^[a-z]{1,6}$"}}},
+    {"type": "object", "additionalProperties": False, "required": ["ok", "tags"],
+     "properties": {"ok": {"type": "boolean"},
+                    "tags": {"type": "array", "minItems": 1, "maxItems": 3,
+                             "items": {"enum": ["cache", "radix", "tree"]}}}},
+    {"type": "array", "minItems": 2, "maxItems": 2,
+     "items": {"type": "object", "additionalProperties": False, "required": ["id"],
+               "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99}}}},
+]
+REGEXES = [r"[0-9]{3}-[a-c]{2}", r"(yes|no|maybe)!", r"[A-Z][a-z]{2,5} [0-9]{1,2}(\.[0-9])?"]
+# A finite arithmetic language: outputs are Python expressions.
+EBNF = r'''
+root ::= term (" " op " " term)?
+term ::= num | "(" num " " op " " num ")"
+op ::= "+" | "-" | "*"
+num ::= [1-9] [0-9]?
+'''
+# Compact JSON as a regex: every forced character is one the tiny tokenizer never merges with
+# its neighbours, and every free choice is one digit, so the output's tokens are unique.
+COMPACT_JSON = r'\{"a":[0-9],"b":\[[0-9],[0-9],[0-9]\],"c":"[0-9]"\}'
+COMPACT_SCHEMA = {"type": "object", "required": ["a", "b", "c"],
+                  "properties": {"a": {"type": "integer"}, "b": {"type": "array"},
+                                 "c": {"type": "string"}}}
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model):
+    return PromptTokenizer.from_dir(tiny_model)
+
+
+def run(model, requests, **options):
+    """Drive an engine core to completion: {rid: (token ids, finish reason, error)}, steps."""
+    options = {"device": "cpu", "kv_cache_tokens": 4096, "debug_invariants": True, **options}
+    core = EngineCore(EngineConfig(str(model), **options))
+    out: dict[str, list] = {}
+    for rid, ids, params, seed in requests:
+        delta = core.add_request(GenerateRequest(rid, ids, params, seed))
+        assert delta is None, delta
+        out[rid] = [[], None, None]
+    while core.has_work:
+        for delta in core.step().deltas:
+            entry = out[delta.rid]
+            entry[0] += delta.token_ids
+            if delta.finished:
+                entry[1], entry[2] = delta.finish_reason, delta.error
+    core.check_invariants()
+    return {rid: tuple(v) for rid, v in out.items()}, core
+
+
+def text_of(tok, ids, eos=(2, 4)):
+    if ids and ids[-1] in eos:
+        ids = ids[:-1]
+    return tok.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def prompts(tok):
+    return [tok.encode(p) for p in ("the quick brown fox", "answer in JSON please", "radix")]
+
+
+@pytest.mark.parametrize("jump_forward", [True, False])
+def test_finite_constrained_outputs_always_validate(tiny_model, tok, jump_forward):
+    reqs = []
+    for s, schema in enumerate(FINITE_SCHEMAS):
+        for seed in range(4):
+            params = SamplingParams(max_new_tokens=80, temperature=0 if seed == 0 else 1.3,
+                                    json_schema=json.dumps(schema))
+            reqs.append((f"json{s}-{seed}", prompts(tok)[seed % 3], params, seed))
+    for r, pattern in enumerate(REGEXES):
+        for seed in range(3):
+            reqs.append((f"re{r}-{seed}", prompts(tok)[seed], SamplingParams(
+                max_new_tokens=40, temperature=1.0, regex=pattern), seed))
+    for seed in range(4):
+        reqs.append((f"ebnf-{seed}", prompts(tok)[seed % 3], SamplingParams(
+            max_new_tokens=40, temperature=1.2, ebnf=EBNF), seed))
+    out, _ = run(tiny_model, reqs, jump_forward=jump_forward)
+    for rid, (ids, reason, error) in out.items():
+        assert error is None and reason == "stop", (rid, reason, error)
+        assert ids[-1] in (2, 4), f"{rid} must end with a stop token once the grammar accepts"
+        text = text_of(tok, ids)
+        if rid.startswith("json"):
+            jsonschema.validate(json.loads(text), FINITE_SCHEMAS[int(rid[4])])
+        elif rid.startswith("re"):
+            assert re.fullmatch(REGEXES[int(rid[2])], text), (rid, text)
+        else:
+            tree = ast.parse(text, mode="eval")   # an arithmetic expression Python can parse
+            assert all(isinstance(n, (ast.Expression, ast.BinOp, ast.Constant, ast.operator))
+                       for n in ast.walk(tree)), text
+
+
+def test_infinite_language_ends_at_the_length_limit(tiny_model, tok):
+    schema = {"type": "array", "items": {"type": "integer"}, "minItems": 40}
+    reqs = [(f"r{seed}", prompts(tok)[0], SamplingParams(max_new_tokens=24, temperature=1.0,
+                                                          json_schema=json.dumps(schema)), seed)
+            for seed in range(3)]
+    reqs.append(("obj", prompts(tok)[1], SamplingParams(
+        max_new_tokens=12, temperature=1.0, json_schema='{"type": "object"}'), 5))
+    out, _ = run(tiny_model, reqs)
+    for rid, (ids, reason, _) in out.items():
+        text = text_of(tok, ids)
+        if rid == "obj" and reason == "stop":   # any object may be closed early
+            assert isinstance(json.loads(text), dict)
+            continue
+        limit = 12 if rid == "obj" else 24
+        assert reason == "length" and len(ids) == limit, (rid, reason, len(ids))
+        assert text.startswith("{" if rid == "obj" else "[")
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(text)   # cut off by the limit, not finished
+
+
+def test_special_tokens_never_appear_as_text(tiny_model, tok):
+    """xgrammar sees `<s>` or `<|im_start|>` as text a string may contain; the engine masks
+    them. A bias makes the model want them badly: without the mask they would be chosen."""
+    special = [tok.tokenizer.token_to_id(t) for t in ("<s>", "<|im_start|>", "<pad>")]
+    bias = {t: 100.0 for t in special}
+    reqs = [(f"r{seed}", prompts(tok)[seed % 3], SamplingParams(
+        max_new_tokens=30, temperature=1.0, logit_bias=bias, regex=r"[<>|a-z_/]{1,20}"), seed)
+        for seed in range(4)]
+    reqs.append(("free", prompts(tok)[0], SamplingParams(max_new_tokens=3, logit_bias=bias), 0))
+    out, _ = run(tiny_model, reqs)
+    assert set(out["free"][0]) & set(special), "the bias must make an unmasked row pick them"
+    for rid, (ids, _, _) in out.items():
+        if rid != "free":
+            assert not set(ids) & set(special), (rid, ids)
+            assert re.fullmatch(r"[<>|a-z_/]{1,20}", text_of(tok, ids)), rid
+
+
+def test_jump_forward_same_tokens_fewer_forward_passes(tiny_model, tok):
+    reqs = [(f"r{i}", prompts(tok)[i % 3], SamplingParams(
+        max_new_tokens=60, temperature=0 if i < 2 else 1.0, regex=COMPACT_JSON), i)
+        for i in range(6)]
+    on, core_on = run(tiny_model, reqs, jump_forward=True)
+    off, core_off = run(tiny_model, reqs, jump_forward=False)
+    assert on == off
+    for ids, reason, _ in on.values():
+        assert reason == "stop"
+        jsonschema.validate(json.loads(text_of(tok, ids)), COMPACT_SCHEMA)
+    assert core_on.scheduler.jump_forward_tokens > 0
+    assert core_on.times.steps < core_off.times.steps * 0.75, \
+        (core_on.times.steps, core_off.times.steps)
+
+
+def test_jump_forward_appends_forced_text_in_one_step(tiny_model, tok):
+    """On a schema whose keys are forced text, jump-forward produces valid output with far
+    fewer forward passes than tokens."""
+    schema = FINITE_SCHEMAS[0]
+    reqs = [("r", prompts(tok)[0], SamplingParams(max_new_tokens=80, temperature=0,
+                                                   json_schema=json.dumps(schema)), 0)]
+    out, core = run(tiny_model, reqs, jump_forward=True)
+    ids, reason, _ = out["r"]
+    assert reason == "stop"
+    jsonschema.validate(json.loads(text_of(tok, ids)), schema)
+    assert core.times.steps < len(ids) / 1.5, (core.times.steps, len(ids))
+
+
+def test_free_requests_in_a_mixed_batch_are_untouched(tiny_model, tok):
+    free = [(f"free{i}", prompts(tok)[i % 3], SamplingParams(
+        max_new_tokens=12, temperature=0.8, ignore_eos=True), 100 + i) for i in range(4)]
+    constrained = [(f"c{i}", prompts(tok)[i % 3], SamplingParams(
+        max_new_tokens=60, temperature=1.0, json_schema=json.dumps(FINITE_SCHEMAS[i % 3])), i)
+        for i in range(4)]
+    alone, _ = run(tiny_model, free)
+    mixed, _ = run(tiny_model, free + constrained)
+    for rid in alone:
+        assert mixed[rid] == alone[rid], rid
+    assert all(mixed[f"c{i}"][1] == "stop" for i in range(4))
+
+
+@pytest.mark.parametrize("jump_forward", [True, False])
+def test_overlapped_loop_gives_the_same_constrained_outputs(tiny_model, tok, jump_forward):
+    reqs = [(f"c{i}", prompts(tok)[i % 3], SamplingParams(
+        max_new_tokens=50, temperature=1.0, json_schema=json.dumps(FINITE_SCHEMAS[i % 3])), i)
+        for i in range(4)]
+    reqs += [(f"f{i}", prompts(tok)[i % 3], SamplingParams(max_new_tokens=10, temperature=0.7),
+              50 + i) for i in range(3)]
+    sync, _ = run(tiny_model, reqs, overlap_schedule=False, jump_forward=jump_forward)
+    overlapped, _ = run(tiny_model, reqs, overlap_schedule=True, jump_forward=jump_forward)
+    assert sync == overlapped
+
+
+def test_bad_constraint_is_refused_before_decoding_and_others_run(tiny_model, tok):
+    reqs = [("bad_schema", prompts(tok)[0], SamplingParams(json_schema='{"type": "nope"}'), 0),
+            ("bad_regex", prompts(tok)[0], SamplingParams(regex="[a-"), 0),
+            ("bad_ebnf", prompts(tok)[0], SamplingParams(ebnf='root ::= "x" | foo'), 0),
+            ("good", prompts(tok)[0], SamplingParams(max_new_tokens=20, regex="(yes|no)"), 0)]
+    out, _ = run(tiny_model, reqs)
+    for rid, field in (("bad_schema", "json_schema"), ("bad_regex", "regex"),
+                       ("bad_ebnf", "ebnf")):
+        ids, reason, error = out[rid]
+        assert ids == [] and reason == "abort" and error.startswith(field), error
+    assert "nope" in out["bad_schema"][2] and "foo" in out["bad_ebnf"][2]
+    assert out["good"][1] == "stop"
+
+
+def test_compile_cache_and_its_metrics(tiny_model, tok):
+    schema = json.dumps(FINITE_SCHEMAS[1])
+    reqs = [(f"r{i}", prompts(tok)[0], SamplingParams(max_new_tokens=40, json_schema=schema),
+             i) for i in range(5)]
+    reqs.append(("other", prompts(tok)[0], SamplingParams(max_new_tokens=20, regex="(a|b)"), 9))
+    _, core = run(tiny_model, reqs)
+    stats = core.stats()
+    assert stats.grammar_compile_buckets[-1] == 2   # two distinct grammars compiled once each
+    assert stats.grammar_cache_hits_total == 4
+    assert stats.grammar_compile_seconds_sum > 0
+
+
+def test_two_constraints_at_once_are_refused():
+    with pytest.raises(ValueError, match="json_schema and regex were both given"):
+        SamplingParams(json_schema='{"type": "object"}', regex="a")
+    with pytest.raises(ValueError, match="json_schema is not valid JSON"):
+        SamplingParams(json_schema="{not json")
+    with pytest.raises(ValueError, match="json_schema must be a JSON object"):
+        SamplingParams(json_schema="[1, 2]")
+    with pytest.raises(ValueError, match="regex has 100001 characters"):
+        SamplingParams(regex="a" * 100_001)
+    params = SamplingParams.from_dict({"json_schema": {"type": "object"}})
+    assert params.constraint == ("json_schema", '{"type": "object"}')
+
+
+def test_jump_forward_equals_greedy_constrained_decoding_by_transformers(tiny_model, tok):
+    """The reference: Hugging Face `transformers` recomputing the whole sequence for every token,
+    the grammar's mask applied, argmax; where the grammar forces text, the same re-split tokens
+    are appended (one reference pass per sampled token). The engine, jump-forward on, gives the
+    same tokens in as many forward passes as the reference sampled tokens: fewer than tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from radixpool.worker.grammar.compiler import GrammarCompiler
+    from radixpool.worker.grammar.mask import GrammarMasks
+    from radixpool.worker.grammar.matcher import RequestGrammar
+
+    schema = FINITE_SCHEMAS[0]
+    prompt = prompts(tok)[1]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    compiler = GrammarCompiler(str(tiny_model), 1024, (2, 4))
+    compiled = compiler.submit(("json_schema", json.dumps(schema))).result()
+    grammar = RequestGrammar(compiled, compiler.vocab)
+    masks = GrammarMasks(compiler.vocab, 1024, torch.device("cpu"))
+    out: list[int] = []
+    passes = 0
+    with torch.no_grad():
+        while not grammar.terminated and len(out) < 80:
+            logits = hf(torch.tensor([prompt + out])).logits[0, -1]
+            token = int(logits.masked_fill(~masks.build([grammar])[0], -torch.inf).argmax())
+            passes += 1
+            assert grammar.accept(token)
+            out.append(token)
+            if not grammar.terminated:
+                forced = grammar.jump_forward(token, 80 - len(out) + 1)
+                if forced is not None:
+                    out[-1:] = forced
+
+    result, core = run(tiny_model, [("r", prompt, SamplingParams(
+        max_new_tokens=80, temperature=0, json_schema=json.dumps(schema)), 0)])
+    ids, reason, _ = result["r"]
+    assert ids == out and reason == "stop"
+    jsonschema.validate(json.loads(text_of(tok, ids)), schema)
+    assert core.times.steps == passes < len(ids) / 1.5, (core.times.steps, passes, len(ids))

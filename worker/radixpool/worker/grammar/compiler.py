@@ -1,0 +1,122 @@
+"""Compiling constraints into xgrammar grammars: off the engine's step, once per distinct grammar.
+
+`GrammarCompiler.submit((kind, source))` returns a future. Compiles run on one background thread
+(the engine core keeps stepping other requests meanwhile); the first one also builds the model's
+`ModelVocab` (xgrammar's tokenizer info, each token's bytes, the special tokens to mask), once per
+model. Futures are cached by (kind, source), least recently used first out, so a repeated schema
+compiles once; a failed compile is cached too (the same bad schema gets the same answer at once).
+JSON schemas compile with fixed separators (", " and ": ") and no free whitespace: the language of
+a schema of enums and bounded values stays finite, and more of the output is forced text that
+jump-forward can skip.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from radixpool.protocol.metrics import GRAMMAR_COMPILE_BUCKETS
+
+CACHE_ENTRIES = 256
+JSON_SEPARATORS = (", ", ": ")
+# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: Check failed: (...) is false: ".
+_NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+_KIND_NAMES = {"json_schema": "JSON schema", "regex": "regular expression",
+               "ebnf": "EBNF grammar"}
+
+
+class GrammarError(ValueError):
+    """A constraint that does not compile; the message names the field and the problem."""
+
+
+@dataclass(frozen=True)
+class ModelVocab:
+    """What grammars need to know about the model's tokenizer."""
+
+    info: Any                   # xgrammar.TokenizerInfo
+    decoded: list[bytes]        # the bytes each token id stands for
+    banned: frozenset[int]      # special tokens a grammar never emits (stop tokens excepted)
+    tokenizer: Any              # tokenizers.Tokenizer: re-tokenizes forced text
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def load_vocab(model_path: str, vocab_size: int, stop_ids: tuple[int, ...]) -> ModelVocab:
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(model_path)
+    info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size,
+                                              stop_token_ids=list(stop_ids))
+    special = set(hf.all_special_ids) | {i for i, t in hf.added_tokens_decoder.items()
+                                         if t.special}
+    banned = frozenset(i for i in special if i < vocab_size and i not in stop_ids)
+    return ModelVocab(info, list(info.decoded_vocab), banned, hf.backend_tokenizer)
+
+
+def _clean(exc: Exception) -> str:
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return _NOISE.sub("", lines[0] if lines else type(exc).__name__)
+
+
+class GrammarCompiler:
+    def __init__(self, model_path: str, vocab_size: int, stop_ids: tuple[int, ...]) -> None:
+        self.model_path = model_path
+        self.vocab_size = vocab_size
+        self.stop_ids = stop_ids
+        self.vocab: ModelVocab | None = None    # set by the compile thread on first use
+        self._xgr_compiler: Any = None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="radixpool-grammar")
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        # compile-time histogram (cumulative per GRAMMAR_COMPILE_BUCKETS bound, then +Inf)
+        self.compile_counts = [0] * (len(GRAMMAR_COMPILE_BUCKETS) + 1)
+        self.compile_seconds_sum = 0.0
+        self.cache_hits = 0
+
+    def submit(self, key: tuple[str, str]) -> Future:
+        """The compiled grammar of (kind, source), maybe still compiling."""
+        fut = self._cache.get(key)
+        if fut is not None:
+            self._cache.move_to_end(key)
+            self.cache_hits += 1
+            return fut
+        fut = self._executor.submit(self._compile, key)
+        self._cache[key] = fut
+        while len(self._cache) > CACHE_ENTRIES:
+            self._cache.popitem(last=False)
+        return fut
+
+    # ---------------------------------------------------------------- compile thread
+    def _compile(self, key: tuple[str, str]) -> Any:
+        kind, source = key
+        if self._xgr_compiler is None:
+            import xgrammar as xgr
+
+            self.vocab = load_vocab(self.model_path, self.vocab_size, self.stop_ids)
+            self._xgr_compiler = xgr.GrammarCompiler(self.vocab.info, max_threads=1,
+                                                     cache_enabled=False)
+        compiler = self._xgr_compiler
+        start = time.perf_counter()
+        try:
+            if kind == "json_schema":
+                compiled = compiler.compile_json_schema(
+                    source, any_whitespace=False, separators=JSON_SEPARATORS, strict_mode=True)
+            elif kind == "regex":
+                compiled = compiler.compile_regex(source)
+            else:
+                compiled = compiler.compile_grammar(source)
+        except Exception as exc:   # xgrammar raises RuntimeError / ValueError subclasses
+            raise GrammarError(f"{kind} is not a valid {_KIND_NAMES[kind]}: "
+                               f"{_clean(exc)}") from None
+        self._observe(time.perf_counter() - start)
+        return compiled
+
+    def _observe(self, seconds: float) -> None:
+        self.compile_counts[bisect.bisect_left(GRAMMAR_COMPILE_BUCKETS, seconds)] += 1
+        self.compile_seconds_sum += seconds
