@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from radixpool.gateway.config import GatewayConfig
 from radixpool.gateway.discovery import EndpointSliceState, slice_endpoints
 from radixpool.gateway.health import HealthHysteresis
@@ -94,7 +96,7 @@ class FakeDiscoveryApi:
         self.lists = 0
         self.stop = stop
 
-    def list_namespaced_endpoint_slice(self, namespace, label_selector):
+    def list_namespaced_endpoint_slice(self, namespace, label_selector, **_):
         from types import SimpleNamespace
 
         assert (namespace, label_selector) == ("llm", "kubernetes.io/service-name=pool")
@@ -106,7 +108,7 @@ class FakeDiscoveryApi:
 
 
 class FakeWatch:
-    def stream(self, func, namespace, label_selector, resource_version, timeout_seconds):
+    def stream(self, func, namespace, label_selector, resource_version, timeout_seconds, **_):
         assert resource_version == "7"
         yield {"type": "MODIFIED",
                "raw_object": eps("a", [ep("10.0.0.1", ready=False, terminating=True)])}
@@ -130,6 +132,70 @@ def test_watch_shell_lists_then_follows_events_and_relists_on_expiry():
     assert seen[1] == ({"http://10.0.0.2:8000"}, {"http://10.0.0.1:8000"})
     assert seen[2] == ({"http://10.0.0.2:8000", "http://10.0.0.3:8000"}, {"http://10.0.0.1:8000"})
     assert seen[3] == (both, set()) and api.lists == 2   # the re-list replaced everything
+
+
+def test_a_silently_dropped_watch_connection_is_relisted(monkeypatch):
+    """An API server (here: a loopback stand-in) that answers the LIST, then accepts the WATCH and
+    never sends a byte, as a connection a middlebox forgot looks from the client. Discovery must
+    not freeze: the watch read times out and the shell lists again."""
+    import json as _json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from kubernetes import client
+
+    from radixpool.gateway import kubernetes_watch
+
+    monkeypatch.setattr(kubernetes_watch, "WATCH_SECONDS", 1)
+    monkeypatch.setattr(kubernetes_watch, "WATCH_SLACK_SECONDS", 1)
+    lists, release = [], threading.Event()
+
+    class Silent(BaseHTTPRequestHandler):
+        def do_GET(self):
+            if "watch=true" in self.path:
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                release.wait(30)   # the dropped connection: open, silent
+                return
+            lists.append(self.path)
+            body = _json.dumps({"kind": "EndpointSliceList", "apiVersion": "discovery.k8s.io/v1",
+                                "metadata": {"resourceVersion": str(len(lists))},
+                                "items": [{"addressType": "IPv4", "metadata": {"name": "a"},
+                                           "ports": [{"name": "http", "port": 8000}],
+                                           "endpoints": [{"addresses": ["10.0.0.1"],
+                                                          "conditions": {"ready": True}}]}]})
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Silent)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    cfg = client.Configuration(host=f"http://127.0.0.1:{server.server_address[1]}")
+    api = client.DiscoveryV1Api(client.ApiClient(cfg))
+    stop, seen = threading.Event(), []
+    shell = threading.Thread(target=kubernetes_watch.watch_endpoint_slices,
+                             args=(api, "pool", "llm", None, lambda r, t: seen.append(r), stop),
+                             daemon=True)
+    shell.start()
+    try:
+        deadline = time.monotonic() + 20
+        while len(lists) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(lists) >= 2, "the watch hung on a silent connection and never re-listed"
+        assert seen[0] == {"http://10.0.0.1:8000"}
+    finally:
+        stop.set()
+        release.set()
+        server.shutdown()
+        server.server_close()
 
 
 def test_a_new_instance_id_empties_that_workers_tree_at_once():

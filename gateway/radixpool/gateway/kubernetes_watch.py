@@ -2,6 +2,11 @@
 (`kubernetes.io/service-name=<service>`) with the official client, in a daemon thread (the client
 is blocking), and hand every change to the event loop. A watch that expires (410 Gone, an ERROR
 event) or breaks re-lists; nothing is polled. The rules live in `discovery.py`.
+
+Every call has a client-side deadline: the server ends a watch after `WATCH_SECONDS`, but a
+connection that was dropped silently (a NAT or load balancer forgetting it) never ends, and a
+blocked read would freeze discovery for good. A watch read that stays silent `WATCH_SLACK_SECONDS`
+past the server's own deadline is treated as broken and re-listed.
 """
 
 from __future__ import annotations
@@ -20,7 +25,12 @@ OnChange = Callable[[set[str], set[str]], None]
 
 class DiscoveryUnavailable(RuntimeError):
     """The Kubernetes API cannot be reached with any configuration we know of."""
+
+
 WATCH_SECONDS = 300
+WATCH_SLACK_SECONDS = 30
+CONNECT_SECONDS = 10
+LIST_SECONDS = 30
 
 
 def start_watch(service: str, namespace: str, port_name: str | None,
@@ -61,12 +71,15 @@ def watch_endpoint_slices(api, service: str, namespace: str, port_name: str | No
     selector = f"kubernetes.io/service-name={service}"
     while not stop.is_set():
         try:
-            listed = api.list_namespaced_endpoint_slice(namespace, label_selector=selector)
+            listed = api.list_namespaced_endpoint_slice(
+                namespace, label_selector=selector,
+                _request_timeout=(CONNECT_SECONDS, LIST_SECONDS))
             state.replace(plain(item) for item in listed.items)
             deliver(*state.workers())
             stream = (watcher or _new_watch()).stream(
                 api.list_namespaced_endpoint_slice, namespace, label_selector=selector,
-                resource_version=listed.metadata.resource_version, timeout_seconds=WATCH_SECONDS)
+                resource_version=listed.metadata.resource_version, timeout_seconds=WATCH_SECONDS,
+                _request_timeout=(CONNECT_SECONDS, WATCH_SECONDS + WATCH_SLACK_SECONDS))
             for event in stream:
                 if stop.is_set() or event["type"] == "ERROR":
                     break  # ERROR is typically 410 Gone: re-list
