@@ -4,9 +4,10 @@
     python bench/routing.py quality --workers 4 --workloads shared-prefix --policies cache_aware
     python bench/routing.py overhead           # what the gateway itself adds (zero-time workers)
 
-Three processes: the simulated fleet (`radixpool sim-worker --count N`: each worker a modelled
-bounded radix cache whose prefills run one at a time and cost `--prefill-us-per-token` per
-uncached token, so routing quality shows up as latency), the gateway (`radixpool gateway`, whose
+Three processes: the simulated fleet (`python -m bench.simfleet --count N`: each worker the
+engine's own bounded radix cache, `--eviction-policy` included, whose prefills run one at a time
+and cost `--prefill-us-per-token` per uncached token, so routing quality shows up as latency),
+the gateway (`radixpool gateway`, whose
 CPU time is read from /proc), and this load generator (closed loop, `--concurrency-per-worker`
 clients per worker, streamed requests).
 
@@ -22,6 +23,15 @@ Workloads (token counts exact: the simulated tokenizer is one token per word):
                  (the case where pinning to the first holder would idle the fleet)
   multi-turn     4N conversations, each turn adds a 64-token user message to the whole history
   random         unrelated 512-token prompts
+  capacity-bound the fleet's KV cache is the limit (issue 18): 64 groups, each an 8,192-token
+                 system prompt + one of 64 distinct 512-token questions (never repeated in a
+                 run), 32 output tokens, Poisson arrivals at 6 req/s per worker, 131,072 tokens
+                 of KV per worker (about 15 system prompts). Played in virtual time
+                 (`bench.simfleet.virtual`: the gateway's own policy, index and feedback, the
+                 engine's own radix cache, no HTTP), so the figures are deterministic. Beside
+                 each policy: the capacity reference (one unbounded cache, no load: the best any
+                 routing could do) and the partition reference (group g always on worker
+                 g mod N, ignoring load), for every `--eviction-policies` entry.
 
 `overhead` measures, with zero-service-time workers: p50 added latency of a non-streamed request
 (via gateway minus direct, sequential), the same for the first byte of a stream, and peak
@@ -42,12 +52,16 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
+from simfleet.virtual import FleetModel, Request, percentile, simulate
 
 from radixpool.gateway.upstream import UpstreamPool
+from radixpool.worker.config import EVICTION_POLICIES
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+ROOT = Path(__file__).resolve().parents[1]
 HEADERS = [(b"content-type", b"application/json")]
 
 
@@ -63,11 +77,14 @@ def free_port() -> int:
 
 
 def spawn_fleet(n: int, args: argparse.Namespace, zero: bool = False):
-    cmd = [sys.executable, "-m", "radixpool.cli", "sim-worker", "--count", str(n),
+    cmd = [sys.executable, "-m", "bench.simfleet", "--count", str(n),
            "--kv-capacity-tokens", str(args.kv_capacity_tokens),
+           "--eviction-policy", getattr(args, "eviction_policy", "lru"),
            "--prefill-us-per-token", "0" if zero else str(args.prefill_us_per_token),
            "--decode-ms-per-token", "0" if zero else str(args.decode_ms_per_token)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env)
     urls = json.loads(proc.stdout.readline())["urls"]
     return proc, urls
 
@@ -231,6 +248,11 @@ def decision_counts(metrics: str) -> str:
 
 
 def quality(args: argparse.Namespace) -> None:
+    if "capacity-bound" in args.workloads:
+        capacity(args)
+    args.workloads = [w for w in args.workloads if w != "capacity-bound"]
+    if not args.workloads:
+        return
     print(f"# gateway flags: {' '.join(args.gateway_arg) or '(defaults)'}")
     print(f"# simulated workers: prefill {args.prefill_us_per_token} us/uncached token "
           f"(one prefill at a time), decode {args.decode_ms_per_token} ms/token x "
@@ -242,6 +264,52 @@ def quality(args: argparse.Namespace) -> None:
         for workload in args.workloads:
             for policy in args.policies:
                 print(quality_run(n, workload, policy, args), flush=True)
+
+
+# --- capacity-bound (virtual time) ---------------------------------------------------------------
+def capacity_workload(workers: int, count: int, seed: int) -> list[Request]:
+    """Issue 18's workload: `count` requests over 64 groups x 64 distinct questions."""
+    rng = random.Random(seed)
+    systems = [random.Random(1000 + g).choices(range(32000), k=8192) for g in range(64)]
+    pairs = [(g, q) for g in range(64) for q in range(64)]
+    rng.shuffle(pairs)
+    t, out = 0.0, []
+    for g, q in pairs[:count]:
+        t += rng.expovariate(6.0 * workers)
+        question = random.Random(g * 64 + q).choices(range(32000), k=512)
+        out.append(Request(t, systems[g] + question, g, 32))
+    return out
+
+
+def capacity(args: argparse.Namespace) -> None:
+    print(f"# capacity-bound, virtual time (deterministic, seed {args.seed}): "
+          f"{args.capacity_requests} requests, prefill {args.capacity_prefill_us} us/uncached "
+          f"token (FIFO, one at a time), decode {args.capacity_decode_ms} ms/token x 32, "
+          f"KV {args.capacity_kv_tokens} tokens/worker")
+    print("  N evict     routing            hit  lat50ms  lat99  ttft50  ttft99 idle-q  "
+          "min/max per worker  decisions")
+    for n in args.workers:
+        requests = capacity_workload(n, args.capacity_requests, args.seed)
+        for eviction in args.eviction_policies:
+            model = FleetModel(n, args.capacity_kv_tokens, eviction,
+                               prefill_us_per_token=args.capacity_prefill_us,
+                               decode_ms_per_token=args.capacity_decode_ms)
+            unbounded = FleetModel(1, 1 << 40, eviction, prefill_us_per_token=0,
+                                   decode_ms_per_token=0)
+            rows = [("ref:capacity", simulate(requests, unbounded, sticky=lambda r: 0)),
+                    ("ref:partition", simulate(requests, model, sticky=lambda r, n=n: r.group % n))]
+            rows += [(p, simulate(requests, model, p)) for p in args.policies]
+            for name, o in rows:
+                lat = [x * 1e3 for x in o.latencies]
+                ttft = [x * 1e3 for x in o.ttfts]
+                idle = o.idle_while_queued / o.busy_time if o.busy_time else 0.0
+                lat_cols = ("      -       -       -       -" if name == "ref:capacity" else
+                            f"{percentile(lat, 0.5):7.0f} {percentile(lat, 0.99):7.0f} "
+                            f"{percentile(ttft, 0.5):7.0f} {percentile(ttft, 0.99):7.0f}")
+                reasons = " ".join(f"{k}={v}" for k, v in sorted(o.reasons.items()))
+                print(f"{n:>3} {eviction:<9} {name:<15} {o.hit_rate:6.3f} {lat_cols} "
+                      f"{idle:6.1%}  {min(o.per_worker):>6}/{max(o.per_worker):<6}        "
+                      f"{reasons}", flush=True)
 
 
 # --- overhead -------------------------------------------------------------------------------------
@@ -302,8 +370,10 @@ def main() -> None:
     sub = p.add_subparsers(dest="mode", required=True)
     q = sub.add_parser("quality", help="routing quality across fleets, workloads and policies")
     q.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8, 16])
-    q.add_argument("--workloads", nargs="+", default=["shared-prefix", "multi-turn", "random"],
-                   choices=["shared-prefix", "common-prefix", "multi-turn", "random"])
+    q.add_argument("--workloads", nargs="+",
+                   default=["capacity-bound", "shared-prefix", "multi-turn", "random"],
+                   choices=["capacity-bound", "shared-prefix", "common-prefix", "multi-turn",
+                            "random"])
     q.add_argument("--policies", nargs="+", default=["cache_aware", "round_robin"])
     q.add_argument("--requests-per-worker", type=int, default=40)
     q.add_argument("--concurrency-per-worker", type=int, default=2)
@@ -311,6 +381,15 @@ def main() -> None:
     q.add_argument("--decode-ms-per-token", type=float, default=1.0)
     q.add_argument("--max-tokens", type=int, default=8)
     q.add_argument("--kv-capacity-tokens", type=int, default=8192)
+    q.add_argument("--eviction-policy", default="lru", choices=EVICTION_POLICIES,
+                   help="the simulated workers' radix cache eviction (HTTP workloads)")
+    q.add_argument("--eviction-policies", nargs="+", default=list(EVICTION_POLICIES),
+                   choices=EVICTION_POLICIES, help="capacity-bound: one table per policy")
+    q.add_argument("--capacity-requests", type=int, default=4096, help="at most 4096")
+    q.add_argument("--capacity-kv-tokens", type=int, default=131072)
+    q.add_argument("--capacity-prefill-us", type=float, default=20.0)
+    q.add_argument("--capacity-decode-ms", type=float, default=5.0)
+    q.add_argument("--seed", type=int, default=0)
     q.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
                    help="extra gateway flag, repeatable (--gateway-arg=--balance-abs-threshold=4)")
     o = sub.add_parser("overhead", help="what the gateway adds, with zero-time workers")

@@ -18,6 +18,12 @@ Self-correction hooks, all O(blocks changed):
 - `remove` undoes an optimistic insert for a request that never reached the worker (retry).
 - `apply_event` / `load_snapshot` replay the worker's KV events; `reset` forgets a worker whose
   instance id changed (restart or flush).
+
+Once a worker's events arrive, they are the ground truth of what it evicts, whatever its eviction
+policy: the tree then keeps what the events say (bounded at `EVENT_FED_SLACK` x capacity, for
+optimistic inserts the worker never confirms) instead of guessing by its own LRU, and a short
+`cached_tokens` report no longer sweeps the LRU front (`trim_through`): a worker that evicts by
+reuse (LFU, probation) keeps old prefixes that an LRU sweep would wrongly forget.
 """
 
 from __future__ import annotations
@@ -27,14 +33,21 @@ from collections.abc import Iterable, Sequence
 
 from radixpool.protocol.kv_blocks import KVEvent
 
+EVENT_FED_SLACK = 2
+
 
 class _WorkerTree:
-    __slots__ = ("bit", "capacity", "lru")
+    __slots__ = ("bit", "capacity", "event_fed", "lru")
 
     def __init__(self, bit: int, capacity: int) -> None:
         self.bit = bit
         self.capacity = capacity
+        self.event_fed = False
         self.lru: OrderedDict[int, int] = OrderedDict()
+
+    @property
+    def bound(self) -> int:
+        return self.capacity * EVENT_FED_SLACK if self.event_fed else self.capacity
 
 
 class PrefixIndex:
@@ -138,7 +151,7 @@ class PrefixIndex:
     def trim_through(self, worker: str, epoch: int) -> int:
         """Forget every block of `worker` last touched at or before `epoch`; returns how many."""
         tree = self._trees.get(worker)
-        if tree is None:
+        if tree is None or tree.event_fed:
             return 0
         lru, removed = tree.lru, 0
         while lru:
@@ -159,6 +172,9 @@ class PrefixIndex:
         tree.lru.clear()
 
     def apply_event(self, worker: str, event: KVEvent) -> None:
+        tree = self._trees.get(worker)
+        if tree is not None:
+            tree.event_fed = True
         if event.type == "cleared":
             self.reset(worker)
         elif event.type == "removed":
@@ -168,11 +184,14 @@ class PrefixIndex:
 
     def load_snapshot(self, worker: str, blocks: Sequence[int]) -> None:
         self.reset(worker)
+        tree = self._trees.get(worker)
+        if tree is not None:
+            tree.event_fed = True
         self.insert(worker, blocks)
 
     def _evict(self, tree: _WorkerTree) -> None:
-        lru = tree.lru
-        while len(lru) > tree.capacity:
+        lru, bound = tree.lru, tree.bound
+        while len(lru) > bound:
             h, _ = lru.popitem(last=False)
             self._drop_owner(h, tree.bit)
 
