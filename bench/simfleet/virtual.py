@@ -77,8 +77,9 @@ class _Gateway:
         self.policy = make_policy(config, self.index)
         self.workers = {n: Worker(n, HealthHysteresis(1, 1), CircuitBreaker(5, 10.0))
                         for n in names}
-        for n in names:
+        for n in names:  # what the monitor learns from each worker's /server_info
             self.index.add_worker(n, model.kv_capacity_tokens // model.block_size)
+            self.index.set_eviction_policy(n, model.eviction_policy)
 
     def route(self, key: RouteKey) -> Decision:
         ready = list(self.workers.values())

@@ -87,7 +87,7 @@ class SimWorker:
     def info(self) -> ServerInfo:
         c = self.config
         return ServerInfo(c.model, c.model, 1 << 20, c.kv_capacity_tokens, 1, c.block_size,
-                          self.instance_id, "sim", c.kv_events)
+                          self.instance_id, "sim", c.kv_events, c.eviction_policy)
 
     def flush(self) -> None:
         self.cache.clear()

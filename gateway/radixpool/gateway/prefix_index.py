@@ -34,16 +34,19 @@ from collections.abc import Iterable, Sequence
 from radixpool.protocol.kv_blocks import KVEvent
 
 EVENT_FED_SLACK = 2
+REUSE_AWARE_EVICTION = ("lfu", "probation")
 
 
 class _WorkerTree:
-    __slots__ = ("bit", "capacity", "event_fed", "lru")
+    __slots__ = ("bit", "capacity", "event_fed", "lru", "protects_reuse", "reused")
 
     def __init__(self, bit: int, capacity: int) -> None:
         self.bit = bit
         self.capacity = capacity
         self.event_fed = False
+        self.protects_reuse = False   # the worker evicts never-reused prefixes first
         self.lru: OrderedDict[int, int] = OrderedDict()
+        self.reused: set[int] = set()  # blocks a later request matched here: worth keeping
 
     @property
     def bound(self) -> int:
@@ -90,6 +93,21 @@ class PrefixIndex:
     def capacity(self, worker: str) -> int:
         return self._trees[worker].capacity
 
+    def set_eviction_policy(self, worker: str, policy: str) -> None:
+        """What the worker reports in `/server_info`: lfu and probation protect reused prefixes."""
+        tree = self._trees.get(worker)
+        if tree is not None:
+            tree.protects_reuse = policy in REUSE_AWARE_EVICTION
+
+    def room(self, worker: str) -> int:
+        """Blocks `worker` can take without evicting a prefix it protects for reuse: its capacity
+        less the blocks requests routed there have matched (and it still holds). A worker that
+        evicts by recency alone protects nothing: any prompt costs it the same."""
+        tree = self._trees.get(worker)
+        if tree is None:
+            return 0
+        return tree.capacity - len(tree.reused) if tree.protects_reuse else tree.capacity
+
     # --- queries ------------------------------------------------------------------------------
     def match(self, hashes: Sequence[int]) -> dict[str, int]:
         """Leading blocks of `hashes` each worker holds; workers holding none are left out."""
@@ -126,6 +144,7 @@ class PrefixIndex:
             return []
         lru = tree.lru
         before = [lru.get(h, 0) for h in hashes[:matched]]
+        tree.reused.update(hashes[:matched])
         self._epoch += 1
         epoch, bit, owners = self._epoch, tree.bit, self._owners
         for h in reversed(hashes):  # children first: a parent must end up more recent
@@ -144,6 +163,7 @@ class PrefixIndex:
         removed = 0
         for h in hashes:
             if tree.lru.pop(h, None) is not None:
+                tree.reused.discard(h)
                 self._drop_owner(h, tree.bit)
                 removed += 1
         return removed
@@ -159,6 +179,7 @@ class PrefixIndex:
             if e > epoch:
                 break
             del lru[h]
+            tree.reused.discard(h)
             self._drop_owner(h, tree.bit)
             removed += 1
         return removed
@@ -170,6 +191,7 @@ class PrefixIndex:
         for h in tree.lru:
             self._drop_owner(h, tree.bit)
         tree.lru.clear()
+        tree.reused.clear()
 
     def apply_event(self, worker: str, event: KVEvent) -> None:
         tree = self._trees.get(worker)
@@ -193,6 +215,7 @@ class PrefixIndex:
         lru, bound = tree.lru, tree.bound
         while len(lru) > bound:
             h, _ = lru.popitem(last=False)
+            tree.reused.discard(h)
             self._drop_owner(h, tree.bit)
 
     def _drop_owner(self, h: int, bit: int) -> None:
