@@ -2,6 +2,7 @@
 
     python bench/routing.py quality            # 2-16 workers x 3 workloads x 2 policies
     python bench/routing.py quality --workers 4 --workloads shared-prefix --policies cache_aware
+    python bench/routing.py gateways           # hit rate with 1, 2, 3 gateways (virtual time)
     python bench/routing.py overhead           # what the gateway itself adds (zero-time workers)
 
 Three processes: the simulated fleet (`python -m bench.simfleet --count N`: each worker the
@@ -89,12 +90,15 @@ def spawn_fleet(n: int, args: argparse.Namespace, zero: bool = False):
     return proc, urls
 
 
-def spawn_gateway(urls: list[str], policy: str, extra: list[str] = ()):
+def spawn_gateway(urls: list[str], policy: str, extra: list[str] = (), src: str | None = None):
+    """`src`: run the gateway from another source checkout (a before/after comparison)."""
     port = free_port()
     cmd = [sys.executable, "-m", "radixpool.cli", "gateway", "--worker-urls", *urls,
            "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
            "--log-level", "warning", *extra]
-    proc = subprocess.Popen(cmd)
+    env = None if src is None else {**os.environ, "PYTHONPATH": os.pathsep.join(
+        os.path.join(src, part) for part in ("common", "worker", "gateway", "operator"))}
+    proc = subprocess.Popen(cmd, env=env)
     base = f"http://127.0.0.1:{port}"
     for _ in range(400):
         try:
@@ -206,7 +210,7 @@ def pct(values: list[float], q: float) -> float:
 # --- quality --------------------------------------------------------------------------------------
 def quality_run(n: int, workload: str, policy: str, args: argparse.Namespace) -> str:
     fleet, urls = spawn_fleet(n, args)
-    gateway, port = spawn_gateway(urls, policy, args.gateway_arg)
+    gateway, port = spawn_gateway(urls, policy, args.gateway_arg, args.gateway_src)
     try:
         wl = Workload(workload, n)
 
@@ -253,7 +257,8 @@ def quality(args: argparse.Namespace) -> None:
     args.workloads = [w for w in args.workloads if w != "capacity-bound"]
     if not args.workloads:
         return
-    print(f"# gateway flags: {' '.join(args.gateway_arg) or '(defaults)'}")
+    print(f"# gateway flags: {' '.join(args.gateway_arg) or '(defaults)'}; gateway source: "
+          f"{args.gateway_src or 'this checkout'}; worker eviction: {args.eviction_policy}")
     print(f"# simulated workers: prefill {args.prefill_us_per_token} us/uncached token "
           f"(one prefill at a time), decode {args.decode_ms_per_token} ms/token x "
           f"{args.max_tokens}, KV {args.kv_capacity_tokens} tokens/worker; "
@@ -310,6 +315,53 @@ def capacity(args: argparse.Namespace) -> None:
                 print(f"{n:>3} {eviction:<9} {name:<15} {o.hit_rate:6.3f} {lat_cols} "
                       f"{idle:6.1%}  {min(o.per_worker):>6}/{max(o.per_worker):<6}        "
                       f"{reasons}", flush=True)
+
+
+# --- several gateways (virtual time) --------------------------------------------------------------
+def virtual_workload(name: str, workers: int, count: int, rate: float, seed: int
+                     ) -> list[Request]:
+    """shared-prefix and multi-turn as in `Workload`, as token ids with Poisson arrivals."""
+    rng = random.Random(seed)
+    common = random.Random(-1).choices(range(32000), k=128)
+    groups = [random.Random(g).choices(range(32000), k=768) for g in range(2 * workers)]
+    sessions: dict[int, list[int]] = {}
+    t, out = 0.0, []
+    for _ in range(count):
+        t += rng.expovariate(rate * workers)
+        if name == "shared-prefix":
+            g = rng.randrange(2 * workers)
+            out.append(Request(t, common + groups[g] + rng.choices(range(32000), k=32), g, 8))
+            continue
+        sid = rng.randrange(4 * workers)
+        history = sessions.setdefault(sid, [])
+        if len(history) >= 8 * 72:
+            history.clear()
+        history += rng.choices(range(32000), k=64)
+        out.append(Request(t, list(history), sid, 8))
+        history += random.Random(-2).choices(range(32000), k=8)  # the (fixed) answer
+    return out
+
+
+def gateways(args: argparse.Namespace) -> None:
+    print(f"# several gateways, virtual time (deterministic, seed {args.seed}): each request goes "
+          f"to a random gateway; every gateway gets every worker's KV events; "
+          f"{args.requests_per_worker} req/worker at {args.rate} req/s per worker, prefill "
+          f"{args.prefill_us_per_token} us/uncached token, decode 1 ms/token x 8, KV "
+          f"{args.kv_capacity_tokens} tokens/worker, worker eviction {args.eviction_policy}")
+    print("  N workload      gateways   hit  lat50ms  lat99  min/max per worker")
+    for n in args.workers:
+        for workload in ("shared-prefix", "multi-turn"):
+            requests = virtual_workload(workload, n, args.requests_per_worker * n, args.rate,
+                                        args.seed)
+            model = FleetModel(n, args.kv_capacity_tokens, args.eviction_policy,
+                               prefill_us_per_token=args.prefill_us_per_token,
+                               decode_ms_per_token=1.0)
+            for g in args.gateways:
+                o = simulate(requests, model, "cache_aware", gateways=g, seed=args.seed)
+                lat = [x * 1e3 for x in o.latencies]
+                print(f"{n:>3} {workload:<13} {g:>8} {o.hit_rate:6.3f} "
+                      f"{percentile(lat, 0.5):7.1f} {percentile(lat, 0.99):7.1f}  "
+                      f"{min(o.per_worker)}/{max(o.per_worker)}", flush=True)
 
 
 # --- overhead -------------------------------------------------------------------------------------
@@ -390,8 +442,20 @@ def main() -> None:
     q.add_argument("--capacity-prefill-us", type=float, default=20.0)
     q.add_argument("--capacity-decode-ms", type=float, default=5.0)
     q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--gateway-src", metavar="DIR",
+                   help="run the gateway from this source checkout (e.g. the previous commit, "
+                        "for before/after figures on the same simulated workers)")
     q.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
                    help="extra gateway flag, repeatable (--gateway-arg=--balance-abs-threshold=4)")
+    m = sub.add_parser("gateways", help="fleet hit rate with 1, 2, 3 gateways (virtual time)")
+    m.add_argument("--workers", type=int, nargs="+", default=[4, 8])
+    m.add_argument("--gateways", type=int, nargs="+", default=[1, 2, 3])
+    m.add_argument("--requests-per-worker", type=int, default=400)
+    m.add_argument("--rate", type=float, default=10.0, help="requests/s per worker (Poisson)")
+    m.add_argument("--prefill-us-per-token", type=float, default=100.0)
+    m.add_argument("--kv-capacity-tokens", type=int, default=8192)
+    m.add_argument("--eviction-policy", default="lru", choices=EVICTION_POLICIES)
+    m.add_argument("--seed", type=int, default=0)
     o = sub.add_parser("overhead", help="what the gateway adds, with zero-time workers")
     o.add_argument("--sequential", type=int, default=2000)
     o.add_argument("--concurrency", type=int, default=32)
@@ -405,7 +469,7 @@ def main() -> None:
         uvloop.install()
     except ImportError:
         pass
-    quality(args) if args.mode == "quality" else overhead(args)
+    {"quality": quality, "gateways": gateways, "overhead": overhead}[args.mode](args)
 
 
 if __name__ == "__main__":
