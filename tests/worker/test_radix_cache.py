@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -243,3 +244,10 @@ def test_lfu_ages_out_a_prefix_that_was_hot_long_ago():
     client.check()
     assert survived[0] and survived[2], "a hot prefix outlives the first one-off prompts"
     assert not survived[-1], "without ageing a once-hot prefix would pin its KV forever"
+
+
+def test_an_unknown_eviction_policy_is_refused_naming_the_field():
+    from radixpool.worker.config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"eviction_policy must be lru \| lfu \| probation"):
+        EngineConfig(model_path="/m", eviction_policy="mru")
