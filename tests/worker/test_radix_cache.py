@@ -197,13 +197,15 @@ def test_events_carry_monotonic_seq_and_clear():
 
 
 def shared_prompt_then_one_offs(policy: str, one_offs: int) -> RadixCache:
-    """A 64-token system prompt reused by four questions, then a stream of one-off prompts
-    that together need more than the whole pool."""
+    """A 64-token system prompt reused by four questions spread over other traffic, then a burst
+    of one-off prompts that together need more than the rest of the pool."""
     cache = make_cache(policy=policy)
     client = Client(cache)
     system = [7] * 64
     for q in range(4):
         client.run(system + [100 + q] * 8, hold=False)
+        for i in range(3):
+            client.run([500 + 10 * q + i] * 24, hold=False)
     for i in range(one_offs):
         client.run([200 + i] * 24, hold=False)
         client.check()
@@ -212,9 +214,14 @@ def shared_prompt_then_one_offs(policy: str, one_offs: int) -> RadixCache:
 
 def test_reuse_aware_policies_keep_a_shared_prompt_that_lru_evicts():
     for policy in EVICTION_POLICIES:
-        cache = shared_prompt_then_one_offs(policy, one_offs=20)  # 480 one-off tokens > 256
+        cache = shared_prompt_then_one_offs(policy, one_offs=8)  # 192 one-off tokens
         kept = cache.probe([7] * 64 + [1])
         assert kept == (0 if policy == "lru" else 64), policy
+
+
+def test_probation_lets_a_prompt_nobody_reuses_any_more_go_stale():
+    cache = shared_prompt_then_one_offs("probation", one_offs=60)
+    assert cache.probe([7] * 64 + [1]) == 0
 
 
 def test_probation_evicts_never_reused_leaves_oldest_first():

@@ -3,7 +3,8 @@
 The cache only ever evicts leaves with no lock (a parent becomes a candidate once its last child
 is gone), so every policy keeps the tree's invariants; a policy only orders the candidates. Each
 node carries `last_access` (a tick, bumped by every match and insert that walks through it) and
-`hits` (how many `match_prefix` calls reused it: a request that found it cached). A parent's
+`hits` (how many `match_prefix` calls reused it: a request that found it cached) and `born` (the
+tick of the insert that created it; a split keeps it). A parent's
 `hits` is never below a child's, since every match reaching the child passes through the parent.
 
 - `lru`: least recently used first (the default, as in SGLang).
@@ -15,7 +16,10 @@ node carries `last_access` (a tick, bumped by every match and insert that walks 
   probation and goes first, oldest first; prefixes that were reused go after, least recently
   used first. A stream of one-off requests then churns through the probation space instead of
   pushing out the shared prefixes (system prompts, conversation histories) that pay for the
-  cache.
+  cache. A reused prefix that has gone unused for more than `STALE_AFTER_INTERVALS` of its own
+  mean reuse intervals (ticks since it was created / hits) is stale and goes back among the
+  probation leaves, by recency: without this, histories of finished conversations stay
+  protected forever and fresh conversation tails are evicted before them.
 """
 
 from __future__ import annotations
@@ -24,9 +28,14 @@ from typing import Protocol
 
 from radixpool.worker.config import EVICTION_POLICIES
 
+# probation: a reused node idle for more than this many of its own mean reuse intervals is stale
+# (a finished conversation's history) and competes with the probation leaves again, by recency.
+STALE_AFTER_INTERVALS = 8
+
 
 class EvictableNode(Protocol):
     last_access: int
+    born: int
     hits: int
     priority: float
 
@@ -36,7 +45,7 @@ class EvictionPolicy:
 
     name = "lru"
 
-    def key(self, node: EvictableNode) -> tuple:
+    def key(self, node: EvictableNode, now: int) -> tuple:
         return (node.last_access,)
 
     def created(self, node: EvictableNode) -> None:
@@ -55,7 +64,7 @@ class LFUWithAgeing(EvictionPolicy):
     def __init__(self) -> None:
         self.age = 0.0
 
-    def key(self, node: EvictableNode) -> tuple:
+    def key(self, node: EvictableNode, now: int) -> tuple:
         return (node.priority, node.last_access)
 
     def created(self, node: EvictableNode) -> None:
@@ -71,8 +80,11 @@ class LFUWithAgeing(EvictionPolicy):
 class Probation(EvictionPolicy):
     name = "probation"
 
-    def key(self, node: EvictableNode) -> tuple:
-        return (node.hits > 0, node.last_access)
+    def key(self, node: EvictableNode, now: int) -> tuple:
+        if not node.hits:
+            return (False, node.last_access)
+        interval = max(1.0, (node.last_access - node.born) / node.hits)
+        return (now - node.last_access <= STALE_AFTER_INTERVALS * interval, node.last_access)
 
 
 def make_eviction_policy(name: str) -> EvictionPolicy:

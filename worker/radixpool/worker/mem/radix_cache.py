@@ -86,7 +86,7 @@ class TensorSlotRuns:
 
 
 class TreeNode:
-    __slots__ = ("children", "hits", "key", "last_access", "lock_ref", "parent", "priority",
+    __slots__ = ("born", "children", "hits", "key", "last_access", "lock_ref", "parent", "priority",
                  "seed", "start", "states", "value")
 
     def __init__(self, key: list[int], value: Any, parent: TreeNode | None,
@@ -101,6 +101,7 @@ class TreeNode:
         self.lock_ref = 0
         self.last_access = 0
         self.hits = 0                 # matches that reused this node (eviction policies)
+        self.born = 0                 # tick of the insert that created this prefix
         self.priority = 0.0           # the eviction policy's own score (LFU)
 
     @property
@@ -229,7 +230,7 @@ class RadixCache:
                          child.states[:num_upper_blocks])
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
-        upper.hits, upper.priority = child.hits, child.priority
+        upper.hits, upper.priority, upper.born = child.hits, child.priority, child.born
         upper.children[self._child_key(child.key, n)] = child
         child.parent.children[self._child_key(child.key, 0)] = upper
         child.parent = upper
@@ -266,7 +267,7 @@ class RadixCache:
         tokens = as_token_array(key[first_block * bs:end])
         states = chain_states(tokens, bs, parent.chain_state())
         leaf = TreeNode(key[start:end], self.runs.own(slots[start:end]), parent, start, states)
-        leaf.last_access = next(self._tick)
+        leaf.last_access = leaf.born = next(self._tick)
         self.policy.created(leaf)
         parent.children[self._child_key(key, start)] = leaf
         self._leaves.discard(parent)
@@ -309,8 +310,9 @@ class RadixCache:
 
         May free more than asked (whole leaves). Returns what was freed.
         """
-        key = self.policy.key
-        heap = [(key(n), id(n), n) for n in self._leaves]
+        now = next(self._tick)
+        policy = self.policy
+        heap = [(policy.key(n, now), id(n), n) for n in self._leaves]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
@@ -319,7 +321,7 @@ class RadixCache:
             freed += self._remove_leaf(leaf)
             if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                 self._leaves.add(parent)
-                heapq.heappush(heap, (key(parent), id(parent), parent))
+                heapq.heappush(heap, (policy.key(parent, now), id(parent), parent))
         self.evicted_tokens_total += freed
         return freed
 
