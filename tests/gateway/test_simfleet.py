@@ -33,9 +33,10 @@ def test_sim_kv_reports_cached_tokens_and_events_the_gateway_can_replay():
 def test_a_reused_system_prompt_survives_one_off_prompts_only_with_reuse_aware_eviction(policy):
     kv = SimKV(capacity_tokens=256, block_size=16, eviction_policy=policy)
     system = list(range(100, 164))
-    kv.prefill(system + [1] * 16, None)
-    kv.prefill(system + [2] * 16, None)
-    for i in range(8):
+    for q in range(4):  # reused by a question now and then, among other traffic
+        kv.prefill(system + [q] * 16, None)
+        kv.prefill([2000 + q] * 48, None)
+    for i in range(5):  # then a burst of one-off prompts
         kv.prefill([1000 + i] * 48, None)
     assert kv.probe(system + [3], None) == (64 if policy == "probation" else 0)
 
