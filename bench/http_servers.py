@@ -79,7 +79,7 @@ async def aiohttp_handler(request):
 
 async def serve_in_loop(kind: str, port: int) -> None:
     if kind == "handwritten":
-        from radixpool.gateway.http_server import serve as serve_handwritten
+        from simfleet.http_server import serve as serve_handwritten
 
         await serve_handwritten(handwritten_app, "127.0.0.1", port, 1 << 20)
     elif kind == "granian":

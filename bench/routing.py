@@ -2,12 +2,14 @@
 
     python bench/routing.py quality            # 2-16 workers x 3 workloads x 2 policies
     python bench/routing.py quality --workers 4 --workloads shared-prefix --policies cache_aware
+    python bench/routing.py gateways           # hit rate with 1, 2, 3 gateways (virtual time)
     python bench/routing.py overhead           # what the gateway itself adds (zero-time workers)
     python bench/routing.py quality --omit-cached-tokens   # workers that never report cached_tokens
 
-Three processes: the simulated fleet (`radixpool sim-worker --count N`: each worker a modelled
-bounded radix cache whose prefills run one at a time and cost `--prefill-us-per-token` per
-uncached token, so routing quality shows up as latency), the gateway (`radixpool gateway`, whose
+Three processes: the simulated fleet (`python -m bench.simfleet --count N`: each worker the
+engine's own bounded radix cache, `--eviction-policy` included, whose prefills run one at a time
+and cost `--prefill-us-per-token` per uncached token, so routing quality shows up as latency),
+the gateway (`radixpool gateway`, whose
 CPU time is read from /proc), and this load generator (closed loop, `--concurrency-per-worker`
 clients per worker, streamed requests).
 
@@ -23,6 +25,15 @@ Workloads (token counts exact: the simulated tokenizer is one token per word):
                  (the case where pinning to the first holder would idle the fleet)
   multi-turn     4N conversations, each turn adds a 64-token user message to the whole history
   random         unrelated 512-token prompts
+  capacity-bound the fleet's KV cache is the limit (issue 18): 64 groups, each an 8,192-token
+                 system prompt + one of 64 distinct 512-token questions (never repeated in a
+                 run), 32 output tokens, Poisson arrivals at 6 req/s per worker, 131,072 tokens
+                 of KV per worker (about 15 system prompts). Played in virtual time
+                 (`bench.simfleet.virtual`: the gateway's own policy, index and feedback, the
+                 engine's own radix cache, no HTTP), so the figures are deterministic. Beside
+                 each policy: the capacity reference (one unbounded cache, no load: the best any
+                 routing could do) and the partition reference (group g always on worker
+                 g mod N, ignoring load), for every `--eviction-policies` entry.
 
 `overhead` measures, with zero-service-time workers: p50 added latency of a non-streamed request
 (via gateway minus direct, sequential), the same for the first byte of a stream, and peak
@@ -43,12 +54,16 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
+from simfleet.virtual import FleetModel, Request, percentile, simulate
 
 from radixpool.gateway.upstream import UpstreamPool
+from radixpool.worker.config import EVICTION_POLICIES
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+ROOT = Path(__file__).resolve().parents[1]
 HEADERS = [(b"content-type", b"application/json")]
 
 
@@ -64,25 +79,29 @@ def free_port() -> int:
 
 
 def spawn_fleet(n: int, args: argparse.Namespace, zero: bool = False):
-    if getattr(args, "omit_cached_tokens", False):
-        program = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "sim_no_cached.py")]
-    else:
-        program = ["-m", "radixpool.cli", "sim-worker"]
-    cmd = [sys.executable, *program, "--count", str(n),
+    module = "bench.sim_no_cached" if getattr(args, "omit_cached_tokens", False) \
+        else "bench.simfleet"
+    cmd = [sys.executable, "-m", module, "--count", str(n),
            "--kv-capacity-tokens", str(args.kv_capacity_tokens),
+           "--eviction-policy", getattr(args, "eviction_policy", "lru"),
            "--prefill-us-per-token", "0" if zero else str(args.prefill_us_per_token),
            "--decode-ms-per-token", "0" if zero else str(args.decode_ms_per_token)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env)
     urls = json.loads(proc.stdout.readline())["urls"]
     return proc, urls
 
 
-def spawn_gateway(urls: list[str], policy: str, extra: list[str] = ()):
+def spawn_gateway(urls: list[str], policy: str, extra: list[str] = (), src: str | None = None):
+    """`src`: run the gateway from another source checkout (a before/after comparison)."""
     port = free_port()
     cmd = [sys.executable, "-m", "radixpool.cli", "gateway", "--worker-urls", *urls,
            "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
            "--log-level", "warning", *extra]
-    proc = subprocess.Popen(cmd)
+    env = None if src is None else {**os.environ, "PYTHONPATH": os.pathsep.join(
+        os.path.join(src, part) for part in ("common", "worker", "gateway", "operator"))}
+    proc = subprocess.Popen(cmd, env=env)
     base = f"http://127.0.0.1:{port}"
     for _ in range(400):
         try:
@@ -195,7 +214,7 @@ def pct(values: list[float], q: float) -> float:
 def quality_run(n: int, workload: str, policy: str, args: argparse.Namespace) -> str:
     fleet, urls = spawn_fleet(n, args)
     try:
-        gateway, port = spawn_gateway(urls, policy, args.gateway_arg)
+        gateway, port = spawn_gateway(urls, policy, args.gateway_arg, args.gateway_src)
     except BaseException:
         stop(fleet)
         raise
@@ -240,7 +259,13 @@ def decision_counts(metrics: str) -> str:
 
 
 def quality(args: argparse.Namespace) -> None:
-    print(f"# gateway flags: {' '.join(args.gateway_arg) or '(defaults)'}")
+    if "capacity-bound" in args.workloads:
+        capacity(args)
+    args.workloads = [w for w in args.workloads if w != "capacity-bound"]
+    if not args.workloads:
+        return
+    print(f"# gateway flags: {' '.join(args.gateway_arg) or '(defaults)'}; gateway source: "
+          f"{args.gateway_src or 'this checkout'}; worker eviction: {args.eviction_policy}")
     if args.omit_cached_tokens:
         print("# simulated workers leave cached_tokens out of their answers")
     print(f"# simulated workers: prefill {args.prefill_us_per_token} us/uncached token "
@@ -253,6 +278,99 @@ def quality(args: argparse.Namespace) -> None:
         for workload in args.workloads:
             for policy in args.policies:
                 print(quality_run(n, workload, policy, args), flush=True)
+
+
+# --- capacity-bound (virtual time) ---------------------------------------------------------------
+def capacity_workload(workers: int, count: int, seed: int) -> list[Request]:
+    """Issue 18's workload: `count` requests over 64 groups x 64 distinct questions."""
+    rng = random.Random(seed)
+    systems = [random.Random(1000 + g).choices(range(32000), k=8192) for g in range(64)]
+    pairs = [(g, q) for g in range(64) for q in range(64)]
+    rng.shuffle(pairs)
+    t, out = 0.0, []
+    for g, q in pairs[:count]:
+        t += rng.expovariate(6.0 * workers)
+        question = random.Random(g * 64 + q).choices(range(32000), k=512)
+        out.append(Request(t, systems[g] + question, g, 32))
+    return out
+
+
+def capacity(args: argparse.Namespace) -> None:
+    print(f"# capacity-bound, virtual time (deterministic, seed {args.seed}): "
+          f"{args.capacity_requests} requests, prefill {args.capacity_prefill_us} us/uncached "
+          f"token (FIFO, one at a time), decode {args.capacity_decode_ms} ms/token x 32, "
+          f"KV {args.capacity_kv_tokens} tokens/worker")
+    print("  N evict     routing            hit  lat50ms  lat99  ttft50  ttft99 idle-q  "
+          "min/max per worker  decisions")
+    for n in args.workers:
+        requests = capacity_workload(n, args.capacity_requests, args.seed)
+        for eviction in args.eviction_policies:
+            model = FleetModel(n, args.capacity_kv_tokens, eviction,
+                               prefill_us_per_token=args.capacity_prefill_us,
+                               decode_ms_per_token=args.capacity_decode_ms)
+            unbounded = FleetModel(1, 1 << 40, eviction, prefill_us_per_token=0,
+                                   decode_ms_per_token=0)
+            rows = [("ref:capacity", simulate(requests, unbounded, sticky=lambda r: 0)),
+                    ("ref:partition", simulate(requests, model, sticky=lambda r, n=n: r.group % n))]
+            rows += [(p, simulate(requests, model, p)) for p in args.policies]
+            for name, o in rows:
+                lat = [x * 1e3 for x in o.latencies]
+                ttft = [x * 1e3 for x in o.ttfts]
+                idle = o.idle_while_queued / o.busy_time if o.busy_time else 0.0
+                lat_cols = ("      -       -       -       -" if name == "ref:capacity" else
+                            f"{percentile(lat, 0.5):7.0f} {percentile(lat, 0.99):7.0f} "
+                            f"{percentile(ttft, 0.5):7.0f} {percentile(ttft, 0.99):7.0f}")
+                reasons = " ".join(f"{k}={v}" for k, v in sorted(o.reasons.items()))
+                print(f"{n:>3} {eviction:<9} {name:<15} {o.hit_rate:6.3f} {lat_cols} "
+                      f"{idle:6.1%}  {min(o.per_worker):>6}/{max(o.per_worker):<6}        "
+                      f"{reasons}", flush=True)
+
+
+# --- several gateways (virtual time) --------------------------------------------------------------
+def virtual_workload(name: str, workers: int, count: int, rate: float, seed: int
+                     ) -> list[Request]:
+    """shared-prefix and multi-turn as in `Workload`, as token ids with Poisson arrivals."""
+    rng = random.Random(seed)
+    common = random.Random(-1).choices(range(32000), k=128)
+    groups = [random.Random(g).choices(range(32000), k=768) for g in range(2 * workers)]
+    sessions: dict[int, list[int]] = {}
+    t, out = 0.0, []
+    for _ in range(count):
+        t += rng.expovariate(rate * workers)
+        if name == "shared-prefix":
+            g = rng.randrange(2 * workers)
+            out.append(Request(t, common + groups[g] + rng.choices(range(32000), k=32), g, 8))
+            continue
+        sid = rng.randrange(4 * workers)
+        history = sessions.setdefault(sid, [])
+        if len(history) >= 8 * 72:
+            history.clear()
+        history += rng.choices(range(32000), k=64)
+        out.append(Request(t, list(history), sid, 8))
+        history += random.Random(-2).choices(range(32000), k=8)  # the (fixed) answer
+    return out
+
+
+def gateways(args: argparse.Namespace) -> None:
+    print(f"# several gateways, virtual time (deterministic, seed {args.seed}): each request goes "
+          f"to a random gateway; every gateway gets every worker's KV events; "
+          f"{args.requests_per_worker} req/worker at {args.rate} req/s per worker, prefill "
+          f"{args.prefill_us_per_token} us/uncached token, decode 1 ms/token x 8, KV "
+          f"{args.kv_capacity_tokens} tokens/worker, worker eviction {args.eviction_policy}")
+    print("  N workload      gateways   hit  lat50ms  lat99  min/max per worker")
+    for n in args.workers:
+        for workload in ("shared-prefix", "multi-turn"):
+            requests = virtual_workload(workload, n, args.requests_per_worker * n, args.rate,
+                                        args.seed)
+            model = FleetModel(n, args.kv_capacity_tokens, args.eviction_policy,
+                               prefill_us_per_token=args.prefill_us_per_token,
+                               decode_ms_per_token=1.0)
+            for g in args.gateways:
+                o = simulate(requests, model, "cache_aware", gateways=g, seed=args.seed)
+                lat = [x * 1e3 for x in o.latencies]
+                print(f"{n:>3} {workload:<13} {g:>8} {o.hit_rate:6.3f} "
+                      f"{percentile(lat, 0.5):7.1f} {percentile(lat, 0.99):7.1f}  "
+                      f"{min(o.per_worker)}/{max(o.per_worker)}", flush=True)
 
 
 # --- overhead -------------------------------------------------------------------------------------
@@ -313,8 +431,10 @@ def main() -> None:
     sub = p.add_subparsers(dest="mode", required=True)
     q = sub.add_parser("quality", help="routing quality across fleets, workloads and policies")
     q.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8, 16])
-    q.add_argument("--workloads", nargs="+", default=["shared-prefix", "multi-turn", "random"],
-                   choices=["shared-prefix", "common-prefix", "multi-turn", "random"])
+    q.add_argument("--workloads", nargs="+",
+                   default=["capacity-bound", "shared-prefix", "multi-turn", "random"],
+                   choices=["capacity-bound", "shared-prefix", "common-prefix", "multi-turn",
+                            "random"])
     q.add_argument("--policies", nargs="+", default=["cache_aware", "round_robin"])
     q.add_argument("--requests-per-worker", type=int, default=40)
     q.add_argument("--concurrency-per-worker", type=int, default=2)
@@ -322,10 +442,31 @@ def main() -> None:
     q.add_argument("--decode-ms-per-token", type=float, default=1.0)
     q.add_argument("--max-tokens", type=int, default=8)
     q.add_argument("--kv-capacity-tokens", type=int, default=8192)
+    q.add_argument("--eviction-policy", default="lru", choices=EVICTION_POLICIES,
+                   help="the simulated workers' radix cache eviction (HTTP workloads)")
+    q.add_argument("--eviction-policies", nargs="+", default=list(EVICTION_POLICIES),
+                   choices=EVICTION_POLICIES, help="capacity-bound: one table per policy")
+    q.add_argument("--capacity-requests", type=int, default=4096, help="at most 4096")
+    q.add_argument("--capacity-kv-tokens", type=int, default=131072)
+    q.add_argument("--capacity-prefill-us", type=float, default=20.0)
+    q.add_argument("--capacity-decode-ms", type=float, default=5.0)
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--gateway-src", metavar="DIR",
+                   help="run the gateway from this source checkout (e.g. the previous commit, "
+                        "for before/after figures on the same simulated workers)")
     q.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
                    help="extra gateway flag, repeatable (--gateway-arg=--balance-abs-threshold=4)")
     q.add_argument("--omit-cached-tokens", action="store_true",
                    help="simulated workers answer without cached_tokens (bench/sim_no_cached.py)")
+    m = sub.add_parser("gateways", help="fleet hit rate with 1, 2, 3 gateways (virtual time)")
+    m.add_argument("--workers", type=int, nargs="+", default=[4, 8])
+    m.add_argument("--gateways", type=int, nargs="+", default=[1, 2, 3])
+    m.add_argument("--requests-per-worker", type=int, default=400)
+    m.add_argument("--rate", type=float, default=10.0, help="requests/s per worker (Poisson)")
+    m.add_argument("--prefill-us-per-token", type=float, default=100.0)
+    m.add_argument("--kv-capacity-tokens", type=int, default=8192)
+    m.add_argument("--eviction-policy", default="lru", choices=EVICTION_POLICIES)
+    m.add_argument("--seed", type=int, default=0)
     o = sub.add_parser("overhead", help="what the gateway adds, with zero-time workers")
     o.add_argument("--sequential", type=int, default=2000)
     o.add_argument("--concurrency", type=int, default=32)
@@ -339,7 +480,7 @@ def main() -> None:
         uvloop.install()
     except ImportError:
         pass
-    quality(args) if args.mode == "quality" else overhead(args)
+    {"quality": quality, "gateways": gateways, "overhead": overhead}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -4,9 +4,9 @@ prompt-token details or an OpenAI-compatible server without usage details: `usag
 `cached_tokens`. Their caches, KV events and `/sim/stats` are untouched, so the fleet's real hit
 rate is still measured.
 
-    python bench/sim_no_cached.py --count 4 [the flags of `radixpool sim-worker`]
+    python -m bench.sim_no_cached --count 4 [the flags of `python -m bench.simfleet`]
 
-prints `{"urls": [...]}` like `radixpool sim-worker` and serves until killed. Tests use
+prints `{"urls": [...]}` like `python -m bench.simfleet` and serves until killed. Tests use
 `omit_cached_tokens(worker)` on a running fleet's workers.
 """
 
@@ -18,8 +18,8 @@ import json
 import re
 import sys
 
-from radixpool.gateway.simfleet import SimFleet, add_arguments
-from radixpool.gateway.simworker import SimConfig, SimWorker
+from bench.simfleet import SimConfig, SimFleet, SimWorker
+from bench.simfleet.fleet import add_arguments
 
 _CACHED = re.compile(rb',\s*"(?:prompt_tokens_details"\s*:\s*\{[^{}]*\}|cached_tokens"\s*:\s*\d+)')
 
@@ -58,6 +58,7 @@ def main() -> int:
     add_arguments(p)
     args = p.parse_args()
     config = SimConfig(kv_capacity_tokens=args.kv_capacity_tokens, block_size=args.block_size,
+                       eviction_policy=args.eviction_policy,
                        prefill_us_per_token=args.prefill_us_per_token,
                        decode_ms_per_token=args.decode_ms_per_token, kv_events=args.kv_events)
 

@@ -12,10 +12,9 @@ from dataclasses import replace
 import httpx
 import pytest
 
+from bench.simfleet import SimConfig, SimFleet
 from radixpool.gateway.config import GatewayConfig
 from radixpool.gateway.server import GatewayServer
-from radixpool.gateway.simfleet import SimFleet
-from radixpool.gateway.simworker import SimConfig
 
 
 class LoopThread:

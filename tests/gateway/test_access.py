@@ -11,12 +11,11 @@ import httpx
 import openai
 import pytest
 
+from bench.simfleet import SimConfig, SimFleet
 from radixpool.fleet.process import ChildProcess, free_port, radixpool_argv
 from radixpool.gateway.cli import config_from_args, register
 from radixpool.gateway.config import GatewayConfig
 from radixpool.gateway.server import GatewayServer
-from radixpool.gateway.simfleet import SimFleet
-from radixpool.gateway.simworker import SimConfig
 
 CLIENT = {"authorization": "Bearer client-key"}
 ADMIN = {"authorization": "Bearer admin-key"}

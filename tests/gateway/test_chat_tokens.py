@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
+from bench.simfleet import sim_tokenizer_files
 from radixpool.gateway.chat_tokens import ChatEncoder
-from radixpool.gateway.simcache import sim_tokenizer_files
 from radixpool.tokenization import PromptTokenizer
 from radixpool.worker.tiny_model import CHAT_TEMPLATE, train_tokenizer
 

@@ -14,9 +14,9 @@ import httptools
 import httpx
 import pytest
 
+from bench.simfleet import sim_tokenizer_files
 from radixpool.gateway.config import GatewayConfig
 from radixpool.gateway.server import GatewayServer
-from radixpool.gateway.simcache import sim_tokenizer_files
 from radixpool.tokenization import PromptTokenizer
 from tests.gateway.conftest import words
 

@@ -280,3 +280,40 @@ def test_cache_aware_decisions_respect_load_whatever_the_trees(loads, held, abs_
         assert d.reason == "cache_hit"
         assert not (chosen - low > abs_gap and chosen > low * rel_gap)
     assert policy.index.match(key_of(prompt).hashes)[d.worker] == 12  # learned at selection
+
+
+def capacity_bound(reused_on_a: int, policy_name: str = "probation") -> CacheAware:
+    """Two workers of 64 blocks each; `a` holds a reused system prompt of `reused_on_a` blocks,
+    `b` one of 40 blocks."""
+    policy = cache_aware(("a", "b"))
+    for w, size in (("a", reused_on_a), ("b", 40)):
+        policy.index.set_capacity(w, 64)
+        policy.index.set_eviction_policy(w, policy_name)
+        system = key_of(tokens(5000 * (w == "a"), size * BLOCK)).hashes
+        policy.index.insert(w, system)
+        policy.index.insert(w, system, matched=size)  # a second request reused it
+    return policy
+
+
+def test_a_prompt_no_worker_holds_goes_where_it_evicts_no_reused_prefix():
+    policy = capacity_bound(reused_on_a=10)
+    cold = key_of(tokens(90_000, 30 * BLOCK))  # fits beside a's 10 reused blocks, not b's 40
+    assert policy.select(idle("a", "b"), cold).worker == "a"
+    busy_a = [Candidate("a", 2), Candidate("b", 0)]  # room is worth one request of load only
+    assert policy.select(busy_a, key_of(tokens(95_000, 30 * BLOCK))).worker == "b"
+
+
+def test_with_lru_workers_a_cold_prompt_just_goes_to_the_least_loaded():
+    policy = capacity_bound(reused_on_a=10, policy_name="lru")
+    picks = Counter(policy.select(idle("a", "b"), key_of(tokens(90_000 + 1000 * i, 30 * BLOCK)))
+                    .worker for i in range(10))
+    assert picks == {"a": 5, "b": 5}  # ties rotate, as without capacity awareness
+
+
+def test_a_busy_owner_does_not_spill_onto_a_worker_it_would_evict_a_group_from():
+    policy = capacity_bound(reused_on_a=40)
+    hot = key_of(tokens(0, 40 * BLOCK) + tokens(900, 2 * BLOCK))  # b's group
+    queued = [Candidate("a", 0), Candidate("b", 3, backlog=3 * 2000.0)]
+    assert policy.select(queued, hot).worker == "b"  # a has no room for 42 more blocks
+    policy.index.set_eviction_policy("a", "lru")
+    assert policy.select(queued, hot).reason == "spill"  # the old rule, for an lru worker

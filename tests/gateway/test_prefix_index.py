@@ -136,3 +136,22 @@ def test_matches_equal_a_naive_model_and_size_stays_bounded(prompts, capacity, w
         del order[: max(0, len(order) - capacity)]
         index.insert(name, hashes)
         assert index.size(name) == len(order) <= capacity
+
+
+def test_a_worker_with_kv_events_keeps_what_its_events_say_not_the_trees_lru():
+    """A worker that evicts by reuse (LFU, probation) keeps an old system prompt that an LRU
+    guess would drop: once events flow, a short report does not sweep the tree, and the tree's
+    own LRU bound no longer evicts at exactly the capacity."""
+    index = PrefixIndex()
+    index.add_worker("a", 8)
+    system = chain([1] * 16)  # 4 blocks, stored and reused on the worker
+    index.apply_event("a", KVEvent(1, "stored", tuple(system), None))
+    question = chain([1] * 16 + [2] * 16)[4:]
+    epochs = index.insert("a", system + question, matched=4)
+    index.insert("a", chain([3] * 16))
+    index.insert("a", chain([4] * 16))  # 16 blocks believed held: twice the capacity
+    assert index.match(system) == {"a": 4}, "the tree's LRU dropped a prefix events vouch for"
+    assert index.trim_through("a", epochs[0]) == 0
+    assert index.match(system) == {"a": 4}
+    index.apply_event("a", KVEvent(2, "removed", tuple(question), None))
+    assert index.match(system + question) == {"a": 4}

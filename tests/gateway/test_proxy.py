@@ -10,8 +10,7 @@ import threading
 import httpx
 import openai
 
-from radixpool.gateway.simfleet import SimFleet, kill
-from radixpool.gateway.simworker import SimConfig
+from bench.simfleet import SimConfig, SimFleet, kill
 from tests.gateway.conftest import words
 
 
@@ -255,7 +254,7 @@ def test_metrics_carry_the_contract_names(make_stack):
 
 def test_gateway_never_imports_torch():
     code = ("import sys, radixpool.gateway.server, radixpool.gateway.cli, "
-            "radixpool.gateway.simfleet; assert 'torch' not in sys.modules, 'torch imported'")
+            "bench.simfleet; assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

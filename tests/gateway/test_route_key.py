@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from bench.simfleet import SimKV, sim_tokenizer_files
 from radixpool.gateway.route_key import BadRequest, KeyBuilder
-from radixpool.gateway.simcache import SimCache, sim_tokenizer_files
 from radixpool.tokenization import PromptTokenizer
 
 
@@ -21,7 +21,7 @@ def test_chat_key_is_the_workers_own_block_hashes(tokenizer):
     messages = [{"role": "system", "content": " ".join(f"w{i}" for i in range(100))},
                 {"role": "user", "content": "w7 w8 w9"}]
     key = keys.build("/v1/chat/completions", {"messages": messages, "cache_salt": "t1"})
-    worker_cache = SimCache(10_000, 16)
+    worker_cache = SimKV(10_000, 16)
     ids = tokenizer.encode_chat(messages)
     assert key.exact and key.units == len(ids)
     assert key.hashes == worker_cache.hashes(ids, "t1")

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from radixpool.gateway.simworker import SimConfig
+from bench.simfleet import SimConfig
 from tests.gateway.conftest import words
 
 

@@ -13,9 +13,9 @@ from typing import ClassVar
 import httpx
 import pytest
 
+from bench.simfleet import SimConfig
 from radixpool.gateway.config import GatewayConfig
 from radixpool.gateway.server import GatewayServer
-from radixpool.gateway.simworker import SimConfig
 from tests.gateway.conftest import words
 
 

@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from radixpool.protocol.kv_blocks import prefix_block_hashes
+from radixpool.worker.config import EVICTION_POLICIES
 from radixpool.worker.mem.kv_pool import KVPool
 from radixpool.worker.mem.radix_cache import RadixCache
 
 CAPACITY = 256
 
 
-def make_cache(page_size: int = 1, block_size: int = 4) -> RadixCache:
+def make_cache(page_size: int = 1, block_size: int = 4, policy: str = "lru") -> RadixCache:
     pool = KVPool(CAPACITY, page_size, num_layers=1, num_kv_heads=1, head_dim=1,
                   dtype=torch.float32, device="cpu")
-    return RadixCache(pool, page_size=page_size, block_size=block_size)
+    return RadixCache(pool, page_size=page_size, block_size=block_size, eviction_policy=policy)
 
 
 class Client:
@@ -112,9 +114,9 @@ ops = st.lists(
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=ops, page_size=st.sampled_from([1, 2, 4]))
-def test_random_workload_keeps_every_invariant(ops, page_size):
-    cache = make_cache(page_size=page_size, block_size=4)
+@given(ops=ops, page_size=st.sampled_from([1, 2, 4]), policy=st.sampled_from(EVICTION_POLICIES))
+def test_random_workload_keeps_every_invariant(ops, page_size, policy):
+    cache = make_cache(page_size=page_size, block_size=4, policy=policy)
     client = Client(cache)
     for op in ops:
         if op[0] == "run":
@@ -192,3 +194,67 @@ def test_events_carry_monotonic_seq_and_clear():
     assert [e.type for e in events][-1] == "cleared"
     stored = [e for e in events if e.type == "stored"]
     assert stored[0].parent is None and stored[1].parent is not None
+
+
+def shared_prompt_then_one_offs(policy: str, one_offs: int) -> RadixCache:
+    """A 64-token system prompt reused by four questions spread over other traffic, then a burst
+    of one-off prompts that together need more than the rest of the pool."""
+    cache = make_cache(policy=policy)
+    client = Client(cache)
+    system = [7] * 64
+    for q in range(4):
+        client.run(system + [100 + q] * 8, hold=False)
+        for i in range(3):
+            client.run([500 + 10 * q + i] * 24, hold=False)
+    for i in range(one_offs):
+        client.run([200 + i] * 24, hold=False)
+        client.check()
+    return cache
+
+
+def test_reuse_aware_policies_keep_a_shared_prompt_that_lru_evicts():
+    for policy in EVICTION_POLICIES:
+        cache = shared_prompt_then_one_offs(policy, one_offs=8)  # 192 one-off tokens
+        kept = cache.probe([7] * 64 + [1])
+        assert kept == (0 if policy == "lru" else 64), policy
+
+
+def test_probation_lets_a_prompt_nobody_reuses_any_more_go_stale():
+    cache = shared_prompt_then_one_offs("probation", one_offs=60)
+    assert cache.probe([7] * 64 + [1]) == 0
+
+
+def test_probation_evicts_never_reused_leaves_oldest_first():
+    cache = make_cache(policy="probation")
+    client = Client(cache)
+    client.run([1] * 10, hold=False)
+    client.run([2] * 10, hold=False)
+    client.run([3] * 10, hold=False)
+    cache.match_prefix([1] * 10)  # [1]* was reused: it leaves probation
+    assert cache.evict(1) == 10
+    assert cache.probe([2] * 10) == 0  # the oldest leaf on probation went first
+    assert cache.evict(1) == 10
+    assert cache.probe([3] * 10) == 0 and cache.probe([1] * 10) == 10
+    client.check()
+
+
+def test_lfu_ages_out_a_prefix_that_was_hot_long_ago():
+    cache = make_cache(policy="lfu")
+    client = Client(cache)
+    client.run([9] * 40, hold=False)
+    for _ in range(5):
+        cache.match_prefix([9] * 40)  # hot once
+    survived = []
+    for i in range(60):  # then never asked again, while one-off prompts churn the pool
+        client.run([300 + i] * 60, hold=False)
+        survived.append(cache.probe([9] * 40) == 40)
+    client.check()
+    assert survived[0] and survived[2], "a hot prefix outlives the first one-off prompts"
+    assert not survived[-1], "without ageing a once-hot prefix would pin its KV forever"
+
+
+def test_an_unknown_eviction_policy_is_refused_naming_the_field():
+    from radixpool.worker.config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"eviction_policy must be lru \| lfu \| probation"):
+        EngineConfig(model_path="/m", eviction_policy="mru")

@@ -16,6 +16,7 @@ class ServerInfo:
     instance_id: str              # changes on every start and every cache flush
     version: str                  # radixpool version
     kv_events: bool = True        # whether `/kv_events` is served
+    eviction_policy: str = "lru"  # radix cache eviction: lru | lfu | probation (reuse-aware)
 
     def to_json(self) -> dict:
         return asdict(self)

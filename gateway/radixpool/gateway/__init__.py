@@ -3,7 +3,6 @@ likely to hold its prompt prefix in KV cache, and corrects its beliefs from the 
 
 Pure core (no I/O): `config`, `prefix_index`, `policies`, `route_key`, `health`, `discovery`
 (EndpointSlice logic), `feedback`. I/O shell: `http_edge` (Granian), `upstream`, `proxy`,
-`monitor`, `kubernetes_watch`, `server`, `cli`. `simworker` is a simulated worker speaking the
-worker protocol, used by the tests and the routing benchmark, on its own small server
-(`http_server`). Nothing here imports torch.
+`monitor`, `kubernetes_watch`, `server`, `cli`. Nothing here imports torch. (Simulated workers
+for tests and benchmarks live outside the product, in `bench/simfleet`.)
 """

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from urllib.parse import parse_qs
 
-from radixpool.gateway.http_server import Headers, Request, error_body, json_body
+from radixpool.gateway.http_edge import Headers, Request, error_body, json_body
 from radixpool.gateway.workers import Worker, WorkerSet
 
 

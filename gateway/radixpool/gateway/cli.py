@@ -1,4 +1,4 @@
-"""`radixpool gateway` (and `radixpool sim-worker`): flags → a validated frozen config → run.
+"""`radixpool gateway`: flags → a validated frozen config → run.
 
 Defaults come from `GatewayConfig`, so the help text, the docs and the code cannot disagree.
 """
@@ -113,16 +113,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="the router tokenizes and hashes at most this prefix of a prompt")
     p.set_defaults(func=_gateway)
 
-    sim = subparsers.add_parser(
-        "sim-worker", help="run simulated workers (worker protocol, modelled radix cache)",
-        description="Simulated RadixPool workers for tests and benchmarks: the worker protocol "
-                    "(/server_info, /tokenizer, /kv_events, cached_tokens, ...) over a modelled "
-                    "bounded radix cache, no model.")
-    from radixpool.gateway.simfleet import add_arguments
-
-    add_arguments(sim)
-    sim.set_defaults(func=_sim_worker)
-
 
 def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.environ
                      ) -> tuple[GatewayConfig, list[str]]:
@@ -177,9 +167,3 @@ def _gateway(args: argparse.Namespace) -> int:
     from radixpool.gateway.server import run
 
     return run(config)
-
-
-def _sim_worker(args: argparse.Namespace) -> int:
-    from radixpool.gateway.simfleet import main
-
-    return main(args)

@@ -21,11 +21,23 @@ pick one. Pure: no I/O, no clock; the proxy owns the loop around them.
    go to the idle worker (reason `spill`). It then holds the prefix too, so a group too hot for
    one worker gains owners in proportion to its load instead of queueing behind one. (Before a
    worker has answered, the proxy counts each request in flight there as a whole prompt.)
-   Otherwise the owner (reason `cache_hit`).
-5. No owner above the threshold: the least-loaded worker (reason `cache_miss`), preferring a
-   longer match beyond the base (not the raw match: then, at low traffic, every new session
-   would go to the first holder of a common system prompt and its history would pin it there).
-   Remaining ties among equally loaded workers rotate (never always the first).
+   Only to an idle worker that has room for it (below): a replica that evicts another group's
+   prefix costs the fleet a miss later. Otherwise the owner (reason `cache_hit`).
+5. No owner above the threshold: among the workers within `LOAD_SLACK` requests of the least
+   loaded, the one where the prompt does the least damage (reason `cache_miss`); then the least
+   loaded, preferring a longer match beyond the base (not the raw match: then, at low traffic,
+   every new session would go to the first holder of a common system prompt and its history
+   would pin it there). Remaining ties rotate (never always the first).
+
+Capacity (when the fleet's KV is the limit): a worker whose eviction protects reused prefixes
+(`/server_info` says lfu or probation) keeps what was reused and churns the rest. Its *room* is
+its KV capacity less the reused blocks the gateway routed there and it still holds (KV events
+keep that exact); a prompt's *damage* there is the part of it that does not fit in the room, i.e.
+reused prefixes it would push out. Cold prompts that no worker can keep — more groups than the
+fleet holds — then land where they push nothing out, usually one worker with spare room, instead
+of each evicting another group's system prompt and making it homeless in turn; groups stay
+partitioned. A worker that evicts by recency alone (lru) protects nothing, so damage is zero
+everywhere and the rules above are unchanged.
 6. The prompt is inserted into the chosen worker's tree at selection time; `failed` undoes that
    if the request never reached the worker, and the proxy trims the tree when the worker reports
    fewer cached tokens than predicted.
@@ -48,6 +60,7 @@ from radixpool.gateway.config import GatewayConfig
 from radixpool.gateway.prefix_index import PrefixIndex
 from radixpool.gateway.route_key import BYTES_PER_TOKEN, RouteKey
 
+LOAD_SLACK = 1
 DEMAND_WINDOW = 512  # requests per demand window; hot-prefix shares cover the last two windows
 
 
@@ -176,7 +189,7 @@ class CacheAware(Policy):
             elif load and not low:
                 pick, reason = self._spill(candidates, matched, key, pick)
         else:
-            pick, reason = self._least_loaded(candidates, everyone, beyond), "cache_miss"
+            pick, reason = self._least_damage(candidates, matched, key, beyond), "cache_miss"
         self._count_demand(key.hashes)
         worker = candidates[pick].name
         prior = self.index.insert(worker, key.hashes, matched[pick])
@@ -186,7 +199,10 @@ class CacheAware(Policy):
                owner: int) -> tuple[int, str]:
         """The owner is busy and some worker idles: go to the idle one when computing this
         prompt cold there costs less than the prefill work waiting at the owner, in tokens."""
-        idle = [i for i in range(len(candidates)) if candidates[i].load == 0]
+        idle = [i for i in range(len(candidates)) if candidates[i].load == 0
+                and not self._damage(candidates[i], matched[i], key)]
+        if not idle:
+            return owner, "cache_hit"
         there = max(idle, key=lambda i: matched[i])
         units = key.block_units if key.exact else key.block_units / BYTES_PER_TOKEN
         at_owner = candidates[owner].backlog + (key.blocks - matched[owner]) * units
@@ -197,6 +213,18 @@ class CacheAware(Policy):
     def failed(self, decision: Decision, key: RouteKey) -> None:
         self.index.remove(decision.worker, key.hashes[decision.predicted_blocks:])
 
+    def _damage(self, candidate: Candidate, matched: int, key: RouteKey) -> int:
+        """Blocks of reused prefixes this prompt would push out of the candidate's cache."""
+        return max(0, key.blocks - matched - self.index.room(candidate.name))
+
+    def _least_damage(self, candidates: Sequence[Candidate], matched: list[int], key: RouteKey,
+                      beyond: list[int]) -> int:
+        low = min(c.load for c in candidates)
+        near = [i for i, c in enumerate(candidates) if c.load <= low + LOAD_SLACK]
+        damage = [self._damage(candidates[i], matched[i], key) for i in near]
+        best = [i for i, d in zip(near, damage) if d == min(damage)]
+        return self._least_loaded(candidates, best, beyond)
+
     def _least_loaded(self, candidates: Sequence[Candidate], among: Sequence[int],
                       beyond: list[int]) -> int:
         low = min(candidates[i].load for i in among)
@@ -204,6 +232,9 @@ class CacheAware(Policy):
         if len(ties) > 1:
             top = max(beyond[i] for i in ties)
             ties = [i for i in ties if beyond[i] == top]
+        if len(ties) > 1:
+            room = [self.index.room(candidates[i].name) for i in ties]
+            ties = [i for i, r in zip(ties, room) if r == max(room)]
         self._turn += 1
         return ties[self._turn % len(ties)]
 

@@ -18,6 +18,12 @@ Self-correction hooks, all O(blocks changed):
 - `remove` undoes an optimistic insert for a request that never reached the worker (retry).
 - `apply_event` / `load_snapshot` replay the worker's KV events; `reset` forgets a worker whose
   instance id changed (restart or flush).
+
+Once a worker's events arrive, they are the ground truth of what it evicts, whatever its eviction
+policy: the tree then keeps what the events say (bounded at `EVENT_FED_SLACK` x capacity, for
+optimistic inserts the worker never confirms) instead of guessing by its own LRU, and a short
+`cached_tokens` report no longer sweeps the LRU front (`trim_through`): a worker that evicts by
+reuse (LFU, probation) keeps old prefixes that an LRU sweep would wrongly forget.
 """
 
 from __future__ import annotations
@@ -27,14 +33,24 @@ from collections.abc import Iterable, Sequence
 
 from radixpool.protocol.kv_blocks import KVEvent
 
+EVENT_FED_SLACK = 2
+REUSE_AWARE_EVICTION = ("lfu", "probation")
+
 
 class _WorkerTree:
-    __slots__ = ("bit", "capacity", "lru")
+    __slots__ = ("bit", "capacity", "event_fed", "lru", "protects_reuse", "reused")
 
     def __init__(self, bit: int, capacity: int) -> None:
         self.bit = bit
         self.capacity = capacity
+        self.event_fed = False
+        self.protects_reuse = False   # the worker evicts never-reused prefixes first
         self.lru: OrderedDict[int, int] = OrderedDict()
+        self.reused: set[int] = set()  # blocks a later request matched here: worth keeping
+
+    @property
+    def bound(self) -> int:
+        return self.capacity * EVENT_FED_SLACK if self.event_fed else self.capacity
 
 
 class PrefixIndex:
@@ -77,6 +93,21 @@ class PrefixIndex:
     def capacity(self, worker: str) -> int:
         return self._trees[worker].capacity
 
+    def set_eviction_policy(self, worker: str, policy: str) -> None:
+        """What the worker reports in `/server_info`: lfu and probation protect reused prefixes."""
+        tree = self._trees.get(worker)
+        if tree is not None:
+            tree.protects_reuse = policy in REUSE_AWARE_EVICTION
+
+    def room(self, worker: str) -> int:
+        """Blocks `worker` can take without evicting a prefix it protects for reuse: its capacity
+        less the blocks requests routed there have matched (and it still holds). A worker that
+        evicts by recency alone protects nothing: any prompt costs it the same."""
+        tree = self._trees.get(worker)
+        if tree is None:
+            return 0
+        return tree.capacity - len(tree.reused) if tree.protects_reuse else tree.capacity
+
     # --- queries ------------------------------------------------------------------------------
     def match(self, hashes: Sequence[int]) -> dict[str, int]:
         """Leading blocks of `hashes` each worker holds; workers holding none are left out."""
@@ -113,6 +144,7 @@ class PrefixIndex:
             return []
         lru = tree.lru
         before = [lru.get(h, 0) for h in hashes[:matched]]
+        tree.reused.update(hashes[:matched])
         self._epoch += 1
         epoch, bit, owners = self._epoch, tree.bit, self._owners
         for h in reversed(hashes):  # children first: a parent must end up more recent
@@ -131,6 +163,7 @@ class PrefixIndex:
         removed = 0
         for h in hashes:
             if tree.lru.pop(h, None) is not None:
+                tree.reused.discard(h)
                 self._drop_owner(h, tree.bit)
                 removed += 1
         return removed
@@ -138,7 +171,7 @@ class PrefixIndex:
     def trim_through(self, worker: str, epoch: int) -> int:
         """Forget every block of `worker` last touched at or before `epoch`; returns how many."""
         tree = self._trees.get(worker)
-        if tree is None:
+        if tree is None or tree.event_fed:
             return 0
         lru, removed = tree.lru, 0
         while lru:
@@ -146,6 +179,7 @@ class PrefixIndex:
             if e > epoch:
                 break
             del lru[h]
+            tree.reused.discard(h)
             self._drop_owner(h, tree.bit)
             removed += 1
         return removed
@@ -157,8 +191,12 @@ class PrefixIndex:
         for h in tree.lru:
             self._drop_owner(h, tree.bit)
         tree.lru.clear()
+        tree.reused.clear()
 
     def apply_event(self, worker: str, event: KVEvent) -> None:
+        tree = self._trees.get(worker)
+        if tree is not None:
+            tree.event_fed = True
         if event.type == "cleared":
             self.reset(worker)
         elif event.type == "removed":
@@ -168,12 +206,16 @@ class PrefixIndex:
 
     def load_snapshot(self, worker: str, blocks: Sequence[int]) -> None:
         self.reset(worker)
+        tree = self._trees.get(worker)
+        if tree is not None:
+            tree.event_fed = True
         self.insert(worker, blocks)
 
     def _evict(self, tree: _WorkerTree) -> None:
-        lru = tree.lru
-        while len(lru) > tree.capacity:
+        lru, bound = tree.lru, tree.bound
+        while len(lru) > bound:
             h, _ = lru.popitem(last=False)
+            tree.reused.discard(h)
             self._drop_owner(h, tree.bit)
 
     def _drop_owner(self, h: int, bit: int) -> None:

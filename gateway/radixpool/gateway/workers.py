@@ -156,6 +156,7 @@ class WorkerSet:
         worker.info = info
         if worker.url in self.index:
             self.index.set_capacity(worker.url, self.tree_capacity(info.kv_capacity_tokens))
+            self.index.set_eviction_policy(worker.url, info.eviction_policy)
 
     def tree_capacity(self, kv_tokens: int | None) -> int:
         """Tree bound in blocks: the worker's real KV capacity when known, else the fallback."""

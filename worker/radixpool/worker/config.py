@@ -7,6 +7,7 @@ from dataclasses import dataclass
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
+EVICTION_POLICIES = ("lru", "lfu", "probation")  # radixpool.worker.mem.eviction
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,8 @@ class EngineConfig:
     # Total new tokens (prefill + decode) one step may compute.
     max_prefill_tokens: int = 8192
     schedule_policy: str = "lpm"
+    # Which unlocked radix-cache leaves are freed first: lru | lfu (with ageing) | probation.
+    eviction_policy: str = "lru"
     attention_backend: str = "auto"
     # Starvation guard: a request waiting longer than this is admitted before any other.
     max_queue_wait_s: float = 30.0
@@ -70,6 +73,8 @@ class EngineConfig:
             fail("max_prefill_tokens", f"≥ chunked_prefill_size ({self.chunked_prefill_size})")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             fail("schedule_policy", " | ".join(SCHEDULE_POLICIES))
+        if self.eviction_policy not in EVICTION_POLICIES:
+            fail("eviction_policy", " | ".join(EVICTION_POLICIES))
         if self.max_queue_wait_s <= 0:
             fail("max_queue_wait_s", "> 0")
         if self.context_length is not None and self.context_length < 1:

@@ -79,7 +79,8 @@ class EngineCore:
         self.config = config
         self.runner = ModelRunner(config)
         pool = self.runner.kv_pool
-        self.cache = RadixCache(pool, config.page_size, kv_block_size(config.page_size))
+        self.cache = RadixCache(pool, config.page_size, kv_block_size(config.page_size),
+                                config.eviction_policy)
         self.scheduler = Scheduler(config, pool, self.runner.req_to_token_pool, self.cache,
                                    self.runner.context_length, self.runner.eos_token_ids)
         # Penalty counts for as many requests as the memory plan reserved (all of it on GPU).

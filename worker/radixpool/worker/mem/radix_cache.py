@@ -14,6 +14,14 @@ Ownership and locking (the invariants `check` verifies):
 Namespaces (a cache salt, an adapter id) get separate roots: requests that must not share KV never
 match each other. Keys are page-aligned when `page_size > 1`.
 
+Eviction frees unlocked leaves in the order a policy gives (`radixpool.worker.mem.eviction`:
+LRU by default, LFU with ageing, probation for never-reused leaves); the policy never changes
+which nodes may go, only which go first.
+
+Slot runs are int64 tensors on the pool's device in the engine; `SlotRuns` is the seam that lets
+the simulated workers of the routing benchmark run this same class over plain `range`s, without
+torch (the gateway's environment does not have it).
+
 Events: every store / remove / clear appends a `KVEvent` (monotonic `seq`) naming the whole
 blocks of `block_size` tokens that appeared or vanished, as chained hashes
 (`radixpool.protocol.kv_blocks`).
@@ -26,11 +34,11 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-import torch
 
 from radixpool.protocol.kv_blocks import (
     KVEvent,
@@ -39,15 +47,49 @@ from radixpool.protocol.kv_blocks import (
     namespace_seed,
     publish,
 )
+from radixpool.worker.mem.eviction import make_eviction_policy
+
+if TYPE_CHECKING:
+    import torch
 
 _EMPTY_STATES = np.empty(0, dtype=np.uint64)
 
 
-class TreeNode:
-    __slots__ = ("children", "key", "last_access", "lock_ref", "parent", "seed", "start",
-                 "states", "value")
+class SlotRuns(Protocol):
+    """How the cache makes, joins and keeps runs of KV slot indices (sliceable, `len`-able)."""
 
-    def __init__(self, key: list[int], value: torch.Tensor, parent: TreeNode | None,
+    def empty(self) -> Any: ...
+
+    def concat(self, runs: Sequence[Any]) -> Any: ...
+
+    def own(self, run: Any) -> Any:
+        """A copy the tree may keep (not a view into the caller's buffer)."""
+
+
+class TensorSlotRuns:
+    """The engine's slot runs: int64 tensors on the KV pool's device."""
+
+    def __init__(self, device: Any) -> None:
+        import torch
+
+        self._torch = torch
+        self.device = device
+
+    def empty(self) -> torch.Tensor:
+        return self._torch.empty(0, dtype=self._torch.int64, device=self.device)
+
+    def concat(self, runs: Sequence[torch.Tensor]) -> torch.Tensor:
+        return runs[0] if len(runs) == 1 else self._torch.cat(list(runs))
+
+    def own(self, run: torch.Tensor) -> torch.Tensor:
+        return run.clone()
+
+
+class TreeNode:
+    __slots__ = ("born", "children", "hits", "key", "last_access", "lock_ref", "parent", "priority",
+                 "seed", "start", "states", "value")
+
+    def __init__(self, key: list[int], value: Any, parent: TreeNode | None,
                  start: int, states: np.ndarray = _EMPTY_STATES, seed: int = 0) -> None:
         self.children: dict[int | tuple[int, ...], TreeNode] = {}
         self.key = key
@@ -58,6 +100,9 @@ class TreeNode:
         self.seed = seed              # the namespace's chain seed (roots only)
         self.lock_ref = 0
         self.last_access = 0
+        self.hits = 0                 # matches that reused this node (eviction policies)
+        self.born = 0                 # tick of the insert that created this prefix
+        self.priority = 0.0           # the eviction policy's own score (LFU)
 
     @property
     def end(self) -> int:
@@ -73,22 +118,24 @@ class TreeNode:
 
 @dataclass
 class MatchResult:
-    slots: torch.Tensor   # KV slots of the matched prefix, in order
+    slots: Any            # KV slots of the matched prefix, in order
     node: TreeNode        # deepest matched node (the one to lock)
 
     @property
     def length(self) -> int:
-        return int(self.slots.numel())
+        return len(self.slots)
 
 
 class RadixCache:
-    def __init__(self, pool, page_size: int = 1, block_size: int = 16) -> None:
+    def __init__(self, pool, page_size: int = 1, block_size: int = 16,
+                 eviction_policy: str = "lru", slot_runs: SlotRuns | None = None) -> None:
         if block_size % page_size:
             raise ValueError(f"block_size ({block_size}) must be a multiple of page_size")
         self.pool = pool
         self.page_size = page_size
         self.block_size = block_size
-        self.device = pool.device
+        self.policy = make_eviction_policy(eviction_policy)
+        self.runs = slot_runs or TensorSlotRuns(pool.device)
         self._tick = itertools.count(1)
         self._seq = 0
         self.events: list[KVEvent] = []
@@ -119,8 +166,7 @@ class RadixCache:
     def _root(self, namespace: str | None) -> TreeNode:
         root = self._roots.get(namespace)
         if root is None:
-            empty = torch.empty(0, dtype=torch.int64, device=self.device)
-            root = TreeNode([], empty, None, 0, seed=namespace_seed(namespace))
+            root = TreeNode([], self.runs.empty(), None, 0, seed=namespace_seed(namespace))
             root.lock_ref = 1  # roots are never evicted
             self._roots[namespace] = root
         return root
@@ -136,16 +182,15 @@ class RadixCache:
     # ------------------------------------------------------------------ match
     def match_prefix(self, key: list[int], namespace: str | None = None) -> MatchResult:
         """Longest cached prefix of `key`; splits the last edge if the match ends inside it."""
-        node, _, values = self._walk(key, namespace, split=True, touch=True)
-        slots = (torch.cat(values) if len(values) > 1 else values[0]) if values else \
-            torch.empty(0, dtype=torch.int64, device=self.device)
-        return MatchResult(slots, node)
+        node, _, values = self._walk(key, namespace, split=True, touch=True, hit=True)
+        return MatchResult(self.runs.concat(values) if values else self.runs.empty(), node)
 
     def probe(self, key: list[int], namespace: str | None = None) -> int:
         """How many leading tokens of `key` are cached: no split, no LRU update."""
         return self._walk(key, namespace, split=False, touch=False)[1]
 
-    def _walk(self, key: list[int], namespace: str | None, split: bool, touch: bool):
+    def _walk(self, key: list[int], namespace: str | None, split: bool, touch: bool,
+              hit: bool = False):
         node = self._root(namespace)
         tick = next(self._tick) if touch else 0
         limit = self._aligned(len(key))
@@ -162,11 +207,19 @@ class RadixCache:
                     child = self._split(child, n)
                     values.append(child.value)
                     node = child
+                    if hit:
+                        self._reused(child)
                 offset += n
                 break
             values.append(child.value)
             node, offset = child, offset + n
+            if hit:
+                self._reused(child)
         return node, offset, values
+
+    def _reused(self, node: TreeNode) -> None:
+        node.hits += 1
+        self.policy.reused(node)
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut `child`'s edge after n tokens; returns the new upper node."""
@@ -177,6 +230,7 @@ class RadixCache:
                          child.states[:num_upper_blocks])
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
+        upper.hits, upper.priority, upper.born = child.hits, child.priority, child.born
         upper.children[self._child_key(child.key, n)] = child
         child.parent.children[self._child_key(child.key, 0)] = upper
         child.parent = upper
@@ -188,7 +242,7 @@ class RadixCache:
         return upper
 
     # ------------------------------------------------------------------ insert
-    def insert(self, key: list[int], slots: torch.Tensor, namespace: str | None = None) -> int:
+    def insert(self, key: list[int], slots: Any, namespace: str | None = None) -> int:
         """Cache `key[:len(slots)]` (page-aligned). Returns the length that was already present.
 
         The caller keeps ownership of `slots[:returned]` (duplicates to free, or its own locked
@@ -196,8 +250,8 @@ class RadixCache:
         """
         return self.insert_path(key, slots, namespace)[0]
 
-    def insert_path(self, key: list[int], slots: torch.Tensor, namespace: str | None = None
-                    ) -> tuple[int, TreeNode, list[torch.Tensor]]:
+    def insert_path(self, key: list[int], slots: Any, namespace: str | None = None
+                    ) -> tuple[int, TreeNode, list[Any]]:
         """`insert`, also returning the node now ending at the aligned end of `key` (the one to
         lock) and the tree's slot tensors for the already-present part, edge by edge."""
         length = self._aligned(min(len(key), len(slots)))
@@ -206,14 +260,15 @@ class RadixCache:
             node = self._add_leaf(node, key, slots, present, length)
         return present, node, values
 
-    def _add_leaf(self, parent: TreeNode, key: list[int], slots: torch.Tensor,
+    def _add_leaf(self, parent: TreeNode, key: list[int], slots: Any,
                   start: int, end: int) -> TreeNode:
         bs = self.block_size
         first_block = start // bs  # first block that ends after `start`
         tokens = as_token_array(key[first_block * bs:end])
         states = chain_states(tokens, bs, parent.chain_state())
-        leaf = TreeNode(key[start:end], slots[start:end].clone(), parent, start, states)
-        leaf.last_access = next(self._tick)
+        leaf = TreeNode(key[start:end], self.runs.own(slots[start:end]), parent, start, states)
+        leaf.last_access = leaf.born = next(self._tick)
+        self.policy.created(leaf)
         parent.children[self._child_key(key, start)] = leaf
         self._leaves.discard(parent)
         self._leaves.add(leaf)
@@ -250,11 +305,14 @@ class RadixCache:
 
     # ------------------------------------------------------------------ evict
     def evict(self, num_tokens: int) -> int:
-        """Free at least `num_tokens` cached slots if possible, least recently used leaves first.
+        """Free at least `num_tokens` cached slots if possible: unlocked leaves, in the eviction
+        policy's order (a parent whose last child goes becomes a candidate at once).
 
         May free more than asked (whole leaves). Returns what was freed.
         """
-        heap = [(n.last_access, id(n), n) for n in self._leaves]
+        now = next(self._tick)
+        policy = self.policy
+        heap = [(policy.key(n, now), id(n), n) for n in self._leaves]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
@@ -263,11 +321,12 @@ class RadixCache:
             freed += self._remove_leaf(leaf)
             if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                 self._leaves.add(parent)
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+                heapq.heappush(heap, (policy.key(parent, now), id(parent), parent))
         self.evicted_tokens_total += freed
         return freed
 
     def _remove_leaf(self, leaf: TreeNode) -> int:
+        self.policy.evicted(leaf)
         self.pool.free(leaf.value)
         del leaf.parent.children[self._child_key(leaf.key, 0)]
         self._leaves.discard(leaf)
@@ -302,8 +361,10 @@ class RadixCache:
         evictable = protected = 0
         hashes = 0
         for node in self.nodes():
-            assert len(node.key) == node.value.numel() > 0, "edge key/value length mismatch"
+            assert len(node.key) == len(node.value) > 0, "edge key/value length mismatch"
             assert node.start == node.parent.end, "edge offsets out of order"
+            assert node.parent.parent is None or node.parent.hits >= node.hits, \
+                "a child reused more often than its parent"
             if node.lock_ref:
                 protected += len(node.key)
                 assert node.parent.parent is None or node.parent.lock_ref >= node.lock_ref

@@ -10,7 +10,13 @@ import argparse
 import os
 from dataclasses import dataclass, fields
 
-from radixpool.worker.config import DEVICES, DTYPES, SCHEDULE_POLICIES, EngineConfig
+from radixpool.worker.config import (
+    DEVICES,
+    DTYPES,
+    EVICTION_POLICIES,
+    SCHEDULE_POLICIES,
+    EngineConfig,
+)
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 API_KEY_ENV = "RADIXPOOL_API_KEY"
@@ -81,6 +87,11 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                    default=_default("schedule_policy"),
                    help="waiting-queue order: lpm (longest cached prefix first) or fcfs "
                         f"(default: {_default('schedule_policy')})")
+    p.add_argument("--eviction-policy", choices=EVICTION_POLICIES,
+                   default=_default("eviction_policy"),
+                   help="radix cache eviction order: lru, lfu (with ageing) or probation "
+                        "(never-reused leaves first) (default: "
+                        f"{_default('eviction_policy')})")
     p.add_argument("--context-length", type=int, metavar="N",
                    help="cap the model's context length (may only shrink it)")
     p.add_argument("--attention-backend", default=_default("attention_backend"),
@@ -159,6 +170,7 @@ def _config_from_args(args: argparse.Namespace) -> ServerConfig:
         chunked_prefill_size=args.chunked_prefill_size,
         max_prefill_tokens=args.max_prefill_tokens,
         schedule_policy=args.schedule_policy,
+        eviction_policy=args.eviction_policy,
         attention_backend=args.attention_backend,
         cuda_graph=not args.disable_cuda_graph,
         context_length=args.context_length,

@@ -204,6 +204,7 @@ def router(state: WorkerState) -> APIRouter:
             kv_block_size=info.kv_block_size,
             instance_id=state.engine.instance_id,
             version=state.version,
+            eviction_policy=state.config.engine.eviction_policy,
         ).to_json()
 
     @r.get("/tokenizer")

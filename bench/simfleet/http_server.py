@@ -3,10 +3,9 @@
 The gateway no longer runs on it: it is served by Granian (`http_edge`), which enforces the
 timeouts and limits this one lacks (no header timeout, no header cap, pipelined requests read
 ahead without bound). The simulated workers keep it because a test can cut every connection at
-once (`HttpProtocol.abort`: a crashed worker, as clients see it); it should move out of the
-product package with them. It parses with httptools, keeps connections alive, sets TCP_NODELAY,
-answers requests on one connection in order, and hands the application a `Request` and a
-`Responder`:
+once (`HttpProtocol.abort`: a crashed worker, as clients see it). It parses with httptools, keeps
+connections alive, sets TCP_NODELAY, answers requests on one connection in order, and hands the
+application a `Request` and a `Responder`:
 
     async def app(request: Request, respond: Responder) -> None
 

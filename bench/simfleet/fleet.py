@@ -1,5 +1,5 @@
 """A fleet of simulated workers in one event loop (tests, the routing benchmark, and
-`radixpool sim-worker --count N`), with a sampler that catches routing failures the fleet can
+`python -m bench.simfleet --count N`), with a sampler that catches routing failures the fleet can
 see: a worker sitting idle while another has prefills queued."""
 
 from __future__ import annotations
@@ -9,10 +9,12 @@ import asyncio
 import json
 import sys
 
-from radixpool.gateway.http_server import serve
-from radixpool.gateway.simcache import sim_tokenizer_files
-from radixpool.gateway.simworker import SimConfig, SimWorker
 from radixpool.tokenization import PromptTokenizer
+from radixpool.worker.config import EVICTION_POLICIES
+
+from .http_server import serve
+from .kv import sim_tokenizer_files
+from .worker import SimConfig, SimWorker
 
 SAMPLE_SECONDS = 0.005
 
@@ -94,13 +96,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=0, help="first port (0: ephemeral ports)")
     p.add_argument("--kv-capacity-tokens", type=int, default=d.kv_capacity_tokens)
     p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--eviction-policy", choices=EVICTION_POLICIES, default=d.eviction_policy)
     p.add_argument("--prefill-us-per-token", type=float, default=d.prefill_us_per_token)
     p.add_argument("--decode-ms-per-token", type=float, default=d.decode_ms_per_token)
     p.add_argument("--no-kv-events", dest="kv_events", action="store_false")
 
 
-def main(args: argparse.Namespace) -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.simfleet",
+        description="Simulated RadixPool workers for tests and benchmarks: the worker protocol "
+                    "(/server_info, /tokenizer, /kv_events, cached_tokens, ...) over the engine's "
+                    "own radix cache, no model. Prints the workers' URLs as JSON.")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
     config = SimConfig(kv_capacity_tokens=args.kv_capacity_tokens, block_size=args.block_size,
+                       eviction_policy=args.eviction_policy,
                        prefill_us_per_token=args.prefill_us_per_token,
                        decode_ms_per_token=args.decode_ms_per_token, kv_events=args.kv_events)
 

@@ -1,4 +1,5 @@
-"""Simulated RadixPool workers: the worker protocol (docs/protocol.md) over a modelled cache.
+"""Simulated RadixPool workers: the worker protocol (docs/protocol.md) over the engine's own
+radix cache (`SimKV`: the same `RadixCache` class and eviction policies, no model, no torch).
 
 Each `SimWorker` serves `/v1/chat/completions`, `/v1/completions`, `/generate` (streamed or not,
 `usage.prompt_tokens_details.cached_tokens` / `meta_info.cached_tokens`), `/v1/models`,
@@ -24,7 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import parse_qs
 
-from radixpool.gateway.http_server import (
+from radixpool.protocol.kv_blocks import to_hex
+from radixpool.protocol.server_info import ServerInfo
+from radixpool.tokenization import ChatTemplateError, PromptTokenizer
+
+from .http_server import (
     HttpProtocol,
     Request,
     Responder,
@@ -32,10 +37,7 @@ from radixpool.gateway.http_server import (
     error_body,
     json_body,
 )
-from radixpool.gateway.simcache import SimCache
-from radixpool.protocol.kv_blocks import to_hex
-from radixpool.protocol.server_info import ServerInfo
-from radixpool.tokenization import ChatTemplateError, PromptTokenizer
+from .kv import SimKV
 
 SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
@@ -45,6 +47,7 @@ class SimConfig:
     model: str = "sim-model"
     kv_capacity_tokens: int = 65536
     block_size: int = 16
+    eviction_policy: str = "lru"
     prefill_us_per_token: float = 0.0
     decode_ms_per_token: float = 0.0
     default_max_tokens: int = 4
@@ -57,7 +60,7 @@ class SimWorker:
         self.config = config
         self.tokenizer = tokenizer
         self.files = files
-        self.cache = SimCache(config.kv_capacity_tokens, config.block_size)
+        self.cache = SimKV(config.kv_capacity_tokens, config.block_size, config.eviction_policy)
         self.instance_id = uuid.uuid4().hex
         self.prefill_lock = asyncio.Lock()
         self.running = 0
@@ -84,7 +87,7 @@ class SimWorker:
     def info(self) -> ServerInfo:
         c = self.config
         return ServerInfo(c.model, c.model, 1 << 20, c.kv_capacity_tokens, 1, c.block_size,
-                          self.instance_id, "sim", c.kv_events)
+                          self.instance_id, "sim", c.kv_events, c.eviction_policy)
 
     def flush(self) -> None:
         self.cache.clear()
@@ -123,7 +126,7 @@ class SimWorker:
         elif path == "/kv_events/snapshot":
             await respond.send(*json_body(200, {"instance_id": self.instance_id,
                                                 "seq": self.cache.seq,
-                                                "blocks": to_hex(list(self.cache.blocks))}))
+                                                "blocks": to_hex(self.cache.blocks)}))
         elif path == "/kv_events":
             await self.kv_events(request, respond)
         elif path == "/sim/stats" and self.fleet_stats is not None:
@@ -137,7 +140,7 @@ class SimWorker:
             await respond.send(*error_body(404, f"unknown path {path}"))
 
     def kv_usage(self) -> float:
-        return len(self.cache.blocks) / self.cache.capacity_blocks
+        return self.cache.usage()
 
     async def kv_events(self, request: Request, respond: Responder) -> None:
         query = parse_qs(request.query)
@@ -176,9 +179,8 @@ class SimWorker:
             ids = self.tokenizer.encode_chat(doc["messages"])
         else:
             ids = self.tokenizer.encode(doc.get("text", ""))
-        held = self.cache.match(self.cache.hashes(ids, doc.get("cache_salt")))
-        await respond.send(*json_body(200, {"prompt_tokens": len(ids), "cached_tokens":
-                                            min(held * self.config.block_size, len(ids) - 1)}))
+        cached = self.cache.probe(ids, doc.get("cache_salt"))
+        await respond.send(*json_body(200, {"prompt_tokens": len(ids), "cached_tokens": cached}))
 
     async def generate(self, request: Request, respond: Responder) -> None:
         if self.fail_requests:
@@ -198,8 +200,7 @@ class SimWorker:
             await respond.send(*error_body(400, "max_tokens must be a non-negative integer",
                                            "invalid_max_tokens"))
             return
-        hashes = self.cache.hashes(ids, doc.get("cache_salt"))
-        cached = await self._prefill(hashes, len(ids))
+        cached = await self._prefill(ids, doc.get("cache_salt"))
         self.requests += 1
         self.prompt_tokens += len(ids)
         self.cached_tokens += cached
@@ -214,26 +215,24 @@ class SimWorker:
             await respond.send(*json_body(200, _final(request.path, self.config.model, words,
                                                       usage)))
 
-    async def _prefill(self, hashes: list[int], n: int) -> int:
+    async def _prefill(self, ids: list[int], namespace: str | None) -> int:
         cost = self.config.prefill_us_per_token
         if cost <= 0:
-            held = self.cache.match(hashes)
-            self._store(hashes)
-            return min(held * self.config.block_size, max(0, n - 1))
+            cached = self.cache.prefill(ids, namespace)
+            self._events_changed.set()
+            return cached
         self.waiting += 1
         async with self.prefill_lock:
             self.waiting -= 1
             self.running += 1
-            held = self.cache.match(hashes)
-            cached = min(held * self.config.block_size, max(0, n - 1))
-            await asyncio.sleep((n - cached) * cost / 1e6)
-            self._store(hashes)
-            self.running -= 1
+            cached, match = self.cache.start(ids, namespace)
+            try:
+                await asyncio.sleep((len(ids) - cached) * cost / 1e6)
+            finally:
+                self.cache.finish(ids, namespace, match)
+                self._events_changed.set()
+                self.running -= 1
         return cached
-
-    def _store(self, hashes: list[int]) -> None:
-        self.cache.insert(hashes)
-        self._events_changed.set()
 
     async def _decode_wait(self, tokens: int) -> None:
         if self.config.decode_ms_per_token > 0 and tokens:

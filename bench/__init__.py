@@ -1,0 +1,1 @@
+"""Benchmarks (scripts that print numbers) and their test support: `bench.simfleet`."""

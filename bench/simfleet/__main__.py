@@ -1,0 +1,5 @@
+import sys
+
+from .fleet import main
+
+sys.exit(main())

@@ -1,0 +1,200 @@
+"""A fleet in virtual time: the gateway's own routing (policy, prefix index, feedback) in front of
+workers running the engine's own radix cache, with no HTTP and no wall clock, so a seeded run
+gives the same figures on any machine, loaded or not.
+
+What is real: `make_policy` / `PrefixIndex` / `KeyBuilder` / `Worker` (in-flight counts, mean
+uncached tokens, backlog) from the gateway, the trim on a short `cached_tokens` report
+(`first_missing_block` + `trim_through`, as the proxy does), the workers' KV events applied to
+every gateway's index (`apply_event`, as the monitor does), and `SimKV` (`RadixCache` with its
+eviction policy) on the workers. What is modelled: a worker computes one prefill at a time, in
+arrival order, at `prefill_us_per_token` per uncached token; decode then takes
+`decode_ms_per_token` per output token and overlaps freely; KV events reach the gateways the
+instant the prefill ends (a real stream takes a few milliseconds).
+
+Several gateways: each request goes to one of them at random (clients spread over replicas);
+each knows only the in-flight requests it sent itself, while all of them receive every KV event.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from radixpool.gateway.breaker import CircuitBreaker
+from radixpool.gateway.config import GatewayConfig
+from radixpool.gateway.feedback import first_missing_block
+from radixpool.gateway.health import HealthHysteresis
+from radixpool.gateway.policies import Candidate, Decision, make_policy
+from radixpool.gateway.prefix_index import PrefixIndex
+from radixpool.gateway.route_key import KeyBuilder, RouteKey
+from radixpool.gateway.workers import Worker
+
+from .kv import SimKV
+
+
+@dataclass(frozen=True)
+class Request:
+    arrival: float
+    tokens: list[int]
+    group: int = 0          # workload's own label (the partition reference routes on it)
+    output_tokens: int = 32
+
+
+@dataclass(frozen=True)
+class FleetModel:
+    workers: int
+    kv_capacity_tokens: int
+    eviction_policy: str = "lru"
+    block_size: int = 16
+    prefill_us_per_token: float = 20.0
+    decode_ms_per_token: float = 5.0
+
+
+@dataclass
+class Outcome:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    latencies: list[float] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
+    per_worker: list[int] = field(default_factory=list)
+    busy_time: float = 0.0
+    idle_while_queued: float = 0.0
+    reasons: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class _Gateway:
+    """One gateway replica: its own index, policy and in-flight counts."""
+
+    def __init__(self, config: GatewayConfig, model: FleetModel, names: list[str]) -> None:
+        self.index = PrefixIndex()
+        self.policy = make_policy(config, self.index)
+        self.workers = {n: Worker(n, HealthHysteresis(1, 1), CircuitBreaker(5, 10.0))
+                        for n in names}
+        for n in names:  # what the monitor learns from each worker's /server_info
+            self.index.add_worker(n, model.kv_capacity_tokens // model.block_size)
+            self.index.set_eviction_policy(n, model.eviction_policy)
+
+    def route(self, key: RouteKey) -> Decision:
+        ready = list(self.workers.values())
+        decision = self.policy.select(
+            [Candidate(w.url, w.inflight, w.backlog(key.units)) for w in ready], key)
+        self.workers[decision.worker].inflight += 1
+        return decision
+
+    def learn(self, name: str, decision: Decision, key: RouteKey, prompt: int,
+              cached: int) -> None:
+        worker = self.workers[name]
+        worker.inflight -= 1
+        worker.observe_uncached(prompt - cached)
+        missing = first_missing_block(decision, key, prompt, cached)
+        if missing is not None and missing < len(decision.prior_epochs):
+            self.index.trim_through(name, decision.prior_epochs[missing])
+
+
+@dataclass
+class _Job:
+    request: Request
+    key: RouteKey
+    gateway: _Gateway | None
+    decision: Decision | None
+    worker: int
+    cached: int = 0
+    match: object = None
+
+
+class _SimWorker:
+    def __init__(self, model: FleetModel) -> None:
+        self.kv = SimKV(model.kv_capacity_tokens, model.block_size, model.eviction_policy,
+                        event_buffer=1)
+        self.queue: deque[_Job] = deque()
+        self.running: _Job | None = None
+
+
+Router = Callable[[Request, RouteKey], tuple[_Gateway | None, Decision | None, int]]
+
+
+def simulate(requests: list[Request], model: FleetModel, policy: str | None = "cache_aware",
+             gateways: int = 1, sticky: Callable[[Request], int] | None = None,
+             seed: int = 0, gateway_config: GatewayConfig | None = None) -> Outcome:
+    """Play `requests` (sorted by arrival) through the fleet. Routing: `policy` on `gateways`
+    replicas, or `sticky(request) -> worker index` (a reference that ignores load)."""
+    names = [f"w{i}" for i in range(model.workers)]
+    base = gateway_config or GatewayConfig()
+    replicas = [] if sticky else [_Gateway(replace(base, policy=policy), model, names)
+                                  for _ in range(gateways)]
+    keys = KeyBuilder(64, base.prefix_token_count)
+    keys.block_size = model.block_size
+    pick_gateway = random.Random(seed)
+    workers = [_SimWorker(model) for _ in names]
+    out = Outcome(per_worker=[0] * model.workers)
+    heap: list[tuple[float, int, str, _Job | None]] = []
+    order = itertools.count()
+    for r in requests:
+        heapq.heappush(heap, (r.arrival, next(order), "arrive", r))  # type: ignore[arg-type]
+    now = 0.0
+
+    def start_next(w: int) -> None:
+        worker = workers[w]
+        if worker.running is not None or not worker.queue:
+            return
+        job = worker.queue.popleft()
+        worker.running = job
+        job.cached, job.match = worker.kv.start(job.request.tokens, None)
+        cost = (len(job.request.tokens) - job.cached) * model.prefill_us_per_token / 1e6
+        heapq.heappush(heap, (now + cost, next(order), "prefilled", job))
+
+    while heap:
+        t, _, kind, item = heapq.heappop(heap)
+        busy = [w.running is not None or bool(w.queue) for w in workers]
+        if any(busy):
+            out.busy_time += t - now
+            if any(w.queue for w in workers) and not all(busy):
+                out.idle_while_queued += t - now
+        now = t
+        if kind == "arrive":
+            request: Request = item  # type: ignore[assignment]
+            key = keys.build("/generate", {"input_ids": request.tokens})
+            if sticky:
+                gateway, decision, w = None, None, sticky(request)
+            else:
+                gateway = replicas[pick_gateway.randrange(len(replicas))]
+                decision = gateway.route(key)
+                w = names.index(decision.worker)
+                out.reasons[decision.reason] = out.reasons.get(decision.reason, 0) + 1
+            workers[w].queue.append(_Job(request, key, gateway, decision, w))
+            out.per_worker[w] += 1
+            start_next(w)
+        elif kind == "prefilled":
+            job: _Job = item  # type: ignore[no-redef]
+            worker = workers[job.worker]
+            events = worker.kv.finish(job.request.tokens, None, job.match)
+            for g in replicas:
+                for event in events:
+                    g.index.apply_event(names[job.worker], event)
+            out.ttfts.append(now - job.request.arrival)
+            decode = job.request.output_tokens * model.decode_ms_per_token / 1e3
+            heapq.heappush(heap, (now + decode, next(order), "done", job))
+            worker.running = None
+            start_next(job.worker)
+        else:
+            job = item  # type: ignore[assignment]
+            prompt = len(job.request.tokens)
+            out.prompt_tokens += prompt
+            out.cached_tokens += job.cached
+            out.latencies.append(now - job.request.arrival)
+            if job.gateway is not None:
+                job.gateway.learn(names[job.worker], job.decision, job.key, prompt, job.cached)
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
