@@ -116,6 +116,11 @@ BAD = [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"type": "nonsense"}}}}}]},
      "tools[0].function.parameters"),
+    ({"tools": [TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"$ref": "#/nowhere"}}}}}]},
+     "tools[1].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$schema": 5}}}]},
+     "tools[0].function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "has space"}}]},
      "tools[0].function.name"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},

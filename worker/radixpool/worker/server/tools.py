@@ -20,6 +20,7 @@ of the next turn (agent loops re-hit the radix cache).
 from __future__ import annotations
 
 import json
+import re
 from functools import lru_cache
 from typing import Annotated, Any, Literal
 
@@ -31,6 +32,8 @@ CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
 CALL_SEPARATOR = "\n"
 JSON_SEPARATORS = (", ", ": ")
+# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "
+_XGRAMMAR_NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
@@ -62,6 +65,8 @@ class FunctionDefinition(BaseModel):
             where = "/".join(str(p) for p in exc.path)
             raise ValueError(f"not a valid JSON schema: {exc.message}"
                              + (f" (at {where})" if where else "")) from None
+        except Exception as exc:   # e.g. a `$schema` that is not a string
+            raise ValueError(f"not a valid JSON schema: {exc}") from None
         if value.get("type", "object") != "object":
             raise ValueError("the arguments of a function are a JSON object: the schema's type "
                              f"must be 'object', got {value.get('type')!r}")
@@ -215,4 +220,4 @@ def _schema_ebnf(schema: str) -> str:
 
 def _first_line(exc: Exception) -> str:
     lines = [line for line in str(exc).splitlines() if line.strip()]
-    return lines[0] if lines else type(exc).__name__
+    return _XGRAMMAR_NOISE.sub("", lines[0]) if lines else type(exc).__name__
