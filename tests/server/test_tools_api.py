@@ -142,3 +142,32 @@ def test_bad_tool_input_is_a_400_naming_the_field(client, kwargs, param):
     assert info.value.body["param"] == param, info.value.body
     reply = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=3)
     assert reply.choices[0].message.content is not None   # still serving
+
+
+def _accumulate(chunks) -> tuple[str | None, list[tuple[str, str]], str | None]:
+    """A streamed choice put together the way SDK users do by hand (the SDK's `stream()` helper
+    refuses `finish_reason: "length"`): content, (name, arguments) per call, finish reason."""
+    content, calls, finish = "", {}, None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for piece in choice.delta.tool_calls or []:
+                name, arguments = calls.get(piece.index, ("", ""))
+                calls[piece.index] = (name + (piece.function.name or ""),
+                                      arguments + (piece.function.arguments or ""))
+            finish = choice.finish_reason or finish
+    return content or None, [calls[i] for i in sorted(calls)], finish
+
+
+def test_auto_streamed_equals_non_streamed(client):
+    """Whatever "auto" makes of the output (text or calls), streaming says the same."""
+    for seed in range(3):
+        kwargs = dict(model="tiny", messages=MSG, tools=TOOLS, tool_choice="auto",
+                      max_tokens=40, temperature=1.0, seed=seed)
+        reply = client.chat.completions.create(**kwargs).choices[0]
+        content, calls, finish = _accumulate(client.chat.completions.create(**kwargs,
+                                                                            stream=True))
+        assert finish == reply.finish_reason
+        assert content == reply.message.content
+        assert calls == [(c.function.name, c.function.arguments)
+                         for c in reply.message.tool_calls or []]
