@@ -60,6 +60,8 @@ def test_tool_requests_key_on_the_tokens_the_worker_renders(tiny_model):
     """Agent loops resend the same tools every turn: the gateway renders them (and the calls and
     tool results in the history) exactly as the worker does, whatever key order or explicit nulls
     the client sent, so the key is token-exact."""
+    import asyncio
+
     from radixpool.worker.server.openai_protocol import ChatCompletionRequest
     from radixpool.worker.server.tool_use import ToolUse
 
@@ -79,8 +81,8 @@ def test_tool_requests_key_on_the_tokens_the_worker_renders(tiny_model):
 
     body = ChatCompletionRequest.model_validate(doc)
     worker_messages = [m.template_dict() for m in body.messages]
-    worker_ids = tokenizer.encode_chat(worker_messages,
-                                       tools=ToolUse.of(body, worker_messages).rendered)
+    tool_use = asyncio.run(ToolUse.of(body, worker_messages))
+    worker_ids = tokenizer.encode_chat(worker_messages, tools=tool_use.rendered)
     assert key.exact and key.units == len(worker_ids)
     assert key.hashes == SimCache(10_000, 16).hashes(worker_ids, None)
     plain = keys.build("/v1/chat/completions", {"messages": messages[:2]})

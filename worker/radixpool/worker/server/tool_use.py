@@ -3,6 +3,7 @@ the constraint the engine decodes under, and the OpenAI `tool_calls` shape of th
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,9 +21,11 @@ class ToolUse:
     grammar: str | None                # EBNF the output must match
 
     @classmethod
-    def of(cls, body: Any, messages: list[dict[str, Any]]) -> ToolUse:
+    async def of(cls, body: Any, messages: list[dict[str, Any]]) -> ToolUse:
         """Validates the request's tools against each other, its tool choice and its history;
-        raises 400 naming the field."""
+        raises 400 naming the field. The grammar is built off the event loop: the first one
+        imports xgrammar (seconds: it brings torch) into this process, later ones take
+        milliseconds, and a repeated tool list is a cache hit."""
         check_tool_messages(messages)
         choice = resolve_choice(body.tools, body.tool_choice)
         if choice is None:
@@ -37,9 +40,9 @@ class ToolUse:
             raise bad_request("chat_template_kwargs may not set 'tools'; use the tools field",
                               param="chat_template_kwargs.tools")
         parallel = body.parallel_tool_calls is not False
+        grammar = await asyncio.to_thread(tool_grammar, body.tools, choice, parallel)
         return cls(choice, frozenset(t.function.name for t in body.tools),
-                   template_tools([t.model_dump() for t in body.tools]),
-                   tool_grammar(body.tools, choice, parallel))
+                   template_tools([t.model_dump() for t in body.tools]), grammar)
 
     @property
     def calls_possible(self) -> bool:
