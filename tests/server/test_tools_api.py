@@ -144,12 +144,12 @@ def test_bad_tool_input_is_a_400_naming_the_field(client, kwargs, param):
     assert reply.choices[0].message.content is not None   # still serving
 
 
-def _accumulate(chunks) -> tuple[str | None, list[tuple[str, str]], str | None]:
+def _accumulate(chunks, index: int = 0) -> tuple[str | None, list[tuple[str, str]], str | None]:
     """A streamed choice put together the way SDK users do by hand (the SDK's `stream()` helper
     refuses `finish_reason: "length"`): content, (name, arguments) per call, finish reason."""
     content, calls, finish = "", {}, None
     for chunk in chunks:
-        for choice in chunk.choices:
+        for choice in (c for c in chunk.choices if c.index == index):
             content += choice.delta.content or ""
             for piece in choice.delta.tool_calls or []:
                 name, arguments = calls.get(piece.index, ("", ""))
@@ -171,3 +171,14 @@ def test_auto_streamed_equals_non_streamed(client):
         assert content == reply.message.content
         assert calls == [(c.function.name, c.function.arguments)
                          for c in reply.message.tool_calls or []]
+
+
+def test_streamed_choices_each_get_their_own_calls(client):
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=MSG, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+        max_tokens=120, temperature=1.0, seed=11, n=3, stream=True))
+    for index in range(3):
+        content, calls, finish = _accumulate(chunks, index)
+        assert content is None and finish == "tool_calls" and len(calls) == 1
+        name, arguments = calls[0]
+        jsonschema.validate(json.loads(arguments), SCHEMAS[name])
