@@ -20,6 +20,19 @@ from tokenizers import Tokenizer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
+def template_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI `tools` as chat templates get them: function tools only, keys in one order, unset
+    keys dropped. The worker and the gateway both render through this, so a client's key order or
+    explicit nulls cannot make their token ids differ."""
+    out = []
+    for tool in tools:
+        function = tool["function"]
+        out.append({"type": "function", "function": {
+            key: function[key] for key in ("name", "description", "parameters")
+            if function.get(key) is not None}})
+    return out
+
+
 class ChatTemplateError(ValueError):
     """The chat template rejected the messages (e.g. roles out of order)."""
 

@@ -133,3 +133,40 @@ def test_structured_output_through_the_gateway(fleet, sdk):
                                 response_format=fmt)
         assert direct.choices[0].message.content == content
         assert direct.usage.completion_tokens == reply.usage.completion_tokens
+
+
+def test_an_agent_loop_of_tool_calls_through_the_gateway(fleet, sdk):
+    """Tool calls routed by the gateway: `required` gives a valid call; the next turn (the call
+    and the tool's result appended) goes to the same worker and hits its cache for the whole
+    first turn, call included, where the gateway predicted: its key renders the tools, the call
+    and the result token-exactly as the worker does."""
+    import jsonschema
+
+    schema = {"type": "object", "required": ["city"], "additionalProperties": False,
+              "properties": {"city": {"enum": ["Paris", "Oslo"]}}}
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": schema}}]
+    messages = [{"role": "system", "content": long_text(37, 150)},
+                {"role": "user", "content": "the weather, please"}]
+    raw = sdk.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, tools=tools, tool_choice="required",
+        parallel_tool_calls=False, max_tokens=80, temperature=0)
+    reply, owner = raw.parse(), raw.headers["x-radixpool-worker"]
+    message = reply.choices[0].message
+    assert reply.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(message.tool_calls[0].function.arguments), schema)
+
+    view = gateway_view(fleet.gateway.url)[owner]
+    turn = messages + [message.model_dump(exclude_none=True),
+                       {"role": "tool", "tool_call_id": message.tool_calls[0].id,
+                        "content": "sunny"}]
+    raw = sdk.chat.completions.with_raw_response.create(
+        model=MODEL, messages=turn, tools=tools, tool_choice="required",
+        parallel_tool_calls=False, max_tokens=80, temperature=0)
+    assert raw.headers["x-radixpool-worker"] == owner
+    cached = raw.parse().usage.prompt_tokens_details.cached_tokens
+    assert cached >= reply.usage.prompt_tokens + reply.usage.completion_tokens - 2
+    eventually(lambda: gateway_view(fleet.gateway.url)[owner]["requests"] > view["requests"],
+               "the gateway booked the second turn")
+    after = gateway_view(fleet.gateway.url)[owner]
+    predicted = after["predicted_cached_tokens"] - view["predicted_cached_tokens"]
+    assert reply.usage.prompt_tokens - 16 <= predicted <= cached

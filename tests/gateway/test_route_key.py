@@ -54,3 +54,36 @@ def test_without_tokenizer_routing_falls_back_to_text_bytes():
 def test_unroutable_bodies_are_rejected_with_the_field_named(path, body, message):
     with pytest.raises(BadRequest, match=message):
         KeyBuilder(64, 256).build(path, body)
+
+
+def test_tool_requests_key_on_the_tokens_the_worker_renders(tiny_model):
+    """Agent loops resend the same tools every turn: the gateway renders them (and the calls and
+    tool results in the history) exactly as the worker does, whatever key order or explicit nulls
+    the client sent, so the key is token-exact."""
+    import asyncio
+
+    from radixpool.worker.server.openai_protocol import ChatCompletionRequest
+    from radixpool.worker.server.tool_use import ToolUse
+
+    tokenizer = PromptTokenizer.from_dir(tiny_model)   # its template renders tools
+    keys = KeyBuilder(64, 256)
+    keys.use_tokenizer(tokenizer, 16)
+    schema = {"type": "object", "properties": {"q": {"type": "string"}}}
+    tools = [{"function": {"parameters": schema, "description": None, "name": "search"},
+              "type": "function"}]
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "search", "arguments": '{"q": "radix"}'}}
+    messages = [{"role": "system", "content": "agent"}, {"role": "user", "content": "find it"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "found"}]
+    doc = {"messages": messages, "tools": tools}
+    key = keys.build("/v1/chat/completions", doc)
+
+    body = ChatCompletionRequest.model_validate(doc)
+    worker_messages = [m.template_dict() for m in body.messages]
+    tool_use = asyncio.run(ToolUse.of(body, worker_messages))
+    worker_ids = tokenizer.encode_chat(worker_messages, tools=tool_use.rendered)
+    assert key.exact and key.units == len(worker_ids)
+    assert key.hashes == SimKV(10_000, 16).hashes(worker_ids, None)
+    plain = keys.build("/v1/chat/completions", {"messages": messages[:2]})
+    assert plain.units < key.units   # the tools are in the prompt, not dropped

@@ -86,7 +86,9 @@ def as_api_error(model, body):
     (CompletionRequest, {}, "prompt", "required"),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content", "text"),
-    (ChatCompletionRequest, {"messages": [{"role": "user"}], "tools": [{}]}, "tools",
+    (ChatCompletionRequest, {"messages": [{"role": "user"}], "tools": [{}]}, "tools[0].type",
+     "required"),
+    (ChatCompletionRequest, {"messages": [{"role": "user"}], "functions": [{}]}, "functions",
      "not supported"),
 ])
 def test_validation_errors_name_the_field(model, body, param, words):

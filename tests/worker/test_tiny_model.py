@@ -69,3 +69,27 @@ def test_sentencepiece_style_tokenizer_from_the_cli_loads_in_transformers(tmp_pa
     assert {"<0xCE>", "<0xA9>"} <= set(hf_tok.convert_ids_to_tokens(ids))
     assert ours.decode(ids) == hf_tok.decode(ids, skip_special_tokens=True) == text
     assert AutoConfig.from_pretrained(out).vocab_size == ours.vocab_size
+
+
+def test_the_template_renders_tools_calls_and_results_as_transformers_does(tiny_model):
+    """The tools in the system turn, an assistant's calls as `<tool_call>` blocks and a tool's
+    result: our renderer and `transformers` (given `tools=`) make the same tokens."""
+    hf_tok = AutoTokenizer.from_pretrained(tiny_model)
+    ours = PromptTokenizer.from_dir(tiny_model)
+    tools = [{"type": "function", "function": {"name": "weather", "description": "météo",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "city": {"type": "string"}}}}}]
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "weather", "arguments": '{"city": "東京"}'}}
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    expected = hf_tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                          tokenize=True)
+    if not isinstance(expected, list):
+        expected = expected["input_ids"]
+    assert ours.encode_chat(messages, tools=tools) == list(expected)
+    text = ours.render_chat(messages, tools=tools)
+    assert '"name": "weather"' in text.split("<|im_end|>")[0]   # listed in the system turn
+    assert '<tool_call>\n{"name": "weather", "arguments": {"city": "東京"}}\n</tool_call>' in text
+    assert "<tool_response>\nsunny\n</tool_response>" in text

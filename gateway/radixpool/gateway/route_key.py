@@ -22,7 +22,7 @@ import numpy as np
 
 from radixpool.gateway.chat_tokens import ChatEncoder, encode_releasing_gil
 from radixpool.protocol.kv_blocks import DEFAULT_BLOCK_SIZE, as_token_array, prefix_block_hashes
-from radixpool.tokenization import PromptTokenizer
+from radixpool.tokenization import PromptTokenizer, template_tools
 
 ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate")
 BYTES_PER_TOKEN = 4  # text-mode estimate: sizing byte trees, comparing bytes with tokens
@@ -102,11 +102,13 @@ class KeyBuilder:
                 raise BadRequest(f"messages[{i}] must be an object with a string 'role'")
         if self.chat is not None:
             kwargs = doc.get("chat_template_kwargs")
+            kwargs = dict(kwargs) if isinstance(kwargs, dict) else {}
             try:
+                if doc.get("tools"):   # rendered like the worker renders them
+                    kwargs["tools"] = template_tools(doc["tools"])
                 ids, cut = self.chat.encode_chat_prefix(
                     messages, doc.get("add_generation_prompt", True) is not False,
-                    self.max_prompt_chars, shared_caches,
-                    **(kwargs if isinstance(kwargs, dict) else {}))
+                    self.max_prompt_chars, shared_caches, **kwargs)
             except Exception:  # the worker will answer with its own 4xx; route on text meanwhile
                 ids = None
             if ids is not None:

@@ -27,10 +27,41 @@ VOCAB_SIZE = 1024
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")
 METASPACE = "\u2581"   # "▁": SentencePiece's stand-in for a space
 BYTE_TOKENS = tuple(f"<0x{b:02X}>" for b in range(256))
+# ChatML, plus tools in the Hermes/Qwen style: the tools listed in the system turn, an
+# assistant's calls as `<tool_call>` blocks (arguments as the JSON text they came as), and tool
+# results as `<tool_response>` user turns. A call renders exactly as the tool grammar makes the
+# model write it, so the next turn of an agent loop shares the whole previous turn's tokens.
+TEMPLATE_VERSION = "tools1"   # part of the cache folder's name: a new template, a new model
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}"
+    "{{ '<|im_start|>system\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ (messages[0]['content'] or '') + '\n\n' }}"
+    "{% endif %}"
+    "{{ '# Tools\n\nYou may call functions. Their signatures are within <tools></tools>:\n"
+    "<tools>' }}"
+    "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\n</tools>\n\nTo call a function, write a JSON object with its name and arguments "
+    "within <tool_call></tool_call> tags:\n<tool_call>\n{\"name\": <name>, \"arguments\": "
+    "<arguments>}\n</tool_call><|im_end|>\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{ '<|im_start|>assistant\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] %}"
+    "{% if message['content'] or not loop.first %}{{ '\n' }}{% endif %}"
+    "{% set arguments = call['function']['arguments'] %}"
+    "{{ '<tool_call>\n{\"name\": ' + (call['function']['name'] | tojson) + ', \"arguments\": ' }}"
+    "{{ (arguments if arguments is string else arguments | tojson) + '}\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + (message['content'] or '') + "
+    "'\n</tool_response><|im_end|>\n' }}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') + '<|im_end|>\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
@@ -194,7 +225,7 @@ def cache_dir() -> Path:
 
 def default_tiny_model(arch: str = "llama", seed: int = 0) -> Path:
     """The built-in tiny model, made once in the cache folder and reused afterwards."""
-    target = cache_dir() / f"tiny-{arch}-seed{seed}"
+    target = cache_dir() / f"tiny-{arch}-seed{seed}-{TEMPLATE_VERSION}"
     if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -29,6 +29,7 @@ from radixpool.worker.server.logprobs import chat_logprobs, completion_logprobs
 from radixpool.worker.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from radixpool.worker.server.sse import DONE, EventStream, sse
 from radixpool.worker.server.state import WorkerState
+from radixpool.worker.server.tool_use import ToolUse, stream_finish_reason
 
 CHAT_RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
                 "logprobs": "top_logprobs", "json_schema": "response_format"}
@@ -86,32 +87,38 @@ def router(state: WorkerState) -> APIRouter:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         state.check_model(body.model)
         messages = [m.template_dict() for m in body.messages]
-        input_ids = await state.encode_chat(messages, body.add_generation_prompt,
-                                            body.chat_template_kwargs)
+        tools = await ToolUse.of(body, messages)
+        template_kwargs = dict(body.chat_template_kwargs or {})
+        if tools.rendered is not None:
+            template_kwargs["tools"] = tools.rendered
+        input_ids = await state.encode_chat(messages, body.add_generation_prompt, template_kwargs)
         max_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         max_new = state.token_budget(len(input_ids), body.requested_max_tokens, "messages",
                                      max_param)
-        params = build_params(body.sampling_dict(max_new, body.logprobs_k), state.vocab_size,
-                              CHAT_RENAMES)
+        sampling = body.sampling_dict(max_new, body.logprobs_k)
+        if tools.grammar is not None:
+            sampling["ebnf"] = tools.grammar
+        params = build_params(sampling, state.vocab_size, CHAT_RENAMES)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         run = EngineRun(state, input_ids, params, body.cache_salt, rid, CHAT_RENAMES, "messages")
         await run.first()
         created = int(time.time())
         head = {"id": rid, "created": created, "model": state.config.served_model_name}
         if body.stream:
-            return EventStream(_chat_events(state, run, body, head, len(input_ids)))
+            return EventStream(_chat_events(state, run, body, head, len(input_ids), tools))
         forks = await until_disconnect(request, run.collect(), [run])
         tally = UsageTally([len(input_ids)])
         choices = []
         for fork in forks:
             tally.add_fork(0, fork)
+            message, finish_reason = tools.message(fork.full_text, fork.finish_reason)
             choices.append({
                 "index": fork.index,
-                "message": {"role": "assistant", "content": fork.full_text},
+                "message": message,
                 "logprobs": (chat_logprobs(state.token_text, fork.token_ids, fork.logprobs,
                                            fork.top_logprobs)
                              if params.logprobs is not None else None),
-                "finish_reason": fork.finish_reason,
+                "finish_reason": finish_reason,
             })
         return JSONResponse({**head, "object": "chat.completion", "choices": choices,
                              "usage": tally.doc(), "system_fingerprint": None},
@@ -202,24 +209,40 @@ async def _framed(preamble: list[dict], choices: AsyncIterator[dict], body: Any,
 
 
 def _chat_events(state: WorkerState, run: EngineRun, body: ChatCompletionRequest,
-                 head: dict, prompt_len: int) -> AsyncIterator[bytes]:
+                 head: dict, prompt_len: int, tools: ToolUse) -> AsyncIterator[bytes]:
     chunk_head = {**head, "object": "chat.completion.chunk", "system_fingerprint": None}
     want_logprobs = body.logprobs_k is not None
     tally = UsageTally([prompt_len])
     preamble = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                  "finish_reason": None} for i in range(body.n)]
 
+    parsers = {i: tools.stream() for i in range(body.n)}
+
     async def choices() -> AsyncIterator[dict]:
         async for chunk in run:
             tally.add(0, chunk)
             if not (chunk.text or chunk.finished or (want_logprobs and chunk.token_ids)):
                 continue   # text held back (a possible stop string or an unfinished character)
+            parser = parsers.get(chunk.index)
+            if parser is None:
+                deltas = [{"content": chunk.text}] if chunk.text else []
+            else:   # tool calls: the parser decides what of the text is content or a call
+                deltas = parser.feed(chunk.text) if chunk.text else []
+                if chunk.finished:
+                    deltas += parser.finish()
+            logprobs = (chat_logprobs(state.token_text, chunk.token_ids, chunk.logprobs or [],
+                                      chunk.top_logprobs) if want_logprobs else None)
+            for i, delta in enumerate(deltas[:-1]):
+                yield {"index": chunk.index, "delta": delta,
+                       "logprobs": logprobs if i == 0 else None, "finish_reason": None}
+            if not (deltas or chunk.finished or logprobs):
+                continue
             yield {
                 "index": chunk.index,
-                "delta": {"content": chunk.text} if chunk.text else {},
-                "logprobs": (chat_logprobs(state.token_text, chunk.token_ids, chunk.logprobs or [],
-                                           chunk.top_logprobs) if want_logprobs else None),
-                "finish_reason": chunk.finish_reason if chunk.finished else None,
+                "delta": deltas[-1] if deltas else {},
+                "logprobs": logprobs if len(deltas) <= 1 else None,
+                "finish_reason": (stream_finish_reason(parser, chunk.finish_reason)
+                                  if chunk.finished else None),
             }
 
     return _framed(preamble, choices(), body, chunk_head, tally)

@@ -2,11 +2,12 @@
 
 Ranges live in the field definitions, so a bad value is answered with the OpenAI field name
 (`max_tokens`, not the engine's `max_new_tokens`) and the OpenAPI schema documents them. Unknown
-fields are rejected like OpenAI does; features this server does not have (tools, audio, ...) are
+fields are rejected like OpenAI does; features this server does not have (audio, ...) are
 rejected with a message instead of being silently ignored. Engine-only sampling knobs (`top_k`,
 `min_p`, `repetition_penalty`, `ignore_eos`, ...) are accepted as extensions, and `cache_salt`
 names the KV cache namespace (see docs/protocol.md). Structured output: `response_format`
-(`json_object`, `json_schema`) on both endpoints, and the extensions `regex` and `ebnf`.
+(`json_object`, `json_schema`) on both endpoints, and the extensions `regex` and `ebnf`. Tools:
+`tools`, `tool_choice`, `parallel_tool_calls` on chat (see tools.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from radixpool.worker.server.tools import Tool
 
 Seed = Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)]
 TokenId = Annotated[StrictInt, Field(ge=0)]
@@ -143,7 +146,7 @@ class SamplingFields(BaseModel):
 
 # OpenAI fields that need features this server does not have: rejected, never ignored.
 _UNSUPPORTED = {
-    "tools": "tool calling", "tool_choice": "tool calling", "functions": "function calling",
+    "functions": "function calling (the legacy API; use tools)",
     "function_call": "function calling", "audio": "audio output", "modalities": "audio output",
     "prediction": "predicted outputs", "web_search_options": "web search",
 }
@@ -187,9 +190,9 @@ class ChatCompletionRequest(SamplingFields):
     # extensions
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Any = None   # checked against the tools by tools.resolve_choice
     # rejected when set
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
     audio: Any = None
@@ -197,7 +200,7 @@ class ChatCompletionRequest(SamplingFields):
     prediction: Any = None
     web_search_options: Any = None
 
-    @field_validator("tools", "tool_choice", "functions", "function_call", "audio",
+    @field_validator("functions", "function_call", "audio",
                      "modalities", "prediction", "web_search_options")
     @classmethod
     def _unsupported(cls, value: Any, info: Any) -> Any:

@@ -1,0 +1,163 @@
+"""Tool-call parsing (Hermes blocks, Llama 3 JSON, Mistral `[TOOL_CALLS]`), the streamed Hermes
+parser against the whole-text one, the tool grammar, and tool validation: pure functions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import xgrammar as xgr
+
+from radixpool.worker.server.errors import APIError
+from radixpool.worker.server.tool_parsers import (
+    HermesStream,
+    parse_hermes,
+    parse_llama3,
+    parse_mistral,
+)
+from radixpool.worker.server.tools import (
+    Tool,
+    check_tool_messages,
+    resolve_choice,
+    tool_grammar,
+)
+
+NAMES = {"get_weather", "add"}
+TWO_CALLS = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": {"c": "}\\n"}}}\n'
+             '</tool_call>')
+
+
+def test_hermes_calls_keep_the_models_argument_text():
+    content, calls = parse_hermes(TWO_CALLS, NAMES)
+    assert content is None
+    assert [c.name for c in calls] == ["get_weather", "add"]
+    assert calls[0].arguments == '{"city": "Paris"}'
+    assert json.loads(calls[1].arguments) == {"a": 1, "b": {"c": "}\n"}}
+    doc = calls[0].openai()
+    assert doc["id"].startswith("call_") and doc["type"] == "function"
+
+
+def test_hermes_text_around_calls_and_bad_blocks_stay_text():
+    content, calls = parse_hermes("Let me check.\n" + TWO_CALLS[:80] + "\nDone.", NAMES)
+    assert content == "Let me check.\n\nDone." and len(calls) == 1
+    for text in ("no calls here", '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>',
+                 "<tool_call>{not json}</tool_call>",
+                 '<tool_call>{"name": "add", "arguments": [1]}</tool_call>'):
+        assert parse_hermes(text, NAMES) == (text, [])
+
+
+def test_llama3_and_mistral_formats():
+    content, calls = parse_llama3('<|python_tag|>{"name": "add", "parameters": {"a": 1}}; '
+                                  '{"name": "get_weather", "parameters": {"city": "Oslo"}}', NAMES)
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("add", {"a": 1}), ("get_weather", {"city": "Oslo"})]
+    for text in ("plain answer", '{"name": "nope", "parameters": {}}', '{"name": "add", "par'):
+        assert parse_llama3(text, NAMES) == (text, [])
+    content, calls = parse_mistral('Sure. [TOOL_CALLS][{"name": "add", "arguments": {"a": 2}}]',
+                                   NAMES)
+    assert content == "Sure." and calls[0].name == "add" and json.loads(calls[0].arguments) == {
+        "a": 2}
+    for text in ("no marker", "[TOOL_CALLS][{", '[TOOL_CALLS][{"name": "x", "arguments": {}}]'):
+        assert parse_mistral(text, NAMES) == (text, [])
+
+
+def _assemble(deltas: list[dict]) -> tuple[str, list[dict]]:
+    """What the openai SDK's stream helpers do with delta.content / delta.tool_calls."""
+    content, calls = "", []
+    for delta in deltas:
+        content += delta.get("content", "")
+        for piece in delta.get("tool_calls", []):
+            if piece["index"] == len(calls):
+                calls.append({"id": piece["id"], "name": piece["function"]["name"],
+                              "arguments": ""})
+            calls[piece["index"]]["arguments"] += piece["function"]["arguments"]
+    return content, calls
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
+def test_streamed_hermes_equals_whole_text_parse(step):
+    text = "Checking. " + TWO_CALLS
+    stream = HermesStream()
+    deltas = []
+    for i in range(0, len(text), step):
+        deltas += stream.feed(text[i:i + step])
+    deltas += stream.finish()
+    content, calls = _assemble(deltas)
+    whole_content, whole_calls = parse_hermes(text, NAMES)
+    assert content.strip() == whole_content
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        (c.name, c.arguments) for c in whole_calls]
+    assert stream.calls == 2
+    names_first = [d for d in deltas if "tool_calls" in d and "id" in d["tool_calls"][0]]
+    assert len(names_first) == 2 and all(
+        d["tool_calls"][0]["function"]["arguments"] == "" for d in names_first)
+
+
+def test_streamed_text_that_only_looks_like_a_call_is_released():
+    stream = HermesStream()
+    assert stream.feed("a <tool") == [{"content": "a "}]
+    assert stream.feed("box> b") == [{"content": "<toolbox> b"}]
+    assert stream.finish() == []
+
+
+def _tools(*schemas: dict) -> list[Tool]:
+    return [Tool.model_validate({"type": "function", "function": {"name": f"f{i}",
+                                                                   "parameters": s}})
+            for i, s in enumerate(schemas)]
+
+
+def test_tool_grammar_accepts_calls_in_the_template_format_only():
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    tools = _tools(schema, {"type": "object", "properties": {}})
+    one = '<tool_call>\n{"name": "f0", "arguments": {"n": 3}}\n</tool_call>'
+    two = one + '\n<tool_call>\n{"name": "f1", "arguments": {}}\n</tool_call>'
+    accept = xgr.testing._is_grammar_accept_string
+    required = xgr.Grammar.from_ebnf(tool_grammar(tools, "required", True))
+    assert accept(required, one) and accept(required, two)
+    assert not accept(required, "hello")
+    assert not accept(required, one.replace("3", '"x"'))          # arguments follow the schema
+    single = xgr.Grammar.from_ebnf(tool_grammar(tools, "required", False))
+    assert accept(single, one) and not accept(single, two)
+    named = xgr.Grammar.from_ebnf(tool_grammar(tools, "f1", True))
+    assert not accept(named, one) and accept(named, two[len(one) + 1:])
+    auto = xgr.Grammar.from_ebnf(tool_grammar(tools, "auto", True))
+    assert accept(auto, "just text") and accept(auto, "text then " + one)
+    assert not accept(auto, '<tool_call>\n{"name": "f9", "arguments": {}}\n</tool_call>')
+    assert tool_grammar(tools, "none", True) is None
+
+
+def test_tool_validation_names_the_field():
+    tools = _tools({"type": "object"})
+    for choice, param in [("sometimes", "tool_choice"),
+                          ({"type": "function", "function": {"name": "zz"}},
+                           "tool_choice.function.name"),
+                          ({"type": "function"}, "tool_choice")]:
+        with pytest.raises(APIError) as err:
+            resolve_choice(tools, choice)
+        assert err.value.param == param
+    with pytest.raises(APIError) as err:
+        resolve_choice(None, "required")
+    assert err.value.param == "tool_choice"
+    with pytest.raises(APIError) as err:
+        resolve_choice(tools + tools, "auto")
+    assert err.value.param == "tools[1].function.name"
+    assert resolve_choice(tools, {"type": "function", "function": {"name": "f0"}}) == "f0"
+    assert resolve_choice(tools, None) == "auto" and resolve_choice(None, None) is None
+    call = {"id": "call_1", "type": "function", "function": {"name": "f0", "arguments": "{}"}}
+    ok = [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [call]},
+          {"role": "tool", "tool_call_id": "call_1", "content": "4"}]
+    check_tool_messages(ok)
+    for messages, param in [(ok[:1] + ok[2:], "messages[1].tool_call_id"),
+                            (ok[:2] + [{"role": "tool", "content": "4"}],
+                             "messages[2].tool_call_id"),
+                            ([{"role": "assistant", "tool_calls": [
+                                {**call, "function": {"name": "f0", "arguments": "{x"}}]}],
+                             "messages[0].tool_calls[0].function.arguments")]:
+        with pytest.raises(APIError) as err:
+            check_tool_messages(messages)
+        assert err.value.param == param
+    with pytest.raises(ValueError, match="not a valid JSON schema"):
+        _tools({"type": "object", "properties": {"a": {"type": "nonsense"}}})
+    with pytest.raises(ValueError, match="must be 'object'"):
+        _tools({"type": "string"})

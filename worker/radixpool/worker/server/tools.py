@@ -1,0 +1,223 @@
+"""OpenAI tools on chat completions: the request's tools, its tool choice, and the grammar that
+makes the model's calls well-formed.
+
+Calls use the Hermes/Qwen format, the one the tiny models' chat template teaches and the format
+Qwen2.5/Qwen3 and Hermes models are trained on:
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+`"required"` and a named function constrain the whole output to such blocks (one block when
+`parallel_tool_calls` is false); `"auto"` lets the model write text, and constrains a call's
+name and arguments from the moment it opens `<tool_call>`. The constraint is an xgrammar
+structural tag, converted to EBNF here so the engine takes it like any `ebnf` constraint. The
+arguments follow the tool's JSON schema with the engine's fixed separators and no free
+whitespace, so what the model emits is exactly what the template renders back into the history
+of the next turn (agent loops re-hit the radix cache).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from functools import lru_cache
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+
+from radixpool.worker.server.errors import bad_request
+
+CALL_OPEN = "<tool_call>"
+CALL_CLOSE = "</tool_call>"
+CALL_SEPARATOR = "\n"
+JSON_SEPARATORS = (", ", ": ")
+# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "
+_XGRAMMAR_NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+def call_prefix(name: str) -> str:
+    """What a call to `name` starts with, up to its arguments."""
+    return f'{CALL_OPEN}\n{{"name": {json.dumps(name)}, "arguments": '
+
+
+CALL_SUFFIX = "}\n" + CALL_CLOSE
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _a_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is None:
+            return value
+        import jsonschema
+
+        try:
+            jsonschema.validators.validator_for(value).check_schema(value)
+        except jsonschema.SchemaError as exc:
+            where = "/".join(str(p) for p in exc.path)
+            raise ValueError(f"not a valid JSON schema: {exc.message}"
+                             + (f" (at {where})" if where else "")) from None
+        except Exception as exc:   # e.g. a `$schema` that is not a string
+            raise ValueError(f"not a valid JSON schema: {exc}") from None
+        if value.get("type", "object") != "object":
+            raise ValueError("the arguments of a function are a JSON object: the schema's type "
+                             f"must be 'object', got {value.get('type')!r}")
+        return value
+
+    @property
+    def schema(self) -> dict[str, Any]:
+        return self.parameters if self.parameters is not None else EMPTY_PARAMETERS
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+ToolChoiceMode = Literal["none", "auto", "required"]
+
+
+def resolve_choice(tools: list[Tool] | None, choice: Any) -> str | None:
+    """The request's tool choice as "none", "auto", "required" or the forced function's name;
+    None when the request has no tools. Raises 400 naming `tool_choice` or `tools`."""
+    if not tools:
+        if choice not in (None, "none"):
+            raise bad_request("tool_choice needs tools: the request lists none",
+                              param="tool_choice")
+        return None
+    seen: dict[str, int] = {}
+    for i, tool in enumerate(tools):
+        name = tool.function.name
+        if name in seen:
+            raise bad_request(f"function name {name!r} is also tools[{seen[name]}]; names must "
+                              "be unique", param=f"tools[{i}].function.name")
+        seen[name] = i
+    if choice is None:
+        return "auto"
+    if isinstance(choice, str):
+        if choice in ("none", "auto", "required"):
+            return choice
+        raise bad_request(f"tool_choice must be 'none', 'auto', 'required' or "
+                          f"{{'type': 'function', 'function': {{'name': ...}}}}, got {choice!r}",
+                          param="tool_choice")
+    name = None
+    if isinstance(choice, dict) and choice.get("type") == "function" \
+            and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+    if not isinstance(name, str):
+        raise bad_request("a named tool_choice is {'type': 'function', 'function': "
+                          "{'name': ...}}", param="tool_choice")
+    if name not in seen:
+        raise bad_request(f"tool_choice names function {name!r}, which is not among the tools "
+                          f"({', '.join(seen)})", param="tool_choice.function.name")
+    return name
+
+
+def check_tool_messages(messages: list[dict[str, Any]]) -> None:
+    """Every `tool` message answers a call an earlier assistant message made, and every
+    assistant call is well-formed. Raises 400 naming the message's field."""
+    open_calls: set[str] = set()
+    for i, message in enumerate(messages):
+        role = message.get("role")
+        if role == "assistant":
+            calls = message.get("tool_calls") or []
+            if not isinstance(calls, list):
+                raise bad_request("tool_calls must be an array", param=f"messages[{i}].tool_calls")
+            for j, call in enumerate(calls):
+                _check_call(call, f"messages[{i}].tool_calls[{j}]")
+                open_calls.add(call["id"])
+        elif role == "tool":
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str):
+                raise bad_request("a tool message needs the tool_call_id of the call it answers",
+                                  param=f"messages[{i}].tool_call_id")
+            if call_id not in open_calls:
+                raise bad_request(f"tool_call_id {call_id!r} matches no tool call of an earlier "
+                                  "assistant message", param=f"messages[{i}].tool_call_id")
+
+
+def _check_call(call: Any, where: str) -> None:
+    if not isinstance(call, dict) or not isinstance(call.get("id"), str):
+        raise bad_request("a tool call is {'id', 'type': 'function', 'function': {'name', "
+                          "'arguments'}}", param=where)
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise bad_request("a tool call's function needs a name", param=f"{where}.function")
+    arguments = function.get("arguments")
+    if not isinstance(arguments, str):
+        raise bad_request("arguments must be a JSON string", param=f"{where}.function.arguments")
+    try:
+        json.loads(arguments)
+    except ValueError:
+        raise bad_request("arguments is not valid JSON",
+                          param=f"{where}.function.arguments") from None
+
+
+def tool_grammar(tools: list[Tool], choice: str, parallel: bool) -> str | None:
+    """The EBNF constraint for `choice` (None for "none"). Raises 400 naming the tool whose
+    schema the grammar compiler cannot take."""
+    if choice == "none":
+        return None
+    if choice not in ("auto", "required"):
+        tools = [t for t in tools if t.function.name == choice]
+    key = json.dumps([[t.function.name, t.function.schema] for t in tools])
+    try:
+        return _grammar(key, choice if choice in ("auto", "required") else "named", parallel)
+    except ValueError:
+        pass
+    for i, tool in enumerate(tools):   # find the culprit for the error message
+        try:
+            _grammar(json.dumps([[tool.function.name, tool.function.schema]]), "named", False)
+        except ValueError as exc:
+            raise bad_request(f"the grammar compiler cannot take this schema: {exc}",
+                              param=f"tools[{i}].function.parameters") from None
+    raise bad_request("the tools' schemas do not compile together", param="tools")
+
+
+@lru_cache(maxsize=256)
+def _grammar(key: str, mode: str, parallel: bool) -> str:
+    import xgrammar as xgr
+
+    tags = [{"type": "tag", "begin": call_prefix(name),
+             "content": {"type": "grammar", "grammar": _schema_ebnf(json.dumps(schema))},
+             "end": CALL_SUFFIX}
+            for name, schema in json.loads(key)]
+    if mode == "named":
+        fmt: dict[str, Any] = tags[0]
+    elif mode == "required":
+        fmt = {"type": "tags_with_separator", "tags": tags, "separator": CALL_SEPARATOR,
+               "at_least_one": True, "stop_after_first": not parallel}
+    else:
+        fmt = {"type": "triggered_tags", "triggers": [CALL_OPEN], "tags": tags,
+               "at_least_one": False, "stop_after_first": not parallel}
+    try:
+        grammar = xgr.Grammar.from_structural_tag(
+            json.dumps({"type": "structural_tag", "format": fmt}))
+    except Exception as exc:   # xgrammar raises RuntimeError / its own error types
+        raise ValueError(_first_line(exc)) from None
+    return str(grammar)
+
+
+@lru_cache(maxsize=256)
+def _schema_ebnf(schema: str) -> str:
+    import xgrammar as xgr
+
+    try:
+        return str(xgr.Grammar.from_json_schema(schema, any_whitespace=False,
+                                                separators=JSON_SEPARATORS, strict_mode=True))
+    except Exception as exc:
+        raise ValueError(_first_line(exc)) from None
+
+
+def _first_line(exc: Exception) -> str:
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return _XGRAMMAR_NOISE.sub("", lines[0]) if lines else type(exc).__name__
