@@ -50,8 +50,11 @@ def clients(tiny_model, tmp_path_factory):
                                                                  "chat_template": template}))
         procs[fmt] = WorkerProcess(model, model.parent / "worker.log")
     try:
-        yield {fmt: OpenAI(base_url=f"{proc.wait_ready().url}/v1", api_key="unused",
-                           max_retries=0, timeout=120) for fmt, proc in procs.items()}
+        clients = {fmt: OpenAI(base_url=f"{proc.wait_ready().url}/v1", api_key="unused",
+                               max_retries=0, timeout=120) for fmt, proc in procs.items()}
+        for fmt, proc in procs.items():
+            assert f"tool calls {fmt}," in proc.log()   # detected from the template
+        yield clients
     finally:
         for proc in procs.values():
             proc.stop()
