@@ -17,6 +17,7 @@ from radixpool.worker.config import (
     SCHEDULE_POLICIES,
     EngineConfig,
 )
+from radixpool.worker.server.tool_format import TOOL_FORMAT_FLAGS, TOOL_FORMATS
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 API_KEY_ENV = "RADIXPOOL_API_KEY"
@@ -33,6 +34,7 @@ class ServerConfig:
     control_api_key: str | None = None   # for the gateway: required on /flush_cache, /kv_events...
     drain_timeout: float = 30.0      # seconds
     log_level: str = "info"
+    tool_call_format: str = "auto"   # "auto": from the chat template
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -41,6 +43,8 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be ≥ 0 seconds, got {self.drain_timeout}")
+        if self.tool_call_format not in TOOL_FORMAT_FLAGS:
+            raise ValueError(f"tool_call_format must be one of {', '.join(TOOL_FORMAT_FLAGS)}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
         if self.api_key is not None and not self.api_key:
@@ -118,6 +122,11 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, how long running requests may take to finish before they "
                         "are aborted; keep it below the pod's terminationGracePeriodSeconds "
                         "(default: 30)")
+    p.add_argument("--tool-call-format", choices=TOOL_FORMAT_FLAGS, default="auto",
+                   help="the syntax the model writes tool calls in: "
+                        f"{', '.join(TOOL_FORMATS)}, or auto: read from the chat template "
+                        "(<tool_call> → hermes, [TOOL_CALLS] → mistral, Llama 3's JSON calls → "
+                        "llama3, else hermes) (default: auto)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                    help="log level (default: info)")
 
@@ -187,4 +196,5 @@ def _config_from_args(args: argparse.Namespace) -> ServerConfig:
         control_api_key=_control_key(args.control_api_key_file),
         drain_timeout=args.drain_timeout,
         log_level=args.log_level,
+        tool_call_format=args.tool_call_format,
     )

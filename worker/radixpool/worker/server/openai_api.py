@@ -87,7 +87,7 @@ def router(state: WorkerState) -> APIRouter:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         state.check_model(body.model)
         messages = [m.template_dict() for m in body.messages]
-        tools = await ToolUse.of(body, messages)
+        tools = await ToolUse.of(body, messages, state.tool_format)
         template_kwargs = dict(body.chat_template_kwargs or {})
         if tools.rendered is not None:
             template_kwargs["tools"] = tools.rendered

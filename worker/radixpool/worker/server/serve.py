@@ -84,10 +84,10 @@ class WorkerServer(uvicorn.Server):
         self._spawn(self._watch_core(engine))
         info = engine.info
         log.info("serving %s as '%s' on http://%s:%d — %s %s, context %d tokens, "
-                 "KV capacity %d tokens (page size %d), instance %s",
+                 "KV capacity %d tokens (page size %d), tool calls %s, instance %s",
                  cfg.engine.model_path, cfg.served_model_name, cfg.host, cfg.port, info.device,
                  info.dtype, info.context_length, info.kv_capacity_tokens, info.page_size,
-                 engine.instance_id)
+                 self.state.tool_format, engine.instance_id)
 
     async def _watch_core(self, engine) -> None:
         """Exit non-zero once the engine core process is gone: nothing here can revive it."""

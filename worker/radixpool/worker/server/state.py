@@ -13,6 +13,7 @@ from radixpool.worker.server.errors import APIError, bad_request
 from radixpool.worker.server.lifecycle import Lifecycle
 from radixpool.worker.server.logprobs import TokenText
 from radixpool.worker.server.metrics import WorkerMetrics
+from radixpool.worker.server.tool_format import ToolFormat, resolve_tool_format
 
 # Prompts longer than this (characters) are tokenized off the event loop.
 INLINE_TOKENIZE_CHARS = 8192
@@ -31,6 +32,7 @@ class WorkerState:
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
     engine: Any = None
     token_text: TokenText | None = None
+    tool_format: ToolFormat = "hermes"   # the model's tool-call syntax, set when it loads
     started_at: int = field(default_factory=lambda: int(time.time()))
     active_rids: set[str] = field(default_factory=set)   # engine requests not yet closed
     metrics: WorkerMetrics = field(init=False)
@@ -42,6 +44,8 @@ class WorkerState:
     def attach(self, engine: Any) -> None:
         self.engine = engine
         self.token_text = TokenText(engine.tokenizer)
+        self.tool_format = resolve_tool_format(self.config.tool_call_format,
+                                               getattr(engine.tokenizer, "chat_template", None))
         self.lifecycle.mark_ready()
 
     def engine_stats(self) -> EngineStats | None:

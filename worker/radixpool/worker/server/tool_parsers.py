@@ -6,7 +6,7 @@
 of a known function stays in the text: the client sees what the model said rather than a call
 it cannot run. `HermesStream` does the Hermes parse incrementally for streamed responses: text
 as soon as it cannot be the start of a block, then per call its name first and its arguments in
-pieces.
+pieces; `WholeCallStream` streams the other formats' text and gives their calls whole at the end.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from radixpool.worker.server.tool_format import LLAMA3_TAG, MISTRAL_MARKER
 from radixpool.worker.server.tools import CALL_CLOSE, CALL_OPEN, CALL_SUFFIX
 
 _HERMES_BLOCK = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE),
@@ -89,7 +90,7 @@ def parse_hermes(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]
 def parse_llama3(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
     """`{"name": "f", "parameters": {...}}`, several separated by `;`, maybe after
     `<|python_tag|>`; anything else is text."""
-    body = text.strip().removeprefix("<|python_tag|>").strip()
+    body = text.strip().removeprefix(LLAMA3_TAG).strip()
     if not body.startswith("{"):
         return text, []
     decoder = json.JSONDecoder()
@@ -111,12 +112,11 @@ def parse_llama3(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]
 
 def parse_mistral(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
     """`[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]` after optional text."""
-    marker = "[TOOL_CALLS]"
-    at = text.find(marker)
+    at = text.find(MISTRAL_MARKER)
     if at < 0:
         return text, []
     try:
-        docs, _ = json.JSONDecoder().raw_decode(text[at + len(marker):].lstrip())
+        docs, _ = json.JSONDecoder().raw_decode(text[at + len(MISTRAL_MARKER):].lstrip())
     except ValueError:
         return text, []
     docs = docs if isinstance(docs, list) else [docs]
@@ -196,3 +196,60 @@ class HermesStream:
         if self.in_call:
             rest = CALL_OPEN + rest
         return [{"content": rest}]
+
+
+PARSERS = {"hermes": parse_hermes, "llama3": parse_llama3, "mistral": parse_mistral}
+
+
+class WholeCallStream:
+    """Streamed Llama 3 or Mistral output → OpenAI deltas. Text passes through as content while
+    it cannot be part of a call; from where a call may start (Llama 3: the output opens with `{`
+    or `<|python_tag|>`; Mistral: `[TOOL_CALLS]`) the rest is held and parsed whole by
+    `finish()`, which gives each call in one delta, or the held text as content if it holds no
+    well-formed call."""
+
+    def __init__(self, fmt: str, names: set[str]) -> None:
+        self.fmt = fmt
+        self.names = names
+        self.buffer = ""
+        self.holding = False
+        self.passing = False   # Llama 3: the output opened with text, so it holds no call
+        self.calls = 0
+
+    def feed(self, piece: str) -> list[dict[str, Any]]:
+        self.buffer += piece
+        if self.holding:
+            return []
+        if self.fmt == "llama3":
+            return self._feed_llama3()
+        at = self.buffer.find(MISTRAL_MARKER)
+        cut = at if at >= 0 else len(self.buffer) - _held(self.buffer, MISTRAL_MARKER)
+        text, self.buffer = self.buffer[:cut], self.buffer[cut:]
+        self.holding = at >= 0
+        return [{"content": text}] if text else []
+
+    def _feed_llama3(self) -> list[dict[str, Any]]:
+        if not self.passing:
+            head = self.buffer.lstrip()
+            if not head or LLAMA3_TAG.startswith(head):
+                return []
+            if head.startswith(("{", LLAMA3_TAG)):
+                self.holding = True
+                return []
+            self.passing = True
+        text, self.buffer = self.buffer, ""
+        return [{"content": text}]
+
+    def finish(self) -> list[dict[str, Any]]:
+        rest, self.buffer = self.buffer, ""
+        if not rest:
+            return []
+        content, calls = PARSERS[self.fmt](rest, self.names) if self.holding else (rest, [])
+        out: list[dict[str, Any]] = [{"content": content}] if content else []
+        for call in calls:
+            out.append({"tool_calls": [{"index": self.calls, "id": new_call_id(),
+                                        "type": "function",
+                                        "function": {"name": call.name,
+                                                     "arguments": call.arguments}}]})
+            self.calls += 1
+        return out

@@ -9,7 +9,8 @@ from typing import Any
 
 from radixpool.tokenization import template_tools
 from radixpool.worker.server.errors import bad_request
-from radixpool.worker.server.tool_parsers import HermesStream, parse_hermes
+from radixpool.worker.server.tool_format import ToolFormat
+from radixpool.worker.server.tool_parsers import PARSERS, HermesStream, WholeCallStream
 from radixpool.worker.server.tools import check_tool_messages, resolve_choice, tool_grammar
 
 
@@ -19,9 +20,11 @@ class ToolUse:
     names: frozenset[str]
     rendered: list[dict[str, Any]] | None    # the tools as the chat template gets them
     grammar: str | None                # EBNF the output must match
+    format: ToolFormat = "hermes"      # the served model's call syntax
 
     @classmethod
-    async def of(cls, body: Any, messages: list[dict[str, Any]]) -> ToolUse:
+    async def of(cls, body: Any, messages: list[dict[str, Any]],
+                 fmt: ToolFormat = "hermes") -> ToolUse:
         """Validates the request's tools against each other, its tool choice and its history;
         raises 400 naming the field. The grammar is built off the event loop: the first one
         imports xgrammar (seconds: it brings torch) into this process, later ones take
@@ -29,7 +32,7 @@ class ToolUse:
         check_tool_messages(messages)
         choice = resolve_choice(body.tools, body.tool_choice)
         if choice is None:
-            return cls(None, frozenset(), None, None)
+            return cls(None, frozenset(), None, None, fmt)
         if choice != "none":
             for field in ("response_format", "regex", "ebnf"):
                 if getattr(body, field) is not None and \
@@ -40,9 +43,9 @@ class ToolUse:
             raise bad_request("chat_template_kwargs may not set 'tools'; use the tools field",
                               param="chat_template_kwargs.tools")
         parallel = body.parallel_tool_calls is not False
-        grammar = await asyncio.to_thread(tool_grammar, body.tools, choice, parallel)
+        grammar = await asyncio.to_thread(tool_grammar, body.tools, choice, parallel, fmt)
         return cls(choice, frozenset(t.function.name for t in body.tools),
-                   template_tools([t.model_dump() for t in body.tools]), grammar)
+                   template_tools([t.model_dump() for t in body.tools]), grammar, fmt)
 
     @property
     def calls_possible(self) -> bool:
@@ -52,18 +55,23 @@ class ToolUse:
         """The assistant message and finish reason of a whole completion."""
         if not self.calls_possible:
             return {"role": "assistant", "content": text}, finish_reason
-        content, calls = parse_hermes(text, set(self.names))
+        content, calls = PARSERS[self.format](text, set(self.names))
         if not calls:
             return {"role": "assistant", "content": text}, finish_reason
         return ({"role": "assistant", "content": content,
                  "tool_calls": [call.openai() for call in calls]},
                 "tool_calls" if finish_reason == "stop" else finish_reason)
 
-    def stream(self) -> HermesStream | None:
-        return HermesStream() if self.calls_possible else None
+    def stream(self) -> HermesStream | WholeCallStream | None:
+        if not self.calls_possible:
+            return None
+        if self.format == "hermes":
+            return HermesStream()
+        return WholeCallStream(self.format, set(self.names))
 
 
-def stream_finish_reason(parser: HermesStream | None, finish_reason: str | None) -> str | None:
+def stream_finish_reason(parser: HermesStream | WholeCallStream | None,
+                         finish_reason: str | None) -> str | None:
     if parser is not None and parser.calls and finish_reason == "stop":
         return "tool_calls"
     return finish_reason

@@ -27,6 +27,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from radixpool.worker.server.errors import bad_request
+from radixpool.worker.server.tool_format import MISTRAL_MARKER, ToolFormat
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
@@ -162,16 +163,18 @@ def _check_call(call: Any, where: str) -> None:
                           param=f"{where}.function.arguments") from None
 
 
-def tool_grammar(tools: list[Tool], choice: str, parallel: bool) -> str | None:
-    """The EBNF constraint for `choice` (None for "none"). Raises 400 naming the tool whose
-    schema the grammar compiler cannot take."""
+def tool_grammar(tools: list[Tool], choice: str, parallel: bool,
+                 fmt: ToolFormat = "hermes") -> str | None:
+    """The EBNF constraint for `choice` (None for "none") in the model's call format `fmt`.
+    Raises 400 naming the tool whose schema the grammar compiler cannot take."""
     if choice == "none":
         return None
     if choice not in ("auto", "required"):
         tools = [t for t in tools if t.function.name == choice]
     key = json.dumps([[t.function.name, t.function.schema] for t in tools])
     try:
-        return _grammar(key, choice if choice in ("auto", "required") else "named", parallel)
+        return _grammar(key, choice if choice in ("auto", "required") else "named", parallel,
+                        fmt)
     except ValueError:
         pass
     for i, tool in enumerate(tools):   # find the culprit for the error message
@@ -184,27 +187,51 @@ def tool_grammar(tools: list[Tool], choice: str, parallel: bool) -> str | None:
 
 
 @lru_cache(maxsize=256)
-def _grammar(key: str, mode: str, parallel: bool) -> str:
+def _grammar(key: str, mode: str, parallel: bool, call_format: ToolFormat = "hermes") -> str:
     import xgrammar as xgr
 
-    tags = [{"type": "tag", "begin": call_prefix(name),
-             "content": {"type": "grammar", "grammar": _schema_ebnf(json.dumps(schema))},
-             "end": CALL_SUFFIX}
-            for name, schema in json.loads(key)]
-    if mode == "named":
-        fmt: dict[str, Any] = tags[0]
-    elif mode == "required":
-        fmt = {"type": "tags_with_separator", "tags": tags, "separator": CALL_SEPARATOR,
-               "at_least_one": True, "stop_after_first": not parallel}
-    else:
-        fmt = {"type": "triggered_tags", "triggers": [CALL_OPEN], "tags": tags,
-               "at_least_one": False, "stop_after_first": not parallel}
+    fmt = _structure(json.loads(key), mode, parallel, call_format)
     try:
         grammar = xgr.Grammar.from_structural_tag(
             json.dumps({"type": "structural_tag", "format": fmt}))
     except Exception as exc:   # xgrammar raises RuntimeError / its own error types
         raise ValueError(_first_line(exc)) from None
     return str(grammar)
+
+
+# Per format: a call's text up to its arguments, what closes it, what separates parallel calls,
+# and the text that starts a call in "auto" output.
+_SYNTAX = {
+    "hermes": (call_prefix, CALL_SUFFIX, CALL_SEPARATOR, CALL_OPEN),
+    "llama3": (lambda name: f'{{"name": {json.dumps(name)}, "parameters": ', "}", "; ",
+               '{"name": '),
+    "mistral": (lambda name: f'{{"name": {json.dumps(name)}, "arguments": ', "}", ", ",
+                MISTRAL_MARKER),
+}
+
+
+def _structure(tools: list[list[Any]], mode: str, parallel: bool,
+               call_format: ToolFormat) -> dict[str, Any]:
+    """The structural tag of `mode` ("named", "required" or "auto"). Mistral wraps the calls in
+    one `[TOOL_CALLS][...]` array; the others write the calls one after another."""
+    prefix, suffix, separator, trigger = _SYNTAX[call_format]
+    tags = [{"type": "tag", "begin": prefix(name),
+             "content": {"type": "grammar", "grammar": _schema_ebnf(json.dumps(schema))},
+             "end": suffix}
+            for name, schema in tools]
+    calls: dict[str, Any] = tags[0] if mode == "named" else {
+        "type": "tags_with_separator", "tags": tags, "separator": separator,
+        "at_least_one": True, "stop_after_first": not parallel}
+    if call_format == "mistral":
+        calls = {"type": "tag", "begin": MISTRAL_MARKER + "[", "content": calls, "end": "]"}
+        if mode == "auto":
+            return {"type": "triggered_tags", "triggers": [trigger], "tags": [calls],
+                    "at_least_one": False, "stop_after_first": True}
+        return calls
+    if mode == "auto":
+        return {"type": "triggered_tags", "triggers": [trigger], "tags": tags,
+                "at_least_one": False, "stop_after_first": not parallel}
+    return calls
 
 
 @lru_cache(maxsize=256)
