@@ -12,14 +12,11 @@ prints `{"urls": [...]}` like `python -m bench.simfleet` and serves until killed
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import json
 import re
 import sys
 
-from bench.simfleet import SimConfig, SimFleet, SimWorker
-from bench.simfleet.fleet import add_arguments
+from bench.simfleet import SimFleet, SimWorker
+from bench.simfleet.fleet import main as fleet_main
 
 _CACHED = re.compile(rb',\s*"(?:prompt_tokens_details"\s*:\s*\{[^{}]*\}|cached_tokens"\s*:\s*\d+)')
 
@@ -54,31 +51,11 @@ def omit_cached_tokens(worker: SimWorker) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_arguments(p)
-    args = p.parse_args()
-    config = SimConfig(kv_capacity_tokens=args.kv_capacity_tokens, block_size=args.block_size,
-                       eviction_policy=args.eviction_policy,
-                       prefill_us_per_token=args.prefill_us_per_token,
-                       decode_ms_per_token=args.decode_ms_per_token, kv_events=args.kv_events)
-
-    async def run() -> None:
-        fleet = SimFleet(args.count, config)
+    def silence(fleet: SimFleet) -> None:
         for worker in fleet.workers:
             omit_cached_tokens(worker)
-        await fleet.start(args.host, args.port)
-        print(json.dumps({"urls": fleet.urls}), flush=True)
-        await asyncio.Event().wait()
 
-    try:
-        import uvloop
-
-        uvloop.run(run())
-    except KeyboardInterrupt:
-        pass
-    sys.stdout.flush()
-    return 0
-
+    return fleet_main(prepare=silence)
 
 if __name__ == "__main__":
     sys.exit(main())

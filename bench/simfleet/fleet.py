@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import json
 import sys
+from collections.abc import Callable
 
 from radixpool.tokenization import PromptTokenizer
 from radixpool.worker.config import EVICTION_POLICIES
@@ -102,7 +103,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-kv-events", dest="kv_events", action="store_false")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None,
+         prepare: Callable[[SimFleet], None] | None = None) -> int:
+    """Serve `--count` simulated workers until killed; `prepare` may alter them first."""
     parser = argparse.ArgumentParser(
         prog="python -m bench.simfleet",
         description="Simulated RadixPool workers for tests and benchmarks: the worker protocol "
@@ -117,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
 
     async def run() -> None:
         fleet = SimFleet(args.count, config)
+        if prepare is not None:
+            prepare(fleet)
         await fleet.start(args.host, args.port)
         print(json.dumps({"urls": fleet.urls}), flush=True)
         await asyncio.Event().wait()

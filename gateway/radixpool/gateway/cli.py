@@ -17,9 +17,9 @@ from radixpool.gateway.api_keys import (
     CLIENT_KEY_ENV,
     WORKER_KEY,
     WORKER_KEY_ENV,
-    read_key,
 )
 from radixpool.gateway.config import POLICIES, GatewayConfig
+from radixpool.keys import read_key
 
 D = GatewayConfig()
 

@@ -10,6 +10,7 @@ import argparse
 import os
 from dataclasses import dataclass, fields
 
+from radixpool.keys import KeySource, read_key
 from radixpool.worker.config import (
     DEVICES,
     DTYPES,
@@ -133,19 +134,8 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
 
 def _control_key(path: str | None) -> str | None:
     """From `--control-api-key-file`, else the environment (never argv: `ps` shows argv)."""
-    if path is None:
-        key = os.environ.get(CONTROL_KEY_ENV)
-        if key is not None and not key.strip():
-            raise ValueError(f"${CONTROL_KEY_ENV} is set but empty")
-        return key.strip() if key else None
-    try:
-        with open(path, encoding="utf-8") as f:
-            key = f.read().strip()
-    except OSError as exc:
-        raise ValueError(f"--control-api-key-file {path}: {exc.strerror or exc}") from None
-    if not key:
-        raise ValueError(f"--control-api-key-file {path}: the file is empty")
-    return key
+    source = KeySource("control", CONTROL_KEY_ENV, "--control-api-key-file")
+    return read_key(source, path, None, os.environ)[0]
 
 
 def _as_flag(exc: ValueError) -> ValueError:
