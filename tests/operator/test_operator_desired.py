@@ -213,6 +213,14 @@ def test_gateway_liveness_does_not_depend_on_workers_and_its_drain_is_whole(pool
     assert pod["terminationGracePeriodSeconds"] - pre_stop > DRAIN_SECONDS
 
 
+def test_a_pool_runs_two_gateways_by_default_and_a_drain_leaves_one_serving(pool_body):
+    objs = objects_of(pool_body())
+    assert objs["Deployment/llama-gateway"]["spec"]["replicas"] == 2
+    assert objs["PodDisruptionBudget/llama-gateway"]["spec"]["maxUnavailable"] == 1
+    assert objects_of(pool_body(gateway={"replicas": 1}))["Deployment/llama-gateway"]["spec"][
+        "replicas"] == 1
+
+
 def test_gateway_pdb_lets_one_gateway_pod_go_at_a_time(pool_body):
     objs = objects_of(pool_body(gateway={"replicas": 3}))
     pdb = objs["PodDisruptionBudget/llama-gateway"]
