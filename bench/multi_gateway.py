@@ -7,9 +7,9 @@ Per cell, fresh processes: one simulated fleet (`python -m bench.simfleet`: each
 engine's own radix cache, serving `/kv_events` to every gateway that follows it) and G real
 gateways (`radixpool gateway`, the same flags, each given every worker's URL). Once every gateway
 follows every worker's KV events, closed-loop clients send the shared-prefix or multi-turn
-workload of `bench/routing.py`, each request to a gateway drawn at random (clients spread over
-replicas behind one Service): each gateway routes only its share and counts only its own
-in-flight requests, while the workers' KV events reach all of them. The first
+workload of `bench/routing.py` (`bench/loadgen.py`), each request to a gateway drawn at random
+(clients spread over replicas behind one Service): each gateway routes only its share and counts
+only its own in-flight requests, while the workers' KV events reach all of them. The first
 `--warmup-per-worker` requests per worker (the cold start: gateways that do not yet know what
 another one just sent, until its prefill ends and the KV events arrive) are counted apart from
 the `--requests-per-worker` that follow.
@@ -34,16 +34,8 @@ import time
 from dataclasses import dataclass
 
 import httpx
-from routing import (
-    Sample,
-    Workload,
-    decision_counts,
-    one,
-    pct,
-    spawn_fleet,
-    spawn_gateway,
-    stop,
-)
+from fleet_procs import decision_counts, spawn_fleet, spawn_gateway, stop
+from loadgen import Sample, Workload, one, pct
 
 from radixpool.gateway.upstream import UpstreamPool
 from radixpool.worker.config import EVICTION_POLICIES
