@@ -4,9 +4,10 @@ radix cache (`SimKV`: the same `RadixCache` class and eviction policies, no mode
 Each `SimWorker` serves `/v1/chat/completions`, `/v1/completions`, `/generate` (streamed or not,
 `usage.prompt_tokens_details.cached_tokens` / `meta_info.cached_tokens`), `/v1/models`,
 `/health`, `/server_info` (with an `instance_id` that changes on start and `/flush_cache`),
-`/tokenizer`, `/load`, `/prefix_probe`, `/kv_events` (long poll, 409 when the buffer lost the
-cursor) and `/kv_events/snapshot`. Service time models a GPU: prefills run one at a time and
-cost `prefill_us_per_token` per *uncached* prompt token, so routing quality shows as latency;
+`/tokenizer`, `/load`, `/prefix_probe`, `/kv_events` (long poll, any number of readers, 409 when
+the log lost the cursor or never reached it) and `/kv_events/snapshot`. Service time models a
+GPU: prefills run one at a time and cost `prefill_us_per_token` per *uncached* prompt token, so
+routing quality shows as latency;
 decode costs `decode_ms_per_token` per output token and overlaps freely. With both at zero a
 request is answered at once (the gateway-overhead benchmark). `/sim/fail` makes a worker answer
 503 to requests and/or health (retry and drain tests); `SimFleet` runs N workers in one loop,
