@@ -7,9 +7,9 @@ Each `SimWorker` serves `/v1/chat/completions`, `/v1/completions`, `/generate` (
 `/tokenizer`, `/load`, `/prefix_probe`, `/kv_events` (long poll, any number of readers, 409 when
 the log lost the cursor or never reached it) and `/kv_events/snapshot`. Service time models a
 GPU: prefills run one at a time and cost `prefill_us_per_token` per *uncached* prompt token, so
-routing quality shows as latency;
-decode costs `decode_ms_per_token` per output token and overlaps freely. With both at zero a
-request is answered at once (the gateway-overhead benchmark). `/sim/fail` makes a worker answer
+routing quality shows as latency; decode costs `decode_ms_per_token` per output token and
+overlaps freely. With both at zero a request is answered at once (the gateway-overhead
+benchmark). `/sim/fail` makes a worker answer
 503 to requests and/or health (retry and drain tests); `SimFleet` runs N workers in one loop,
 counts samples where one worker sat idle while another had prefills queued, and serves its
 fleet-wide numbers at `GET /sim/stats` on every worker (`DELETE /sim/stats` reads and resets).
