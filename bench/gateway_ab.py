@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 import httpx
-from routing import closed_loop, cpu_seconds, free_port, spawn_fleet, stop, words
+from fleet_procs import cpu_seconds, free_port, spawn_fleet, stop
+from loadgen import closed_loop, words
 
 
 def spawn_gateway(source: Path, urls: list[str]) -> tuple[subprocess.Popen, int]:

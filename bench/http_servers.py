@@ -18,7 +18,8 @@ import subprocess
 import sys
 import time
 
-from routing import closed_loop, cpu_seconds, free_port, stop
+from fleet_procs import cpu_seconds, free_port, stop
+from loadgen import closed_loop
 
 KINDS = ("handwritten", "granian", "aiohttp", "uvicorn")
 

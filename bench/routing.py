@@ -48,166 +48,15 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
-import subprocess
 import sys
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
+from fleet_procs import cpu_seconds, decision_counts, spawn_fleet, spawn_gateway, stop
+from loadgen import Sample, Workload, closed_loop, pct, words
 from simfleet.virtual import FleetModel, Request, percentile, simulate
 
-from radixpool.gateway.upstream import UpstreamPool
 from radixpool.worker.config import EVICTION_POLICIES
-
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-ROOT = Path(__file__).resolve().parents[1]
-HEADERS = [(b"content-type", b"application/json")]
-
-
-def words(start: int, n: int) -> str:
-    return " ".join(f"w{(start + i) % 4096}" for i in range(n))
-
-
-# --- processes ------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn_fleet(n: int, args: argparse.Namespace, zero: bool = False):
-    module = "bench.sim_no_cached" if getattr(args, "omit_cached_tokens", False) \
-        else "bench.simfleet"
-    cmd = [sys.executable, "-m", module, "--count", str(n),
-           "--kv-capacity-tokens", str(args.kv_capacity_tokens),
-           "--eviction-policy", getattr(args, "eviction_policy", "lru"),
-           "--prefill-us-per-token", "0" if zero else str(args.prefill_us_per_token),
-           "--decode-ms-per-token", "0" if zero else str(args.decode_ms_per_token)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env)
-    urls = json.loads(proc.stdout.readline())["urls"]
-    return proc, urls
-
-
-def spawn_gateway(urls: list[str], policy: str, extra: list[str] = (), src: str | None = None):
-    """`src`: run the gateway from another source checkout (a before/after comparison)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "radixpool.cli", "gateway", "--worker-urls", *urls,
-           "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
-           "--log-level", "warning", *extra]
-    env = None if src is None else {**os.environ, "PYTHONPATH": os.pathsep.join(
-        os.path.join(src, part) for part in ("common", "worker", "gateway", "operator"))}
-    proc = subprocess.Popen(cmd, env=env)
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(400):
-        try:
-            doc = httpx.get(base + "/workers", timeout=1).json()
-            if doc["routing_on"] == "tokens":
-                return proc, port
-        except (httpx.HTTPError, ValueError, KeyError):
-            pass
-        time.sleep(0.025)
-    proc.kill()
-    raise RuntimeError("gateway did not come up with the workers' tokenizer")
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
-# --- workloads ------------------------------------------------------------------------------------
-@dataclass
-class Workload:
-    name: str
-    workers: int
-    rng: random.Random = field(default_factory=lambda: random.Random(0))
-    sessions: dict[int, list[dict]] = field(default_factory=dict)
-
-    def text(self, n: int, seed: int | None = None) -> str:
-        """`n` words: fixed for a given `seed`, fresh (random) without one."""
-        rng = random.Random(seed) if seed is not None else self.rng
-        return " ".join(f"w{rng.randrange(4096)}" for _ in range(n))
-
-    def next(self, client: int, max_tokens: int) -> dict:
-        if self.name == "shared-prefix":
-            group = self.rng.randrange(2 * self.workers)
-            messages = [{"role": "system", "content": self.text(128, seed=-1) + " " +
-                         self.text(768, seed=group)},
-                        {"role": "user", "content": self.text(32)}]
-        elif self.name == "common-prefix":
-            messages = [{"role": "system", "content": self.text(1024, seed=-1)},
-                        {"role": "user", "content": self.text(64)}]
-        elif self.name == "random":
-            messages = [{"role": "user", "content": self.text(512)}]
-        else:
-            sid = client + self.rng.randrange(4) * 1000
-            history = self.sessions.setdefault(sid, [])
-            if len(history) >= 16:
-                history.clear()
-            history.append({"role": "user", "content": self.text(64)})
-            messages = list(history)
-            history.append({"role": "assistant", "content": self.text(max_tokens, seed=-2)})
-        return {"model": "sim-model", "messages": messages, "max_tokens": max_tokens,
-                "stream": True}
-
-
-# --- load generation ------------------------------------------------------------------------------
-@dataclass
-class Sample:
-    latency: float
-    ttft: float
-
-
-async def one(pool: UpstreamPool, path: str, body: bytes) -> Sample:
-    start = time.perf_counter()
-    response = await pool.request("POST", path, HEADERS, body)
-    first = None
-    while await response.read() is not None:
-        if first is None:
-            first = time.perf_counter()
-    if response.status != 200:
-        raise RuntimeError(f"HTTP {response.status}")
-    end = time.perf_counter()
-    return Sample(end - start, (first or end) - start)
-
-
-async def closed_loop(port: int, make, clients: int, total: int | None,
-                      seconds: float | None) -> tuple[list[Sample], float]:
-    pool = UpstreamPool("127.0.0.1", port, 5.0, max_idle=clients)
-    samples: list[Sample] = []
-    started = time.perf_counter()
-    deadline = started + (seconds or 1e9)
-    remaining = [total or 10**12]
-
-    async def client(i: int) -> None:
-        while remaining[0] > 0 and time.perf_counter() < deadline:
-            remaining[0] -= 1
-            path, body = make(i)
-            samples.append(await one(pool, path, body))
-
-    await asyncio.gather(*(client(i) for i in range(clients)))
-    elapsed = time.perf_counter() - started
-    pool.close()
-    return samples, elapsed
-
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
 # --- quality --------------------------------------------------------------------------------------
@@ -246,16 +95,6 @@ def quality_run(n: int, workload: str, policy: str, args: argparse.Namespace) ->
             f"{fleet_doc['predicted_hit_rate']:6.3f} {cpu / len(samples) * 1e6:7.0f} "
             f"{idle:6.1%}{' IDLE!' if idle > 0.05 else ''}  min/max per worker "
             f"{min(spread)}/{max(spread)}  {reasons}")
-
-
-def decision_counts(metrics: str) -> str:
-    """`cache_hit=120 cache_miss=40 ...` from the gateway's route-decision counters."""
-    counts: dict[str, float] = {}
-    for line in metrics.splitlines():
-        if line.startswith("radixpool_gateway_route_decisions_total{"):
-            reason = line.split('reason="', 1)[1].split('"', 1)[0]
-            counts[reason] = counts.get(reason, 0) + float(line.rsplit(" ", 1)[1])
-    return " ".join(f"{k}={int(v)}" for k, v in sorted(counts.items()))
 
 
 def quality(args: argparse.Namespace) -> None:

@@ -4,8 +4,8 @@ policies, same KV events) over a pool that only counts slots, and the simulated 
 `SimKV.prefill` plays one request the way the engine's scheduler does: match the longest cached
 prefix (never the prompt's last token: the model must compute its logits), lock it, make room for
 the uncached rest by evicting, cache the whole prompt, unlock. Slot runs are `range`s, so nothing
-here needs torch. Events go into a bounded buffer with sequence numbers, exactly as `/kv_events`
-serves them.
+here needs torch. Events go into the worker's own `KVEventLog` (bounded, read by sequence number,
+any number of long-polling readers), exactly as `/kv_events` serves them.
 
 `sim_tokenizer_files()` is a word-level tokenizer (`w0` … `w{n}` plus chat roles and specials)
 with a ChatML template: one token per word, so workloads control token counts exactly, and the
@@ -15,10 +15,10 @@ gateway builds the identical `PromptTokenizer` from `GET /tokenizer`.
 from __future__ import annotations
 
 import json
-from collections import deque
 from collections.abc import Sequence
 
 from radixpool.protocol.kv_blocks import KVEvent, prefix_block_hashes
+from radixpool.worker.kv_event_log import KVEventLog
 from radixpool.worker.mem.radix_cache import RadixCache
 
 SPECIALS = ("[UNK]", "<s>", "</s>", "<|im_start|>", "<|im_end|>")
@@ -84,7 +84,7 @@ class SimKV:
         self.block_size = block_size
         self.pool = CountingPool(capacity_tokens)
         self.cache = RadixCache(self.pool, 1, block_size, eviction_policy, RangeRuns())
-        self.events: deque[KVEvent] = deque(maxlen=event_buffer)
+        self.events = KVEventLog(event_buffer)
 
     @property
     def seq(self) -> int:
@@ -125,7 +125,7 @@ class SimKV:
             self.pool.free(range(max(0, present - match.length)))
         cache.unlock(match.node)
         events = cache.drain_events()
-        self.events.extend(events)
+        self.events.append(events)
         return events
 
     def prefill(self, token_ids: list[int], namespace: str | None) -> int:
@@ -135,12 +135,8 @@ class SimKV:
 
     def clear(self) -> None:
         self.cache.reset()
-        self.events.extend(self.cache.drain_events())
+        self.events.append(self.cache.drain_events())
 
     def events_since(self, since: int) -> list[KVEvent] | None:
         """Events after `since`, or None when some were already dropped (client must resync)."""
-        if since >= self.seq:
-            return []
-        if not self.events or self.events[0].seq > since + 1:
-            return None
-        return [e for e in self.events if e.seq > since]
+        return self.events.events_since(since)

@@ -4,11 +4,12 @@ radix cache (`SimKV`: the same `RadixCache` class and eviction policies, no mode
 Each `SimWorker` serves `/v1/chat/completions`, `/v1/completions`, `/generate` (streamed or not,
 `usage.prompt_tokens_details.cached_tokens` / `meta_info.cached_tokens`), `/v1/models`,
 `/health`, `/server_info` (with an `instance_id` that changes on start and `/flush_cache`),
-`/tokenizer`, `/load`, `/prefix_probe`, `/kv_events` (long poll, 409 when the buffer lost the
-cursor) and `/kv_events/snapshot`. Service time models a GPU: prefills run one at a time and
-cost `prefill_us_per_token` per *uncached* prompt token, so routing quality shows as latency;
-decode costs `decode_ms_per_token` per output token and overlaps freely. With both at zero a
-request is answered at once (the gateway-overhead benchmark). `/sim/fail` makes a worker answer
+`/tokenizer`, `/load`, `/prefix_probe`, `/kv_events` (long poll, any number of readers, 409 when
+the log lost the cursor or never reached it) and `/kv_events/snapshot`. Service time models a
+GPU: prefills run one at a time and cost `prefill_us_per_token` per *uncached* prompt token, so
+routing quality shows as latency; decode costs `decode_ms_per_token` per output token and
+overlaps freely. With both at zero a request is answered at once (the gateway-overhead
+benchmark). `/sim/fail` makes a worker answer
 503 to requests and/or health (retry and drain tests); `SimFleet` runs N workers in one loop,
 counts samples where one worker sat idle while another had prefills queued, and serves its
 fleet-wide numbers at `GET /sim/stats` on every worker (`DELETE /sim/stats` reads and resets).
@@ -17,7 +18,6 @@ fleet-wide numbers at `GET /sim/stats` on every worker (`DELETE /sim/stats` read
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 import uuid
@@ -70,7 +70,6 @@ class SimWorker:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.requests = 0
-        self._events_changed = asyncio.Event()
         self.server: asyncio.Server | None = None
         self.connections: set[HttpProtocol] = set()
         self.fleet_stats: Callable[[bool], dict] | None = None  # set by SimFleet
@@ -92,7 +91,6 @@ class SimWorker:
     def flush(self) -> None:
         self.cache.clear()
         self.instance_id = uuid.uuid4().hex
-        self._events_changed.set()
 
     # --- routing ------------------------------------------------------------------------------
     async def __call__(self, request: Request, respond: Responder) -> None:
@@ -143,22 +141,24 @@ class SimWorker:
         return self.cache.usage()
 
     async def kv_events(self, request: Request, respond: Responder) -> None:
+        """As the worker serves it: every reader keeps its own cursor (`since`) into one log, so
+        any number of gateways can long-poll the same worker and each sees every event."""
         query = parse_qs(request.query)
         since = int(query.get("since", ["0"])[0])
         timeout = float(query.get("timeout", ["10"])[0])
-        self._events_changed.clear()
-        events = self.cache.events_since(since)
-        if events == []:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._events_changed.wait(), timeout)
-            events = self.cache.events_since(since)
+        log = self.cache.events
+        events = None if since > log.last_seq else log.events_since(since)
+        if events == [] and timeout > 0:
+            await log.wait(since, timeout)
+            events = log.events_since(since)
         if events is None:
             await respond.send(*json_body(409, {"error": {
-                "code": "resync_required", "message": f"events after {since} were dropped"}}))
+                "code": "resync_required", "message": f"events after {since} are no longer "
+                                                      f"available (latest is {log.last_seq})"}}))
             return
         await respond.send(*json_body(200, {
             "instance_id": self.instance_id, "events": [e.to_json() for e in events],
-            "next": events[-1].seq if events else max(since, 0)}))
+            "next": events[-1].seq if events else since}))
 
     # --- requests -----------------------------------------------------------------------------
     def prompt_ids(self, path: str, doc: dict) -> list[int]:
@@ -218,9 +218,7 @@ class SimWorker:
     async def _prefill(self, ids: list[int], namespace: str | None) -> int:
         cost = self.config.prefill_us_per_token
         if cost <= 0:
-            cached = self.cache.prefill(ids, namespace)
-            self._events_changed.set()
-            return cached
+            return self.cache.prefill(ids, namespace)
         self.waiting += 1
         async with self.prefill_lock:
             self.waiting -= 1
@@ -230,7 +228,6 @@ class SimWorker:
                 await asyncio.sleep((len(ids) - cached) * cost / 1e6)
             finally:
                 self.cache.finish(ids, namespace, match)
-                self._events_changed.set()
                 self.running -= 1
         return cached
 

@@ -213,6 +213,20 @@ def test_gateway_liveness_does_not_depend_on_workers_and_its_drain_is_whole(pool
     assert pod["terminationGracePeriodSeconds"] - pre_stop > DRAIN_SECONDS
 
 
+def test_a_pool_runs_two_gateways_by_default_and_a_drain_leaves_one_serving(pool_body):
+    objs = objects_of(pool_body())
+    deployment = objs["Deployment/llama-gateway"]["spec"]
+    assert deployment["replicas"] == 2
+    assert objs["PodDisruptionBudget/llama-gateway"]["spec"]["maxUnavailable"] == 1
+    # on different nodes where possible, so a node's loss or drain leaves one serving
+    [spread] = deployment["template"]["spec"]["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname"
+    assert spread["whenUnsatisfiable"] == "ScheduleAnyway"
+    assert spread["labelSelector"]["matchLabels"] == deployment["selector"]["matchLabels"]
+    assert objects_of(pool_body(gateway={"replicas": 1}))["Deployment/llama-gateway"]["spec"][
+        "replicas"] == 1
+
+
 def test_gateway_pdb_lets_one_gateway_pod_go_at_a_time(pool_body):
     objs = objects_of(pool_body(gateway={"replicas": 3}))
     pdb = objs["PodDisruptionBudget/llama-gateway"]

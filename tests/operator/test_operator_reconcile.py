@@ -39,13 +39,16 @@ def test_status_follows_what_the_deployments_report(cluster, pool_body):
     body = pool_body(replicas=2)
     reconcile_pool(body, cluster, CONFIG, now=T0)
     cluster.set_ready("ml", "llama-worker", 2)
-    cluster.set_ready("ml", "llama-gateway", 1)
+    cluster.set_ready("ml", "llama-gateway", 1)  # of the 2 gateway replicas a pool has by default
+    status = reconcile_pool(body, cluster, CONFIG, now=T1).status
+    assert conditions(status)["GatewayReady"]["status"] == "False"
+    cluster.set_ready("ml", "llama-gateway", 2)
     status = reconcile_pool(body, cluster, CONFIG, now=T1).status
     cond = conditions(status)
     assert [cond[k]["status"] for k in ("Accepted", "WorkersReady", "GatewayReady",
                                         "Progressing", "Degraded", "Ready")] == [
         "True", "True", "True", "False", "False", "True"]
-    assert status["ready"] == "2/2" and status["gatewayReadyReplicas"] == 1
+    assert status["ready"] == "2/2" and status["gatewayReadyReplicas"] == 2
 
 
 def test_invalid_pool_creates_nothing_and_warns_once(cluster, pool_body):

@@ -35,3 +35,31 @@ def test_wait_wakes_on_new_events_and_leaves_no_waiters_behind():
         assert not log._waiters
 
     asyncio.run(scenario())
+
+
+def test_every_long_polling_reader_is_woken_and_reads_every_event():
+    """Several gateways follow one worker: each keeps its own cursor into the one log."""
+    log = KVEventLog()
+    log.append(events(1, 3))
+
+    async def reader(since: int, until: int) -> list[int]:
+        seen: list[int] = []
+        while since < until:
+            batch = log.events_since(since)
+            if batch == []:
+                await log.wait(since, 5)
+                continue
+            seen += [e.seq for e in batch]
+            since = batch[-1].seq
+        return seen
+
+    async def scenario() -> list[list[int]]:
+        readers = [asyncio.create_task(reader(s, 9)) for s in (0, 3, 3)]
+        for first in (4, 7):
+            await asyncio.sleep(0.01)  # the readers are parked in wait()
+            log.append(events(first, first + 2))
+        return await asyncio.wait_for(asyncio.gather(*readers), 2)
+
+    seen = asyncio.run(scenario())
+    assert seen == [list(range(1, 10)), list(range(4, 10)), list(range(4, 10))]
+    assert not log._waiters

@@ -112,7 +112,8 @@ ENGINE = obj("The worker pods: image, resources, engine knobs and placement.", {
            "set at most one of spec.engine.kvCacheTokens and spec.engine.memFraction"),))
 
 GATEWAY = obj("The cache-aware gateway in front of the workers: the pool's endpoint.", {
-    "replicas": integer("Gateway pods.", default=1, minimum=1, maximum=64),
+    "replicas": integer("Gateway pods (active-active: each follows every worker's KV events).",
+                        default=2, minimum=1, maximum=64),
     "image": string("Gateway image (no torch); defaults to the operator's configured image."),
     "imagePullPolicy": pull_policy(),
     "policy": string("Routing policy.", default="cache_aware", enum=POLICIES),

@@ -114,6 +114,12 @@ def desired_gateway_deployment(pool: Pool, image: str) -> dict[str, Any]:
         "terminationGracePeriodSeconds": GATEWAY_GRACE_SECONDS,
         "containers": [container],
         "volumes": [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}],
+        # Replicas on different nodes where the scheduler can, so one node's loss or drain
+        # leaves a gateway serving; never a reason to leave one pending.
+        "topologySpreadConstraints": [{
+            "maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": gateway_selector(pool)}}],
     }
     for key in ("nodeSelector", "tolerations"):
         if gw.get(key):

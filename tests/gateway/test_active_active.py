@@ -1,0 +1,74 @@
+"""Several gateways in front of one fleet (active-active replicas behind one Service): each
+routes only its share of the traffic, but every one follows every worker's KV events, so a
+prefix cached through one gateway is routed to its holder by the others."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+
+from bench.simfleet import SimConfig, SimFleet
+from radixpool.gateway.config import GatewayConfig
+from radixpool.gateway.server import GatewayServer
+from tests.gateway.conftest import words
+
+
+def start_gateway(loop_thread, urls: list[str]) -> GatewayServer:
+    server = GatewayServer(GatewayConfig(worker_urls=tuple(urls), host="127.0.0.1", port=0,
+                                         health_interval=3600.0))
+    loop_thread.run(server.start())
+    for worker in server.gateway.workers:
+        loop_thread.run(server.monitor.check(worker))
+    return server
+
+
+def wait_until(loop_thread, condition, seconds: float = 10.0) -> bool:
+    for _ in range(int(seconds / 0.02)):
+        if loop_thread.call(condition):
+            return True
+        loop_thread.run(asyncio.sleep(0.02))
+    return loop_thread.call(condition)
+
+
+def chat(client: openai.OpenAI, system: str, question: str):
+    return client.chat.completions.with_raw_response.create(
+        model="sim-model", max_tokens=2,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": question}])
+
+
+def test_a_prefix_cached_through_one_gateway_is_routed_to_its_holder_by_another(loop_thread):
+    fleet = SimFleet(3, SimConfig())
+    loop_thread.run(fleet.start())
+    a, b = start_gateway(loop_thread, fleet.urls), start_gateway(loop_thread, fleet.urls)
+    try:
+        assert wait_until(loop_thread, lambda: all(
+            w.tree_source == "kv_events" for g in (a, b) for w in g.gateway.workers))
+        via_a = openai.OpenAI(base_url=f"http://127.0.0.1:{a.port}/v1", api_key="unused",
+                              max_retries=0)
+        via_b = openai.OpenAI(base_url=f"http://127.0.0.1:{b.port}/v1", api_key="unused",
+                              max_retries=0)
+        systems = [words(g * 500, 300) for g in range(3)]
+        holders = [fleet.urls.index(chat(via_a, system, words(3000 + g, 6))
+                                    .http_response.headers["x-radixpool-worker"])
+                   for g, system in enumerate(systems)]
+        assert len(set(holders)) > 1, holders  # A spread the prefixes over the fleet
+
+        def b_tree_matches_the_workers() -> bool:
+            return all(b.gateway.index.size(url) == len(sim.cache.blocks) > 0
+                       for url, sim in zip(fleet.urls, fleet.workers, strict=True)
+                       if url in {fleet.urls[h] for h in holders})
+
+        assert wait_until(loop_thread, b_tree_matches_the_workers)
+        assert all(w.requests == 0 for w in b.gateway.workers)  # B learnt it from events only
+        # in reverse: in A's order, a gateway that knew nothing would happen to place them as A did
+        for g in reversed(range(3)):
+            raw = chat(via_b, systems[g], words(3500 + g, 6))
+            assert fleet.urls.index(raw.http_response.headers["x-radixpool-worker"]) \
+                == holders[g], g
+            assert raw.parse().usage.prompt_tokens_details.cached_tokens >= 300
+        assert sum(w.requests for w in b.gateway.workers) == 3
+    finally:
+        for server in (a, b):
+            loop_thread.run(server.stop())
+        loop_thread.run(fleet.stop())
