@@ -104,8 +104,9 @@ def test_the_call_goes_back_into_the_next_turn(clients, fmt):
         model="tiny", messages=MSG, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
         max_tokens=120, temperature=1.0, seed=5)
     call = reply.choices[0].message.tool_calls[0]
-    history = MSG + [reply.choices[0].message.model_dump(exclude_none=True),
-                     {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    history = MSG + [reply.choices[0].message,   # the SDK's object, as the README shows
+                     {"role": "tool", "tool_call_id": call.id,
+                      "content": [{"type": "text", "text": "sunny"}]}]
     follow = clients[fmt].chat.completions.create(model="tiny", messages=history, tools=TOOLS,
                                                   tool_choice="none", max_tokens=5)
     assert follow.choices[0].message.content is not None
