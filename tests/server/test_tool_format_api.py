@@ -104,9 +104,64 @@ def test_the_call_goes_back_into_the_next_turn(clients, fmt):
         model="tiny", messages=MSG, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
         max_tokens=120, temperature=1.0, seed=5)
     call = reply.choices[0].message.tool_calls[0]
-    history = MSG + [reply.choices[0].message.model_dump(exclude_none=True),
-                     {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    history = MSG + [reply.choices[0].message,   # the SDK's object, as the README shows
+                     {"role": "tool", "tool_call_id": call.id,
+                      "content": [{"type": "text", "text": "sunny"}]}]
     follow = clients[fmt].chat.completions.create(model="tiny", messages=history, tools=TOOLS,
                                                   tool_choice="none", max_tokens=5)
     assert follow.choices[0].message.content is not None
     assert follow.usage.prompt_tokens_details.cached_tokens > 0
+
+
+@pytest.mark.parametrize("fmt", list(TEMPLATES))
+@pytest.mark.parametrize("choice", ["required", NAMED])
+def test_streamed_call_is_its_name_then_its_arguments_in_pieces(clients, fmt, choice):
+    """Raw chunks: one delta with the call's id, type and name, then at least two pieces of
+    arguments that validate once joined; the SDK's stream helper emits argument deltas and
+    assembles the same call; usage comes last."""
+    client = clients[fmt]
+    only = None if choice == "required" else "add"
+    kwargs = dict(model="tiny", messages=MSG, tools=TOOLS, tool_choice=choice,
+                  parallel_tool_calls=False, max_tokens=120, temperature=1.0)
+    for seed in range(2):
+        chunks = list(client.chat.completions.create(
+            **kwargs, seed=seed, stream=True, stream_options={"include_usage": True}))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert not any(d.content for d in deltas)   # no call syntax leaks into the text
+        pieces = [d.tool_calls[0] for d in deltas if d.tool_calls]
+        first, rest = pieces[0], pieces[1:]
+        assert first.id.startswith("call_") and first.type == "function"
+        assert first.function.name in SCHEMAS and only in (None, first.function.name)
+        assert first.function.arguments == ""
+        assert len(rest) >= 2 and all(p.index == 0 and p.id is None and p.function.name is None
+                                      for p in rest)
+        arguments = "".join(p.function.arguments for p in rest)
+        jsonschema.validate(json.loads(arguments), SCHEMAS[first.function.name])
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+
+        with client.chat.completions.stream(**kwargs, seed=seed) as stream:
+            argument_deltas = sum(event.type == "tool_calls.function.arguments.delta"
+                                  and event.arguments_delta != "" for event in stream)
+            final = stream.get_final_completion()
+        call, = final.choices[0].message.tool_calls
+        assert argument_deltas == len(rest)
+        assert call.id.startswith("call_")
+        assert (call.function.name, call.function.arguments) == (first.function.name, arguments)
+
+
+@pytest.mark.parametrize("fmt", list(TEMPLATES))
+def test_auto_gives_text_or_calls_the_same_streamed(clients, fmt):
+    for seed in range(3):
+        kwargs = dict(model="tiny", messages=MSG, tools=TOOLS, tool_choice="auto",
+                      max_tokens=40, temperature=1.0, seed=seed)
+        reply = clients[fmt].chat.completions.create(**kwargs).choices[0]
+        if reply.message.tool_calls:
+            _valid(reply.message.tool_calls)
+        else:
+            assert isinstance(reply.message.content, str)
+        content, calls, finish = _accumulate(clients[fmt].chat.completions.create(**kwargs,
+                                                                                  stream=True))
+        assert (content, finish) == (reply.message.content, reply.finish_reason)
+        assert calls == [(c.function.name, c.function.arguments)
+                         for c in reply.message.tool_calls or []]

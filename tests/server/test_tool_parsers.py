@@ -1,5 +1,5 @@
-"""Tool-call parsing (Hermes blocks, Llama 3 JSON, Mistral `[TOOL_CALLS]`), the streamed Hermes
-parser against the whole-text one, the tool grammar, and tool validation: pure functions."""
+"""Tool-call parsing of whole replies (Hermes blocks, Llama 3 JSON, Mistral `[TOOL_CALLS]`), the
+tool grammar, and tool validation: pure functions. The streamed parse is in test_tool_stream.py."""
 
 from __future__ import annotations
 
@@ -9,12 +9,7 @@ import pytest
 import xgrammar as xgr
 
 from radixpool.worker.server.errors import APIError
-from radixpool.worker.server.tool_parsers import (
-    HermesStream,
-    parse_hermes,
-    parse_llama3,
-    parse_mistral,
-)
+from radixpool.worker.server.tool_parsers import parse_tool_calls
 from radixpool.worker.server.tools import (
     Tool,
     check_tool_messages,
@@ -29,76 +24,62 @@ TWO_CALLS = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"
 
 
 def test_hermes_calls_keep_the_models_argument_text():
-    content, calls = parse_hermes(TWO_CALLS, NAMES)
+    content, calls = parse_tool_calls("hermes", NAMES, TWO_CALLS)
     assert content is None
     assert [c.name for c in calls] == ["get_weather", "add"]
     assert calls[0].arguments == '{"city": "Paris"}'
+    assert calls[1].arguments == '{"a": 1, "b": {"c": "}\\n"}}'
     assert json.loads(calls[1].arguments) == {"a": 1, "b": {"c": "}\n"}}
     doc = calls[0].openai()
     assert doc["id"].startswith("call_") and doc["type"] == "function"
+    assert calls[0].id != calls[1].id
 
 
 def test_hermes_text_around_calls_and_bad_blocks_stay_text():
-    content, calls = parse_hermes("Let me check.\n" + TWO_CALLS[:80] + "\nDone.", NAMES)
-    assert content == "Let me check.\n\nDone." and len(calls) == 1
+    content, calls = parse_tool_calls("hermes", NAMES,
+                                      "Let me check.\n" + TWO_CALLS[:80] + "\nDone. ")
+    assert content == "Let me check.\nDone." and len(calls) == 1   # spaces next to calls go
     for text in ("no calls here", '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>',
-                 "<tool_call>{not json}</tool_call>",
+                 "<tool_call>{not json}</tool_call>", "<tool_call>", " <tool_call>\n{\"na",
                  '<tool_call>{"name": "add", "arguments": [1]}</tool_call>'):
-        assert parse_hermes(text, NAMES) == (text, [])
+        assert parse_tool_calls("hermes", NAMES, text) == (text, [])
+
+
+def test_a_call_cut_off_stays_text_and_earlier_calls_stand():
+    cut = TWO_CALLS[:-30]
+    content, calls = parse_tool_calls("hermes", NAMES, cut)
+    assert [c.name for c in calls] == ["get_weather"]
+    assert content == cut[cut.index("<tool_call>", 10):]
+    only = TWO_CALLS[:40]
+    assert parse_tool_calls("hermes", NAMES, only) == (only, [])
 
 
 def test_llama3_and_mistral_formats():
-    content, calls = parse_llama3('<|python_tag|>{"name": "add", "parameters": {"a": 1}}; '
-                                  '{"name": "get_weather", "parameters": {"city": "Oslo"}}', NAMES)
-    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
-        ("add", {"a": 1}), ("get_weather", {"city": "Oslo"})]
-    for text in ("plain answer", '{"name": "nope", "parameters": {}}', '{"name": "add", "par'):
-        assert parse_llama3(text, NAMES) == (text, [])
-    content, calls = parse_mistral('Sure. [TOOL_CALLS][{"name": "add", "arguments": {"a": 2}}]',
-                                   NAMES)
-    assert content == "Sure." and calls[0].name == "add" and json.loads(calls[0].arguments) == {
-        "a": 2}
-    for text in ("no marker", "[TOOL_CALLS][{", '[TOOL_CALLS][{"name": "x", "arguments": {}}]'):
-        assert parse_mistral(text, NAMES) == (text, [])
+    content, calls = parse_tool_calls(
+        "llama3", NAMES, '<|python_tag|>{"name": "add", "parameters": {"a": 1}}; '
+                         '{"name": "get_weather", "parameters": {"city": "Oslo"}}')
+    assert content is None and [(c.name, c.arguments) for c in calls] == [
+        ("add", '{"a": 1}'), ("get_weather", '{"city": "Oslo"}')]
+    for text in ("plain answer", '{"name": "nope", "parameters": {}}', '{"name": "add", "par',
+                 'text first {"name": "add", "parameters": {"a": 1}}'):
+        assert parse_tool_calls("llama3", NAMES, text) == (text, [])
+    content, calls = parse_tool_calls(
+        "mistral", NAMES, 'Sure. [TOOL_CALLS][{"name": "add", "arguments": {"a": 2}}]')
+    assert content == "Sure." and calls[0].name == "add" and calls[0].arguments == '{"a": 2}'
+    for text in ("no marker", "[TOOL_CALLS][{", '[TOOL_CALLS][{"name": "x", "arguments": {}}]',
+                 '[TOOL_CALLS] {"name": "add", "arguments": {}}'):
+        assert parse_tool_calls("mistral", NAMES, text) == (text, [])
 
 
-def _assemble(deltas: list[dict]) -> tuple[str, list[dict]]:
-    """What the openai SDK's stream helpers do with delta.content / delta.tool_calls."""
-    content, calls = "", []
-    for delta in deltas:
-        content += delta.get("content", "")
-        for piece in delta.get("tool_calls", []):
-            if piece["index"] == len(calls):
-                calls.append({"id": piece["id"], "name": piece["function"]["name"],
-                              "arguments": ""})
-            calls[piece["index"]]["arguments"] += piece["function"]["arguments"]
-    return content, calls
-
-
-@pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
-def test_streamed_hermes_equals_whole_text_parse(step):
-    text = "Checking. " + TWO_CALLS
-    stream = HermesStream()
-    deltas = []
-    for i in range(0, len(text), step):
-        deltas += stream.feed(text[i:i + step])
-    deltas += stream.finish()
-    content, calls = _assemble(deltas)
-    whole_content, whole_calls = parse_hermes(text, NAMES)
-    assert content.strip() == whole_content
-    assert [(c["name"], c["arguments"]) for c in calls] == [
-        (c.name, c.arguments) for c in whole_calls]
-    assert stream.calls == 2
-    names_first = [d for d in deltas if "tool_calls" in d and "id" in d["tool_calls"][0]]
-    assert len(names_first) == 2 and all(
-        d["tool_calls"][0]["function"]["arguments"] == "" for d in names_first)
-
-
-def test_streamed_text_that_only_looks_like_a_call_is_released():
-    stream = HermesStream()
-    assert stream.feed("a <tool") == [{"content": "a "}]
-    assert stream.feed("box> b") == [{"content": "<toolbox> b"}]
-    assert stream.finish() == []
+def test_arguments_are_the_models_own_text():
+    """Not re-serialised: escapes and number spellings stay, so the next turn renders the call
+    back byte for byte (and re-hits the cache)."""
+    args = '{"city": "Z\\u00fcrich", "n": 1.50, "q": "a\\/b"}'
+    for fmt, text in [("hermes", f'<tool_call>\n{{"name": "add", "arguments": {args}}}\n'
+                                 "</tool_call>"),
+                      ("llama3", f'{{"name": "add", "parameters": {args}}}'),
+                      ("mistral", f'[TOOL_CALLS][{{"name": "add", "arguments": {args}}}]')]:
+        assert parse_tool_calls(fmt, NAMES, text)[1][0].arguments == args
 
 
 def _tools(*schemas: dict) -> list[Tool]:

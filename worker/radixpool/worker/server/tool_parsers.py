@@ -1,12 +1,21 @@
-"""Tool calls out of model output: pure functions, text in, (content, calls) out.
+"""Tool calls out of model output, incrementally: one parser for the three call formats, fed the
+text as it is generated, answering with events. The non-streamed response runs the same parser
+over the whole text, so streamed and non-streamed answers agree by construction.
 
-`parse_hermes` reads the `<tool_call>` blocks Hermes/Qwen models (and the tiny models) write;
-`parse_llama3` the bare `{"name": ..., "parameters": ...}` objects of Llama 3.x;
-`parse_mistral` the `[TOOL_CALLS][...]` array of Mistral. A block that is not a well-formed call
-of a known function stays in the text: the client sees what the model said rather than a call
-it cannot run. `HermesStream` does the Hermes parse incrementally for streamed responses: text
-as soon as it cannot be the start of a block, then per call its name first and its arguments in
-pieces; `WholeCallStream` streams the other formats' text and gives their calls whole at the end.
+    Hermes   <tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>   anywhere in the text
+    Llama 3  {"name": "f", "parameters": {...}}; {...}   only when the reply starts with it
+             (after an optional <|python_tag|>)
+    Mistral  [TOOL_CALLS][{"name": "f", "arguments": {...}}, {...}]   after optional text
+
+Events: `Content` for text that can no longer be part of a call's syntax (a possible start of
+it, such as a trailing `<tool_` or `[TOOL_CALL`, is held until decided); `CallStart` as soon as
+a call's name is complete and names a listed function; then `ArgumentsPiece`s whose
+concatenation is the model's own arguments text, exactly (what the template renders back into
+the next turn); `CallCut` when the output ends (or goes off the format) inside a call. Whitespace
+right before a call, and at the end of a reply that has calls, is not content. A call whose name
+is not a listed function, or whose syntax breaks before its name is complete, is text. Calls are
+read in the form the tool grammar writes them (name before arguments), which is the only form
+the model can write when calls are possible.
 """
 
 from __future__ import annotations
@@ -17,22 +26,46 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from radixpool.worker.server.tool_format import LLAMA3_TAG, MISTRAL_MARKER
-from radixpool.worker.server.tools import CALL_CLOSE, CALL_OPEN, CALL_SUFFIX
+from radixpool.worker.server.tool_format import LLAMA3_TAG, MISTRAL_MARKER, ToolFormat
+from radixpool.worker.server.tools import CALL_CLOSE, CALL_OPEN
 
-_HERMES_BLOCK = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE),
-                           re.DOTALL)
-_CALL_HEAD = re.compile(r'\s*\{"name": ("(?:[^"\\]|\\.)*"), "arguments": ')
+
+@dataclass(frozen=True)
+class Content:
+    text: str
+
+
+@dataclass(frozen=True)
+class CallStart:
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class ArgumentsPiece:
+    index: int
+    text: str
+
+
+@dataclass(frozen=True)
+class CallCut:
+    """Call `index` never finished; `text` is all the model wrote of it."""
+    index: int
+    text: str
+
+
+ToolEvent = Content | CallStart | ArgumentsPiece | CallCut
 
 
 @dataclass(frozen=True)
 class ToolCall:
     name: str
     arguments: str    # JSON text, as the model wrote it
-    id: str = ""
+    id: str
 
     def openai(self) -> dict[str, Any]:
-        return {"id": self.id or new_call_id(), "type": "function",
+        return {"id": self.id, "type": "function",
                 "function": {"name": self.name, "arguments": self.arguments}}
 
 
@@ -40,90 +73,42 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _as_call(doc: Any, names: set[str], args_key: str = "arguments") -> ToolCall | None:
-    if not isinstance(doc, dict) or doc.get("name") not in names:
-        return None
-    arguments = doc.get(args_key, {})
-    if not isinstance(arguments, dict):
-        return None
-    return ToolCall(doc["name"], json.dumps(arguments, ensure_ascii=False))
+_NAME = object()   # a JSON string: the function's name
+_WHITESPACE = " \t\r\n"
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_OPEN_STRING = re.compile(r'"(?:[^"\\]|\\.)*\\?')
+_NAME_HEAD = ("{", '"name"', ":", _NAME)
+_ARGS_KEYS = {"hermes": ('"arguments"',), "mistral": ('"arguments"',),
+              "llama3": ('"parameters"', '"arguments"')}
 
 
-def _same_json(text: str, value: Any) -> bool:
-    try:
-        return json.loads(text) == value
-    except ValueError:
-        return False
-
-
-def _content(text: str) -> str | None:
-    text = text.strip()
-    return text or None
-
-
-def parse_hermes(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
-    calls: list[ToolCall] = []
-    kept: list[str] = []
-    last = 0
-    for match in _HERMES_BLOCK.finditer(text):
-        call = None
-        body = match.group(1)
-        head = _CALL_HEAD.match(body)
-        try:
-            doc = json.loads(body)
-        except ValueError:
-            doc = None
-        if doc is not None:
-            call = _as_call(doc, names)
-            own = body[head.end():-1].strip() if head is not None else ""
-            if call is not None and _same_json(own, doc.get("arguments")):
-                call = ToolCall(call.name, own)   # the model's own text: what the next turn renders
-        if call is None:
-            continue
-        kept.append(text[last:match.start()])
-        last = match.end()
-        calls.append(call)
-    kept.append(text[last:])
-    return (_content("".join(kept)) if calls else text), calls
-
-
-def parse_llama3(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
-    """`{"name": "f", "parameters": {...}}`, several separated by `;`, maybe after
-    `<|python_tag|>`; anything else is text."""
-    body = text.strip().removeprefix(LLAMA3_TAG).strip()
-    if not body.startswith("{"):
-        return text, []
-    decoder = json.JSONDecoder()
-    calls, pos = [], 0
-    while pos < len(body):
-        try:
-            doc, end = decoder.raw_decode(body, pos)
-        except ValueError:
-            return text, []
-        call = _as_call(doc, names, "parameters" if "parameters" in doc else "arguments")
-        if call is None:
-            return text, []
-        calls.append(call)
-        pos = end
-        while pos < len(body) and body[pos] in " \n;":
+def _match(text: str, parts: tuple[Any, ...]) -> tuple[str, int, str | None]:
+    """Matches `parts` (literals, tuples of alternative literals, or `_NAME`), whitespace
+    allowed before each, at the start of `text`: ("yes", end, name), ("more", 0, None) when
+    `text` is a prefix of a match, else ("no", 0, None)."""
+    pos, name = 0, None
+    for part in parts:
+        while pos < len(text) and text[pos] in _WHITESPACE:
             pos += 1
-    return None, calls
-
-
-def parse_mistral(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
-    """`[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]` after optional text."""
-    at = text.find(MISTRAL_MARKER)
-    if at < 0:
-        return text, []
-    try:
-        docs, _ = json.JSONDecoder().raw_decode(text[at + len(MISTRAL_MARKER):].lstrip())
-    except ValueError:
-        return text, []
-    docs = docs if isinstance(docs, list) else [docs]
-    calls = [_as_call(doc, names) for doc in docs]
-    if not calls or None in calls:
-        return text, []
-    return _content(text[:at]), calls   # type: ignore[return-value]
+        if pos == len(text):
+            return "more", 0, None
+        if part is _NAME:
+            found = _STRING.match(text, pos)
+            if found is None:
+                return ("more" if _OPEN_STRING.fullmatch(text, pos) else "no"), 0, None
+            try:
+                name = json.loads(found.group())
+            except ValueError:
+                return "no", 0, None
+            pos = found.end()
+            continue
+        options = part if isinstance(part, tuple) else (part,)
+        hit = next((lit for lit in options if text.startswith(lit, pos)), None)
+        if hit is None:
+            rest = text[pos:]
+            return ("more" if any(lit.startswith(rest) for lit in options) else "no"), 0, None
+        pos += len(hit)
+    return "yes", pos, name
 
 
 def _held(text: str, marker: str) -> int:
@@ -134,122 +119,221 @@ def _held(text: str, marker: str) -> int:
     return 0
 
 
-class HermesStream:
-    """Streamed Hermes output → OpenAI deltas. Feed text pieces; each feed returns the deltas
-    that are certain by now: `{"content": ...}` or `{"tool_calls": [...]}`. Assumes calls in
-    the constrained form (the grammar's `<tool_call>\\n{"name": "...", "arguments": ` head);
-    `finish()` returns what is left."""
+class _ContentGate:
+    """Content goes out as it comes except trailing whitespace, held until text follows (sent)
+    or a call does (dropped); at the end it is sent only if the reply has no calls."""
 
     def __init__(self) -> None:
-        self.buffer = ""
-        self.in_call = False
-        self.calls = 0
-        self.head_done = False
-        self.text_out = False
+        self.held = ""
 
-    def feed(self, piece: str) -> list[dict[str, Any]]:
-        self.buffer += piece
-        out: list[dict[str, Any]] = []
-        while True:
-            if not self.in_call:
-                at = self.buffer.find(CALL_OPEN)
-                cut = at if at >= 0 else len(self.buffer) - _held(self.buffer, CALL_OPEN)
-                text = self.buffer[:cut]
-                if self.calls:
-                    text = text.lstrip("\n")   # the separator between calls
-                if text:
-                    out.append({"content": text})
-                    self.text_out = True
-                self.buffer = self.buffer[cut:] if at < 0 else self.buffer[at + len(CALL_OPEN):]
-                if at < 0:
-                    return out
-                self.in_call, self.head_done = True, False
-            if not self.head_done:
-                head = _CALL_HEAD.match(self.buffer)
-                if head is None:
-                    return out
-                name = json.loads(head.group(1))
-                out.append({"tool_calls": [{"index": self.calls, "id": new_call_id(),
-                                            "type": "function",
-                                            "function": {"name": name, "arguments": ""}}]})
-                self.buffer = self.buffer[head.end():]
-                self.head_done = True
-            end = self.buffer.find(CALL_SUFFIX)
-            cut = end if end >= 0 else len(self.buffer) - _held(self.buffer, CALL_SUFFIX)
-            if cut > 0:
-                out.append({"tool_calls": [{"index": self.calls,
-                                            "function": {"arguments": self.buffer[:cut]}}]})
-            self.buffer = self.buffer[cut:]
-            if end < 0:
-                return out
-            self.buffer = self.buffer[len(CALL_SUFFIX):]
-            self.in_call = False
-            self.calls += 1
+    def add(self, text: str) -> str:
+        body = text.rstrip()
+        if not body:
+            self.held += text
+            return ""
+        out, self.held = self.held + body, text[len(body):]
+        return out
 
-    def finish(self) -> list[dict[str, Any]]:
-        """The held-back tail (an unfinished call's arguments stay with that call)."""
-        rest, self.buffer = self.buffer, ""
-        if not rest:
-            return []
-        if self.in_call and self.head_done:
-            return [{"tool_calls": [{"index": self.calls, "function": {"arguments": rest}}]}]
-        if self.in_call:
-            rest = CALL_OPEN + rest
-        return [{"content": rest}]
+    def drop(self) -> None:
+        self.held = ""
+
+    def finish(self, calls: bool) -> str:
+        out, self.held = ("" if calls else self.held), ""
+        return out
 
 
-PARSERS = {"hermes": parse_hermes, "llama3": parse_llama3, "mistral": parse_mistral}
+class ToolCallParser:
+    """Model output in format `fmt` → events; `names` are the callable functions. `feed` takes
+    the next piece of text, `finish` ends the output; `calls` counts the finished calls."""
 
-
-class WholeCallStream:
-    """Streamed Llama 3 or Mistral output → OpenAI deltas. Text passes through as content while
-    it cannot be part of a call; from where a call may start (Llama 3: the output opens with `{`
-    or `<|python_tag|>`; Mistral: `[TOOL_CALLS]`) the rest is held and parsed whole by
-    `finish()`, which gives each call in one delta, or the held text as content if it holds no
-    well-formed call."""
-
-    def __init__(self, fmt: str, names: set[str]) -> None:
+    def __init__(self, fmt: ToolFormat, names: set[str] | frozenset[str]) -> None:
         self.fmt = fmt
         self.names = names
-        self.buffer = ""
-        self.holding = False
-        self.passing = False   # Llama 3: the output opened with text, so it holds no call
-        self.calls = 0
+        self.state = "text"   # text | head | keys | arguments | close | passthrough
+        self.buffer = ""      # undecided text
+        self.pending = ""     # syntax consumed before the head, text again if the call fails
+        self.raw = ""         # the current call as written, for CallCut
+        self.head: tuple[Any, ...] = _NAME_HEAD
+        self.started = 0      # calls announced (the next call's index)
+        self.calls = 0        # calls whose arguments are complete
+        self.depth = 0        # the arguments' brace depth; a string's state below
+        self.in_string = False
+        self.escaped = False
+        self.gate = _ContentGate()
 
-    def feed(self, piece: str) -> list[dict[str, Any]]:
-        self.buffer += piece
-        if self.holding:
-            return []
-        if self.fmt == "llama3":
-            return self._feed_llama3()
-        at = self.buffer.find(MISTRAL_MARKER)
-        cut = at if at >= 0 else len(self.buffer) - _held(self.buffer, MISTRAL_MARKER)
-        text, self.buffer = self.buffer[:cut], self.buffer[cut:]
-        self.holding = at >= 0
-        return [{"content": text}] if text else []
-
-    def _feed_llama3(self) -> list[dict[str, Any]]:
-        if not self.passing:
-            head = self.buffer.lstrip()
-            if not head or LLAMA3_TAG.startswith(head):
-                return []
-            if head.startswith(("{", LLAMA3_TAG)):
-                self.holding = True
-                return []
-            self.passing = True
-        text, self.buffer = self.buffer, ""
-        return [{"content": text}]
-
-    def finish(self) -> list[dict[str, Any]]:
-        rest, self.buffer = self.buffer, ""
-        if not rest:
-            return []
-        content, calls = PARSERS[self.fmt](rest, self.names) if self.holding else (rest, [])
-        out: list[dict[str, Any]] = [{"content": content}] if content else []
-        for call in calls:
-            out.append({"tool_calls": [{"index": self.calls, "id": new_call_id(),
-                                        "type": "function",
-                                        "function": {"name": call.name,
-                                                     "arguments": call.arguments}}]})
-            self.calls += 1
+    def feed(self, text: str) -> list[ToolEvent]:
+        self.buffer += text
+        out: list[ToolEvent] = []
+        while self._step(out):
+            pass
         return out
+
+    def finish(self) -> list[ToolEvent]:
+        out: list[ToolEvent] = []
+        rest, self.buffer = self.buffer, ""
+        if self.state in ("keys", "arguments"):
+            out.append(CallCut(self.started - 1, self.raw + rest))
+        elif self.state in ("text", "passthrough", "head"):
+            self._content(self.pending + rest, out)
+        self.pending, self.state = "", "passthrough"
+        self._emit(self.gate.finish(self.calls > 0), out)
+        return out
+
+    def _emit(self, text: str, out: list[ToolEvent]) -> None:
+        if text:
+            out.append(Content(text))
+
+    def _content(self, text: str, out: list[ToolEvent]) -> None:
+        self._emit(self.gate.add(text), out)
+
+    def _step(self, out: list[ToolEvent]) -> bool:
+        """Consumes what the current state can decide; False when it needs more text."""
+        return getattr(self, f"_{self.state}")(out)
+
+    def _text(self, out: list[ToolEvent]) -> bool:
+        if self.fmt == "llama3":
+            return self._llama3_start(out)
+        opener = CALL_OPEN if self.fmt == "hermes" else MISTRAL_MARKER
+        at = self.buffer.find(opener)
+        if at < 0:
+            cut = len(self.buffer) - _held(self.buffer, opener)
+            self._content(self.buffer[:cut], out)
+            self.buffer = self.buffer[cut:]
+            return False
+        self._content(self.buffer[:at], out)
+        self.pending, self.buffer = opener, self.buffer[at + len(opener):]
+        self.head = ("[", *_NAME_HEAD) if self.fmt == "mistral" else _NAME_HEAD
+        self.state = "head"
+        return True
+
+    def _llama3_start(self, out: list[ToolEvent]) -> bool:
+        body = self.buffer.lstrip(_WHITESPACE)
+        if not body or (LLAMA3_TAG.startswith(body) and body != LLAMA3_TAG):
+            return False
+        lead = len(self.buffer) - len(body)
+        if body.startswith(LLAMA3_TAG):
+            lead += len(LLAMA3_TAG)
+        elif not body.startswith("{"):
+            self.state = "passthrough"
+            return True
+        self.pending, self.buffer = self.buffer[:lead], self.buffer[lead:]
+        self.head, self.state = _NAME_HEAD, "head"
+        return True
+
+    def _passthrough(self, out: list[ToolEvent]) -> bool:
+        self._content(self.buffer, out)
+        self.buffer = ""
+        return False
+
+    def _head(self, out: list[ToolEvent]) -> bool:
+        verdict, end, name = _match(self.buffer, self.head)
+        if verdict == "more":
+            return False
+        if verdict == "no" or name not in self.names:   # not a call: its text is content
+            self._content(self.pending, out)
+            self.pending = ""
+            self.state = "passthrough" if self.fmt == "llama3" else "text"
+            return True
+        self.gate.drop()
+        out.append(CallStart(self.started, new_call_id(), name))
+        self.started += 1
+        self.raw, self.pending = self.pending + self.buffer[:end], ""
+        self.buffer, self.state = self.buffer[end:], "keys"
+        return True
+
+    def _keys(self, out: list[ToolEvent]) -> bool:
+        verdict, end, _ = _match(self.buffer, (",", _ARGS_KEYS[self.fmt], ":", "{"))
+        if verdict == "more":
+            return False
+        if verdict == "no":
+            out.append(CallCut(self.started - 1, self.raw))
+            self.state = "passthrough" if self.fmt == "llama3" else "text"
+            return True
+        self.raw += self.buffer[:end - 1]
+        self.buffer = self.buffer[end - 1:]   # from the arguments' opening brace
+        self.depth, self.in_string, self.escaped = 0, False, False
+        self.state = "arguments"
+        return True
+
+    def _arguments(self, out: list[ToolEvent]) -> bool:
+        end = self._arguments_end(self.buffer)
+        piece = self.buffer if end is None else self.buffer[:end]
+        if piece:
+            out.append(ArgumentsPiece(self.started - 1, piece))
+            self.raw += piece
+        self.buffer = "" if end is None else self.buffer[end:]
+        if end is None:
+            return False
+        self.calls += 1
+        self.state = "close"
+        return True
+
+    def _arguments_end(self, text: str) -> int | None:
+        """Where the arguments object closes in `text` (just past its brace), carrying the
+        brace depth and string state across pieces."""
+        for i, ch in enumerate(text):
+            if self.escaped:
+                self.escaped = False
+            elif self.in_string:
+                if ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch == "{":
+                self.depth += 1
+            elif ch == "}":
+                self.depth -= 1
+                if self.depth == 0:
+                    return i + 1
+        return None
+
+    def _close(self, out: list[ToolEvent]) -> bool:
+        """After a call's arguments: its closing syntax, then the next call or text."""
+        if self.fmt == "hermes":
+            verdict, end, _ = _match(self.buffer, ("}", CALL_CLOSE))
+            if verdict == "more":
+                return False
+            self.buffer = self.buffer[end:]
+            self.state = "text"
+            return True
+        verdict, end, _ = _match(self.buffer, ("}",))
+        if verdict == "more":
+            return False
+        rest = self.buffer[end:]
+        body = rest.lstrip(" \t\r\n;" if self.fmt == "llama3" else _WHITESPACE)
+        if verdict == "yes" and not body:
+            return False
+        if verdict == "yes" and body[0] == ("{" if self.fmt == "llama3" else ","):
+            lead = len(rest) - len(body) + (self.fmt == "mistral")
+            self.pending, self.buffer = rest[:lead], rest[lead:]
+            self.head, self.state = _NAME_HEAD, "head"
+            return True
+        # Mistral's `]` ends the calls; anything else off the format is text again
+        ends = verdict == "yes" and self.fmt == "mistral" and body[0] == "]"
+        self.buffer = body[1:] if ends else self.buffer[end:]
+        self.state = "passthrough" if self.fmt == "llama3" else "text"
+        return True
+
+
+def parse_tool_calls(fmt: ToolFormat, names: set[str] | frozenset[str],
+                     text: str) -> tuple[str | None, list[ToolCall]]:
+    """A whole reply → (content, finished calls). A call the output cut off stays in the
+    content as the model wrote it; a reply with no finished call is all content, verbatim."""
+    parser = ToolCallParser(fmt, names)
+    content, calls = "", {}
+    for event in parser.feed(text) + parser.finish():
+        if isinstance(event, Content):
+            content += event.text
+        elif isinstance(event, CallStart):
+            calls[event.index] = ToolCall(event.name, "", event.id)
+        elif isinstance(event, ArgumentsPiece):
+            call = calls[event.index]
+            calls[event.index] = ToolCall(call.name, call.arguments + event.text, call.id)
+        else:
+            del calls[event.index]
+            content += event.text
+    if not calls:
+        return text, []
+    return content or None, [calls[i] for i in sorted(calls)]

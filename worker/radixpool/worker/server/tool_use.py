@@ -1,5 +1,6 @@
 """One chat request's tools, from the validated body to the response: what the template renders,
-the constraint the engine decodes under, and the OpenAI `tool_calls` shape of the answer."""
+the constraint the engine decodes under, and the OpenAI `tool_calls` shape of the answer, whole
+or as stream deltas."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ from typing import Any
 from radixpool.tokenization import template_tools
 from radixpool.worker.server.errors import bad_request
 from radixpool.worker.server.tool_format import ToolFormat
-from radixpool.worker.server.tool_parsers import PARSERS, HermesStream, WholeCallStream
+from radixpool.worker.server.tool_parsers import (
+    ArgumentsPiece,
+    CallStart,
+    Content,
+    ToolCallParser,
+    ToolEvent,
+    parse_tool_calls,
+)
 from radixpool.worker.server.tools import check_tool_messages, resolve_choice, tool_grammar
 
 
@@ -55,23 +63,63 @@ class ToolUse:
         """The assistant message and finish reason of a whole completion."""
         if not self.calls_possible:
             return {"role": "assistant", "content": text}, finish_reason
-        content, calls = PARSERS[self.format](text, set(self.names))
+        content, calls = parse_tool_calls(self.format, self.names, text)
         if not calls:
             return {"role": "assistant", "content": text}, finish_reason
         return ({"role": "assistant", "content": content,
                  "tool_calls": [call.openai() for call in calls]},
                 "tool_calls" if finish_reason == "stop" else finish_reason)
 
-    def stream(self) -> HermesStream | WholeCallStream | None:
+    def stream(self) -> ToolCallStream | None:
         if not self.calls_possible:
             return None
-        if self.format == "hermes":
-            return HermesStream()
-        return WholeCallStream(self.format, set(self.names))
+        return ToolCallStream(ToolCallParser(self.format, self.names))
 
 
-def stream_finish_reason(parser: HermesStream | WholeCallStream | None,
-                         finish_reason: str | None) -> str | None:
+class ToolCallStream:
+    """One streamed choice's text → OpenAI chat deltas: `{"content": ...}`, or `{"tool_calls":
+    [...]}` with a call's index, id, type and name first, then pieces of its arguments. Adjacent
+    deltas of the same kind are merged."""
+
+    def __init__(self, parser: ToolCallParser) -> None:
+        self.parser = parser
+
+    @property
+    def calls(self) -> int:
+        return self.parser.calls
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        return _deltas(self.parser.feed(text))
+
+    def finish(self) -> list[dict[str, Any]]:
+        return _deltas(self.parser.finish())
+
+
+def _deltas(events: list[ToolEvent]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for event in events:
+        last = out[-1] if out else {}
+        if isinstance(event, Content):
+            if "content" in last:
+                last["content"] += event.text
+            else:
+                out.append({"content": event.text})
+        elif isinstance(event, CallStart):
+            out.append({"tool_calls": [{"index": event.index, "id": event.id,
+                                        "type": "function",
+                                        "function": {"name": event.name, "arguments": ""}}]})
+        elif isinstance(event, ArgumentsPiece):
+            call = last.get("tool_calls", [{}])[0]
+            if call.get("index") == event.index and "id" not in call:
+                call["function"]["arguments"] += event.text
+            else:
+                out.append({"tool_calls": [{"index": event.index,
+                                            "function": {"arguments": event.text}}]})
+        # CallCut: a streamed call's pieces are out already; nothing to take back
+    return out
+
+
+def stream_finish_reason(parser: ToolCallStream | None, finish_reason: str | None) -> str | None:
     if parser is not None and parser.calls and finish_reason == "stop":
         return "tool_calls"
     return finish_reason
