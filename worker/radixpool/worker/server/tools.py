@@ -1,16 +1,18 @@
 """OpenAI tools on chat completions: the request's tools, its tool choice, and the grammar that
 makes the model's calls well-formed.
 
-Calls use the Hermes/Qwen format, the one the tiny models' chat template teaches and the format
-Qwen2.5/Qwen3 and Hermes models are trained on:
+Calls are written in the served model's own format (`tool_format.py`): Hermes/Qwen blocks,
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
+Llama 3.x bare `{"name": ..., "parameters": {...}}` objects, or Mistral's `[TOOL_CALLS][...]`
+array. The tiny models' own chat template teaches the Hermes one.
+
 `"required"` and a named function constrain the whole output to such blocks (one block when
 `parallel_tool_calls` is false); `"auto"` lets the model write text, and constrains a call's
-name and arguments from the moment it opens `<tool_call>`. The constraint is an xgrammar
+name and arguments from the moment it opens a call. The constraint is an xgrammar
 structural tag, converted to EBNF here so the engine takes it like any `ebnf` constraint. The
 arguments follow the tool's JSON schema with the engine's fixed separators and no free
 whitespace, so what the model emits is exactly what the template renders back into the history
