@@ -114,3 +114,11 @@ def test_short_prompt_hashes_equal_the_vectorised_ones_the_worker_announces(name
             data = bytes(rng.randrange(256) for _ in range(n))
             assert prefix_block_hash_list(data, block, namespace) == prefix_block_hashes(
                 np.frombuffer(data, dtype=np.uint8).astype(np.uint64), block, namespace).tolist()
+
+
+def test_the_gateways_fast_encode_gives_the_workers_ids(tokenizer):
+    from radixpool.gateway.chat_tokens import encode_ids
+
+    for text in ("", "w1 w2 w3", " ".join(f"w{i}" for i in range(300)), "w5 unknown-word w6"):
+        for special in (True, False):
+            assert encode_ids(tokenizer, text, special) == tokenizer.encode(text, special)

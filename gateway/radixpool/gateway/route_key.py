@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from radixpool.gateway.chat_tokens import ChatEncoder, encode_releasing_gil
+from radixpool.gateway.chat_tokens import ChatEncoder, encode_ids
 from radixpool.protocol.kv_blocks import (
     DEFAULT_BLOCK_SIZE,
     as_token_array,
@@ -88,7 +88,7 @@ class KeyBuilder:
         if path == "/v1/completions":
             if "prompt" not in doc:
                 raise BadRequest("'prompt' is required")
-            return self._prompt(doc["prompt"], "prompt", model, salt, shared_caches)
+            return self._prompt(doc["prompt"], "prompt", model, salt)
         ids = doc.get("input_ids")
         if ids is not None:
             if isinstance(ids, list) and ids and isinstance(ids[0], list):
@@ -96,7 +96,7 @@ class KeyBuilder:
             return self._ids(ids, "input_ids", model, salt)
         if "text" not in doc:
             raise BadRequest("'text' or 'input_ids' is required")
-        return self._prompt(doc["text"], "text", model, salt, shared_caches)
+        return self._prompt(doc["text"], "text", model, salt)
 
     def _chat(self, doc: dict, model: str | None, salt: str | None,
               shared_caches: bool) -> RouteKey:
@@ -122,14 +122,13 @@ class KeyBuilder:
         text = "".join(f"{m['role']}\n{_content_text(m.get('content'))}\n" for m in messages)
         return self._text_key(text, model, salt)
 
-    def _prompt(self, prompt: object, field: str, model: str | None, salt: str | None,
-                on_loop: bool) -> RouteKey:
+    def _prompt(self, prompt: object, field: str, model: str | None, salt: str | None
+                ) -> RouteKey:
         prompt = _first(prompt, field)
         if isinstance(prompt, str):
             if self.tokenizer is not None:
                 head = prompt[: self.max_prompt_chars]
-                ids = self.tokenizer.encode(head) if on_loop else \
-                    encode_releasing_gil(self.tokenizer, head, True)
+                ids = encode_ids(self.tokenizer, head, True)
                 key = self._token_key(ids, model, salt, len(head) < len(prompt))
                 if len(head) < len(prompt):
                     key.units = key.units * len(prompt) // len(head)
