@@ -264,3 +264,20 @@ def test_a_client_that_leaves_before_or_after_the_watch_starts_cancels_its_handl
         assert ended[0][1] - left < 1.0
     finally:
         loop_thread.run(server.stop())
+
+
+def test_a_body_that_stops_arriving_gets_408_after_the_body_read_timeout(make_stack):
+    stack = make_stack(1, body_read_timeout=0.5)
+    sock = connect(stack.url)
+    started = time.monotonic()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"content-length: 100\r\n\r\n{\"prompt\": ")
+    sock.settimeout(10)
+    got = sock.recv(65536)
+    elapsed = time.monotonic() - started
+    sock.close()
+    assert got.startswith(b"HTTP/1.1 408"), got[:200]
+    assert b"request body not received within 0.5 s" in got
+    assert 0.4 < elapsed < 5
+    assert stack.fleet.workers[0].requests == 0
+    assert stack.client.get("/livez").status_code == 200   # and the gateway serves on

@@ -22,8 +22,8 @@ and cancellation of the handler when the client goes away (the proxy then closes
 connection, which aborts the request on the worker). Watching for the client's departure costs
 Granian ~30 us of event-loop time per request, so the watch starts only once a handler has run
 for `disconnect_watch_after` (a request answered sooner never pays for it; a client that left
-earlier is seen the moment the watch starts). The application sees a `Request` and a
-`Responder`:
+earlier is seen the moment the watch starts). That delay and the body read deadline share one
+timer per request (`_Deadlines`). The application sees a `Request` and a `Responder`:
 
     async def app(request: Request, respond: Responder) -> None
 """
@@ -118,19 +118,46 @@ class Responder:
                 self.disconnected = True
 
 
-class _DisconnectWatch:
-    """Cancels `task` when the client goes away, watching from `after` seconds on."""
+class _Deadlines:
+    """One timer per request for two jobs: the body read deadline (the task is cancelled and
+    `body_expired` set), and, once the handler has run `watch_after`, the watch that cancels the
+    task when the client goes away. A request answered within `watch_after` costs one timer."""
 
-    __slots__ = ("_gone", "_proto", "_task", "_timer")
+    __slots__ = ("_body_deadline", "_gone", "_proto", "_reading", "_task", "_timer",
+                 "_waits_for_body", "body_expired")
 
-    def __init__(self, proto, task: asyncio.Task, after: float) -> None:
+    def __init__(self, proto, task: asyncio.Task, limits: EdgeLimits) -> None:
         self._proto = proto
         self._task = task
         self._gone = None
-        self._timer: asyncio.TimerHandle | None = task.get_loop().call_later(after, self._start)
+        self._reading = True
+        self._waits_for_body = False  # the timer is set for the body deadline
+        self.body_expired = False
+        loop = task.get_loop()
+        self._body_deadline = loop.time() + limits.body_read_timeout
+        self._timer: asyncio.TimerHandle | None = loop.call_later(
+            min(limits.disconnect_watch_after, limits.body_read_timeout), self._due)
 
-    def _start(self) -> None:
+    def body_read(self) -> None:
+        self._reading = False
+        if self._waits_for_body:  # past `watch_after` already: watch from now on
+            self._timer.cancel()
+            self._watch()
+
+    def _due(self) -> None:
         self._timer = None
+        if not self._reading:
+            self._watch()
+        elif self._task.get_loop().time() >= self._body_deadline:
+            self.body_expired = True
+            self._task.cancel()
+        else:
+            self._waits_for_body = True
+            self._timer = self._task.get_loop().call_at(self._body_deadline, self._due)
+
+    def _watch(self) -> None:
+        self._timer = None
+        self._waits_for_body = False
         self._gone = self._proto.client_disconnect()
         self._gone.add_done_callback(self._left)
 
@@ -199,21 +226,36 @@ class EdgeServer:
             return
         respond = Responder(proto)
         headers = {k.encode("latin-1"): v.encode("latin-1") for k, v in scope.headers.items()}
-        try:
-            body = await self._read_body(headers, proto, respond)
-        except asyncio.TimeoutError:
-            await respond.send_error(408, f"request body not received within "
-                                          f"{self.limits.body_read_timeout:g} s")
-            return
-        if body is None:
-            return
-        request = Request(scope.method, scope.path, scope.query_string, headers, body)
         task = asyncio.current_task()
-        watch = _DisconnectWatch(proto, task, self.limits.disconnect_watch_after)
+        deadlines = _Deadlines(proto, task, self.limits)
+        try:
+            try:
+                body = await self._read_body(headers, proto, respond)
+            except asyncio.CancelledError:
+                if not deadlines.body_expired:
+                    raise
+                if sys.version_info >= (3, 11):
+                    task.uncancel()
+                await respond.send_error(408, f"request body not received within "
+                                              f"{self.limits.body_read_timeout:g} s")
+                return
+            if body is None:
+                return
+            deadlines.body_read()
+            await self._run_app(Request(scope.method, scope.path, scope.query_string, headers,
+                                        body), respond, deadlines, task)
+        finally:
+            deadlines.close()
+            # Granian ends a stream when its transport object is released, not when the handler
+            # returns: drop it here, whatever still refers to the Responder (a traceback, ...)
+            respond._stream = None
+
+    async def _run_app(self, request: Request, respond: Responder, deadlines: _Deadlines,
+                       task: asyncio.Task) -> None:
         try:
             await self.app(request, respond)
         except asyncio.CancelledError:
-            if not watch.client_left:
+            if not deadlines.client_left:
                 raise
             # the client left: the app released what it held (its worker connection) on the way
             # out, which is how the worker learns to abort
@@ -221,14 +263,9 @@ class EdgeServer:
                 task.uncancel()
             respond.disconnected = True
         except Exception as exc:  # a bug must cost one request, never the server
-            log.exception("gateway handler failed on %s %s", scope.method, scope.path)
+            log.exception("gateway handler failed on %s %s", request.method, request.path)
             if not respond.started:
                 await respond.send_error(500, f"internal gateway error: {exc!r}")
-        finally:
-            watch.close()
-            # Granian ends a stream when its transport object is released, not when the handler
-            # returns: drop it here, whatever still refers to the Responder (a traceback, ...)
-            respond._stream = None
 
     async def _read_body(self, headers: dict[bytes, bytes], proto,
                          respond: Responder) -> bytes | None:
@@ -242,8 +279,8 @@ class EdgeServer:
                 return None
             if length == b"0":
                 return b""
-            return await _within(self.limits.body_read_timeout, proto())
-        return await _within(self.limits.body_read_timeout, self._read_chunks(proto, respond))
+            return await proto()
+        return await self._read_chunks(proto, respond)
 
     async def _read_chunks(self, proto, respond: Responder) -> bytes | None:
         limit = self.limits.max_body_bytes
@@ -257,9 +294,3 @@ class EdgeServer:
             parts.append(chunk)
         return b"".join(parts)
 
-
-async def _within(seconds: float, work: Awaitable):
-    if sys.version_info >= (3, 11):  # a deadline on this task, no extra task per request
-        async with asyncio.timeout(seconds):
-            return await work
-    return await asyncio.wait_for(work, seconds)
