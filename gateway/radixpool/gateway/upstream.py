@@ -1,9 +1,10 @@
 """Pooled keep-alive HTTP/1.1 connections to one worker, parsed with httptools.
 
 `UpstreamPool.request` sends one request and returns as soon as the response *headers* are in;
-the body is then read chunk by chunk as the worker sends it (`read`), so streams pass through
-with no buffering. A connection goes back to the pool only after its response ended cleanly and
-the worker allowed keep-alive; anything else closes it. TCP_NODELAY is set on every connection.
+the body is then read as the worker sends it (`read`: all that has arrived, never waiting for
+more), so streams pass through with no buffering. A connection goes back to the pool only after
+its response ended cleanly and the worker allowed keep-alive; anything else closes it.
+TCP_NODELAY is set on every connection.
 
 Every failure to talk to the worker is an `UpstreamError`; before the response headers it is
 safe for the proxy to retry elsewhere. A pooled connection the worker closed while idle is
@@ -170,7 +171,12 @@ class _Connection(asyncio.Protocol):
                 raise UpstreamError(f"worker connection broke mid-response: {self._error}")
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
-        return self.chunks.popleft()
+        chunks = self.chunks
+        if len(chunks) == 1:
+            return chunks.popleft()
+        data = b"".join(chunks)  # whatever arrived together leaves together: one write onwards
+        chunks.clear()
+        return data
 
     @property
     def reusable(self) -> bool:
