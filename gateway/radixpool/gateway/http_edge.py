@@ -68,7 +68,7 @@ class EdgeLimits:
     max_header_bytes: int = 65536       # hyper's read buffer: larger request heads get 431
     max_body_bytes: int = 32 << 20
     body_read_timeout: float = 30.0
-    disconnect_watch_after: float = 0.02  # seconds a handler runs before its client is watched
+    disconnect_watch_after: float = 0.05  # seconds a handler runs before its client is watched
 
 
 class Request:
