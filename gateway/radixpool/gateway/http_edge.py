@@ -12,7 +12,8 @@ malformed request after a valid one answered 400 after the valid answer), TCP_NO
 backpressure. uvicorn's httptools protocol has no header read timeout nor header cap and writes
 its 400 into a pipelined response in flight; aiohttp has neither a header timeout nor a 431. The
 price is ~150-200 us per request against the hand-written server (a hop between hyper's thread
-and the event loop); the gateway still fits its budgets (bench/results/gateway_overhead_2cpu.txt).
+and the event loop); where the gateway stands against its budgets:
+bench/results/gateway_overhead_2cpu.txt.
 
 Granian runs embedded (`granian.server.embed`): one Rust thread for the sockets, our handlers on
 the running asyncio loop, so the gateway keeps one process and its state in memory. This module
