@@ -26,6 +26,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from operator import mul
 from typing import Literal
 
@@ -96,6 +97,7 @@ _WEIGHT_LISTS: dict[int, list[int]] = {}
 SMALL_PROMPT_BLOCKS = 12
 
 
+@lru_cache(maxsize=4096)  # a salt is per tenant or user: few distinct, many requests each
 def namespace_seed(namespace: str | None) -> int:
     """The chain's starting state: requests in different namespaces never share a hash."""
     if not namespace:
