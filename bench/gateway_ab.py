@@ -1,7 +1,7 @@
 """Two gateway builds side by side under the same load: A/B rounds, interleaved.
 
-    git archive main | tar -x -C /tmp/before      # the build to compare against
-    python bench/gateway_ab.py --before /tmp/before
+    python bench/gateway_ab.py --before main       # a git revision (extracted to a temp dir)
+    python bench/gateway_ab.py --before /tmp/before  # or a source tree
 
 One zero-service-time simulated worker, and one gateway per build in front of it (each from its
 own source tree, by PYTHONPATH). Each round measures, for direct / before / after in turn: the
@@ -20,6 +20,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -49,16 +50,33 @@ def spawn_gateway(source: Path, urls: list[str]) -> tuple[subprocess.Popen, int]
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--before", type=Path, required=True, help="source tree of the other build")
+    p.add_argument("--before", required=True,
+                   help="the other build: a source tree, or a git revision of this repository")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--sequential", type=int, default=400)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--seconds", type=float, default=3.0)
     args = p.parse_args()
+    here = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory(prefix="gateway-before-") as scratch:
+        before = Path(args.before)
+        if not before.is_dir():  # a revision: its tree, as `git archive` gives it
+            archive = subprocess.run(["git", "archive", args.before], cwd=here, check=True,
+                                     capture_output=True).stdout
+            subprocess.run(["tar", "-x", "-C", scratch], input=archive, check=True)
+            before = Path(scratch)
+        compare(before, here, args)
+
+
+def load_average() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def compare(before: Path, here: Path, args: argparse.Namespace) -> None:
+    load_at_start = load_average()
     fleet, urls = spawn_fleet(1, argparse.Namespace(kv_capacity_tokens=65536), zero=True)
     direct = int(urls[0].rsplit(":", 1)[1])
-    here = Path(__file__).resolve().parents[1]
-    gateways = {"before": spawn_gateway(args.before.resolve(), urls),
+    gateways = {"before": spawn_gateway(before.resolve(), urls),
                 "after": spawn_gateway(here, urls)}
     plain = json.dumps({"model": "sim-model", "prompt": words(0, 32), "max_tokens": 1}).encode()
     streamed = json.dumps({"model": "sim-model", "prompt": words(0, 32), "max_tokens": 1,
@@ -95,7 +113,8 @@ def main() -> None:
                 f"({min(values) * scale:.0f}-{max(values) * scale:.0f})")
 
     print(f"# {args.rounds} interleaved rounds; median (min-max) over rounds; "
-          f"{os.cpu_count()} CPUs; zero-service-time simulated worker, 32-token prompts")
+          f"{os.cpu_count()} CPUs; zero-service-time simulated worker, 32-token prompts; "
+          f"load average {load_at_start} at the start, {load_average()} at the end")
     for name in ("before", "after"):
         added = [g - d for g, d in zip(p50[name], p50["direct"])]
         added_ttfb = [g - d for g, d in zip(ttfb[name], ttfb["direct"])]

@@ -250,8 +250,9 @@ def overhead(args: argparse.Namespace) -> None:
              - statistics.median(s.latency for s in direct)) * 1e6
     added_ttfb = (statistics.median(s.ttft for s in via_s)
                   - statistics.median(s.ttft for s in direct_s)) * 1e6
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"# gateway overhead, zero-service-time simulated worker, 32-token prompts, "
-          f"{os.cpu_count()} CPUs")
+          f"{os.cpu_count()} CPUs, load average at the end {load}")
     print(f"non-streamed p50: direct {statistics.median(s.latency for s in direct) * 1e6:.0f} us,"
           f" via gateway {statistics.median(s.latency for s in via) * 1e6:.0f} us, "
           f"added {added:.0f} us (target < 500)")

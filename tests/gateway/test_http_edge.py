@@ -227,3 +227,57 @@ def test_edge_limits_are_validated_naming_the_field():
                          ("upstream_timeout", -1), ("max_route_prompt_chars", 0)):
         with pytest.raises(ValueError, match=field):
             GatewayConfig(**{field: value})
+
+
+@pytest.mark.parametrize("leave_after", [0.1, 0.8])
+def test_a_client_that_leaves_before_or_after_the_watch_starts_cancels_its_handler(
+        loop_thread, leave_after):
+    # the edge watches a client only once its handler has run `disconnect_watch_after` (0.4 s
+    # here): one that left before is seen as soon as the watch starts, one that leaves later at
+    # once; either way the handler (and with it the worker's request) is cancelled
+    import asyncio
+
+    from radixpool.gateway.http_edge import EdgeLimits, EdgeServer
+
+    ended: list[tuple[str, float]] = []
+
+    async def slow_app(request, respond) -> None:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            ended.append(("cancelled", time.monotonic()))
+            raise
+        await respond.send(200, [], b"late")
+
+    server = EdgeServer(slow_app, "127.0.0.1", 0, EdgeLimits(disconnect_watch_after=0.4))
+    loop_thread.run(server.start())
+    try:
+        sock = connect(f"http://127.0.0.1:{server.port}")
+        sock.sendall(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n")
+        time.sleep(leave_after)
+        sock.close()
+        left = time.monotonic()
+        deadline = left + 5
+        while not ended and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ended and ended[0][0] == "cancelled"
+        assert ended[0][1] - left < 1.0
+    finally:
+        loop_thread.run(server.stop())
+
+
+def test_a_body_that_stops_arriving_gets_408_after_the_body_read_timeout(make_stack):
+    stack = make_stack(1, body_read_timeout=0.5)
+    sock = connect(stack.url)
+    started = time.monotonic()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"content-length: 100\r\n\r\n{\"prompt\": ")
+    sock.settimeout(10)
+    got = sock.recv(65536)
+    elapsed = time.monotonic() - started
+    sock.close()
+    assert got.startswith(b"HTTP/1.1 408"), got[:200]
+    assert b"request body not received within 0.5 s" in got
+    assert 0.4 < elapsed < 5
+    assert stack.fleet.workers[0].requests == 0
+    assert stack.client.get("/livez").status_code == 200   # and the gateway serves on

@@ -87,3 +87,38 @@ def test_tool_requests_key_on_the_tokens_the_worker_renders(tiny_model):
     assert key.hashes == SimKV(10_000, 16).hashes(worker_ids, None)
     plain = keys.build("/v1/chat/completions", {"messages": messages[:2]})
     assert plain.units < key.units   # the tools are in the prompt, not dropped
+
+
+@pytest.mark.parametrize("namespace", [None, "tenant-a"])
+def test_short_prompt_hashes_equal_the_vectorised_ones_the_worker_announces(namespace):
+    # the gateway hashes short prompts with plain integers, the worker with numpy: the values
+    # must be the same on either side of the switch, for ids, arrays and bytes alike
+    import random
+
+    import numpy as np
+
+    from radixpool.protocol.kv_blocks import (
+        SMALL_PROMPT_BLOCKS,
+        prefix_block_hash_list,
+        prefix_block_hashes,
+    )
+
+    rng = random.Random(7)
+    for block in (1, 4, 16, 64):
+        for n in {0, 1, block - 1, block, 3 * block + 1, SMALL_PROMPT_BLOCKS * block,
+                  (SMALL_PROMPT_BLOCKS + 1) * block + 3}:
+            ids = [rng.randrange(1 << 31) for _ in range(n)]
+            want = prefix_block_hashes(ids, block, namespace).tolist()
+            assert prefix_block_hash_list(ids, block, namespace) == want
+            assert prefix_block_hash_list(np.array(ids, dtype=np.uint64), block, namespace) == want
+            data = bytes(rng.randrange(256) for _ in range(n))
+            assert prefix_block_hash_list(data, block, namespace) == prefix_block_hashes(
+                np.frombuffer(data, dtype=np.uint8).astype(np.uint64), block, namespace).tolist()
+
+
+def test_the_gateways_fast_encode_gives_the_workers_ids(tokenizer):
+    from radixpool.gateway.chat_tokens import encode_ids
+
+    for text in ("", "w1 w2 w3", " ".join(f"w{i}" for i in range(300)), "w5 unknown-word w6"):
+        for special in (True, False):
+            assert encode_ids(tokenizer, text, special) == tokenizer.encode(text, special)

@@ -12,15 +12,19 @@ malformed request after a valid one answered 400 after the valid answer), TCP_NO
 backpressure. uvicorn's httptools protocol has no header read timeout nor header cap and writes
 its 400 into a pipelined response in flight; aiohttp has neither a header timeout nor a 431. The
 price is ~150-200 us per request against the hand-written server (a hop between hyper's thread
-and the event loop); the gateway still fits its budgets (bench/results/gateway_overhead_2cpu.txt).
+and the event loop); where the gateway stands against its budgets:
+bench/results/gateway_overhead_2cpu.txt.
 
 Granian runs embedded (`granian.server.embed`): one Rust thread for the sockets, our handlers on
 the running asyncio loop, so the gateway keeps one process and its state in memory. This module
 adds only what hyper does not know: the body size limit (413 before the body is read when
 Content-Length says so, else while it arrives), a body read timeout, OpenAI-style error bodies,
 and cancellation of the handler when the client goes away (the proxy then closes its worker
-connection, which aborts the request on the worker). The application sees a `Request` and a
-`Responder`:
+connection, which aborts the request on the worker). Watching for the client's departure costs
+Granian ~30 us of event-loop time per request, so the watch starts only once a handler has run
+for `disconnect_watch_after` (a request answered sooner never pays for it; a client that left
+earlier is seen the moment the watch starts). That delay and the body read deadline share one
+timer per request (`_Deadlines`). The application sees a `Request` and a `Responder`:
 
     async def app(request: Request, respond: Responder) -> None
 """
@@ -65,6 +69,7 @@ class EdgeLimits:
     max_header_bytes: int = 65536       # hyper's read buffer: larger request heads get 431
     max_body_bytes: int = 32 << 20
     body_read_timeout: float = 30.0
+    disconnect_watch_after: float = 0.05  # seconds a handler runs before its client is watched
 
 
 class Request:
@@ -112,6 +117,64 @@ class Responder:
                 await self._stream.send_bytes(data)
             except ProtocolClosed:
                 self.disconnected = True
+
+
+class _Deadlines:
+    """One timer per request for two jobs: the body read deadline (the task is cancelled and
+    `body_expired` set), and, once the handler has run `watch_after`, the watch that cancels the
+    task when the client goes away. A request answered within `watch_after` costs one timer."""
+
+    __slots__ = ("_body_deadline", "_gone", "_proto", "_reading", "_task", "_timer",
+                 "_waits_for_body", "body_expired")
+
+    def __init__(self, proto, task: asyncio.Task, limits: EdgeLimits) -> None:
+        self._proto = proto
+        self._task = task
+        self._gone = None
+        self._reading = True
+        self._waits_for_body = False  # the timer is set for the body deadline
+        self.body_expired = False
+        loop = task.get_loop()
+        self._body_deadline = loop.time() + limits.body_read_timeout
+        self._timer: asyncio.TimerHandle | None = loop.call_later(
+            min(limits.disconnect_watch_after, limits.body_read_timeout), self._due)
+
+    def body_read(self) -> None:
+        self._reading = False
+        if self._waits_for_body:  # past `watch_after` already: watch from now on
+            self._timer.cancel()
+            self._watch()
+
+    def _due(self) -> None:
+        self._timer = None
+        if not self._reading:
+            self._watch()
+        elif self._task.get_loop().time() >= self._body_deadline:
+            self.body_expired = True
+            self._task.cancel()
+        else:
+            self._waits_for_body = True
+            self._timer = self._task.get_loop().call_at(self._body_deadline, self._due)
+
+    def _watch(self) -> None:
+        self._timer = None
+        self._waits_for_body = False
+        self._gone = self._proto.client_disconnect()
+        self._gone.add_done_callback(self._left)
+
+    def _left(self, gone) -> None:
+        if not gone.cancelled():
+            self._task.cancel()
+
+    @property
+    def client_left(self) -> bool:
+        return self._gone is not None and self._gone.done() and not self._gone.cancelled()
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._gone is not None:
+            self._gone.cancel()
 
 
 class _Granian(_EmbeddedGranian):
@@ -164,22 +227,36 @@ class EdgeServer:
             return
         respond = Responder(proto)
         headers = {k.encode("latin-1"): v.encode("latin-1") for k, v in scope.headers.items()}
-        try:
-            body = await self._read_body(headers, proto, respond)
-        except asyncio.TimeoutError:
-            await respond.send_error(408, f"request body not received within "
-                                          f"{self.limits.body_read_timeout:g} s")
-            return
-        if body is None:
-            return
-        request = Request(scope.method, scope.path, scope.query_string, headers, body)
         task = asyncio.current_task()
-        gone = asyncio.ensure_future(proto.client_disconnect())
-        gone.add_done_callback(lambda _: task.cancel())
+        deadlines = _Deadlines(proto, task, self.limits)
+        try:
+            try:
+                body = await self._read_body(headers, proto, respond)
+            except asyncio.CancelledError:
+                if not deadlines.body_expired:
+                    raise
+                if sys.version_info >= (3, 11):
+                    task.uncancel()
+                await respond.send_error(408, f"request body not received within "
+                                              f"{self.limits.body_read_timeout:g} s")
+                return
+            if body is None:
+                return
+            deadlines.body_read()
+            await self._run_app(Request(scope.method, scope.path, scope.query_string, headers,
+                                        body), respond, deadlines, task)
+        finally:
+            deadlines.close()
+            # Granian ends a stream when its transport object is released, not when the handler
+            # returns: drop it here, whatever still refers to the Responder (a traceback, ...)
+            respond._stream = None
+
+    async def _run_app(self, request: Request, respond: Responder, deadlines: _Deadlines,
+                       task: asyncio.Task) -> None:
         try:
             await self.app(request, respond)
         except asyncio.CancelledError:
-            if not gone.done() or gone.cancelled():
+            if not deadlines.client_left:
                 raise
             # the client left: the app released what it held (its worker connection) on the way
             # out, which is how the worker learns to abort
@@ -187,14 +264,9 @@ class EdgeServer:
                 task.uncancel()
             respond.disconnected = True
         except Exception as exc:  # a bug must cost one request, never the server
-            log.exception("gateway handler failed on %s %s", scope.method, scope.path)
+            log.exception("gateway handler failed on %s %s", request.method, request.path)
             if not respond.started:
                 await respond.send_error(500, f"internal gateway error: {exc!r}")
-        finally:
-            gone.cancel()
-            # Granian ends a stream when its transport object is released, not when the handler
-            # returns: drop it here, whatever still refers to the Responder (a traceback, ...)
-            respond._stream = None
 
     async def _read_body(self, headers: dict[bytes, bytes], proto,
                          respond: Responder) -> bytes | None:
@@ -208,8 +280,8 @@ class EdgeServer:
                 return None
             if length == b"0":
                 return b""
-            return await _within(self.limits.body_read_timeout, proto())
-        return await _within(self.limits.body_read_timeout, self._read_chunks(proto, respond))
+            return await proto()
+        return await self._read_chunks(proto, respond)
 
     async def _read_chunks(self, proto, respond: Responder) -> bytes | None:
         limit = self.limits.max_body_bytes
@@ -223,9 +295,3 @@ class EdgeServer:
             parts.append(chunk)
         return b"".join(parts)
 
-
-async def _within(seconds: float, work: Awaitable):
-    if sys.version_info >= (3, 11):  # a deadline on this task, no extra task per request
-        async with asyncio.timeout(seconds):
-            return await work
-    return await asyncio.wait_for(work, seconds)

@@ -222,7 +222,8 @@ class CacheAware(Policy):
         low = min(c.load for c in candidates)
         near = [i for i, c in enumerate(candidates) if c.load <= low + LOAD_SLACK]
         damage = [self._damage(candidates[i], matched[i], key) for i in near]
-        best = [i for i, d in zip(near, damage) if d == min(damage)]
+        least = min(damage)
+        best = [i for i, d in zip(near, damage) if d == least]
         return self._least_loaded(candidates, best, beyond)
 
     def _least_loaded(self, candidates: Sequence[Candidate], among: Sequence[int],
@@ -234,7 +235,8 @@ class CacheAware(Policy):
             ties = [i for i in ties if beyond[i] == top]
         if len(ties) > 1:
             room = [self.index.room(candidates[i].name) for i in ties]
-            ties = [i for i, r in zip(ties, room) if r == max(room)]
+            most = max(room)
+            ties = [i for i, r in zip(ties, room) if r == most]
         self._turn += 1
         return ties[self._turn % len(ties)]
 

@@ -16,12 +16,18 @@ prompt's, so the last block is dropped), and its length is estimated for load ba
 from __future__ import annotations
 
 import hashlib
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from radixpool.gateway.chat_tokens import ChatEncoder, encode_releasing_gil
-from radixpool.protocol.kv_blocks import DEFAULT_BLOCK_SIZE, as_token_array, prefix_block_hashes
+from radixpool.gateway.chat_tokens import ChatEncoder, encode_ids
+from radixpool.protocol.kv_blocks import (
+    DEFAULT_BLOCK_SIZE,
+    as_token_array,
+    prefix_block_hash_list,
+)
 from radixpool.tokenization import PromptTokenizer, template_tools
 
 ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate")
@@ -82,7 +88,7 @@ class KeyBuilder:
         if path == "/v1/completions":
             if "prompt" not in doc:
                 raise BadRequest("'prompt' is required")
-            return self._prompt(doc["prompt"], "prompt", model, salt, shared_caches)
+            return self._prompt(doc["prompt"], "prompt", model, salt)
         ids = doc.get("input_ids")
         if ids is not None:
             if isinstance(ids, list) and ids and isinstance(ids[0], list):
@@ -90,7 +96,7 @@ class KeyBuilder:
             return self._ids(ids, "input_ids", model, salt)
         if "text" not in doc:
             raise BadRequest("'text' or 'input_ids' is required")
-        return self._prompt(doc["text"], "text", model, salt, shared_caches)
+        return self._prompt(doc["text"], "text", model, salt)
 
     def _chat(self, doc: dict, model: str | None, salt: str | None,
               shared_caches: bool) -> RouteKey:
@@ -116,14 +122,13 @@ class KeyBuilder:
         text = "".join(f"{m['role']}\n{_content_text(m.get('content'))}\n" for m in messages)
         return self._text_key(text, model, salt)
 
-    def _prompt(self, prompt: object, field: str, model: str | None, salt: str | None,
-                on_loop: bool) -> RouteKey:
+    def _prompt(self, prompt: object, field: str, model: str | None, salt: str | None
+                ) -> RouteKey:
         prompt = _first(prompt, field)
         if isinstance(prompt, str):
             if self.tokenizer is not None:
                 head = prompt[: self.max_prompt_chars]
-                ids = as_token_array(self.tokenizer.encode(head)) if on_loop else \
-                    encode_releasing_gil(self.tokenizer, head, True)
+                ids = encode_ids(self.tokenizer, head, True)
                 key = self._token_key(ids, model, salt, len(head) < len(prompt))
                 if len(head) < len(prompt):
                     key.units = key.units * len(prompt) // len(head)
@@ -142,20 +147,19 @@ class KeyBuilder:
         key.units = len(ids)
         return key
 
-    def _token_key(self, tokens: np.ndarray, model: str | None, salt: str | None,
+    def _token_key(self, tokens: np.ndarray | list[int], model: str | None, salt: str | None,
                    cut: bool = False) -> RouteKey:
         units = len(tokens)
         if cut:  # ids next to the cut may differ from the whole prompt's: route on whole blocks
             tokens = tokens[: max(0, len(tokens) - self.block_size)]
-        hashes = prefix_block_hashes(tokens, self.block_size, salt).tolist()
-        head = tokens[: self.prefix_token_count].tobytes()
+        hashes = prefix_block_hash_list(tokens, self.block_size, salt)
+        head = _id_bytes(tokens[: self.prefix_token_count])
         return RouteKey(hashes, self.block_size, units, True, model, _digest(head, salt))
 
     def _text_key(self, text: str, model: str | None, salt: str | None) -> RouteKey:
         head = text[: self.max_prompt_chars]
         data = head.encode("utf-8", "surrogatepass")
-        units = np.frombuffer(data, dtype=np.uint8).astype(np.uint64)
-        hashes = prefix_block_hashes(units, self.text_block_bytes, salt).tolist()
+        hashes = prefix_block_hash_list(data, self.text_block_bytes, salt)
         digest = _digest(data[: self.prefix_token_count * BYTES_PER_TOKEN], salt)
         length = len(data) + len(text) - len(head)  # bytes, estimated past the cut
         return RouteKey(hashes, self.text_block_bytes, length, False, model, digest)
@@ -176,6 +180,11 @@ def _content_text(content: object) -> str:
     if isinstance(content, list):
         return "".join(p.get("text", "") for p in content if isinstance(p, dict))
     return ""
+
+
+def _id_bytes(ids: np.ndarray | Sequence[int]) -> bytes:
+    """Token ids as 8-byte little-endian words (the uint64 array's bytes, for a list too)."""
+    return ids.tobytes() if isinstance(ids, np.ndarray) else array("q", ids).tobytes()
 
 
 def _digest(data: bytes, salt: str | None) -> int:

@@ -1,17 +1,20 @@
 """Pooled keep-alive HTTP/1.1 connections to one worker, parsed with httptools.
 
 `UpstreamPool.request` sends one request and returns as soon as the response *headers* are in;
-the body is then read chunk by chunk as the worker sends it (`read`), so streams pass through
-with no buffering. A connection goes back to the pool only after its response ended cleanly and
-the worker allowed keep-alive; anything else closes it. TCP_NODELAY is set on every connection.
+the body is then read as the worker sends it (`read`: all that has arrived, never waiting for
+more), so streams pass through with no buffering. A connection goes back to the pool only after
+its response ended cleanly and the worker allowed keep-alive; anything else closes it.
+TCP_NODELAY is set on every connection.
 
 Every failure to talk to the worker is an `UpstreamError`; before the response headers it is
 safe for the proxy to retry elsewhere. A pooled connection the worker closed while idle is
 retried on a fresh one (that race is the ordinary end of a keep-alive, not a worker failure).
 
-Deadlines are timers on the connection, not a task per request: `first_byte_timeout` until the
-response headers, `total_timeout` until the last byte. Either one closing the connection makes
-the pending call raise `UpstreamTimeout`, and the worker sees the close (and aborts the request).
+Deadlines are one timer on the connection, not a task per request: `first_byte_timeout` until
+the response headers, `total_timeout` until the last byte (the timer is set for the nearer and
+moved on when it is due). Either one closing the connection makes the pending call raise
+`UpstreamTimeout`, and the worker sees the close (and aborts the request). The response parser
+lives as long as its keep-alive connection.
 A call cancelled from outside (a health check's own timeout, a client that left) closes its
 connection too: it never returns to the pool half-read, and it is never left open.
 """
@@ -60,8 +63,11 @@ class _Connection(asyncio.Protocol):
         self._headers_ready: asyncio.Future | None = None
         self._waiter: asyncio.Future | None = None
         self._error: Exception | None = None
-        self._first_byte_timer: asyncio.TimerHandle | None = None
-        self._total_timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._first_byte_timeout: float | None = None
+        self._total_timeout: float | None = None
+        self._first_byte_deadline = 0.0
+        self._total_deadline = 0.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -85,8 +91,6 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
-        if self._first_byte_timer is not None:
-            self._first_byte_timer.cancel()
         if self._headers_ready is not None and not self._headers_ready.done():
             self._headers_ready.set_result(None)
 
@@ -114,35 +118,48 @@ class _Connection(asyncio.Protocol):
 
     def begin(self, data: bytes, first_byte_timeout: float | None,
               total_timeout: float | None) -> asyncio.Future:
-        self.parser = httptools.HttpResponseParser(self)
         self.status, self.headers, self.done, self.got_bytes = 0, [], False, False
         self.keep_alive = False
         self.chunks.clear()
         self._error = None
         loop = asyncio.get_running_loop()
         self._headers_ready = loop.create_future()
-        if first_byte_timeout is not None:
-            self._first_byte_timer = loop.call_later(
-                first_byte_timeout, self._expire,
-                f"no response headers within {first_byte_timeout:g} s")
-        if total_timeout is not None:
-            self._total_timer = loop.call_later(
-                total_timeout, self._expire, f"response not finished within {total_timeout:g} s")
+        # one timer for both deadlines: set for the nearer, moved to the other when it is due
+        self._first_byte_timeout, self._total_timeout = first_byte_timeout, total_timeout
+        now = loop.time()
+        self._first_byte_deadline = now + first_byte_timeout if first_byte_timeout else 0.0
+        self._total_deadline = now + total_timeout if total_timeout else 0.0
+        self._arm(loop)
         assert self.transport is not None
         self.transport.write(data)
         return self._headers_ready
+
+    def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
+        due = [d for d in (self._first_byte_deadline, self._total_deadline) if d]
+        self._timer = loop.call_at(min(due), self._due) if due else None
+
+    def _due(self) -> None:
+        self._timer = None
+        now = asyncio.get_running_loop().time()
+        if self._first_byte_deadline and not self.status:
+            if now >= self._first_byte_deadline:
+                self._expire(f"no response headers within {self._first_byte_timeout:g} s")
+                return
+        else:
+            self._first_byte_deadline = 0.0  # the headers are in: only the total deadline is left
+        if self._total_deadline and now >= self._total_deadline:
+            self._expire(f"response not finished within {self._total_timeout:g} s")
+            return
+        self._arm(asyncio.get_running_loop())
 
     def _expire(self, message: str) -> None:
         self._fail(UpstreamTimeout(message))
         self.close()
 
     def _disarm(self) -> None:
-        if self._first_byte_timer is not None:
-            self._first_byte_timer.cancel()
-            self._first_byte_timer = None
-        if self._total_timer is not None:
-            self._total_timer.cancel()
-            self._total_timer = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     async def read(self) -> bytes | None:
         while not self.chunks:
@@ -154,7 +171,12 @@ class _Connection(asyncio.Protocol):
                 raise UpstreamError(f"worker connection broke mid-response: {self._error}")
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
-        return self.chunks.popleft()
+        chunks = self.chunks
+        if len(chunks) == 1:
+            return chunks.popleft()
+        data = b"".join(chunks)  # whatever arrived together leaves together: one write onwards
+        chunks.clear()
+        return data
 
     @property
     def reusable(self) -> bool:
