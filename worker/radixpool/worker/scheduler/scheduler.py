@@ -303,7 +303,9 @@ class Scheduler:
         n = len(req.output_ids)
         stops = (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
         if req.grammar is not None and req.grammar.terminated:
-            stops = True   # the grammar accepted a stop token: the output is complete
+            # the grammar accepted a stop token: the output is complete, and has no next token
+            # (even short of min_new_tokens: the sampler gave eos to a row with nothing allowed)
+            req.finish_reason = "stop"
         if (stops and n >= p.min_new_tokens) or req.finish_reason == "stop":
             req.finish_reason, req.matched_stop_token = "stop", token
         if req.finish_reason is None and (n >= p.max_new_tokens
