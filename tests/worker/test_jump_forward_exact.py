@@ -223,3 +223,25 @@ def test_sampled_verify_is_speculative_sampling_with_a_one_point_draft():
     mask[:, 1] = False
     masked = choose(sampler, logits, SamplingParams(temperature=1.0), seeds, mask).tolist()
     assert 1 not in masked and set(masked) == {2, 3}
+
+
+def test_the_jump_forward_flag(tmp_path):
+    from radixpool.cli import build_parser
+    from radixpool.worker.config import EngineConfig
+    from radixpool.worker.server.config import config_from_args
+
+    model = tmp_path / "m"
+    model.mkdir()
+
+    def mode(*flags: str) -> str:
+        args = build_parser().parse_args(["worker", "--model", str(model), *flags])
+        return config_from_args(args).engine.jump_forward
+
+    assert mode() == "exact"
+    assert mode("--jump-forward", "retokenize") == "retokenize"
+    assert mode("--jump-forward", "off") == mode("--no-jump-forward") == "off"
+    with pytest.raises(SystemExit):
+        mode("--jump-forward", "sometimes")
+    assert EngineConfig("m", jump_forward=False).jump_forward == "off"   # the old bool form
+    with pytest.raises(ValueError, match=r"jump_forward must be exact \| retokenize \| off"):
+        EngineConfig("m", jump_forward="fast")
