@@ -245,3 +245,40 @@ def test_the_jump_forward_flag(tmp_path):
     assert EngineConfig("m", jump_forward=False).jump_forward == "off"   # the old bool form
     with pytest.raises(ValueError, match=r"jump_forward must be exact \| retokenize \| off"):
         EngineConfig("m", jump_forward="fast")
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_abort_while_a_draft_is_in_flight_drops_its_kv(tiny_model, tok, page_size):
+    """Overlapped loop: a request aborted while the step verifying its draft is in flight gives
+    back every page, and the tree gets only its committed tokens."""
+    from radixpool.worker.config import EngineConfig
+    from radixpool.worker.engine_core import EngineCore
+    from radixpool.worker.messages import GenerateRequest
+
+    core = EngineCore(EngineConfig(str(tiny_model), device="cpu", kv_cache_tokens=4096,
+                                   page_size=page_size, overlap_schedule=True,
+                                   debug_invariants=True))
+    prompt = tok.encode("answer in JSON please")
+    params = SamplingParams(max_new_tokens=120, temperature=0, json_schema=json.dumps(SCHEMAS[0]))
+    core.add_request(GenerateRequest("r", prompt, params, 0))
+    drafted = False
+    for _ in range(200):
+        core.step()
+        inflight = core._inflight
+        if inflight is not None and any(len(d) > 1 for d in inflight.batch.drafts):
+            drafted = True
+            break
+    assert drafted, "the request never had a draft in flight"
+    req = core.scheduler.running["r"]
+    committed = prompt + list(req.output_ids)
+    assert req.kv_len > req.seq_len   # the draft's KV is allocated
+    assert core.abort("r") is not None
+    while core.has_work:
+        core.step()
+    core.check_invariants()
+    paths = cached_paths(core)
+    assert all(committed[:len(p)] == p for p in paths), (paths, committed)
+    # the in-flight step computed the last committed token: all of it is cached
+    assert core.probe(committed) == len(committed) // page_size * page_size
+    assert core.runner.kv_pool.free_pages + core.cache.total_size // page_size == \
+        core.runner.kv_pool.num_pages
