@@ -5,11 +5,12 @@
 
 `jump` runs the engine core in-process on a JSON-schema workload (objects with several keys:
 enums, bounded integers, short patterned strings — the forced text is the keys, the punctuation
-and the rest of an enum value once its first token is chosen) twice, with jump-forward on and off,
-and prints engine steps (batched forward passes), request passes (forward passes summed over the
-requests: what one request alone would take), generated tokens, tokens per request pass, wall
-time and generated tokens/s, after checking every output against the schema. `--requests 1`
-gives the single-request case.
+and the rest of an enum value once its first token is chosen), greedy and sampled (T=1), in each
+jump-forward mode (off, retokenize, exact), and prints engine steps (batched forward passes),
+request passes (forward passes summed over the requests: what one request alone would take),
+generated tokens, tokens per request pass, wall time and generated tokens/s (the fastest of
+`--repeat` runs, modes interleaved), and whether every output is token for token the one of mode
+off; every output is checked against the schema. `--requests 1` gives the single-request case.
 
 `mask` decodes a batch of `--batch` requests of which `--constrained` carry a JSON schema with an
 unbounded language (an array of at least 1,000 integers: they never finish early), jump-forward
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -81,26 +83,32 @@ def jump(args: argparse.Namespace) -> None:
     model = _model(args.model)
     tok = PromptTokenizer.from_dir(model)
     schema = json.dumps(JUMP_SCHEMA)
-    requests = [(f"r{i}", tok.encode(f"job {i}: describe it as JSON"), SamplingParams(
-        max_new_tokens=120, temperature=1.0, json_schema=schema), i)
-        for i in range(args.requests)]
     warm = _core(model, args.device)
-    _run(warm, requests[:2])   # xgrammar import, tokenizer info, compile: not measured
-    print(f"JSON-schema workload: {args.requests} requests, 5 keys, sampled (T=1), "
-          f"device {args.device}")
-    print(f"{'jump-forward':>12} {'engine steps':>13} {'request passes':>15} {'tokens':>7} "
-          f"{'tokens/pass':>12} {'wall s':>7} {'tokens/s':>9}")
-    for on in (False, True):
-        core = _core(model, args.device, jump_forward=on)
-        core.grammars.compiler = warm.grammars.compiler   # compiled already: time decoding
-        start = time.perf_counter()
-        out, passes = _run(core, requests)
-        wall = time.perf_counter() - start
-        tokens = sum(len(ids) for ids in out.values())
-        for ids in out.values():
-            jsonschema.validate(json.loads(tok.tokenizer.decode(ids[:-1])), JUMP_SCHEMA)
-        print(f"{'on' if on else 'off':>12} {core.times.steps:>13} {passes:>15} {tokens:>7} "
-              f"{tokens / passes:>12.2f} {wall:>7.2f} {tokens / wall:>9.0f}")
+    print(f"JSON-schema workload: {args.requests} requests, 5 keys, device {args.device}")
+    print(f"{'sampling':>8} {'jump-forward':>12} {'engine steps':>13} {'request passes':>15} "
+          f"{'tokens':>7} {'tokens/pass':>12} {'wall s':>7} {'tokens/s':>9} {'same as off':>12}")
+    for temperature in (0.0, 1.0):
+        requests = [(f"r{i}", tok.encode(f"job {i}: describe it as JSON"), SamplingParams(
+            max_new_tokens=120, temperature=temperature, json_schema=schema), i)
+            for i in range(args.requests)]
+        _run(warm, requests[:2])   # xgrammar import, tokenizer info, compile: not measured
+        results: dict[str, tuple] = {}
+        walls: dict[str, float] = {}
+        for _ in range(args.repeat):   # modes interleaved: a load change hits them all
+            for mode in ("off", "retokenize", "exact"):
+                core = _core(model, args.device, jump_forward=mode)
+                core.grammars.compiler = warm.grammars.compiler   # compiled: time decoding
+                start = time.perf_counter()
+                out, passes = _run(core, requests)
+                walls[mode] = min(walls.get(mode, math.inf), time.perf_counter() - start)
+                results[mode] = (out, core.times.steps, passes)
+        for mode, (out, steps, passes) in results.items():
+            for ids in out.values():
+                jsonschema.validate(json.loads(tok.tokenizer.decode(ids[:-1])), JUMP_SCHEMA)
+            tokens, wall = sum(len(ids) for ids in out.values()), walls[mode]
+            print(f"{'greedy' if temperature == 0 else 'T=1':>8} {mode:>12} {steps:>13} "
+                  f"{passes:>15} {tokens:>7} {tokens / passes:>12.2f} {wall:>7.2f} "
+                  f"{tokens / wall:>9.0f} {str(out == results['off'][0]).lower():>12}")
 
 
 def mask(args: argparse.Namespace) -> None:
@@ -117,15 +125,15 @@ def mask(args: argparse.Namespace) -> None:
     build = GrammarMasks.build
     mask_times: list[float] = []
 
-    def timed_build(self, grammars):
+    def timed_build(self, grammars, drafts=None):
         t = time.perf_counter()
-        out = build(self, grammars)
+        out = build(self, grammars, drafts)
         mask_times.append(time.perf_counter() - t)
         return out
 
     GrammarMasks.build = timed_build
     for constrained in args.constrained:
-        core = _core(model, args.device, jump_forward=False,
+        core = _core(model, args.device, jump_forward="off",
                      max_running_requests=max(args.batch, 1))
         for i in range(args.batch):
             params = SamplingParams(max_new_tokens=args.steps + 8, temperature=1.0,
@@ -157,6 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     j.add_argument("--model")
     j.add_argument("--requests", type=int, default=64)
     j.add_argument("--device", default="cpu")
+    j.add_argument("--repeat", type=int, default=3, help="runs per mode; the fastest is shown")
     m = sub.add_parser("mask")
     m.add_argument("--model")
     m.add_argument("--batch", type=int, default=64)

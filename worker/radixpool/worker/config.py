@@ -8,6 +8,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 EVICTION_POLICIES = ("lru", "lfu", "probation")  # radixpool.worker.mem.eviction
+JUMP_FORWARD_MODES = ("exact", "retokenize", "off")   # structured output, see below
 
 
 @dataclass(frozen=True)
@@ -43,9 +44,11 @@ class EngineConfig:
     # Fill the weights with random values instead of reading a checkpoint (benchmarks of a real
     # configuration whose weights are not at hand: model_path then needs only config.json).
     random_weights: bool = False
-    # Structured output: append the text a grammar forces in one extend step (jump-forward)
-    # instead of one forward pass per token.
-    jump_forward: bool = True
+    # Structured output, the text a grammar forces (jump-forward): "exact" drafts it and verifies
+    # the draft in one forward pass (the tokens token-by-token decoding would give); "retokenize"
+    # appends its canonical tokenization unverified; "off" decodes it token by token. True and
+    # False stand for "exact" and "off".
+    jump_forward: str = "exact"
 
     def __post_init__(self) -> None:
         def fail(name: str, expected: str) -> None:
@@ -79,3 +82,7 @@ class EngineConfig:
             fail("max_queue_wait_s", "> 0")
         if self.context_length is not None and self.context_length < 1:
             fail("context_length", "≥ 1")
+        if isinstance(self.jump_forward, bool):
+            object.__setattr__(self, "jump_forward", "exact" if self.jump_forward else "off")
+        if self.jump_forward not in JUMP_FORWARD_MODES:
+            fail("jump_forward", " | ".join(JUMP_FORWARD_MODES))

@@ -186,27 +186,40 @@ class EngineCore:
         """Forward and sample; the tokens stay on the device, in each row's `last_token`."""
         runner, times = self.runner, self.times
         last_tokens = runner.req_to_token_pool.last_token
+        draft_lens = [len(d) for d in batch.drafts]
         fb = ForwardBatch.build(batch.mode, batch.token_ids, batch.prefix_lens,
                                 batch.out_cache_loc, batch.rows, batch.sample,
-                                runner.req_to_token_pool.table, runner.kv_pool, last_tokens)
+                                runner.req_to_token_pool.table, runner.kv_pool, last_tokens,
+                                draft_lens if any(draft_lens) else None)
         t1 = time.perf_counter()
         logits = runner.forward(fb)
         t2 = time.perf_counter()
-        sampled = [r for r, wants in zip(batch.reqs, batch.sample) if wants]
+        sampled = [(r, d) for r, wants, d in zip(batch.reqs, batch.sample, batch.drafts) if wants]
         result = None
         if sampled:
-            # `pending` already counts this step's token: the step index is one less
-            rows = [SamplingRow(r.params, r.seed, r.input_ids, r.output_ids, r.rid,
-                                len(r.output_ids) + r.pending - 1) for r in sampled]
+            rows, mask_rows, grammars, drafts, last_rows = [], [], [], [], []
+            for r, draft in sampled:
+                # `pending` already counts this step's token: the step index is one less.
+                # Draft position i is sampled as step + i after d1..di (penalty counts
+                # recounted for that output: no key).
+                step = len(r.output_ids) + r.pending - 1
+                if r.grammar is not None:
+                    mask_rows.extend(range(len(rows), len(rows) + len(draft) + 1))
+                    grammars.append(r.grammar)
+                    drafts.append(draft)
+                rows.append(SamplingRow(r.params, r.seed, r.input_ids, r.output_ids, r.rid, step))
+                rows.extend(SamplingRow(r.params, r.seed, r.input_ids, r.output_ids + draft[:i],
+                                        None, step + i) for i in range(1, len(draft) + 1))
+                last_rows.append(len(rows) - 1)
             # the forward's logits are this step's alone: the sampler may edit them in place
-            mask_rows = [i for i, r in enumerate(sampled) if r.grammar is not None]
-            mask = None
-            if mask_rows:
-                mask = self._grammar_masks().build([sampled[i].grammar for i in mask_rows])
+            mask = self._grammar_masks().build(grammars, drafts) if grammars else None
             result = self.sampler.sample(logits, rows, vocab_mask=mask, logits_owned=True,
                                          to_host=not self.overlap, mask_rows=mask_rows)
-            index = torch.tensor([r.row for r in sampled], device=last_tokens.device)
-            last_tokens[index] = result.tensor
+            index = torch.tensor([r.row for r, _ in sampled], device=last_tokens.device)
+            # (a verified draft's request gets its real last token when it is processed)
+            last_tokens[index] = (result.tensor if len(rows) == len(sampled)
+                                  else result.tensor[torch.tensor(last_rows,
+                                                                  device=last_tokens.device)])
         times.schedule += t1 - t0
         times.forward += t2 - t1
         times.sample += time.perf_counter() - t2

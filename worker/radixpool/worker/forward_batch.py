@@ -54,12 +54,15 @@ class ForwardBatch:
     def build(cls, mode: ForwardMode, token_ids: list[list[int] | None], prefix_lens: list[int],
               out_cache_loc: torch.Tensor, req_rows: list[int], logits_rows: list[bool],
               req_to_token: torch.Tensor, kv_pool: Any,
-              last_tokens: torch.Tensor | None = None) -> ForwardBatch:
+              last_tokens: torch.Tensor | None = None,
+              draft_lens: list[int] | None = None) -> ForwardBatch:
         """Build from per-request new token ids.
 
         `logits_rows[i]` says whether request i needs next-token logits this step (False for a
-        prefill chunk that does not reach the end of its prompt). A `None` entry (only after
-        every list entry) is one token read on the device from `last_tokens[req_rows[i]]`.
+        prefill chunk that does not reach the end of its prompt); with `draft_lens[i]` = k > 0
+        it needs them at its last k + 1 positions (a draft to verify), in order. A `None` entry
+        (only after every list entry) is one token read on the device from
+        `last_tokens[req_rows[i]]`.
         """
         device = req_to_token.device
         extend_lens = [1 if t is None else len(t) for t in token_ids]
@@ -71,7 +74,9 @@ class ForwardBatch:
         for e in extend_lens:
             total += e
             ends.append(total - 1)
-        logits_indices = [end for end, want in zip(ends, logits_rows) if want]
+        drafts = draft_lens or [0] * len(token_ids)
+        logits_indices = [i for end, want, k in zip(ends, logits_rows, drafts) if want
+                          for i in range(end - k, end + 1)]
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
         input_ids = as_tensor(flat)
         num_known = sum(ids is not None for ids in token_ids)

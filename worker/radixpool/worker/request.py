@@ -72,6 +72,10 @@ class Req:
 
     seq_len: int = 0                      # len(input_ids) + len(output_ids), kept by append
     grammar: RequestGrammar | None = None  # structured output: has accepted every output token
+    # Exact jump-forward: tokens the grammar forces after the last one, to be verified by the
+    # next step (computed after the last token, in the same extend); never part of the output
+    # or the tree until verified (grammar/draft.py).
+    draft: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.seq_len = len(self.input_ids) + len(self.output_ids)

@@ -7,9 +7,10 @@
   the device once, special tokens the grammar does not allow cleared, unpacked to a boolean mask
   in one tensor op; the sampler applies it to those rows only.
 - `matcher.py`: a request's grammar state: accepts each sampled token and finds the text the
-  grammar forces next (jump-forward), re-tokenized together with the sampled token the way the
-  tokenizer would split it, so the forced run is computed in one extend step instead of one
-  forward pass per token.
+  grammar forces next; jump-forward "retokenize" re-tokenizes it together with the sampled token
+  the way the tokenizer would split it and appends it, computed in one extend step.
+- `draft.py`: jump-forward "exact": the forced text's tokens are a draft that the next step
+  verifies in one extend, keeping only the tokens token-by-token decoding would have chosen.
 xgrammar is imported only here, on first use: an engine that never sees a constraint never
 loads it.
 """

@@ -4,7 +4,9 @@ xgrammar fills one bitmask row (32 tokens per int32) per constrained request on 
 them in one batched call. The rows go to the device in one copy, lose the special tokens no
 grammar may emit (a stop token stays: the grammar allows it when the output is complete), and are
 unpacked to a boolean [rows, vocab] mask by one shift-and-mask op. Unconstrained rows of the
-batch are not touched: the sampler applies the mask to the constrained rows only.
+batch are not touched: the sampler applies the mask to the constrained rows only. A request
+verifying a draft (exact jump-forward) has one row per draft position, filled one after the other
+as its matcher walks the draft.
 """
 
 from __future__ import annotations
@@ -38,13 +40,30 @@ class GrammarMasks:
         pin = self.device.type == "cuda"
         return torch.empty((rows, self.words), dtype=torch.int32, pin_memory=pin)
 
-    def build(self, grammars: list[RequestGrammar]) -> torch.Tensor:
-        """bool [len(grammars), vocab_size] on the device: True where the grammar allows."""
-        m = len(grammars)
+    def build(self, grammars: list[RequestGrammar],
+              drafts: list[list[int]] | None = None) -> torch.Tensor:
+        """bool [rows, vocab_size] on the device: True where the grammar allows. One row per
+        grammar; with `drafts`, a grammar with draft d1..dk has k + 1 rows, in order: its mask
+        now, then after each of d1..dk (which it must accept; it is rolled back after)."""
+        m = len(grammars) + sum(len(d) for d in drafts or ())
         if self._host.shape[0] < m:
             self._host = self._alloc(max(m, 2 * self._host.shape[0]))
         host = self._host[:m]
-        self._batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], host)
+        if not drafts or not any(drafts):
+            self._batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], host)
+        else:
+            row = 0
+            for grammar, draft in zip(grammars, drafts):
+                matcher = grammar.matcher
+                for token in draft:
+                    matcher.fill_next_token_bitmask(host, row)
+                    row += 1
+                    if not matcher.accept_token(token):
+                        raise RuntimeError(f"a draft token ({token}) the grammar refuses")
+                matcher.fill_next_token_bitmask(host, row)
+                row += 1
+                if draft:
+                    matcher.rollback(len(draft))
         words = host.to(self.device, non_blocking=True) & self._allowed
         bits = (words.unsqueeze(-1) >> self._shifts) & 1
         return bits.view(m, self.words * 32)[:, :self.vocab_size].bool()

@@ -121,9 +121,22 @@ class KVManager:
         req.last_node = node
         req.prefix_len = req.kv_len - req.kv_len % self.page_size
 
+    def truncate(self, req: Req, kv_len: int) -> None:
+        """Drop the request's KV past `kv_len` (a rejected draft's: never the tree's). Pages
+        wholly past it are freed; the rest of its last page stays its own, to be overwritten."""
+        assert req.prefix_len <= kv_len <= req.kv_len
+        keep = -(-kv_len // self.page_size) * self.page_size
+        if keep < req.kv_len:
+            self.pool.free(self.rows.table[req.row, keep:req.kv_len].clone())
+        req.kv_len = kv_len
+
     def release(self, req: Req) -> None:
         """Give back the row and the lock; the computed KV goes into the tree (so a retracted or
-        finished request's prefix stays reusable), every other page it owns is freed."""
+        finished request's prefix stays reusable), every other page it owns is freed. A draft
+        still in flight (KV past the sequence) is dropped first: it was never verified."""
+        if req.kv_len > req.seq_len:
+            self.truncate(req, req.seq_len)
+        req.draft = []
         slots = self.rows.table[req.row, :req.kv_len].clone()
         owned_from = req.prefix_len
         if req.kv_len > req.prefix_len:

@@ -61,11 +61,12 @@ class PrefillAdder:
         self.soft -= pages
 
     def continue_chunks(self, chunking: list[Req]) -> None:
-        """Prompts being prefilled chunk by chunk go first, limited by the hard room only."""
+        """Prompts being prefilled chunk by chunk go first, limited by the hard room only. A
+        draft (after the one uncomputed token) is optional: the limits may shorten it."""
         for req in chunking:
             if self.token_budget <= 0:
                 return
-            take = min(req.uncomputed, self.chunk, self.token_budget,
+            take = min(req.uncomputed + len(req.draft), self.chunk, self.token_budget,
                        self.kv.tokens_within(req.kv_len, self.hard))
             if take > 0:
                 self.chunked = self.chunked or take < req.uncomputed

@@ -1,7 +1,8 @@
 """The running requests: who decodes next, how much KV their growth needs, who is retracted.
 
 A running request either decodes (one token without KV, which it sampled: its input is on the
-device) or is a prompt mid-prefill (chunked; maybe down to its last prompt token). Every
+device) or extends: a prompt mid-prefill (chunked; maybe down to its last prompt token), forced
+tokens appended by jump-forward, or its last token followed by a draft to verify. Every
 decoding request needs a slot for its next token, which costs a page only when its last page is
 full. When even eviction cannot give those pages, the youngest running
 requests are retracted (their KV goes into the tree first, so they resume by re-matching it); a
@@ -35,7 +36,7 @@ class RunningSet:
         """(decoding, mid-prefill) requests."""
         decode, chunking = [], []
         for r in self.reqs.values():   # (`uncomputed == 1`, inlined: this runs per request)
-            if r.decoding and r.seq_len + r.pending - r.kv_len == 1:
+            if r.decoding and r.seq_len + r.pending - r.kv_len == 1 and not r.draft:
                 decode.append(r)
             else:
                 chunking.append(r)

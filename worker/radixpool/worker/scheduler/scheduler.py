@@ -26,6 +26,7 @@ import torch
 
 from radixpool.worker.config import EngineConfig
 from radixpool.worker.forward_batch import ForwardMode
+from radixpool.worker.grammar.draft import commit, propose_draft
 from radixpool.worker.mem.kv_pool import KVPool, ReqToTokenPool
 from radixpool.worker.mem.radix_cache import RadixCache
 from radixpool.worker.messages import TokenDelta
@@ -48,6 +49,9 @@ class ScheduledBatch:
     out_cache_loc: torch.Tensor  # slots for every new token, requests concatenated
     sample: list[bool]           # whether the request gets a sampled token from this step
     epochs: list[int]            # each request's run_epoch when scheduled
+    # Per request, the draft this step verifies: the last len(draft) of its new tokens. Such a
+    # request gets len(draft) + 1 chosen tokens (one per position from its last real token).
+    drafts: list[list[int]]
 
     @property
     def rows(self) -> list[int]:
@@ -126,19 +130,31 @@ class Scheduler:
                 self.run_set.add(req)
         slots = self.kv.allocate(prefill, takes, decode, decode_pages)
         reqs = prefill + decode
-        token_ids: list[list[int] | None] = [r.fill_ids[r.kv_len:r.kv_len + t]
-                                             for r, t in zip(prefill, takes)]
+        drafts = [self._take_draft(r, t) for r, t in zip(prefill, takes)]
+        drafts += [[] for _ in decode]
+        token_ids: list[list[int] | None] = [r.fill_ids[r.kv_len:r.kv_len + t - len(d)] + d
+                                             for r, t, d in zip(prefill, takes, drafts)]
         token_ids += [None] * len(decode)
         extend_lens = takes + [1] * len(decode)
         prefix_lens = [r.kv_len for r in reqs]
-        sample = [r.kv_len + t == r.seq_len for r, t in zip(prefill, takes)] + [True] * len(decode)
+        sample = [r.kv_len + t - len(d) == r.seq_len
+                  for r, t, d in zip(prefill, takes, drafts)] + [True] * len(decode)
         for req, n, wants in zip(reqs, extend_lens, sample):
             req.kv_len += n          # the pages are the request's from now on
             req.pending += wants     # its token exists once the step has run
             req.decoding = req.decoding or wants
         mode = ForwardMode.EXTEND if prefill else ForwardMode.DECODE
         return ScheduledBatch(mode, reqs, token_ids, prefix_lens, extend_lens, slots, sample,
-                              [r.run_epoch for r in reqs])
+                              [r.run_epoch for r in reqs], drafts)
+
+    @staticmethod
+    def _take_draft(req: Req, take: int) -> list[int]:
+        """The part of the request's draft that fits in this step's `take` tokens (after its
+        one uncomputed token); the draft moves into the batch."""
+        if not req.draft:
+            return []
+        draft, req.draft = req.draft[:take - req.uncomputed], []
+        return draft
 
     def can_schedule_ahead(self) -> bool:
         """Whether the next step may be scheduled before the in-flight one's tokens are on the
@@ -208,54 +224,73 @@ class Scheduler:
                 logprobs: list | None = None, top_logprobs: list | None = None) -> list[TokenDelta]:
         """Apply one step's results. `sampled[j]` belongs to the j-th request with sample=True."""
         deltas = self.take_deltas()
-        j = -1
+        j = 0
         extend = batch.mode is ForwardMode.EXTEND
-        for req, n, wants, epoch in zip(batch.reqs, batch.extend_lens, batch.sample,
-                                        batch.epochs):
-            j += wants
+        for req, n, wants, epoch, draft in zip(batch.reqs, batch.extend_lens, batch.sample,
+                                               batch.epochs, batch.drafts):
+            first, j = j, j + wants + len(draft)
             if req.run_epoch != epoch:
                 continue  # finished, aborted or retracted after this step was scheduled
             req.pending -= wants
             if not wants:
                 self.kv.cache_prefix(req)  # a finished chunk becomes shareable now
                 continue
-            token = sampled[j]
-            req.append(token)
-            tokens = [token] if req.grammar is None else self._follow_grammar(req, token)
+            if draft:
+                tokens = commit(draft, sampled[first:j])
+                # the KV of rejected draft tokens goes; the last emitted one has none yet
+                self.kv.truncate(req, req.kv_len - (len(draft) + 1 - len(tokens)))
+                self.jump_forward_tokens += len(tokens) - 1
+                first = j - 1   # (logprobs: a request with a draft never asks for them)
+            else:
+                tokens = [sampled[first]]
+            for token in tokens:
+                req.append(token)
+            if req.grammar is not None:
+                tokens = self._follow_grammar(req, tokens, verified=bool(draft))
             if self._check_finished(req, tokens[-1]):
                 self._leave_running(req)
             elif n > 1 or len(req.output_ids) == 1:
                 self.kv.cache_prefix(req)
             if extend:
                 self.waiting.unpark(req.rid)   # its prompt is in the tree now
-            deltas.append(self._delta(req, tokens, None if logprobs is None else logprobs[j],
-                                      None if top_logprobs is None else top_logprobs[j]))
+            deltas.append(self._delta(req, tokens, None if logprobs is None else logprobs[first],
+                                      None if top_logprobs is None else top_logprobs[first]))
         if batch.mode is ForwardMode.DECODE:
             self.run_set.on_decode_step()
         return deltas
 
-    def _follow_grammar(self, req: Req, token: int) -> list[int]:
-        """Advance the request's grammar past its sampled token; with jump-forward, the forced
-        text that follows is appended too (the sampled token maybe re-split with it). Returns
-        the tokens that now end the output in the sampled token's place."""
+    def _follow_grammar(self, req: Req, tokens: list[int], verified: bool) -> list[int]:
+        """Advance the request's grammar past the tokens just appended (a sampled token, or a
+        verified draft's). Then, by jump-forward mode: "exact" drafts the text the grammar
+        forces for the next step to verify; "retokenize" appends it (the sampled token maybe
+        re-split with it). Returns the tokens that now end the output in their place."""
         grammar = req.grammar
-        if not grammar.accept(token):
-            # Only a grammar with no allowed token left gets here (the sampler gave it eos).
-            req.finish_reason = "stop"
-            return [token]
-        if grammar.terminated or not self.config.jump_forward or \
-                req.params.logprobs is not None:   # forced tokens have no logprobs
-            return [token]
-        budget = min(req.remaining_new_tokens(), self.context_length - req.seq_len) + 1
-        tokens = grammar.jump_forward(token, budget)
-        if tokens is None:
-            return [token]
-        req.replace_last(tokens)
-        if len(tokens) == 1:
-            # it decodes next from its row's device-side last token: that token changed
-            self.rows.last_token[req.row] = tokens[0]
-        self.jump_forward_tokens += len(tokens) - 1
-        return tokens
+        for token in tokens:
+            if not grammar.accept(token):
+                # Only a grammar with no allowed token left gets here (the sampler gave it eos).
+                req.finish_reason = "stop"
+                return tokens
+        mode, p = self.config.jump_forward, req.params
+        if verified:
+            # it decodes next from its row's device-side last token: the one emitted, which is
+            # not the step's last position's choice unless the whole draft was accepted
+            self.rows.last_token[req.row] = tokens[-1]
+        if grammar.terminated or mode == "off" or p.logprobs is not None:
+            return tokens   # (forced tokens would have no logprobs)
+        budget = min(req.remaining_new_tokens(), self.context_length - req.seq_len)
+        if mode == "exact":
+            stops = self.eos_token_ids | set(p.stop_token_ids)
+            req.draft = propose_draft(grammar, budget - 1, stops)
+            return tokens
+        token = tokens[-1]
+        forced = grammar.jump_forward(token, budget + 1)
+        if forced is None:
+            return tokens
+        req.replace_last(forced)
+        if len(forced) == 1:
+            self.rows.last_token[req.row] = forced[0]
+        self.jump_forward_tokens += len(forced) - 1
+        return [*tokens[:-1], *forced]
 
     def take_deltas(self) -> list[TokenDelta]:
         """Finishes decided while scheduling (a request that outgrew the KV, or can never fit):
@@ -268,7 +303,9 @@ class Scheduler:
         n = len(req.output_ids)
         stops = (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
         if req.grammar is not None and req.grammar.terminated:
-            stops = True   # the grammar accepted a stop token: the output is complete
+            # the grammar accepted a stop token: the output is complete, and has no next token
+            # (even short of min_new_tokens: the sampler gave eos to a row with nothing allowed)
+            req.finish_reason = "stop"
         if (stops and n >= p.min_new_tokens) or req.finish_reason == "stop":
             req.finish_reason, req.matched_stop_token = "stop", token
         if req.finish_reason is None and (n >= p.max_new_tokens

@@ -15,6 +15,7 @@ from radixpool.worker.config import (
     DEVICES,
     DTYPES,
     EVICTION_POLICIES,
+    JUMP_FORWARD_MODES,
     SCHEDULE_POLICIES,
     EngineConfig,
 )
@@ -105,10 +106,13 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-cuda-graph", action="store_true",
                    help="run decode steps eagerly instead of replaying the CUDA graphs captured "
                         "at start-up (GPU with the flashinfer backend only)")
-    p.add_argument("--jump-forward", action=argparse.BooleanOptionalAction,
-                   default=_default("jump_forward"),
-                   help="structured output: append the text a grammar forces in one extend "
-                        "step instead of one forward pass per token (default: on)")
+    p.add_argument("--jump-forward", choices=JUMP_FORWARD_MODES, default=_default("jump_forward"),
+                   help="structured output, the text a grammar forces: exact = draft it and "
+                        "verify the draft in one forward pass (same tokens as token by token), "
+                        "retokenize = append its canonical tokenization unverified, off = one "
+                        "forward pass per token (default: exact)")
+    p.add_argument("--no-jump-forward", dest="jump_forward", action="store_const", const="off",
+                   help="the same as --jump-forward off")
     p.add_argument("--debug-invariants", action="store_true",
                    help="check KV cache invariants whenever the engine goes idle (slow)")
     p.add_argument("--api-key", metavar="KEY", default=os.environ.get(API_KEY_ENV),
