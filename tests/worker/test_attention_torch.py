@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from radixpool.worker.attention.base import AttentionShape, backend_names, create_backend
+from radixpool.worker.attention.torch_backend import ExtendSpan, PaddedExtendPlan, worth_padding
 from radixpool.worker.forward_batch import ForwardBatch, ForwardMode
 from radixpool.worker.mem.kv_pool import KVPool
 
@@ -56,6 +57,7 @@ class Setup:
                                    [True] * len(rows), self.table, self.pool)
         q = torch.randn(batch.num_tokens, self.shape.num_heads, HEAD_DIM)
         self.backend.plan(batch)
+        self.plan = batch.attn_metadata
         out = self.backend.forward(q, torch.cat(new_k), torch.cat(new_v), 0, batch)
         expected = [dense_attention(qs, k, v, self.shape.scale) for qs, k, v in
                     zip(q.split(batch.extend_lens), self.k, self.v)]
@@ -69,6 +71,30 @@ def test_extend_with_prefixes_equals_dense(heads, kv_heads, page_size):
     out, expected = setup.step(ForwardMode.EXTEND, prefix_lens=[0, 0, 23, 8])
     assert out.shape == (1 + 17 + 17 + 1, heads * HEAD_DIM)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_short_extends_run_in_one_padded_call_equal_to_dense(heads, kv_heads, page_size):
+    # A verify step of exact jump-forward: a few new tokens on long prefixes, mixed lengths.
+    setup = Setup(heads, kv_heads, page_size, seq_lens=[40, 3, 70, 21, 9])
+    out, expected = setup.step(ForwardMode.EXTEND, prefix_lens=[33, 0, 69, 16, 8])
+    assert isinstance(setup.plan, PaddedExtendPlan)
+    assert out.shape == (7 + 3 + 1 + 5 + 1, heads * HEAD_DIM)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_long_uneven_extends_keep_a_call_per_request():
+    setup = Setup(4, 2, 1, seq_lens=[1, 17, 40, 9])
+    setup.step(ForwardMode.EXTEND, prefix_lens=[0, 0, 23, 8])
+    assert isinstance(setup.plan, list) and all(isinstance(s, ExtendSpan) for s in setup.plan)
+
+
+def test_padding_is_chosen_by_the_work_it_wastes():
+    assert not worth_padding([5], [3])                      # one request: nothing to batch
+    assert worth_padding([100, 0], [16, 1])                 # short extends batch like decode
+    assert worth_padding([0, 0], [100, 90])                 # similar prefills: little padding
+    assert not worth_padding([0, 0, 0], [2000, 20, 20])     # a long prompt beside short ones
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])

@@ -8,6 +8,10 @@ sequence is `req_to_token[row, :seq_len]` once this layer's K/V are stored.
 - EXTEND: one `scaled_dot_product_attention` per request over its gathered prefix + new K/V, with
   a causal mask shifted by the prefix length. Prefill is compute-bound and lengths vary widely,
   so a per-request call wastes nothing on padding.
+- Short EXTEND (every request adds a few tokens, as in a verify step of exact jump-forward, or
+  when padding costs little): one batched call like DECODE, queries padded to the longest extend.
+  A per-request call costs far more than the few rows it computes once a batch has dozens of
+  requests; padded rows attend to slot 0 and are dropped.
 - DECODE: one batched call. Every request's K/V is gathered into `[batch, max_seq_len]`
   (positions past a request's length point at valid but unused slots and are masked out).
 
@@ -37,6 +41,31 @@ class ExtendSpan:
 
 
 @dataclass
+class PaddedExtendPlan:
+    kv_slots: torch.Tensor     # [batch, max_seq_len]
+    mask: torch.Tensor         # [batch, 1, group * max_extend, max_seq_len]
+    rows: torch.Tensor         # [num_tokens]: each token's row in the padded [batch * max_extend]
+    max_extend: int
+
+
+# Extends of at most this many tokens per request are batched whatever the padding (as decode
+# is); longer ones only when padding at most doubles the attention work.
+SHORT_EXTEND = 16
+
+
+def worth_padding(prefix_lens: list[int], extend_lens: list[int]) -> bool:
+    """Whether one padded call beats a call per request for this extend step."""
+    if len(extend_lens) < 2:
+        return False
+    longest = max(extend_lens)
+    if longest <= SHORT_EXTEND:
+        return True
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    exact = sum(e * s for e, s in zip(extend_lens, seq_lens))
+    return len(extend_lens) * longest * max(seq_lens) <= 2 * exact
+
+
+@dataclass
 class DecodePlan:
     kv_slots: torch.Tensor    # [batch, max_seq_len]
     mask: torch.Tensor        # [batch, 1, 1, max_seq_len]
@@ -46,6 +75,8 @@ class TorchAttentionBackend(AttentionBackend):
     def plan(self, batch: ForwardBatch) -> None:
         if batch.mode is ForwardMode.DECODE:
             batch.attn_metadata = self._plan_decode(batch)
+        elif worth_padding(batch.prefix_lens, batch.extend_lens):
+            batch.attn_metadata = self._plan_padded_extend(batch)
         else:
             batch.attn_metadata = self._plan_extend(batch)
 
@@ -55,6 +86,24 @@ class TorchAttentionBackend(AttentionBackend):
         kv_slots = batch.req_to_token[batch.req_rows, :max_len]
         mask = cols[None, :] < batch.seq_lens[:, None]
         return DecodePlan(kv_slots, mask[:, None, None, :])
+
+    def _plan_padded_extend(self, batch: ForwardBatch) -> PaddedExtendPlan:
+        device = batch.req_to_token.device
+        group = self.shape.num_heads // self.shape.num_kv_heads
+        longest, max_len = max(batch.extend_lens), int(batch.seq_lens.max())
+        prefix = torch.tensor(batch.prefix_lens, device=device)
+        query_pos = prefix[:, None] + torch.arange(longest, device=device)[None, :]
+        # Padded queries sit past their request's end; they see slot 0 only (no empty softmax).
+        extend = torch.tensor(batch.extend_lens, device=device)
+        real = torch.arange(longest, device=device)[None, :] < extend[:, None]
+        cols = torch.arange(max_len, device=device)
+        mask = (cols[None, None, :] <= query_pos[:, :, None]) & real[:, :, None]
+        mask[:, :, 0] = True
+        # Queries are laid [kv_heads, group * max_extend]: the mask repeats for every group.
+        mask = mask[:, None].expand(-1, group, -1, -1).reshape(len(extend), 1, -1, max_len)
+        rows = torch.cat([torch.arange(e, device=device) + i * longest
+                          for i, e in enumerate(batch.extend_lens)])
+        return PaddedExtendPlan(batch.req_to_token[batch.req_rows, :max_len], mask, rows, longest)
 
     def _plan_extend(self, batch: ForwardBatch) -> list[ExtendSpan]:
         device = batch.req_to_token.device
@@ -78,9 +127,12 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache, v_cache = batch.kv_pool.k_buffers[layer_id], batch.kv_pool.v_buffers[layer_id]
         k_cache[batch.out_cache_loc] = k.reshape(-1, kv_heads, dim).to(k_cache.dtype)
         v_cache[batch.out_cache_loc] = v.reshape(-1, kv_heads, dim).to(v_cache.dtype)
+        plan = batch.attn_metadata
         if batch.mode is ForwardMode.DECODE:
-            return self._decode(q, k_cache, v_cache, batch.attn_metadata)
-        return self._extend(q, k_cache, v_cache, batch.attn_metadata)
+            return self._decode(q, k_cache, v_cache, plan)
+        if isinstance(plan, PaddedExtendPlan):
+            return self._padded_extend(q, k_cache, v_cache, plan)
+        return self._extend(q, k_cache, v_cache, plan)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 plan: DecodePlan) -> torch.Tensor:
@@ -91,6 +143,21 @@ class TorchAttentionBackend(AttentionBackend):
         v = v_cache[plan.kv_slots].transpose(1, 2).to(q.dtype)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=self.shape.scale)
         return out.reshape(batch_size, -1)
+
+    def _padded_extend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       plan: PaddedExtendPlan) -> torch.Tensor:
+        heads, kv_heads, dim = self.shape.num_heads, self.shape.num_kv_heads, self.shape.head_dim
+        batch_size, longest = plan.kv_slots.shape[0], plan.max_extend
+        padded = q.new_zeros(batch_size * longest, heads, dim)
+        padded[plan.rows] = q
+        # [B, max_extend, kv_heads, group, dim] → [B, kv_heads, group * max_extend, dim]
+        qs = padded.view(batch_size, longest, kv_heads, -1, dim).permute(0, 2, 3, 1, 4)
+        qs = qs.reshape(batch_size, kv_heads, -1, dim)
+        k = k_cache[plan.kv_slots].transpose(1, 2).to(q.dtype)  # [B, kv_heads, max_len, dim]
+        v = v_cache[plan.kv_slots].transpose(1, 2).to(q.dtype)
+        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=plan.mask, scale=self.shape.scale)
+        o = o.view(batch_size, kv_heads, -1, longest, dim).permute(0, 3, 1, 2, 4)
+        return o.reshape(batch_size * longest, heads * dim)[plan.rows]
 
     def _extend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 spans: list[ExtendSpan]) -> torch.Tensor:

@@ -249,7 +249,9 @@ class Scheduler:
                 tokens = self._follow_grammar(req, tokens, verified=bool(draft))
             if self._check_finished(req, tokens[-1]):
                 self._leave_running(req)
-            elif n > 1 or len(req.output_ids) == 1:
+            elif (n > 1 and not draft) or len(req.output_ids) == 1:
+                # a prompt's end or retokenized forced text becomes shareable now; a verified
+                # draft's tokens, like decoded ones, go into the tree when the request leaves
                 self.kv.cache_prefix(req)
             if extend:
                 self.waiting.unpark(req.rid)   # its prompt is in the tree now
