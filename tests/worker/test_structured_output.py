@@ -288,3 +288,38 @@ def test_jump_forward_equals_greedy_constrained_decoding_by_transformers(tiny_mo
     else:
         assert passes == len(ids) and core.times.steps < len(ids) / 1.5, \
             (core.times.steps, len(ids))
+
+
+BOUNDED_STRINGS = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+                   "properties": {"a": {"type": "string", "maxLength": 6},
+                                  "b": {"type": "string", "minLength": 2, "maxLength": 4}}}
+
+
+@pytest.mark.parametrize("text,valid", [
+    ('{"a": "ab\\u0009c", "b": "xy"}', True),     # escapes count as one character
+    ('{"a": "a\\"b\\\\", "b": "\\n\\t"}', True),
+    ('{"a": "ab\tc", "b": "xy"}', False),         # a raw control character is not JSON
+    ('{"a": "abc\x11", "b": "xy"}', False),
+    ('{"a": "abcdefg", "b": "xy"}', False),       # the bounds hold
+    ('{"a": "", "b": "x"}', False),
+])
+def test_length_bounded_strings_are_json_strings(text, valid):
+    import xgrammar as xgr
+
+    from radixpool.worker.grammar.json_schema import json_schema_ebnf
+
+    grammar = xgr.Grammar.from_ebnf(json_schema_ebnf(json.dumps(BOUNDED_STRINGS)))
+    assert xgr.testing._is_grammar_accept_string(grammar, text) is valid
+    if valid:
+        jsonschema.validate(json.loads(text), BOUNDED_STRINGS)
+
+
+def test_sampled_length_bounded_strings_always_parse(tiny_model, tok):
+    # xgrammar alone lets raw control characters into such strings (mlc-ai/xgrammar#800).
+    reqs = [(f"s{seed}", prompts(tok)[seed % 3], SamplingParams(
+        max_new_tokens=40, temperature=1.5, json_schema=json.dumps(BOUNDED_STRINGS)), seed)
+        for seed in range(24)]
+    out, _ = run(tiny_model, reqs)
+    for rid, (ids, reason, error) in out.items():
+        assert error is None and reason == "stop", (rid, reason, error)
+        jsonschema.validate(json.loads(text_of(tok, ids)), BOUNDED_STRINGS)

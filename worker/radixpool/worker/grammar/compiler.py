@@ -5,9 +5,8 @@
 `ModelVocab` (xgrammar's tokenizer info, each token's bytes, the special tokens to mask), once per
 model. Futures are cached by (kind, source), least recently used first out, so a repeated schema
 compiles once; a failed compile is cached too (the same bad schema gets the same answer at once).
-JSON schemas compile with fixed separators (", " and ": ") and no free whitespace: the language of
-a schema of enums and bounded values stays finite, and more of the output is forced text that
-jump-forward can skip.
+JSON schemas are lowered to EBNF by `json_schema.py` (fixed separators, length-bounded strings
+mended) and compiled as grammars.
 """
 
 from __future__ import annotations
@@ -21,9 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixpool.protocol.metrics import GRAMMAR_COMPILE_BUCKETS
+from radixpool.worker.grammar.json_schema import json_schema_ebnf
 
 CACHE_ENTRIES = 256
-JSON_SEPARATORS = (", ", ": ")
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: Check failed: (...) is false: ".
 _NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 _KIND_NAMES = {"json_schema": "JSON schema", "regex": "regular expression",
@@ -105,8 +104,7 @@ class GrammarCompiler:
         start = time.perf_counter()
         try:
             if kind == "json_schema":
-                compiled = compiler.compile_json_schema(
-                    source, any_whitespace=False, separators=JSON_SEPARATORS, strict_mode=True)
+                compiled = compiler.compile_grammar(json_schema_ebnf(source))
             elif kind == "regex":
                 compiled = compiler.compile_regex(source)
             else:

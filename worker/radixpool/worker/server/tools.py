@@ -28,13 +28,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
+from radixpool.worker.grammar.json_schema import json_schema_ebnf
 from radixpool.worker.server.errors import bad_request
 from radixpool.worker.server.tool_format import MISTRAL_MARKER, ToolFormat
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
 CALL_SEPARATOR = "\n"
-JSON_SEPARATORS = (", ", ": ")
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "
 _XGRAMMAR_NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -238,11 +238,8 @@ def _structure(tools: list[list[Any]], mode: str, parallel: bool,
 
 @lru_cache(maxsize=256)
 def _schema_ebnf(schema: str) -> str:
-    import xgrammar as xgr
-
     try:
-        return str(xgr.Grammar.from_json_schema(schema, any_whitespace=False,
-                                                separators=JSON_SEPARATORS, strict_mode=True))
+        return json_schema_ebnf(schema)
     except Exception as exc:
         raise ValueError(_first_line(exc)) from None
 
