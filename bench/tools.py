@@ -142,6 +142,8 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--policies", nargs="+", default=["cache_aware", "round_robin"])
+    p.add_argument("--jump-forward", default="exact", choices=["exact", "retokenize", "off"],
+                   help="the workers' --jump-forward (retokenize: calls in the tokenizer's split)")
     args = p.parse_args()
     if args.model is None:
         from radixpool.worker.tiny_model import default_tiny_model
@@ -150,7 +152,8 @@ def main() -> None:
     ports = [free_port() for _ in range(args.workers)]
     workers = [spawn(["worker", "--model", args.model, "--served-model-name", "tiny",
                       "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
-                      "--kv-cache-tokens", "32768", "--log-level", "warning"])
+                      "--kv-cache-tokens", "32768", "--log-level", "warning",
+                      "--jump-forward", args.jump_forward])
                for port in ports]
     urls = [f"http://127.0.0.1:{port}" for port in ports]
     try:
