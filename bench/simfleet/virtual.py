@@ -11,6 +11,11 @@ arrival order, at `prefill_us_per_token` per uncached token; decode then takes
 `decode_ms_per_token` per output token and overlaps freely; KV events reach the gateways the
 instant the prefill ends (a real stream takes a few milliseconds).
 
+Idleness: `idle_while_queued` is the time some worker has nothing to do (no prefill running or
+queued) while another has a prefill waiting in its queue; `idle_avoidable` is the part of it
+when some waiting request would get its first token sooner on an idle worker, cold or not. The
+rest is idleness no routing decision could have turned into an earlier first token.
+
 Several gateways: each request goes to one of them at random (clients spread over replicas);
 each knows only the in-flight requests it sent itself, while all of them receive every KV event.
 """
@@ -62,7 +67,8 @@ class Outcome:
     ttfts: list[float] = field(default_factory=list)
     per_worker: list[int] = field(default_factory=list)
     busy_time: float = 0.0
-    idle_while_queued: float = 0.0
+    idle_while_queued: float = 0.0   # some worker idle while another has a prefill queued
+    idle_avoidable: float = 0.0      # ... and a queued request would start sooner on it
     reasons: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -116,6 +122,29 @@ class _SimWorker:
                         event_buffer=1)
         self.queue: deque[_Job] = deque()
         self.running: _Job | None = None
+        self.running_until = 0.0
+
+    @property
+    def idle(self) -> bool:
+        return self.running is None and not self.queue
+
+
+def _avoidable(workers: list[_SimWorker], now: float, us_per_token: float) -> bool:
+    """Some worker idles while a request queued at another would get its first token sooner on
+    it: its prefill there (cold or partly cached) would end before its turn comes and its own
+    prefill ends where it waits. Costs read each cache as it is now."""
+    idle = [w for w in workers if w.idle]
+    for w in workers:
+        if not idle or not w.queue:
+            continue
+        ready = max(now, w.running_until)
+        for job in w.queue:
+            tokens = job.request.tokens
+            ready += (len(tokens) - w.kv.probe(tokens, None)) * us_per_token / 1e6
+            if any(now + (len(tokens) - i.kv.probe(tokens, None)) * us_per_token / 1e6 < ready
+                   for i in idle):
+                return True
+    return False
 
 
 Router = Callable[[Request, RouteKey], tuple[_Gateway | None, Decision | None, int]]
@@ -149,15 +178,18 @@ def simulate(requests: list[Request], model: FleetModel, policy: str | None = "c
         worker.running = job
         job.cached, job.match = worker.kv.start(job.request.tokens, None)
         cost = (len(job.request.tokens) - job.cached) * model.prefill_us_per_token / 1e6
+        worker.running_until = now + cost
         heapq.heappush(heap, (now + cost, next(order), "prefilled", job))
 
     while heap:
         t, _, kind, item = heapq.heappop(heap)
-        busy = [w.running is not None or bool(w.queue) for w in workers]
+        busy = [not w.idle for w in workers]
         if any(busy):
             out.busy_time += t - now
             if any(w.queue for w in workers) and not all(busy):
                 out.idle_while_queued += t - now
+                if _avoidable(workers, now, model.prefill_us_per_token):
+                    out.idle_avoidable += t - now
         now = t
         if kind == "arrive":
             request: Request = item  # type: ignore[assignment]
