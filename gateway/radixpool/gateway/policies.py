@@ -22,7 +22,11 @@ pick one. Pure: no I/O, no clock; the proxy owns the loop around them.
    one worker gains owners in proportion to its load instead of queueing behind one. (Before a
    worker has answered, the proxy counts each request in flight there as a whole prompt.)
    Only to an idle worker that has room for it (below): a replica that evicts another group's
-   prefix costs the fleet a miss later. Otherwise the owner (reason `cache_hit`).
+   prefix costs the fleet a miss later. And only to one whose reused prefixes fill less than
+   half its KV (`SPILL_ROOM_SHARE`): later requests reuse the copy, so a worker that protects
+   reuse keeps it, and on a worker already full of other groups' prefixes it soon costs one of
+   them its home (on the capacity-bound load, each spill cost the fleet more hits than the one
+   prefill it saved, and lengthened the tail). Otherwise the owner (reason `cache_hit`).
 5. No owner above the threshold: among the workers within `LOAD_SLACK` requests of the least
    loaded, the one where the prompt does the least damage (reason `cache_miss`); then the least
    loaded, preferring a longer match beyond the base (not the raw match: then, at low traffic,
@@ -61,6 +65,7 @@ from radixpool.gateway.prefix_index import PrefixIndex
 from radixpool.gateway.route_key import BYTES_PER_TOKEN, RouteKey
 
 LOAD_SLACK = 1
+SPILL_ROOM_SHARE = 0.5  # spill copies only onto workers with this share of their KV unreserved
 DEMAND_WINDOW = 512  # requests per demand window; hot-prefix shares cover the last two windows
 
 
@@ -200,6 +205,7 @@ class CacheAware(Policy):
         """The owner is busy and some worker idles: go to the idle one when computing this
         prompt cold there costs less than the prefill work waiting at the owner, in tokens."""
         idle = [i for i in range(len(candidates)) if candidates[i].load == 0
+                and self._has_slack(candidates[i])
                 and not self._damage(candidates[i], matched[i], key)]
         if not idle:
             return owner, "cache_hit"
@@ -212,6 +218,12 @@ class CacheAware(Policy):
 
     def failed(self, decision: Decision, key: RouteKey) -> None:
         self.index.remove(decision.worker, key.hashes[decision.predicted_blocks:])
+
+    def _has_slack(self, candidate: Candidate) -> bool:
+        """Reused prefixes fill less than `1 - SPILL_ROOM_SHARE` of the worker's KV: a copy
+        there (which later requests reuse, so the worker protects it) costs no group its home."""
+        name = candidate.name
+        return self.index.room(name) >= SPILL_ROOM_SHARE * self.index.capacity(name)
 
     def _damage(self, candidate: Candidate, matched: int, key: RouteKey) -> int:
         """Blocks of reused prefixes this prompt would push out of the candidate's cache."""
