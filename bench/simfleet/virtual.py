@@ -31,12 +31,13 @@ from dataclasses import dataclass, field, replace
 
 from radixpool.gateway.breaker import CircuitBreaker
 from radixpool.gateway.config import GatewayConfig
-from radixpool.gateway.feedback import first_missing_block
+from radixpool.gateway.feedback import first_missing_block, prefill_wait
 from radixpool.gateway.health import HealthHysteresis
 from radixpool.gateway.policies import Candidate, Decision, make_policy
 from radixpool.gateway.prefix_index import PrefixIndex
 from radixpool.gateway.route_key import KeyBuilder, RouteKey
 from radixpool.gateway.workers import Worker
+from radixpool.protocol.kv_blocks import KVEvent
 
 from .kv import SimKV
 
@@ -82,8 +83,8 @@ class _Gateway:
     def __init__(self, config: GatewayConfig, model: FleetModel, names: list[str]) -> None:
         self.index = PrefixIndex()
         self.policy = make_policy(config, self.index)
-        self.workers = {n: Worker(n, HealthHysteresis(1, 1), CircuitBreaker(5, 10.0))
-                        for n in names}
+        self.workers = {n: Worker(n, HealthHysteresis(1, 1), CircuitBreaker(5, 10.0),
+                                  kv_events_live=True) for n in names}
         for n in names:  # what the monitor learns from each worker's /server_info
             self.index.add_worker(n, model.kv_capacity_tokens // model.block_size)
             self.index.set_eviction_policy(n, model.eviction_policy)
@@ -92,13 +93,23 @@ class _Gateway:
         ready = list(self.workers.values())
         decision = self.policy.select(
             [Candidate(w.url, w.inflight, w.backlog(key.units)) for w in ready], key)
-        self.workers[decision.worker].inflight += 1
+        worker = self.workers[decision.worker]
+        worker.inflight += 1
+        if (wait := prefill_wait(decision, key)) is not None:
+            worker.prefill_sent(*wait)
         return decision
+
+    def stored(self, name: str, event: KVEvent) -> None:
+        self.index.apply_event(name, event)
+        if event.type == "stored":
+            self.workers[name].prefill_stored(event.blocks)
 
     def learn(self, name: str, decision: Decision, key: RouteKey, prompt: int,
               cached: int) -> None:
         worker = self.workers[name]
         worker.inflight -= 1
+        if (wait := prefill_wait(decision, key)) is not None:
+            worker.prefill_ended(*wait)
         worker.observe_uncached(prompt - cached)
         missing = first_missing_block(decision, key, prompt, cached)
         if missing is not None and missing < len(decision.prior_epochs):
@@ -210,7 +221,7 @@ def simulate(requests: list[Request], model: FleetModel, policy: str | None = "c
             events = worker.kv.finish(job.request.tokens, None, job.match)
             for g in replicas:
                 for event in events:
-                    g.index.apply_event(names[job.worker], event)
+                    g.stored(names[job.worker], event)
             out.ttfts.append(now - job.request.arrival)
             decode = job.request.output_tokens * model.decode_ms_per_token / 1e3
             heapq.heappush(heap, (now + decode, next(order), "done", job))

@@ -299,8 +299,13 @@ def test_a_prompt_no_worker_holds_goes_where_it_evicts_no_reused_prefix():
     policy = capacity_bound(reused_on_a=10)
     cold = key_of(tokens(90_000, 30 * BLOCK))  # fits beside a's 10 reused blocks, not b's 40
     assert policy.select(idle("a", "b"), cold).worker == "a"
-    busy_a = [Candidate("a", 2), Candidate("b", 0)]  # room is worth one request of load only
-    assert policy.select(busy_a, key_of(tokens(95_000, 30 * BLOCK))).worker == "b"
+    # a's queue against b's damage, in tokens to compute: 6 of b's reused blocks would go (96
+    # tokens computed again later), so a prefill queued at a that costs more sends it to b.
+    queued_a = [Candidate("a", 2, backlog=960.0), Candidate("b", 0)]   # 960 + 480 > 480 + 96
+    assert policy.select(queued_a, key_of(tokens(95_000, 30 * BLOCK))).worker == "b"
+    decoding_a = [Candidate("a", 2, backlog=50.0), Candidate("b", 0)]  # 50 + 480 < 480 + 96
+    policy = capacity_bound(reused_on_a=10)  # (b's tree took the last prompt: start afresh)
+    assert policy.select(decoding_a, key_of(tokens(95_000, 30 * BLOCK))).worker == "a"
 
 
 def test_with_lru_workers_a_cold_prompt_just_goes_to_the_least_loaded():

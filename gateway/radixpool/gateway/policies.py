@@ -17,7 +17,7 @@ pick one. Pure: no I/O, no clock; the proxy owns the loop around them.
    worker elsewhere does not cost this request its cache.
 4. Spill: if the owner is busy while some worker is idle, and computing the prompt cold on the
    idle worker costs fewer tokens than the prefill work already waiting at the owner (its
-   in-flight count × its recent mean uncached tokens, plus this prompt's uncached part there),
+   queued prefill, below, plus this prompt's uncached part there),
    go to the idle worker (reason `spill`). It then holds the prefix too, so a group too hot for
    one worker gains owners in proportion to its load instead of queueing behind one. (Before a
    worker has answered, the proxy counts each request in flight there as a whole prompt.)
@@ -27,8 +27,13 @@ pick one. Pure: no I/O, no clock; the proxy owns the loop around them.
    reuse keeps it, and on a worker already full of other groups' prefixes it soon costs one of
    them its home (on the capacity-bound load, each spill cost the fleet more hits than the one
    prefill it saved, and lengthened the tail). Otherwise the owner (reason `cache_hit`).
-5. No owner above the threshold: among the workers within `LOAD_SLACK` requests of the least
-   loaded, the one where the prompt does the least damage (reason `cache_miss`); then the least
+   Queued prefill (`Candidate.backlog`): with the worker's KV events followed, the uncached parts
+   of the requests sent there whose prompt's last block no event has stored yet (a worker caches
+   a prompt when its prefill ends); else in-flight count x recent mean uncached tokens.
+5. No owner above the threshold (reason `cache_miss`): if the prompt would push reused prefixes
+   out somewhere (damage, below), the worker where queued prefill + its uncached part + the
+   damage is least, all in tokens to compute (the damage is computed again by whoever needs it
+   next); else among the workers within `LOAD_SLACK` requests of the least loaded, the least
    loaded, preferring a longer match beyond the base (not the raw match: then, at low traffic,
    every new session would go to the first holder of a common system prompt and its history
    would pin it there). Remaining ties rotate (never always the first).
@@ -231,11 +236,19 @@ class CacheAware(Policy):
 
     def _least_damage(self, candidates: Sequence[Candidate], matched: list[int], key: RouteKey,
                       beyond: list[int]) -> int:
+        damage = [self._damage(c, matched[i], key) for i, c in enumerate(candidates)]
+        if any(damage):
+            # Some worker would lose reused prefixes to it: weigh that against the wait, in
+            # tokens to compute: prefill queued there + this prompt's uncached part + the
+            # reused blocks it pushes out (computed again by the next request that needs them).
+            units = key.block_units if key.exact else key.block_units / BYTES_PER_TOKEN
+            cost = [c.backlog + (key.blocks - matched[i] + damage[i]) * units
+                    for i, c in enumerate(candidates)]
+            best = [i for i, x in enumerate(cost) if x == min(cost)]
+            return self._least_loaded(candidates, best, beyond)
         low = min(c.load for c in candidates)
         near = [i for i, c in enumerate(candidates) if c.load <= low + LOAD_SLACK]
-        damage = [self._damage(candidates[i], matched[i], key) for i in near]
-        best = [i for i, d in zip(near, damage) if d == min(damage)]
-        return self._least_loaded(candidates, best, beyond)
+        return self._least_loaded(candidates, near, beyond)
 
     def _least_loaded(self, candidates: Sequence[Candidate], among: Sequence[int],
                       beyond: list[int]) -> int:
