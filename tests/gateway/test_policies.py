@@ -320,19 +320,20 @@ def test_a_busy_owner_does_not_spill_onto_a_worker_it_would_evict_a_group_from()
     hot = key_of(tokens(0, 40 * BLOCK) + tokens(900, 2 * BLOCK))  # b's group
     queued = [Candidate("a", 0), Candidate("b", 3, backlog=3 * 2000.0)]
     assert policy.select(queued, hot).worker == "b"  # a has no room for 42 more blocks
-    policy.index.set_eviction_policy("a", "lru")
-    assert policy.select(queued, hot).reason == "spill"  # the old rule, for an lru worker
+    policy.index.set_eviction_policy("a", "lru")  # room is no rule for lru, but 40 of a's 64
+    assert policy.select(queued, hot).reason == "cache_hit"  # blocks are reused: no copy there
 
 
+@pytest.mark.parametrize("eviction", ["probation", "lru"])
 @pytest.mark.parametrize(("reused_on_a", "spills"), [(20, True), (36, False)])
 def test_a_spill_copies_a_prompt_only_onto_a_worker_whose_kv_is_mostly_unreserved(
-        reused_on_a, spills):
+        reused_on_a, spills, eviction):
     """The copy would fit beside a's reused prefix either way (no damage now), but it is reused
     afterwards, so a worker already half full of reused prefixes would lose a group to it."""
     policy = cache_aware(("a", "b"))
     for w, start, size in (("a", 5000, reused_on_a), ("b", 0, 20)):
         policy.index.set_capacity(w, 64)
-        policy.index.set_eviction_policy(w, "probation")
+        policy.index.set_eviction_policy(w, eviction)
         system = key_of(tokens(start, size * BLOCK)).hashes
         policy.index.insert(w, system)
         policy.index.insert(w, system, matched=size)

@@ -23,10 +23,10 @@ pick one. Pure: no I/O, no clock; the proxy owns the loop around them.
    worker has answered, the proxy counts each request in flight there as a whole prompt.)
    Only to an idle worker that has room for it (below): a replica that evicts another group's
    prefix costs the fleet a miss later. And only to one whose reused prefixes fill less than
-   half its KV (`SPILL_ROOM_SHARE`): later requests reuse the copy, so a worker that protects
-   reuse keeps it, and on a worker already full of other groups' prefixes it soon costs one of
-   them its home (on the capacity-bound load, each spill cost the fleet more hits than the one
-   prefill it saved, and lengthened the tail). Otherwise the owner (reason `cache_hit`).
+   half its KV (`SPILL_ROOM_SHARE`), whatever its eviction: later requests reuse the copy, and
+   on a worker already full of other groups' prefixes it soon costs one of them its home (on
+   the capacity-bound load, each spill cost the fleet more hits than the one prefill it saved,
+   and lengthened the tail). Otherwise the owner (reason `cache_hit`).
    Queued prefill (`Candidate.backlog`): with the worker's KV events followed, the uncached parts
    of the requests sent there whose prompt's last block no event has stored yet (a worker caches
    a prompt when its prefill ends); else in-flight count x recent mean uncached tokens.
@@ -226,9 +226,10 @@ class CacheAware(Policy):
 
     def _has_slack(self, candidate: Candidate) -> bool:
         """Reused prefixes fill less than `1 - SPILL_ROOM_SHARE` of the worker's KV: a copy
-        there (which later requests reuse, so the worker protects it) costs no group its home."""
-        name = candidate.name
-        return self.index.room(name) >= SPILL_ROOM_SHARE * self.index.capacity(name)
+        there (which later requests reuse) costs no group its home. Whatever the worker's
+        eviction: an lru worker over capacity evicts a group for the copy just the same."""
+        capacity = self.index.capacity(candidate.name)
+        return capacity - self.index.reused_blocks(candidate.name) >= SPILL_ROOM_SHARE * capacity
 
     def _damage(self, candidate: Candidate, matched: int, key: RouteKey) -> int:
         """Blocks of reused prefixes this prompt would push out of the candidate's cache."""
