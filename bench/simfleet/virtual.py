@@ -92,7 +92,8 @@ class _Gateway:
     def route(self, key: RouteKey) -> Decision:
         ready = list(self.workers.values())
         decision = self.policy.select(
-            [Candidate(w.url, w.inflight, w.backlog(key.units)) for w in ready], key)
+            [Candidate(w.url, w.inflight, w.backlog(key.units), w.queued(key.units))
+             for w in ready], key)
         worker = self.workers[decision.worker]
         worker.inflight += 1
         if (wait := prefill_wait(decision, key)) is not None:

@@ -26,13 +26,13 @@ def test_a_prefill_waits_until_the_event_storing_its_last_block_or_its_end():
     w.inflight = 2
     w.prefill_sent(111, 800.0)
     w.prefill_sent(222, 40.0)
-    assert w.backlog(5000) == 840.0
+    assert w.queued(5000) == 840.0
     w.prefill_stored((5, 111))                 # the first prompt's prefill ended
-    assert w.backlog(5000) == 40.0
+    assert w.queued(5000) == 40.0
     w.prefill_ended(111, 800.0)                # its answer ends later: nothing left to remove
-    assert w.backlog(5000) == 40.0
+    assert w.queued(5000) == 40.0
     w.prefill_ended(222, 40.0)                 # a prompt cached whole stores no block
-    assert w.backlog(5000) == 0.0 and not w.awaiting_prefill
+    assert w.queued(5000) == 0.0 and not w.awaiting_prefill
 
 
 def test_identical_prompts_wait_apart_and_one_stored_event_ends_both():
@@ -40,18 +40,18 @@ def test_identical_prompts_wait_apart_and_one_stored_event_ends_both():
     w.prefill_sent(7, 100.0)
     w.prefill_sent(7, 100.0)
     w.prefill_ended(7, 100.0)
-    assert w.backlog(0) == 100.0
+    assert w.queued(0) == 100.0
     w.prefill_stored((7,))
-    assert w.backlog(0) == 0.0
+    assert w.queued(0) == 0.0
 
 
-def test_without_kv_events_the_backlog_is_the_in_flight_estimate():
+def test_without_kv_events_the_queue_is_the_in_flight_estimate():
     w = worker(events=False)
     w.inflight = 3
     w.prefill_sent(1, 900.0)
-    assert w.backlog(64) == 3 * 64      # no answer yet: each in flight counts as a whole prompt
+    assert w.queued(64) == 3 * 64      # no answer yet: each in flight counts as a whole prompt
     w.observe_uncached(10)
-    assert w.backlog(64) == 30
+    assert w.queued(64) == 30 == w.backlog(64)
 
 
 def test_prefill_wait_is_the_uncached_part_the_tree_predicts_in_tokens():

@@ -182,8 +182,8 @@ def test_the_kv_event_of_a_finished_prefill_ends_its_wait_before_the_answer_ends
     pool = ThreadPoolExecutor(1)
     answer = pool.submit(chat, client, words(0, 300), words(3000, 5))
     wait_for(lambda: worker.inflight == 1)
-    assert worker.backlog(0) > 250            # ~300 uncached prompt tokens: 0.3 s of prefill
-    wait_for(lambda: worker.backlog(0) == 0)  # the event came; 4 x 0.4 s of decoding are left
+    assert worker.queued(0) > 250            # ~300 uncached prompt tokens: 0.3 s of prefill
+    wait_for(lambda: worker.queued(0) == 0)  # the event came; 4 x 0.4 s of decoding are left
     assert worker.inflight == 1
     assert answer.result(timeout=10).parse().usage.prompt_tokens > 300
     pool.shutdown()

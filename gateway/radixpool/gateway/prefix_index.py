@@ -108,11 +108,6 @@ class PrefixIndex:
             return 0
         return tree.capacity - len(tree.reused) if tree.protects_reuse else tree.capacity
 
-    def reused_blocks(self, worker: str) -> int:
-        """Blocks of `worker` that a later request routed there matched (and it still holds)."""
-        tree = self._trees.get(worker)
-        return 0 if tree is None else len(tree.reused)
-
     # --- queries ------------------------------------------------------------------------------
     def match(self, hashes: Sequence[int]) -> dict[str, int]:
         """Leading blocks of `hashes` each worker holds; workers holding none are left out."""

@@ -208,7 +208,8 @@ class Gateway:
             by_url = {w.url: w for w in ready}
             tokens = key.units if key.exact else key.units / BYTES_PER_TOKEN
             decision = self.policy.select(
-                [Candidate(w.url, w.inflight, w.backlog(tokens)) for w in ready], key)
+                [Candidate(w.url, w.inflight, w.backlog(tokens), w.queued(tokens))
+                 for w in ready], key)
             worker = by_url[decision.worker]
             self.metrics.decision(worker.url, "retry" if attempt else decision.reason)
             if attempt:

@@ -81,14 +81,18 @@ class Worker:
             self.mean_uncached += UNCACHED_SMOOTHING * (tokens - self.mean_uncached)
 
     def backlog(self, prompt_tokens: float) -> float:
-        """Estimated uncached prompt tokens queued here. With its KV events followed: the
-        uncached parts of the requests whose prefill has not ended. Else its in-flight count
-        (decoding requests included) x its recent mean; before the worker has answered
-        anything, each request in flight counts as a whole prompt (a cold start's first wave)."""
-        if self.kv_events_live:
-            return max(0.0, self.queued_prefill)
+        """Estimated uncached prompt tokens in flight here: its in-flight count (decoding
+        requests included) x its recent mean; before the worker has answered anything, each
+        request in flight counts as a whole prompt (a cold start's first wave)."""
         mean = prompt_tokens if self.mean_uncached is None else self.mean_uncached
         return self.inflight * mean
+
+    def queued(self, prompt_tokens: float) -> float:
+        """Uncached prompt tokens waiting for their prefill here. With its KV events followed:
+        those of the requests whose prompt no event has stored yet; else `backlog`."""
+        if self.kv_events_live:
+            return max(0.0, self.queued_prefill)
+        return self.backlog(prompt_tokens)
 
     def prefill_sent(self, last_block: int, uncached_tokens: float) -> None:
         self.awaiting_prefill.setdefault(last_block, []).append(uncached_tokens)
