@@ -3,10 +3,10 @@ workers running the engine's own radix cache, with no HTTP and no wall clock, so
 gives the same figures on any machine, loaded or not.
 
 What is real: `make_policy` / `PrefixIndex` / `KeyBuilder` / `Worker` (in-flight counts, mean
-uncached tokens, backlog) from the gateway, the trim on a short `cached_tokens` report
-(`first_missing_block` + `trim_through`, as the proxy does), the workers' KV events applied to
-every gateway's index (`apply_event`, as the monitor does), and `SimKV` (`RadixCache` with its
-eviction policy) on the workers. What is modelled: a worker computes one prefill at a time, in
+uncached tokens, backlog, the queued prefill that KV events end) from the gateway, the trim on a
+short `cached_tokens` report (`first_missing_block` + `trim_through`, as the proxy does), the
+workers' KV events applied to every gateway's index and queue (as the monitor does), and
+`SimKV` (`RadixCache` with its eviction policy) on the workers. What is modelled: a worker computes one prefill at a time, in
 arrival order, at `prefill_us_per_token` per uncached token; decode then takes
 `decode_ms_per_token` per output token and overlaps freely; KV events reach the gateways the
 instant the prefill ends (a real stream takes a few milliseconds).
