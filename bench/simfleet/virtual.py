@@ -6,8 +6,9 @@ What is real: `make_policy` / `PrefixIndex` / `KeyBuilder` / `Worker` (in-flight
 uncached tokens, backlog, the queued prefill that KV events end) from the gateway, the trim on a
 short `cached_tokens` report (`first_missing_block` + `trim_through`, as the proxy does), the
 workers' KV events applied to every gateway's index and queue (as the monitor does), and
-`SimKV` (`RadixCache` with its eviction policy) on the workers. What is modelled: a worker computes one prefill at a time, in
-arrival order, at `prefill_us_per_token` per uncached token; decode then takes
+`SimKV` (`RadixCache` with its eviction policy) on the workers. What is modelled: a worker
+computes one prefill at a time, in arrival order, at `prefill_us_per_token` per uncached token;
+decode then takes
 `decode_ms_per_token` per output token and overlaps freely; KV events reach the gateways the
 instant the prefill ends (a real stream takes a few milliseconds).
 
