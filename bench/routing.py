@@ -33,7 +33,11 @@ Workloads (token counts exact: the simulated tokenizer is one token per word):
                  engine's own radix cache, no HTTP), so the figures are deterministic. Beside
                  each policy: the capacity reference (one unbounded cache, no load: the best any
                  routing could do) and the partition reference (group g always on worker
-                 g mod N, ignoring load), for every `--eviction-policies` entry.
+                 g mod N, ignoring load), for every `--eviction-policies` entry. idle-q:
+                 share of busy time some worker had nothing to do while another had a prefill
+                 queued; idle-av: the part of it when some queued request would have got its
+                 first token sooner on an idle worker (its prefill there, cold or not, ends
+                 before its turn and prefill where it waits): the idleness routing could avoid.
 
 `overhead` measures, with zero-service-time workers: p50 added latency of a non-streamed request
 (via gateway minus direct, sequential), the same for the first byte of a stream, and peak
@@ -139,7 +143,7 @@ def capacity(args: argparse.Namespace) -> None:
           f"{args.capacity_requests} requests, prefill {args.capacity_prefill_us} us/uncached "
           f"token (FIFO, one at a time), decode {args.capacity_decode_ms} ms/token x 32, "
           f"KV {args.capacity_kv_tokens} tokens/worker")
-    print("  N evict     routing            hit  lat50ms  lat99  ttft50  ttft99 idle-q  "
+    print("  N evict     routing            hit  lat50ms  lat99  ttft50  ttft99 idle-q idle-av  "
           "min/max per worker  decisions")
     for n in args.workers:
         requests = capacity_workload(n, args.capacity_requests, args.seed)
@@ -156,13 +160,14 @@ def capacity(args: argparse.Namespace) -> None:
                 lat = [x * 1e3 for x in o.latencies]
                 ttft = [x * 1e3 for x in o.ttfts]
                 idle = o.idle_while_queued / o.busy_time if o.busy_time else 0.0
+                avoidable = o.idle_avoidable / o.busy_time if o.busy_time else 0.0
                 lat_cols = ("      -       -       -       -" if name == "ref:capacity" else
                             f"{percentile(lat, 0.5):7.0f} {percentile(lat, 0.99):7.0f} "
                             f"{percentile(ttft, 0.5):7.0f} {percentile(ttft, 0.99):7.0f}")
                 reasons = " ".join(f"{k}={v}" for k, v in sorted(o.reasons.items()))
                 print(f"{n:>3} {eviction:<9} {name:<15} {o.hit_rate:6.3f} {lat_cols} "
-                      f"{idle:6.1%}  {min(o.per_worker):>6}/{max(o.per_worker):<6}        "
-                      f"{reasons}", flush=True)
+                      f"{idle:6.1%} {avoidable:7.1%}  "
+                      f"{min(o.per_worker):>6}/{max(o.per_worker):<6}        {reasons}", flush=True)
 
 
 # --- several gateways (virtual time) --------------------------------------------------------------

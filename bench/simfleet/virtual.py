@@ -3,13 +3,19 @@ workers running the engine's own radix cache, with no HTTP and no wall clock, so
 gives the same figures on any machine, loaded or not.
 
 What is real: `make_policy` / `PrefixIndex` / `KeyBuilder` / `Worker` (in-flight counts, mean
-uncached tokens, backlog) from the gateway, the trim on a short `cached_tokens` report
-(`first_missing_block` + `trim_through`, as the proxy does), the workers' KV events applied to
-every gateway's index (`apply_event`, as the monitor does), and `SimKV` (`RadixCache` with its
-eviction policy) on the workers. What is modelled: a worker computes one prefill at a time, in
-arrival order, at `prefill_us_per_token` per uncached token; decode then takes
+uncached tokens, backlog, the queued prefill that KV events end) from the gateway, the trim on a
+short `cached_tokens` report (`first_missing_block` + `trim_through`, as the proxy does), the
+workers' KV events applied to every gateway's index and queue (as the monitor does), and
+`SimKV` (`RadixCache` with its eviction policy) on the workers. What is modelled: a worker
+computes one prefill at a time, in arrival order, at `prefill_us_per_token` per uncached token;
+decode then takes
 `decode_ms_per_token` per output token and overlaps freely; KV events reach the gateways the
 instant the prefill ends (a real stream takes a few milliseconds).
+
+Idleness: `idle_while_queued` is the time some worker has nothing to do (no prefill running or
+queued) while another has a prefill waiting in its queue; `idle_avoidable` is the part of it
+when some waiting request would get its first token sooner on an idle worker, cold or not. The
+rest is idleness no routing decision could have turned into an earlier first token.
 
 Several gateways: each request goes to one of them at random (clients spread over replicas);
 each knows only the in-flight requests it sent itself, while all of them receive every KV event.
@@ -26,12 +32,13 @@ from dataclasses import dataclass, field, replace
 
 from radixpool.gateway.breaker import CircuitBreaker
 from radixpool.gateway.config import GatewayConfig
-from radixpool.gateway.feedback import first_missing_block
+from radixpool.gateway.feedback import first_missing_block, prefill_wait
 from radixpool.gateway.health import HealthHysteresis
 from radixpool.gateway.policies import Candidate, Decision, make_policy
 from radixpool.gateway.prefix_index import PrefixIndex
 from radixpool.gateway.route_key import KeyBuilder, RouteKey
 from radixpool.gateway.workers import Worker
+from radixpool.protocol.kv_blocks import KVEvent
 
 from .kv import SimKV
 
@@ -62,7 +69,8 @@ class Outcome:
     ttfts: list[float] = field(default_factory=list)
     per_worker: list[int] = field(default_factory=list)
     busy_time: float = 0.0
-    idle_while_queued: float = 0.0
+    idle_while_queued: float = 0.0   # some worker idle while another has a prefill queued
+    idle_avoidable: float = 0.0      # ... and a queued request would start sooner on it
     reasons: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -76,8 +84,8 @@ class _Gateway:
     def __init__(self, config: GatewayConfig, model: FleetModel, names: list[str]) -> None:
         self.index = PrefixIndex()
         self.policy = make_policy(config, self.index)
-        self.workers = {n: Worker(n, HealthHysteresis(1, 1), CircuitBreaker(5, 10.0))
-                        for n in names}
+        self.workers = {n: Worker(n, HealthHysteresis(1, 1), CircuitBreaker(5, 10.0),
+                                  kv_events_live=True) for n in names}
         for n in names:  # what the monitor learns from each worker's /server_info
             self.index.add_worker(n, model.kv_capacity_tokens // model.block_size)
             self.index.set_eviction_policy(n, model.eviction_policy)
@@ -85,14 +93,25 @@ class _Gateway:
     def route(self, key: RouteKey) -> Decision:
         ready = list(self.workers.values())
         decision = self.policy.select(
-            [Candidate(w.url, w.inflight, w.backlog(key.units)) for w in ready], key)
-        self.workers[decision.worker].inflight += 1
+            [Candidate(w.url, w.inflight, w.backlog(key.units), w.queued(key.units))
+             for w in ready], key)
+        worker = self.workers[decision.worker]
+        worker.inflight += 1
+        if (wait := prefill_wait(decision, key)) is not None:
+            worker.prefill_sent(*wait)
         return decision
+
+    def stored(self, name: str, event: KVEvent) -> None:
+        self.index.apply_event(name, event)
+        if event.type == "stored":
+            self.workers[name].prefill_stored(event.blocks)
 
     def learn(self, name: str, decision: Decision, key: RouteKey, prompt: int,
               cached: int) -> None:
         worker = self.workers[name]
         worker.inflight -= 1
+        if (wait := prefill_wait(decision, key)) is not None:
+            worker.prefill_ended(*wait)
         worker.observe_uncached(prompt - cached)
         missing = first_missing_block(decision, key, prompt, cached)
         if missing is not None and missing < len(decision.prior_epochs):
@@ -116,6 +135,29 @@ class _SimWorker:
                         event_buffer=1)
         self.queue: deque[_Job] = deque()
         self.running: _Job | None = None
+        self.running_until = 0.0
+
+    @property
+    def idle(self) -> bool:
+        return self.running is None and not self.queue
+
+
+def _avoidable(workers: list[_SimWorker], now: float, us_per_token: float) -> bool:
+    """Some worker idles while a request queued at another would get its first token sooner on
+    it: its prefill there (cold or partly cached) would end before its turn comes and its own
+    prefill ends where it waits. Costs read each cache as it is now."""
+    idle = [w for w in workers if w.idle]
+    for w in workers:
+        if not idle or not w.queue:
+            continue
+        ready = max(now, w.running_until)
+        for job in w.queue:
+            tokens = job.request.tokens
+            ready += (len(tokens) - w.kv.probe(tokens, None)) * us_per_token / 1e6
+            if any(now + (len(tokens) - i.kv.probe(tokens, None)) * us_per_token / 1e6 < ready
+                   for i in idle):
+                return True
+    return False
 
 
 Router = Callable[[Request, RouteKey], tuple[_Gateway | None, Decision | None, int]]
@@ -149,15 +191,18 @@ def simulate(requests: list[Request], model: FleetModel, policy: str | None = "c
         worker.running = job
         job.cached, job.match = worker.kv.start(job.request.tokens, None)
         cost = (len(job.request.tokens) - job.cached) * model.prefill_us_per_token / 1e6
+        worker.running_until = now + cost
         heapq.heappush(heap, (now + cost, next(order), "prefilled", job))
 
     while heap:
         t, _, kind, item = heapq.heappop(heap)
-        busy = [w.running is not None or bool(w.queue) for w in workers]
+        busy = [not w.idle for w in workers]
         if any(busy):
             out.busy_time += t - now
             if any(w.queue for w in workers) and not all(busy):
                 out.idle_while_queued += t - now
+                if _avoidable(workers, now, model.prefill_us_per_token):
+                    out.idle_avoidable += t - now
         now = t
         if kind == "arrive":
             request: Request = item  # type: ignore[assignment]
@@ -178,7 +223,7 @@ def simulate(requests: list[Request], model: FleetModel, policy: str | None = "c
             events = worker.kv.finish(job.request.tokens, None, job.match)
             for g in replicas:
                 for event in events:
-                    g.index.apply_event(names[job.worker], event)
+                    g.stored(names[job.worker], event)
             out.ttfts.append(now - job.request.arrival)
             decode = job.request.output_tokens * model.decode_ms_per_token / 1e3
             heapq.heappush(heap, (now + decode, next(order), "done", job))

@@ -299,8 +299,13 @@ def test_a_prompt_no_worker_holds_goes_where_it_evicts_no_reused_prefix():
     policy = capacity_bound(reused_on_a=10)
     cold = key_of(tokens(90_000, 30 * BLOCK))  # fits beside a's 10 reused blocks, not b's 40
     assert policy.select(idle("a", "b"), cold).worker == "a"
-    busy_a = [Candidate("a", 2), Candidate("b", 0)]  # room is worth one request of load only
-    assert policy.select(busy_a, key_of(tokens(95_000, 30 * BLOCK))).worker == "b"
+    # a's queue against b's damage, in tokens to compute: 6 of b's reused blocks would go (96
+    # tokens computed again later), so a prefill queued at a that costs more sends it to b.
+    queued_a = [Candidate("a", 2, queued=960.0), Candidate("b", 0)]   # 960 + 480 > 480 + 96
+    assert policy.select(queued_a, key_of(tokens(95_000, 30 * BLOCK))).worker == "b"
+    decoding_a = [Candidate("a", 2, queued=50.0), Candidate("b", 0)]  # 50 + 480 < 480 + 96
+    policy = capacity_bound(reused_on_a=10)  # (b's tree took the last prompt: start afresh)
+    assert policy.select(decoding_a, key_of(tokens(95_000, 30 * BLOCK))).worker == "a"
 
 
 def test_with_lru_workers_a_cold_prompt_just_goes_to_the_least_loaded():
@@ -317,3 +322,21 @@ def test_a_busy_owner_does_not_spill_onto_a_worker_it_would_evict_a_group_from()
     assert policy.select(queued, hot).worker == "b"  # a has no room for 42 more blocks
     policy.index.set_eviction_policy("a", "lru")
     assert policy.select(queued, hot).reason == "spill"  # the old rule, for an lru worker
+
+
+@pytest.mark.parametrize(("reused_on_a", "spills"), [(20, True), (36, False)])
+def test_a_spill_copies_a_prompt_only_onto_a_worker_whose_kv_is_mostly_unreserved(
+        reused_on_a, spills):
+    """The copy would fit beside a's reused prefix either way (no damage now), but it is reused
+    afterwards, so a worker already half full of reused prefixes would lose a group to it."""
+    policy = cache_aware(("a", "b"))
+    for w, start, size in (("a", 5000, reused_on_a), ("b", 0, 20)):
+        policy.index.set_capacity(w, 64)
+        policy.index.set_eviction_policy(w, "probation")
+        system = key_of(tokens(start, size * BLOCK)).hashes
+        policy.index.insert(w, system)
+        policy.index.insert(w, system, matched=size)
+    hot = key_of(tokens(0, 20 * BLOCK) + tokens(900, 2 * BLOCK))  # b's group, 22 blocks
+    queued = [Candidate("a", 0), Candidate("b", 3, backlog=3 * 2000.0)]
+    decision = policy.select(queued, hot)
+    assert (decision.worker, decision.reason) == (("a", "spill") if spills else ("b", "cache_hit"))

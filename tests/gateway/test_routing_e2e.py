@@ -4,6 +4,7 @@ simulated workers that speak the worker protocol, driven with the official `open
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -161,3 +162,30 @@ def test_a_cold_start_burst_on_one_prefix_is_spread_not_queued_on_one_worker(mak
         t.join(30)
     served = [w.requests for w in stack.fleet.workers]
     assert max(served) <= 4 and sum(served) == 8, served
+
+
+def test_the_kv_event_of_a_finished_prefill_ends_its_wait_before_the_answer_ends(make_stack):
+    """The gateway counts a request's uncached tokens as prefill queued at its worker until the
+    worker's KV event stores its prompt (the prefill's end), not until the answer ends."""
+    stack = make_stack(1, sim=SimConfig(prefill_us_per_token=1000.0, decode_ms_per_token=400.0))
+    worker = stack.gateway.workers.get(stack.fleet.urls[0])
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+
+    def wait_for(condition) -> None:
+        for _ in range(300):
+            if condition():
+                return
+            stack.loop.run(asyncio.sleep(0.01))
+        raise AssertionError("timed out")
+
+    wait_for(lambda: worker.kv_events_live)
+    pool = ThreadPoolExecutor(1)
+    answer = pool.submit(chat, client, words(0, 300), words(3000, 5))
+    wait_for(lambda: worker.inflight == 1)
+    assert worker.queued(0) > 250            # ~300 uncached prompt tokens: 0.3 s of prefill
+    wait_for(lambda: worker.queued(0) == 0)  # the event came; 4 x 0.4 s of decoding are left
+    assert worker.inflight == 1
+    assert answer.result(timeout=10).parse().usage.prompt_tokens > 300
+    pool.shutdown()
+    stack.settle()
+    assert worker.inflight == 0 and not worker.awaiting_prefill

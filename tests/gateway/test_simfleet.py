@@ -53,3 +53,19 @@ def test_the_virtual_fleet_is_deterministic():
     runs = [simulate(requests, model, "cache_aware", gateways=2, seed=3) for _ in range(2)]
     assert runs[0].latencies == runs[1].latencies and runs[0].reasons == runs[1].reasons
     assert 0 < runs[0].hit_rate < 1
+
+
+def test_idleness_is_avoidable_only_when_an_idle_worker_would_serve_a_waiting_request_sooner():
+    model = FleetModel(2, 4096, "lru", prefill_us_per_token=1000.0, decode_ms_per_token=0.0)
+    system = list(range(100, 1100))   # 1,000 tokens: 1 s cold, 16 ms after the first
+    warm, a, b = (Request(0.0, system + [i] * 16, 0, 1) for i in (1, 2, 3))
+    # Two cold prompts on worker 0 at once: the second waits 1.016 s while worker 1 idles, which
+    # would have given it its first token at 1.016 s instead of 2.032 s.
+    cold = simulate([warm, Request(0.0, list(range(5000, 6016)), 1, 1)], model, sticky=lambda r: 0)
+    assert cold.idle_while_queued == pytest.approx(1.016)
+    assert cold.idle_avoidable == pytest.approx(1.016)
+    # Hits queued behind a hit: waiting 16 ms beats 1.016 s cold on the idle worker.
+    later = [Request(2.0, a.tokens, 0, 1), Request(2.0, b.tokens, 0, 1)]
+    hits = simulate([warm, *later], model, sticky=lambda r: 0)
+    assert hits.idle_while_queued == pytest.approx(0.016)
+    assert hits.idle_avoidable == 0.0

@@ -19,7 +19,7 @@ import re
 from radixpool.gateway.metrics import GatewayMetrics
 from radixpool.gateway.policies import Decision
 from radixpool.gateway.prefix_index import PrefixIndex
-from radixpool.gateway.route_key import RouteKey
+from radixpool.gateway.route_key import BYTES_PER_TOKEN, RouteKey
 from radixpool.gateway.workers import Worker
 
 _PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
@@ -48,6 +48,15 @@ def predicted_tokens(decision: Decision, key: RouteKey, prompt_tokens: int) -> i
     if not key.exact:
         units = units * prompt_tokens // max(1, key.units)
     return min(units, max(0, prompt_tokens - 1))
+
+
+def prefill_wait(decision: Decision, key: RouteKey) -> tuple[int, float] | None:
+    """(the prompt's last whole block, the uncached tokens the tree expects the worker to
+    compute) for `Worker.prefill_sent`; None for a prompt shorter than one block."""
+    if not key.hashes:
+        return None
+    units = key.units - decision.predicted_blocks * key.block_units
+    return key.hashes[-1], max(0, units) / (1 if key.exact else BYTES_PER_TOKEN)
 
 
 def first_missing_block(decision: Decision, key: RouteKey, prompt_tokens: int,

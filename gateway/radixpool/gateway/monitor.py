@@ -192,7 +192,10 @@ class Monitor:
                     since = None
                     continue
                 for event in doc["events"]:
-                    self.index.apply_event(worker.url, KVEvent.from_json(event))
+                    kv_event = KVEvent.from_json(event)
+                    self.index.apply_event(worker.url, kv_event)
+                    if kv_event.type == "stored":
+                        worker.prefill_stored(kv_event.blocks)
                 since = int(doc["next"])
             except (asyncio.TimeoutError, OSError, KeyError, ValueError, TypeError) as exc:
                 log.debug("kv events from %s: %r", worker.url, exc)

@@ -17,17 +17,28 @@ pick one. Pure: no I/O, no clock; the proxy owns the loop around them.
    worker elsewhere does not cost this request its cache.
 4. Spill: if the owner is busy while some worker is idle, and computing the prompt cold on the
    idle worker costs fewer tokens than the prefill work already waiting at the owner (its
-   in-flight count × its recent mean uncached tokens, plus this prompt's uncached part there),
+   in-flight count x its recent mean uncached tokens, plus this prompt's uncached part there),
    go to the idle worker (reason `spill`). It then holds the prefix too, so a group too hot for
    one worker gains owners in proportion to its load instead of queueing behind one. (Before a
    worker has answered, the proxy counts each request in flight there as a whole prompt.)
    Only to an idle worker that has room for it (below): a replica that evicts another group's
-   prefix costs the fleet a miss later. Otherwise the owner (reason `cache_hit`).
-5. No owner above the threshold: among the workers within `LOAD_SLACK` requests of the least
-   loaded, the one where the prompt does the least damage (reason `cache_miss`); then the least
-   loaded, preferring a longer match beyond the base (not the raw match: then, at low traffic,
-   every new session would go to the first holder of a common system prompt and its history
-   would pin it there). Remaining ties rotate (never always the first).
+   prefix costs the fleet a miss later. And only to one whose reused prefixes fill less than
+   half its KV (`SPILL_ROOM_SHARE`): later requests reuse the copy, so a worker that protects
+   reuse keeps it, and on a worker already full of other groups' prefixes it soon costs one of
+   them its home (on the capacity-bound load, each spill cost the fleet more hits than the one
+   prefill it saved, and lengthened the tail). Otherwise the owner (reason `cache_hit`).
+   (With the exact queue of rule 5 here instead, lru workers over capacity spilled four times as
+   often and lost 0.08 of hit rate: the estimate's lag keeps spills rare.)
+5. No owner above the threshold (reason `cache_miss`): if the prompt would push reused prefixes
+   out somewhere (damage, below), the worker where queued prefill + its uncached part + the
+   damage is least, all in tokens to compute (the damage is computed again by whoever needs it
+   next). Queued prefill (`Candidate.queued`): with the worker's KV events followed, the uncached
+   parts of the requests sent there whose prompt's last block no event has stored yet (a worker
+   caches a prompt when its prefill ends), so requests that are decoding do not count; else the
+   in-flight estimate of rule 4. Otherwise, among the workers within `LOAD_SLACK` requests of the
+   least loaded, the least loaded, preferring a longer match beyond the base (not the raw match:
+   then, at low traffic, every new session would go to the first holder of a common system
+   prompt and its history would pin it there). Remaining ties rotate (never always the first).
 
 Capacity (when the fleet's KV is the limit): a worker whose eviction protects reused prefixes
 (`/server_info` says lfu or probation) keeps what was reused and churns the rest. Its *room* is
@@ -61,6 +72,7 @@ from radixpool.gateway.prefix_index import PrefixIndex
 from radixpool.gateway.route_key import BYTES_PER_TOKEN, RouteKey
 
 LOAD_SLACK = 1
+SPILL_ROOM_SHARE = 0.5  # spill copies only onto workers with this share of their KV unreserved
 DEMAND_WINDOW = 512  # requests per demand window; hot-prefix shares cover the last two windows
 
 
@@ -69,6 +81,7 @@ class Candidate:
     name: str
     load: int
     backlog: float = 0.0  # estimated uncached prompt tokens queued ahead (in-flight x mean)
+    queued: float = 0.0   # uncached prompt tokens whose prefill has not ended (KV events)
 
 
 @dataclass(slots=True)
@@ -200,6 +213,7 @@ class CacheAware(Policy):
         """The owner is busy and some worker idles: go to the idle one when computing this
         prompt cold there costs less than the prefill work waiting at the owner, in tokens."""
         idle = [i for i in range(len(candidates)) if candidates[i].load == 0
+                and self._has_slack(candidates[i])
                 and not self._damage(candidates[i], matched[i], key)]
         if not idle:
             return owner, "cache_hit"
@@ -213,18 +227,32 @@ class CacheAware(Policy):
     def failed(self, decision: Decision, key: RouteKey) -> None:
         self.index.remove(decision.worker, key.hashes[decision.predicted_blocks:])
 
+    def _has_slack(self, candidate: Candidate) -> bool:
+        """Reused prefixes fill less than `1 - SPILL_ROOM_SHARE` of the worker's KV: a copy
+        there (which later requests reuse, so the worker protects it) costs no group its home."""
+        name = candidate.name
+        return self.index.room(name) >= SPILL_ROOM_SHARE * self.index.capacity(name)
+
     def _damage(self, candidate: Candidate, matched: int, key: RouteKey) -> int:
         """Blocks of reused prefixes this prompt would push out of the candidate's cache."""
         return max(0, key.blocks - matched - self.index.room(candidate.name))
 
     def _least_damage(self, candidates: Sequence[Candidate], matched: list[int], key: RouteKey,
                       beyond: list[int]) -> int:
+        damage = [self._damage(c, matched[i], key) for i, c in enumerate(candidates)]
+        if any(damage):
+            # Some worker would lose reused prefixes to it: weigh that against the wait, in
+            # tokens to compute: prefill queued there + this prompt's uncached part + the
+            # reused blocks it pushes out (computed again by the next request that needs them).
+            units = key.block_units if key.exact else key.block_units / BYTES_PER_TOKEN
+            cost = [c.queued + (key.blocks - matched[i] + damage[i]) * units
+                    for i, c in enumerate(candidates)]
+            least = min(cost)
+            best = [i for i, x in enumerate(cost) if x == least]
+            return self._least_loaded(candidates, best, beyond)
         low = min(c.load for c in candidates)
         near = [i for i, c in enumerate(candidates) if c.load <= low + LOAD_SLACK]
-        damage = [self._damage(candidates[i], matched[i], key) for i in near]
-        least = min(damage)
-        best = [i for i, d in zip(near, damage) if d == least]
-        return self._least_loaded(candidates, best, beyond)
+        return self._least_loaded(candidates, near, beyond)
 
     def _least_loaded(self, candidates: Sequence[Candidate], among: Sequence[int],
                       beyond: list[int]) -> int:

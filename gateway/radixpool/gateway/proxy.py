@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from radixpool.gateway import admin
 from radixpool.gateway.access import AccessPolicy
 from radixpool.gateway.config import GatewayConfig
-from radixpool.gateway.feedback import is_usage_only_event, learn, usage_in
+from radixpool.gateway.feedback import is_usage_only_event, learn, prefill_wait, usage_in
 from radixpool.gateway.http_edge import Headers, Request, Responder, error_body
 from radixpool.gateway.metrics import GatewayMetrics
 from radixpool.gateway.policies import CacheAware, Candidate, Decision, make_policy
@@ -185,6 +185,8 @@ class Gateway:
             await self._relay(worker, decision, key, upstream, respond, strip_usage, started)
         finally:
             worker.inflight -= 1
+            if (wait := prefill_wait(decision, key)) is not None:
+                worker.prefill_ended(*wait)
 
     def _parse(self, path: str, body: bytes, on_loop: bool) -> tuple[dict, RouteKey]:
         doc = json.loads(body)
@@ -206,12 +208,16 @@ class Gateway:
             by_url = {w.url: w for w in ready}
             tokens = key.units if key.exact else key.units / BYTES_PER_TOKEN
             decision = self.policy.select(
-                [Candidate(w.url, w.inflight, w.backlog(tokens)) for w in ready], key)
+                [Candidate(w.url, w.inflight, w.backlog(tokens), w.queued(tokens))
+                 for w in ready], key)
             worker = by_url[decision.worker]
             self.metrics.decision(worker.url, "retry" if attempt else decision.reason)
             if attempt:
                 self.metrics.retry()
             worker.inflight += 1
+            wait = prefill_wait(decision, key)
+            if wait is not None:
+                worker.prefill_sent(*wait)
             worker.breaker.dispatched(now)
             try:
                 upstream = await self.pool(worker).request(
@@ -219,20 +225,28 @@ class Gateway:
                     self.config.upstream_timeout)
             except UpstreamTimeout as exc:  # a hung worker: no retry (it may still be working)
                 worker.inflight -= 1
+                if wait is not None:
+                    worker.prefill_ended(*wait)
                 self._timed_out(worker)
                 self.policy.failed(decision, key)
                 return 504, f"worker {worker.url} timed out: {exc}"
             except UpstreamError as exc:
                 worker.inflight -= 1
+                if wait is not None:
+                    worker.prefill_ended(*wait)
                 worker.breaker.record_failure("connect_error", self.clock())
                 errors.append(f"{worker.url}: {exc}")
             except BaseException:  # the client left while the worker was being asked
                 worker.inflight -= 1
+                if wait is not None:
+                    worker.prefill_ended(*wait)
                 raise
             else:
                 if upstream.status != 503 or attempt == self.config.max_retries:
                     return worker, decision, upstream
                 worker.inflight -= 1
+                if wait is not None:
+                    worker.prefill_ended(*wait)
                 worker.breaker.record_failure("server_error", self.clock())
                 with contextlib.suppress(UpstreamError):
                     await upstream.body()  # read to the end so the connection can be reused
