@@ -323,3 +323,26 @@ def test_sampled_length_bounded_strings_always_parse(tiny_model, tok):
     for rid, (ids, reason, error) in out.items():
         assert error is None and reason == "stop", (rid, reason, error)
         jsonschema.validate(json.loads(text_of(tok, ids)), BOUNDED_STRINGS)
+
+
+def test_no_character_class_admits_a_surrogate():
+    import xgrammar as xgr
+
+    from radixpool.worker.grammar.surrogates import exclude_surrogates
+
+    ebnf = exclude_surrogates(str(xgr.Grammar.from_regex(r"a.[^x]\[\^")))
+    assert ebnf == exclude_surrogates(ebnf)   # idempotent: the tool grammars pass twice
+    assert r"[\0-\ud7ff\ue000-\U0010ffff]" in ebnf and r"[^\ud800-\udfffx]" in ebnf
+    user = 'root ::= "[^\\"" [^a]+'
+    assert exclude_surrogates(user) == 'root ::= "[^\\"" [^\\ud800-\\udfffa]+'   # literal kept
+
+
+def test_sampled_any_character_regex_always_matches(tiny_model, tok):
+    # "." lets xgrammar take a surrogate's three UTF-8 bytes from byte tokens as one character.
+    pattern = r"<.{4}>( .[^ ]{2}){2}"
+    reqs = [(f"r{seed}", prompts(tok)[seed % 3], SamplingParams(
+        max_new_tokens=40, temperature=1.5, regex=pattern), seed) for seed in range(24)]
+    out, _ = run(tiny_model, reqs)
+    for rid, (ids, reason, error) in out.items():
+        assert error is None and reason == "stop", (rid, reason, error)
+        assert re.fullmatch(pattern, text_of(tok, ids), re.DOTALL), (rid, text_of(tok, ids))

@@ -5,8 +5,9 @@
 `ModelVocab` (xgrammar's tokenizer info, each token's bytes, the special tokens to mask), once per
 model. Futures are cached by (kind, source), least recently used first out, so a repeated schema
 compiles once; a failed compile is cached too (the same bad schema gets the same answer at once).
-JSON schemas are lowered to EBNF by `json_schema.py` (fixed separators, length-bounded strings
-mended) and compiled as grammars.
+Every constraint is lowered to EBNF and compiled as a grammar: JSON schemas by `json_schema.py`
+(fixed separators, length-bounded strings mended), and no character class of any kind admits a
+UTF-8-encoded surrogate (`surrogates.py`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 from radixpool.protocol.metrics import GRAMMAR_COMPILE_BUCKETS
 from radixpool.worker.grammar.json_schema import json_schema_ebnf
+from radixpool.worker.grammar.surrogates import exclude_surrogates
 
 CACHE_ENTRIES = 256
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: Check failed: (...) is false: ".
@@ -93,10 +95,10 @@ class GrammarCompiler:
 
     # ---------------------------------------------------------------- compile thread
     def _compile(self, key: tuple[str, str]) -> Any:
+        import xgrammar as xgr
+
         kind, source = key
         if self._xgr_compiler is None:
-            import xgrammar as xgr
-
             self.vocab = load_vocab(self.model_path, self.vocab_size, self.stop_ids)
             self._xgr_compiler = xgr.GrammarCompiler(self.vocab.info, max_threads=1,
                                                      cache_enabled=False)
@@ -104,11 +106,12 @@ class GrammarCompiler:
         start = time.perf_counter()
         try:
             if kind == "json_schema":
-                compiled = compiler.compile_grammar(json_schema_ebnf(source))
+                ebnf = json_schema_ebnf(source)
             elif kind == "regex":
-                compiled = compiler.compile_regex(source)
+                ebnf = exclude_surrogates(str(xgr.Grammar.from_regex(source)))
             else:
-                compiled = compiler.compile_grammar(source)
+                ebnf = exclude_surrogates(str(xgr.Grammar.from_ebnf(source)))
+            compiled = compiler.compile_grammar(ebnf)
         except Exception as exc:   # xgrammar raises RuntimeError / ValueError subclasses
             raise GrammarError(f"{kind} is not a valid {_KIND_NAMES[kind]}: "
                                f"{_clean(exc)}") from None

@@ -10,20 +10,19 @@ control characters (U+0000-U+001F but CR and LF), which JSON forbids, and no esc
 constrained by it can emit a TAB inside such a string, and `json.loads` then rejects the output.
 Each repetition here is one JSON character instead: any character but the controls, quote and
 backslash, or one escape sequence (counted as one character, as `maxLength` counts the decoded
-string). Its character classes also take a UTF-8-encoded surrogate (bytes ED A0-BF xx, which a
-byte-level tokenizer can emit and no decoder accepts): every JSON string here excludes them.
+string). No class admits a surrogate (`surrogates.py`).
 """
 
 from __future__ import annotations
 
 import re
 
+from radixpool.worker.grammar.surrogates import exclude_surrogates
+
 JSON_SEPARATORS = (", ", ": ")
 _BARE_CHARACTERS = re.compile(r'^(\w+) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.MULTILINE)
 _ESCAPE_RULE = "radixpool_json_escape"
-_CHARACTER = r'[^\0-\x1f\"\\\ud800-\udfff]'   # not a control, quote, backslash or surrogate
-_STRING_CHARACTER = r'[^\0-\x1f\"\\\r\n]'     # xgrammar's, in unbounded strings
-_JSON_CHARACTER = rf'(({_CHARACTER}) | ("\\" {_ESCAPE_RULE}))'
+_JSON_CHARACTER = rf'(([^\0-\x1f\"\\]) | ("\\" {_ESCAPE_RULE}))'
 _ESCAPE = (rf'{_ESCAPE_RULE} ::= (([\"\\/bfnrt]) | '
            r'("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))')
 
@@ -35,6 +34,5 @@ def json_schema_ebnf(schema: str) -> str:
 
     grammar = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False,
                                                separators=JSON_SEPARATORS, strict_mode=True))
-    grammar = grammar.replace(_STRING_CHARACTER, _CHARACTER)
     mended, count = _BARE_CHARACTERS.subn(lambda m: f"{m[1]} ::= {_JSON_CHARACTER}", grammar)
-    return f"{mended}\n{_ESCAPE}\n" if count else grammar
+    return exclude_surrogates(f"{mended}\n{_ESCAPE}\n" if count else grammar)
