@@ -346,3 +346,24 @@ def test_sampled_any_character_regex_always_matches(tiny_model, tok):
     for rid, (ids, reason, error) in out.items():
         assert error is None and reason == "stop", (rid, reason, error)
         assert re.fullmatch(pattern, text_of(tok, ids), re.DOTALL), (rid, text_of(tok, ids))
+
+
+def test_a_schema_pattern_matches_no_surrogate():
+    from radixpool.worker.grammar.surrogates import exclude_surrogates_from_regex as mend
+
+    s = r"\ud800-\udfff"
+    assert mend(r"^a.\.[^x][a.]$") == rf"^a[^{s}]\.[^{s}x][a.]$"
+    assert mend(r"[\]^.]+") == r"[\]^.]+"
+
+
+def test_sampled_schema_patterns_always_match(tiny_model, tok):
+    schema = {"type": "object", "required": ["a"], "additionalProperties": False,
+              "properties": {"a": {"type": "string", "pattern": "^.{4}$"},
+                             "b": {"enum": [{"pattern": "a.b"}]}}}
+    reqs = [(f"s{seed}", prompts(tok)[seed % 3], SamplingParams(
+        max_new_tokens=40, temperature=1.5, json_schema=json.dumps(schema)), seed)
+        for seed in range(24)]
+    out, _ = run(tiny_model, reqs)
+    for rid, (ids, reason, error) in out.items():
+        assert error is None and reason == "stop", (rid, reason, error)
+        jsonschema.validate(json.loads(text_of(tok, ids)), schema)   # the enum's data is kept

@@ -38,3 +38,29 @@ def exclude_surrogates(ebnf: str) -> str:
             out.append(c)
             i += 1
     return "".join(out)
+
+
+def exclude_surrogates_from_regex(pattern: str) -> str:
+    """A regular expression like `pattern` whose `.` and negated classes match no surrogate.
+    (A JSON schema's `pattern` reaches xgrammar as a regex, not as EBNF this module can mend.)"""
+    out: list[str] = []
+    i, n, in_class = 0, len(pattern), False
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+            out.append(c)
+        elif c == "[":
+            in_class = True
+            negated = pattern.startswith("[^", i)
+            out.append("[^" + SURROGATES if negated else "[")
+            i += 1 + negated
+            continue
+        else:
+            out.append("[^" + SURROGATES + "]" if c == "." else c)
+        i += 1
+    return "".join(out)
