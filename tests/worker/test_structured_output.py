@@ -314,15 +314,20 @@ def test_length_bounded_strings_are_json_strings(text, valid):
         jsonschema.validate(json.loads(text), BOUNDED_STRINGS)
 
 
+def sampled_texts(model, tok, **constraint) -> list[str]:
+    """24 hot samples (T=1.5, seeded) under one constraint; each must end by "stop"."""
+    reqs = [(f"s{seed}", prompts(tok)[seed % 3], SamplingParams(
+        max_new_tokens=40, temperature=1.5, **constraint), seed) for seed in range(24)]
+    out, _ = run(model, reqs)
+    for rid, (_, reason, error) in out.items():
+        assert error is None and reason == "stop", (rid, reason, error)
+    return [text_of(tok, ids) for ids, _, _ in out.values()]
+
+
 def test_sampled_length_bounded_strings_always_parse(tiny_model, tok):
     # xgrammar alone lets raw control characters into such strings (mlc-ai/xgrammar#800).
-    reqs = [(f"s{seed}", prompts(tok)[seed % 3], SamplingParams(
-        max_new_tokens=40, temperature=1.5, json_schema=json.dumps(BOUNDED_STRINGS)), seed)
-        for seed in range(24)]
-    out, _ = run(tiny_model, reqs)
-    for rid, (ids, reason, error) in out.items():
-        assert error is None and reason == "stop", (rid, reason, error)
-        jsonschema.validate(json.loads(text_of(tok, ids)), BOUNDED_STRINGS)
+    for text in sampled_texts(tiny_model, tok, json_schema=json.dumps(BOUNDED_STRINGS)):
+        jsonschema.validate(json.loads(text), BOUNDED_STRINGS)
 
 
 def test_no_character_class_admits_a_surrogate():
@@ -340,12 +345,8 @@ def test_no_character_class_admits_a_surrogate():
 def test_sampled_any_character_regex_always_matches(tiny_model, tok):
     # "." lets xgrammar take a surrogate's three UTF-8 bytes from byte tokens as one character.
     pattern = r"<.{4}>( .[^ ]{2}){2}"
-    reqs = [(f"r{seed}", prompts(tok)[seed % 3], SamplingParams(
-        max_new_tokens=40, temperature=1.5, regex=pattern), seed) for seed in range(24)]
-    out, _ = run(tiny_model, reqs)
-    for rid, (ids, reason, error) in out.items():
-        assert error is None and reason == "stop", (rid, reason, error)
-        assert re.fullmatch(pattern, text_of(tok, ids), re.DOTALL), (rid, text_of(tok, ids))
+    for text in sampled_texts(tiny_model, tok, regex=pattern):
+        assert re.fullmatch(pattern, text, re.DOTALL), text
 
 
 def test_a_schema_pattern_matches_no_surrogate():
@@ -360,10 +361,5 @@ def test_sampled_schema_patterns_always_match(tiny_model, tok):
     schema = {"type": "object", "required": ["a"], "additionalProperties": False,
               "properties": {"a": {"type": "string", "pattern": "^.{4}$"},
                              "b": {"enum": [{"pattern": "a.b"}]}}}
-    reqs = [(f"s{seed}", prompts(tok)[seed % 3], SamplingParams(
-        max_new_tokens=40, temperature=1.5, json_schema=json.dumps(schema)), seed)
-        for seed in range(24)]
-    out, _ = run(tiny_model, reqs)
-    for rid, (ids, reason, error) in out.items():
-        assert error is None and reason == "stop", (rid, reason, error)
-        jsonschema.validate(json.loads(text_of(tok, ids)), schema)   # the enum's data is kept
+    for text in sampled_texts(tiny_model, tok, json_schema=json.dumps(schema)):
+        jsonschema.validate(json.loads(text), schema)   # the enum's data is kept

@@ -184,9 +184,7 @@ class Gateway:
         try:
             await self._relay(worker, decision, key, upstream, respond, strip_usage, started)
         finally:
-            worker.inflight -= 1
-            if (wait := prefill_wait(decision, key)) is not None:
-                worker.prefill_ended(*wait)
+            _release(worker, prefill_wait(decision, key))
 
     def _parse(self, path: str, body: bytes, on_loop: bool) -> tuple[dict, RouteKey]:
         doc = json.loads(body)
@@ -224,29 +222,21 @@ class Gateway:
                     "POST", path, headers, body, self.config.upstream_first_byte_timeout,
                     self.config.upstream_timeout)
             except UpstreamTimeout as exc:  # a hung worker: no retry (it may still be working)
-                worker.inflight -= 1
-                if wait is not None:
-                    worker.prefill_ended(*wait)
+                _release(worker, wait)
                 self._timed_out(worker)
                 self.policy.failed(decision, key)
                 return 504, f"worker {worker.url} timed out: {exc}"
             except UpstreamError as exc:
-                worker.inflight -= 1
-                if wait is not None:
-                    worker.prefill_ended(*wait)
+                _release(worker, wait)
                 worker.breaker.record_failure("connect_error", self.clock())
                 errors.append(f"{worker.url}: {exc}")
             except BaseException:  # the client left while the worker was being asked
-                worker.inflight -= 1
-                if wait is not None:
-                    worker.prefill_ended(*wait)
+                _release(worker, wait)
                 raise
             else:
                 if upstream.status != 503 or attempt == self.config.max_retries:
                     return worker, decision, upstream
-                worker.inflight -= 1
-                if wait is not None:
-                    worker.prefill_ended(*wait)
+                _release(worker, wait)
                 worker.breaker.record_failure("server_error", self.clock())
                 with contextlib.suppress(UpstreamError):
                     await upstream.body()  # read to the end so the connection can be reused
@@ -349,6 +339,13 @@ class Gateway:
     def _learn(self, worker: Worker, decision: Decision, key: RouteKey, prompt: int,
                cached: int | None) -> None:
         learn(worker, self.index, self.metrics, decision, key, prompt, cached, self.predicts)
+
+
+def _release(worker: Worker, wait: tuple[int, float] | None) -> None:
+    """A dispatched request is over at `worker` (answered, failed or given up)."""
+    worker.inflight -= 1
+    if wait is not None:
+        worker.prefill_ended(*wait)
 
 
 def _cut_stream_event(worker_url: str, exc: UpstreamError) -> bytes:

@@ -51,7 +51,6 @@ class Worker:
     # block: the uncached tokens the gateway expected each to compute. A worker caches a prompt
     # the moment its prefill ends, so the KV event storing that block ends the wait.
     awaiting_prefill: dict[int, list[float]] = field(default_factory=dict)
-    queued_prefill: float = 0.0
     info_path: str = "/server_info"     # where it describes itself (SGLang: /get_server_info)
 
     def __post_init__(self) -> None:
@@ -91,23 +90,17 @@ class Worker:
         """Uncached prompt tokens waiting for their prefill here. With its KV events followed:
         those of the requests whose prompt no event has stored yet; else `backlog`."""
         if self.kv_events_live:
-            return max(0.0, self.queued_prefill)
+            return sum(map(sum, self.awaiting_prefill.values()))
         return self.backlog(prompt_tokens)
 
     def prefill_sent(self, last_block: int, uncached_tokens: float) -> None:
         self.awaiting_prefill.setdefault(last_block, []).append(uncached_tokens)
-        self.queued_prefill += uncached_tokens
 
     def prefill_stored(self, blocks: tuple[int, ...]) -> None:
         """A KV event stored `blocks`: the prefills whose prompt ends in one of them are done."""
-        if not self.awaiting_prefill:
-            return
-        for h in blocks:
-            waiting = self.awaiting_prefill.pop(h, None)
-            if waiting:
-                self.queued_prefill -= sum(waiting)
-        if not self.awaiting_prefill:
-            self.queued_prefill = 0.0  # no drift from float sums
+        if self.awaiting_prefill:
+            for h in blocks:
+                self.awaiting_prefill.pop(h, None)
 
     def prefill_ended(self, last_block: int, uncached_tokens: float) -> None:
         """The request's answer ended (or it failed): stop waiting for its prefill, if still
@@ -115,11 +108,8 @@ class Worker:
         waiting = self.awaiting_prefill.get(last_block)
         if waiting and uncached_tokens in waiting:
             waiting.remove(uncached_tokens)
-            self.queued_prefill -= uncached_tokens
             if not waiting:
                 del self.awaiting_prefill[last_block]
-        if not self.awaiting_prefill:
-            self.queued_prefill = 0.0
 
     def corrected(self, source: str) -> None:
         self.corrections[source] = self.corrections.get(source, 0) + 1

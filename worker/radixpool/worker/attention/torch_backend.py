@@ -101,8 +101,7 @@ class TorchAttentionBackend(AttentionBackend):
         mask[:, :, 0] = True
         # Queries are laid [kv_heads, group * max_extend]: the mask repeats for every group.
         mask = mask[:, None].expand(-1, group, -1, -1).reshape(len(extend), 1, -1, max_len)
-        rows = torch.cat([torch.arange(e, device=device) + i * longest
-                          for i, e in enumerate(batch.extend_lens)])
+        rows = torch.arange(real.numel(), device=device)[real.flatten()]
         return PaddedExtendPlan(batch.req_to_token[batch.req_rows, :max_len], mask, rows, longest)
 
     def _plan_extend(self, batch: ForwardBatch) -> list[ExtendSpan]:
