@@ -165,7 +165,9 @@ def test_many_pipelined_large_bodies_keep_memory_bounded(make_stack):
 
 
 def test_a_huge_prompt_does_not_hold_up_small_requests(loop_thread):
-    server = GatewayServer(GatewayConfig(host="127.0.0.1", port=0),
+    # the whole prompt is routed on (no cut), so its tokenization takes the gateway about a
+    # second: long enough that small requests stuck behind it could not pass the bound below
+    server = GatewayServer(GatewayConfig(host="127.0.0.1", port=0, max_route_prompt_chars=8 << 20),
                            PromptTokenizer(sim_tokenizer_files()))
     loop_thread.run(server.start())
     url = f"http://127.0.0.1:{server.port}"

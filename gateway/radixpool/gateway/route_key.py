@@ -45,11 +45,19 @@ class RouteKey:
     units: int          # prompt length in tokens (exact) or bytes (text); estimated when cut
     exact: bool
     model: str | None
-    prefix_key: int     # digest of the first `prefix_token_count` units (prefix_hash policy)
+    head: bytes | np.ndarray | Sequence[int]  # the first `prefix_token_count` units
+    salt: str | None
 
     @property
     def blocks(self) -> int:
         return len(self.hashes)
+
+    @property
+    def prefix_key(self) -> int:
+        """Digest of the prompt's head, for the prefix_hash policy: computed on demand, so the
+        other policies never pay for it."""
+        head = self.head if isinstance(self.head, bytes) else _id_bytes(self.head)
+        return _digest(head, self.salt)
 
 
 class KeyBuilder:
@@ -153,16 +161,16 @@ class KeyBuilder:
         if cut:  # ids next to the cut may differ from the whole prompt's: route on whole blocks
             tokens = tokens[: max(0, len(tokens) - self.block_size)]
         hashes = prefix_block_hash_list(tokens, self.block_size, salt)
-        head = _id_bytes(tokens[: self.prefix_token_count])
-        return RouteKey(hashes, self.block_size, units, True, model, _digest(head, salt))
+        return RouteKey(hashes, self.block_size, units, True, model,
+                        tokens[: self.prefix_token_count], salt)
 
     def _text_key(self, text: str, model: str | None, salt: str | None) -> RouteKey:
         head = text[: self.max_prompt_chars]
         data = head.encode("utf-8", "surrogatepass")
         hashes = prefix_block_hash_list(data, self.text_block_bytes, salt)
-        digest = _digest(data[: self.prefix_token_count * BYTES_PER_TOKEN], salt)
         length = len(data) + len(text) - len(head)  # bytes, estimated past the cut
-        return RouteKey(hashes, self.text_block_bytes, length, False, model, digest)
+        return RouteKey(hashes, self.text_block_bytes, length, False, model,
+                        data[: self.prefix_token_count * BYTES_PER_TOKEN], salt)
 
 
 def _first(value: object, field: str) -> object:
