@@ -17,9 +17,9 @@ from tests.gateway.test_active_active import wait_until
 def held_outcomes(stack) -> dict[str, float]:
     out = {}
     for line in stack.client.get("/metrics").text.splitlines():
-        if line.startswith("radixpool_gateway_held_requests_total{"):
+        if line.startswith("radixpool_gateway_wait_queue_outcomes_total{"):
             out[line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
-        elif line.startswith("radixpool_gateway_held_requests "):
+        elif line.startswith("radixpool_gateway_wait_queue_requests "):
             out["now"] = float(line.rsplit(" ", 1)[1])
     return out
 
@@ -76,3 +76,21 @@ def test_a_client_that_leaves_while_held_is_removed_and_counted(make_stack, loop
     assert stack.gateway.workers.get(stack.fleet.urls[0]).inflight == 0
     fresh = stack.client.post("/v1/chat/completions", json={**body, "max_tokens": 1})
     assert fresh.status_code == 200 and "placed" not in held_outcomes(stack)
+
+
+def test_a_request_held_past_its_deadline_is_sent_to_the_saturated_worker_anyway(
+        make_stack, loop_thread):
+    stack = make_stack(workers=1, sim=SimConfig(decode_ms_per_token=100.0), late_binding=True,
+                       hold_queued_tokens=0, kv_events=False, hold_max_seconds=0.3)
+    body = {"model": "sim-model", "max_tokens": 20,
+            "messages": [{"role": "user", "content": words(0, 40)}]}
+    slow = threading.Thread(target=stack.client.post, args=("/v1/chat/completions",),
+                            kwargs={"json": body})
+    slow.start()
+    assert wait_until(loop_thread, lambda: any(w.inflight for w in stack.gateway.workers))
+    started = time.monotonic()
+    late = stack.client.post("/v1/chat/completions", json={**body, "max_tokens": 1})
+    assert late.status_code == 200
+    assert time.monotonic() - started < 1.5       # not after the slow one's 2 s
+    assert held_outcomes(stack).get("overdue") == 1
+    slow.join(10)

@@ -122,12 +122,14 @@ def test_a_held_request_waits_for_its_cache_holder_rather_than_going_cold_elsewh
     prompt = list(range(640))
     index.insert(holder.url, key_of(prompt).hashes, 0)
     holder.prefill_sent(123, 64.0)             # busy with a short prefill
+    holder.inflight = 1
+    holder.observe_uncached(64)
     held = binding.queue.hold(key_of(prompt + list(range(1000, 1032))), 0.0)
     assert binding.release(0.1, lambda model: [holder, other]) == []   # other is idle but cold
     holder.prefill_stored((123,))
     assert binding.release(0.2, lambda model: [holder, other]) == [held]
     assert held.worker is holder and held.decision.reason == "late"
-    assert holder.inflight == 1 and holder.queued(0) == 32      # taken: its uncached part
+    assert holder.inflight == 2 and holder.queued(0) == 32      # taken: its uncached part
 
 
 def test_placing_takes_the_worker_so_the_next_held_request_goes_elsewhere():

@@ -148,23 +148,23 @@ GW_UPSTREAM_TIMEOUTS = MetricSpec(
     "radixpool_gateway_upstream_timeouts_total", "counter",
     "Requests cut because the worker sent no headers or did not finish within its deadline.",
     ("worker",))
-GW_HELD_REQUESTS = MetricSpec(
-    "radixpool_gateway_held_requests", "gauge",
+GW_WAIT_QUEUE = MetricSpec(
+    "radixpool_gateway_wait_queue_requests", "gauge",
     "Requests the gateway holds in its wait queue (late binding) until a worker can take them.")
-GW_HELD_OUTCOMES = MetricSpec(
-    "radixpool_gateway_held_requests_total", "counter",
+GW_WAIT_QUEUE_OUTCOMES = MetricSpec(
+    "radixpool_gateway_wait_queue_outcomes_total", "counter",
     "Requests that left the wait queue, by outcome (placed; overdue: sent at the deadline to a "
     "saturated worker; left: the client disconnected; rejected: no worker at the deadline, 503).",
     ("outcome",))
-GW_HOLD_SECONDS = MetricSpec(
-    "radixpool_gateway_hold_seconds", "histogram",
+GW_WAIT_QUEUE_SECONDS = MetricSpec(
+    "radixpool_gateway_wait_queue_seconds", "histogram",
     "Time requests spent held in the wait queue.")
 
 GATEWAY_METRICS: tuple[MetricSpec, ...] = (
     GW_REQUESTS, GW_ROUTE_DECISIONS, GW_INFLIGHT, GW_WORKER_HEALTHY, GW_PROMPT_TOKENS,
     GW_CACHED_TOKENS, GW_PREDICTED_CACHED_TOKENS, GW_TREE_TOKENS, GW_RETRIES,
     GW_REQUEST_DURATION, GW_TIME_TO_FIRST_TOKEN, GW_HIT_RATE, GW_TREE_CORRECTIONS,
-    GW_UPSTREAM_TIMEOUTS, GW_HELD_REQUESTS, GW_HELD_OUTCOMES, GW_HOLD_SECONDS,
+    GW_UPSTREAM_TIMEOUTS, GW_WAIT_QUEUE, GW_WAIT_QUEUE_OUTCOMES, GW_WAIT_QUEUE_SECONDS,
 )
 
 ALL_METRICS: tuple[MetricSpec, ...] = WORKER_METRICS + GATEWAY_METRICS

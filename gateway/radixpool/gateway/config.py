@@ -59,7 +59,7 @@ class GatewayConfig:
     # late binding (wait_queue.py): hold a request while its best worker has more than
     # `hold_queued_tokens` of prefill queued, at most `hold_max_requests` for `hold_max_seconds`
     late_binding: bool = False
-    hold_queued_tokens: int = 0
+    hold_queued_tokens: int = 1024
     hold_max_requests: int = 1024
     hold_max_seconds: float = 5.0
     tree_capacity_tokens: int = 1 << 20

@@ -111,10 +111,10 @@ class GatewayMetrics:
         yield _counter(spec.GW_RETRIES, {(): self.retries})
         yield self.duration.family(spec.GW_REQUEST_DURATION)
         yield self.ttft.family(spec.GW_TIME_TO_FIRST_TOKEN)
-        yield GaugeMetricFamily(spec.GW_HELD_REQUESTS.name, spec.GW_HELD_REQUESTS.help,
+        yield GaugeMetricFamily(spec.GW_WAIT_QUEUE.name, spec.GW_WAIT_QUEUE.help,
                                 value=self.holding)
-        yield _counter(spec.GW_HELD_OUTCOMES, self.held_outcomes)
-        yield self.hold.family(spec.GW_HOLD_SECONDS)
+        yield _counter(spec.GW_WAIT_QUEUE_OUTCOMES, self.held_outcomes)
+        yield self.hold.family(spec.GW_WAIT_QUEUE_SECONDS)
         if self._state is None:
             return
         workers, index = self._state

@@ -348,6 +348,7 @@ class Gateway:
         withdraws it (counted as `left`)."""
         binding = self.binding
         held = binding.queue.hold(key, self.clock())
+        deadline = held.since + binding.queue.max_wait
         waiter = self._waiters[held] = asyncio.get_running_loop().create_future()
         self.metrics.holding += 1
         outcome = "placed"
@@ -355,14 +356,14 @@ class Gateway:
             self._release_held()
             if held.worker is None:
                 try:
-                    await asyncio.wait_for(waiter, held.since + binding.queue.max_wait
-                                           - self.clock())
-                except asyncio.TimeoutError:
-                    outcome = "overdue"
-                    self._release_held()  # sent to its soonest worker, saturated or not
+                    await asyncio.wait_for(waiter, deadline - self.clock())
+                except asyncio.TimeoutError:  # the timer may fire a hair early: it is due now
+                    self._release_held(max(self.clock(), deadline))
             if held.worker is None:
                 binding.queue.withdraw(held)
                 outcome = "rejected"
+            elif self.clock() >= deadline:
+                outcome = "overdue"
         except asyncio.CancelledError:
             if not binding.queue.withdraw(held):  # placed as the client left: give it back
                 self._release(held.worker, prefill_wait(held.decision, key))
@@ -375,9 +376,9 @@ class Gateway:
             self.metrics.held(outcome, self.clock() - held.since)
         return held if held.worker is not None else None
 
-    def _release_held(self) -> None:
+    def _release_held(self, now: float | None = None) -> None:
         """A worker's queue drained (or one joined): offer the held requests again."""
-        now = self.clock()
+        now = self.clock() if now is None else now
         for held in self.binding.release(now, lambda model: self.workers.eligible(now, model)):
             waiter = self._waiters.get(held)
             if waiter is not None and not waiter.done():
