@@ -94,3 +94,29 @@ def test_a_request_held_past_its_deadline_is_sent_to_the_saturated_worker_anyway
     assert time.monotonic() - started < 1.5       # not after the slow one's 2 s
     assert held_outcomes(stack).get("overdue") == 1
     slow.join(10)
+
+
+def test_a_held_request_goes_to_a_remaining_worker_when_the_others_leave(make_stack, loop_thread):
+    stack = make_stack(workers=2, sim=SimConfig(decode_ms_per_token=50.0), late_binding=True,
+                       hold_queued_tokens=0, kv_events=False)
+    body = {"model": "sim-model", "max_tokens": 20,
+            "messages": [{"role": "user", "content": words(0, 40)}]}
+    busy = [threading.Thread(target=stack.client.post, args=("/v1/chat/completions",),
+                             kwargs={"json": {**body, "messages": [
+                                 {"role": "user", "content": words(100 * i, 40)}]}})
+            for i in range(2)]
+    for thread in busy:
+        thread.start()
+    assert wait_until(loop_thread, lambda: all(w.inflight for w in stack.gateway.workers))
+    answer = {}
+    held = threading.Thread(target=lambda: answer.setdefault("r", stack.client.post(
+        "/v1/chat/completions", json={**body, "max_tokens": 1})))
+    held.start()
+    assert wait_until(loop_thread, lambda: len(stack.gateway.binding.queue) == 1)
+    gone = stack.fleet.urls[0]
+    loop_thread.call(stack.gateway.workers.remove, gone)
+    held.join(10)
+    assert answer["r"].status_code == 200
+    assert answer["r"].headers["x-radixpool-worker"] == stack.fleet.urls[1]
+    for thread in busy:
+        thread.join(10)
