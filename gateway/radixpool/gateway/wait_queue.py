@@ -8,7 +8,8 @@ so are all later arrivals while anything is held (first come, first placed). Whe
 queue drains (a KV event stores a prompt, a request ends or fails, a worker joins), the held
 requests are offered again, oldest first, each to the worker where it would get its first token
 soonest counting the cache (`Policy.place`: queued prefill there + its uncached part + the reused
-prefixes it would push out); it is sent when that worker is no longer saturated, else it keeps
+prefixes it would push out; for `cache_aware`, among the prefix's owners when it has some, or an
+idle worker by the spill rule); it is sent when that worker is no longer saturated, else it keeps
 waiting, without blocking younger requests bound elsewhere.
 
 Bounds. A request held `hold_max_seconds` is sent anyway to its soonest worker, saturated or not:
