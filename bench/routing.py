@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -60,6 +61,7 @@ from fleet_procs import cpu_seconds, decision_counts, spawn_fleet, spawn_gateway
 from loadgen import Sample, Workload, closed_loop, pct, words
 from simfleet.virtual import FleetModel, Request, percentile, simulate
 
+from radixpool.gateway.config import GatewayConfig
 from radixpool.worker.config import EVICTION_POLICIES
 
 
@@ -155,7 +157,8 @@ def capacity(args: argparse.Namespace) -> None:
                                    decode_ms_per_token=0)
             rows = [("ref:capacity", simulate(requests, unbounded, sticky=lambda r: 0)),
                     ("ref:partition", simulate(requests, model, sticky=lambda r, n=n: r.group % n))]
-            rows += [(p, simulate(requests, model, p)) for p in args.policies]
+            rows += [(p + late, simulate(requests, model, p, gateway_config=config))
+                     for p in args.policies for late, config in bindings(args)]
             for name, o in rows:
                 lat = [x * 1e3 for x in o.latencies]
                 ttft = [x * 1e3 for x in o.ttfts]
@@ -168,6 +171,13 @@ def capacity(args: argparse.Namespace) -> None:
                 print(f"{n:>3} {eviction:<9} {name:<15} {o.hit_rate:6.3f} {lat_cols} "
                       f"{idle:6.1%} {avoidable:7.1%}  "
                       f"{min(o.per_worker):>6}/{max(o.per_worker):<6}        {reasons}", flush=True)
+
+
+def bindings(args: argparse.Namespace) -> list[tuple[str, GatewayConfig]]:
+    """The gateway configs the virtual rows run: early binding, late binding, or both."""
+    late = GatewayConfig(late_binding=True, hold_queued_tokens=args.hold_queued_tokens)
+    return [(name, config) for name, config in (("", GatewayConfig()), ("+late", late))
+            if (name or "+early")[1:] in args.binding]
 
 
 # --- several gateways (virtual time) --------------------------------------------------------------
@@ -201,7 +211,7 @@ def gateways(args: argparse.Namespace) -> None:
           f"{args.requests_per_worker} req/worker at {args.rate} req/s per worker, prefill "
           f"{args.prefill_us_per_token} us/uncached token, decode 1 ms/token x 8, KV "
           f"{args.kv_capacity_tokens} tokens/worker, worker eviction {args.eviction_policy}")
-    print("  N workload      gateways   hit  lat50ms  lat99  min/max per worker")
+    print("  N workload      gateways         hit  lat50ms  lat99  min/max per worker")
     for n in args.workers:
         for workload in ("shared-prefix", "multi-turn"):
             requests = virtual_workload(workload, n, args.requests_per_worker * n, args.rate,
@@ -209,10 +219,11 @@ def gateways(args: argparse.Namespace) -> None:
             model = FleetModel(n, args.kv_capacity_tokens, args.eviction_policy,
                                prefill_us_per_token=args.prefill_us_per_token,
                                decode_ms_per_token=1.0)
-            for g in args.gateways:
-                o = simulate(requests, model, "cache_aware", gateways=g, seed=args.seed)
+            for g, (late, config) in itertools.product(args.gateways, bindings(args)):
+                o = simulate(requests, model, "cache_aware", gateways=g, seed=args.seed,
+                             gateway_config=config)
                 lat = [x * 1e3 for x in o.latencies]
-                print(f"{n:>3} {workload:<13} {g:>8} {o.hit_rate:6.3f} "
+                print(f"{n:>3} {workload:<13} {g:>8}{late:<6} {o.hit_rate:6.3f} "
                       f"{percentile(lat, 0.5):7.1f} {percentile(lat, 0.99):7.1f}  "
                       f"{min(o.per_worker)}/{max(o.per_worker)}", flush=True)
 
@@ -296,6 +307,10 @@ def main() -> None:
     q.add_argument("--capacity-prefill-us", type=float, default=20.0)
     q.add_argument("--capacity-decode-ms", type=float, default=5.0)
     q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--binding", nargs="+", default=["early", "late"], choices=["early", "late"],
+                   help="capacity-bound: cache_aware rows with early and/or late binding "
+                        "(+late: the gateway's wait queue, --late-binding)")
+    q.add_argument("--hold-queued-tokens", type=int, default=GatewayConfig.hold_queued_tokens)
     q.add_argument("--gateway-src", metavar="DIR",
                    help="run the gateway from this source checkout (e.g. the previous commit, "
                         "for before/after figures on the same simulated workers)")
@@ -312,6 +327,8 @@ def main() -> None:
     m.add_argument("--kv-capacity-tokens", type=int, default=8192)
     m.add_argument("--eviction-policy", default="lru", choices=EVICTION_POLICIES)
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--binding", nargs="+", default=["early", "late"], choices=["early", "late"])
+    m.add_argument("--hold-queued-tokens", type=int, default=GatewayConfig.hold_queued_tokens)
     o = sub.add_parser("overhead", help="what the gateway adds, with zero-time workers")
     o.add_argument("--sequential", type=int, default=2000)
     o.add_argument("--concurrency", type=int, default=32)

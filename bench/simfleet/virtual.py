@@ -13,9 +13,11 @@ decode then takes
 instant the prefill ends (a real stream takes a few milliseconds).
 
 Idleness: `idle_while_queued` is the time some worker has nothing to do (no prefill running or
-queued) while another has a prefill waiting in its queue; `idle_avoidable` is the part of it
-when some waiting request would get its first token sooner on an idle worker, cold or not. The
-rest is idleness no routing decision could have turned into an earlier first token.
+queued) while a request waits: in another worker's prefill queue, or held by a gateway (late
+binding); `idle_avoidable` is the part of it when some waiting request would get its first
+token sooner on an idle worker, cold or not (a held one is compared with the tail of the busy
+worker where it would start soonest). The rest is idleness no routing decision could have
+turned into an earlier first token.
 
 Several gateways: each request goes to one of them at random (clients spread over replicas);
 each knows only the in-flight requests it sent itself, while all of them receive every KV event.
@@ -37,6 +39,7 @@ from radixpool.gateway.health import HealthHysteresis
 from radixpool.gateway.policies import Candidate, Decision, make_policy
 from radixpool.gateway.prefix_index import PrefixIndex
 from radixpool.gateway.route_key import KeyBuilder, RouteKey
+from radixpool.gateway.wait_queue import Held, LateBinding
 from radixpool.gateway.workers import Worker
 from radixpool.protocol.kv_blocks import KVEvent
 
@@ -89,17 +92,30 @@ class _Gateway:
         for n in names:  # what the monitor learns from each worker's /server_info
             self.index.add_worker(n, model.kv_capacity_tokens // model.block_size)
             self.index.set_eviction_policy(n, model.eviction_policy)
+        self.binding = LateBinding(self.policy, config.hold_queued_tokens,
+                                   config.hold_max_requests, config.hold_max_seconds
+                                   ) if config.late_binding else None
 
-    def route(self, key: RouteKey) -> Decision:
+    def route(self, key: RouteKey, now: float) -> Decision | Held:
+        """The proxy's first attempt: a decision, or the request held by late binding."""
         ready = list(self.workers.values())
         decision = self.policy.select(
             [Candidate(w.url, w.inflight, w.backlog(key.units), w.queued(key.units))
              for w in ready], key)
         worker = self.workers[decision.worker]
+        if self.binding is not None and self.binding.holds(worker.queued(key.units)):
+            self.policy.failed(decision, key)
+            return self.binding.queue.hold(key, now)
         worker.inflight += 1
         if (wait := prefill_wait(decision, key)) is not None:
             worker.prefill_sent(*wait)
         return decision
+
+    def release(self, now: float) -> list[Held]:
+        if self.binding is None:
+            return []
+        ready = list(self.workers.values())
+        return self.binding.release(now, lambda model: ready)
 
     def stored(self, name: str, event: KVEvent) -> None:
         self.index.apply_event(name, event)
@@ -142,21 +158,36 @@ class _SimWorker:
         return self.running is None and not self.queue
 
 
-def _avoidable(workers: list[_SimWorker], now: float, us_per_token: float) -> bool:
-    """Some worker idles while a request queued at another would get its first token sooner on
-    it: its prefill there (cold or partly cached) would end before its turn comes and its own
-    prefill ends where it waits. Costs read each cache as it is now."""
+def _avoidable(workers: list[_SimWorker], held: list[Request], now: float,
+               us_per_token: float) -> bool:
+    """Some worker idles while a waiting request would get its first token sooner on it: its
+    prefill there (cold or partly cached) would end before its own prefill ends where it waits.
+    A request held by the gateway waits, at best, behind the queue of the busy worker where its
+    prefill would end soonest. Costs read each cache as it is now."""
     idle = [w for w in workers if w.idle]
+    if not idle:
+        return False
+
+    def sooner_on_idle(tokens: list[int], ready: float) -> bool:
+        return any(now + (len(tokens) - i.kv.probe(tokens, None)) * us_per_token / 1e6 < ready
+                   for i in idle)
+
+    tails = {}
     for w in workers:
-        if not idle or not w.queue:
-            continue
         ready = max(now, w.running_until)
         for job in w.queue:
             tokens = job.request.tokens
             ready += (len(tokens) - w.kv.probe(tokens, None)) * us_per_token / 1e6
-            if any(now + (len(tokens) - i.kv.probe(tokens, None)) * us_per_token / 1e6 < ready
-                   for i in idle):
+            if sooner_on_idle(tokens, ready):
                 return True
+        if not w.idle:
+            tails[w] = ready
+    for request in held:
+        tokens = request.tokens
+        best = min(tail + (len(tokens) - w.kv.probe(tokens, None)) * us_per_token / 1e6
+                   for w, tail in tails.items())
+        if sooner_on_idle(tokens, best):
+            return True
     return False
 
 
@@ -182,6 +213,21 @@ def simulate(requests: list[Request], model: FleetModel, policy: str | None = "c
     for r in requests:
         heapq.heappush(heap, (r.arrival, next(order), "arrive", r))  # type: ignore[arg-type]
     now = 0.0
+    held: dict[Held, Request] = {}
+
+    def enqueue(request: Request, key: RouteKey, gateway: _Gateway | None,
+                decision: Decision | None, w: int) -> None:
+        if decision is not None:
+            out.reasons[decision.reason] = out.reasons.get(decision.reason, 0) + 1
+        workers[w].queue.append(_Job(request, key, gateway, decision, w))
+        out.per_worker[w] += 1
+        start_next(w)
+
+    def release() -> None:
+        for g in replicas:
+            for h in g.release(now):
+                decision = h.decision
+                enqueue(held.pop(h), h.key, g, decision, names.index(decision.worker))
 
     def start_next(w: int) -> None:
         worker = workers[w]
@@ -199,24 +245,27 @@ def simulate(requests: list[Request], model: FleetModel, policy: str | None = "c
         busy = [not w.idle for w in workers]
         if any(busy):
             out.busy_time += t - now
-            if any(w.queue for w in workers) and not all(busy):
+            if (held or any(w.queue for w in workers)) and not all(busy):
                 out.idle_while_queued += t - now
-                if _avoidable(workers, now, model.prefill_us_per_token):
+                if _avoidable(workers, list(held.values()), now, model.prefill_us_per_token):
                     out.idle_avoidable += t - now
         now = t
         if kind == "arrive":
             request: Request = item  # type: ignore[assignment]
             key = keys.build("/generate", {"input_ids": request.tokens})
             if sticky:
-                gateway, decision, w = None, None, sticky(request)
+                enqueue(request, key, None, None, sticky(request))
+                continue
+            gateway = replicas[pick_gateway.randrange(len(replicas))]
+            routed = gateway.route(key, now)
+            if isinstance(routed, Held):
+                held[routed] = request
+                heapq.heappush(heap, (now + base.hold_max_seconds, next(order), "overdue", None))
+                release()
             else:
-                gateway = replicas[pick_gateway.randrange(len(replicas))]
-                decision = gateway.route(key)
-                w = names.index(decision.worker)
-                out.reasons[decision.reason] = out.reasons.get(decision.reason, 0) + 1
-            workers[w].queue.append(_Job(request, key, gateway, decision, w))
-            out.per_worker[w] += 1
-            start_next(w)
+                enqueue(request, key, gateway, routed, names.index(routed.worker))
+        elif kind == "overdue":
+            release()
         elif kind == "prefilled":
             job: _Job = item  # type: ignore[no-redef]
             worker = workers[job.worker]
@@ -229,6 +278,7 @@ def simulate(requests: list[Request], model: FleetModel, policy: str | None = "c
             heapq.heappush(heap, (now + decode, next(order), "done", job))
             worker.running = None
             start_next(job.worker)
+            release()
         else:
             job = item  # type: ignore[assignment]
             prompt = len(job.request.tokens)
@@ -237,6 +287,7 @@ def simulate(requests: list[Request], model: FleetModel, policy: str | None = "c
             out.latencies.append(now - job.request.arrival)
             if job.gateway is not None:
                 job.gateway.learn(names[job.worker], job.decision, job.key, prompt, job.cached)
+                release()
     return out
 
 

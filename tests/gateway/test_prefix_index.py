@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixpool.gateway.prefix_index import PrefixIndex
+from radixpool.gateway.prefix_index import STALE_EPOCHS, PrefixIndex
 from radixpool.protocol.kv_blocks import KVEvent, prefix_block_hashes
 
 
@@ -155,3 +155,21 @@ def test_a_worker_with_kv_events_keeps_what_its_events_say_not_the_trees_lru():
     assert index.match(system) == {"a": 4}
     index.apply_event("a", KVEvent(2, "removed", tuple(question), None))
     assert index.match(system + question) == {"a": 4}
+
+
+def test_a_reused_prefix_takes_room_until_no_request_has_matched_it_for_long():
+    index = PrefixIndex()
+    for w in ("a", "b"):
+        index.add_worker(w, 64)
+        index.set_eviction_policy(w, "probation")
+    history = chain(list(range(80)))                 # 20 blocks
+    index.insert("a", history)
+    index.insert("a", history, matched=20)           # the next turn reused it
+    assert index.room("a") == 44
+    for i in range(STALE_EPOCHS // 2):               # traffic elsewhere
+        index.insert("b", chain([10_000 + i] * 4))
+    index.insert("a", history[:5], matched=5)        # a shorter prompt reuses its first blocks
+    for i in range(STALE_EPOCHS // 2 + 1):
+        index.insert("b", chain([20_000 + i] * 4))
+    assert index.room("a") == 64 - 5                 # the rest went stale: a finished conversation
+    assert index.match(history)["a"] == 20           # still cached as far as routing knows

@@ -9,6 +9,7 @@ import pytest
 
 from bench.simfleet import SimKV
 from bench.simfleet.virtual import FleetModel, Request, simulate
+from radixpool.gateway.config import GatewayConfig
 from radixpool.gateway.prefix_index import PrefixIndex
 
 
@@ -69,3 +70,21 @@ def test_idleness_is_avoidable_only_when_an_idle_worker_would_serve_a_waiting_re
     hits = simulate([warm, *later], model, sticky=lambda r: 0)
     assert hits.idle_while_queued == pytest.approx(0.016)
     assert hits.idle_avoidable == 0.0
+
+
+def test_late_binding_leaves_no_worker_idle_while_a_request_waits_that_it_could_serve_sooner():
+    model = FleetModel(2, 65536, "lru", prefill_us_per_token=20.0, decode_ms_per_token=5.0)
+    # A long prefill (160 ms) on one worker, then short prompts (2 ms each) while it runs: early
+    # binding commits one of them behind the long prefill (the in-flight counts tie), though
+    # the other worker is idle after a few milliseconds.
+    requests = [Request(0.0, list(range(8000)), 0)]
+    requests += [Request(0.001 * i, list(range(10_000 * i, 10_000 * i + 100)), i)
+                 for i in (1, 2, 3)]
+    early = simulate(requests, model, "cache_aware")
+    late = simulate(requests, model, "cache_aware",
+                    gateway_config=GatewayConfig(late_binding=True, hold_queued_tokens=0))
+    assert early.idle_avoidable > 0.1
+    assert late.idle_avoidable == 0.0
+    assert late.reasons.get("late", 0) >= 1
+    # the short prompts' first tokens: one at 160 ms with early binding, all within 5 ms late
+    assert sorted(early.ttfts)[-2] > 0.15 and sorted(late.ttfts)[-2] < 0.005

@@ -107,7 +107,8 @@ GW_REQUESTS = MetricSpec(
     ("worker", "code"))
 GW_ROUTE_DECISIONS = MetricSpec(
     "radixpool_gateway_route_decisions_total", "counter",
-    "Routing decisions by chosen worker and reason (cache_hit, cache_miss, imbalance, retry, ...).",
+    "Routing decisions by chosen worker and reason (cache_hit, cache_miss, imbalance, spill, "
+    "late, retry, ...).",
     ("worker", "reason"))
 GW_INFLIGHT = MetricSpec(
     "radixpool_gateway_inflight_requests", "gauge", "Requests in flight per worker.", ("worker",))
@@ -147,12 +148,23 @@ GW_UPSTREAM_TIMEOUTS = MetricSpec(
     "radixpool_gateway_upstream_timeouts_total", "counter",
     "Requests cut because the worker sent no headers or did not finish within its deadline.",
     ("worker",))
+GW_WAIT_QUEUE = MetricSpec(
+    "radixpool_gateway_wait_queue_requests", "gauge",
+    "Requests the gateway holds in its wait queue (late binding) until a worker can take them.")
+GW_WAIT_QUEUE_OUTCOMES = MetricSpec(
+    "radixpool_gateway_wait_queue_outcomes_total", "counter",
+    "Requests that left the wait queue, by outcome (placed; overdue: sent at the deadline to a "
+    "saturated worker; left: the client disconnected; rejected: no worker at the deadline, 503).",
+    ("outcome",))
+GW_WAIT_QUEUE_SECONDS = MetricSpec(
+    "radixpool_gateway_wait_queue_seconds", "histogram",
+    "Time requests spent held in the wait queue.")
 
 GATEWAY_METRICS: tuple[MetricSpec, ...] = (
     GW_REQUESTS, GW_ROUTE_DECISIONS, GW_INFLIGHT, GW_WORKER_HEALTHY, GW_PROMPT_TOKENS,
     GW_CACHED_TOKENS, GW_PREDICTED_CACHED_TOKENS, GW_TREE_TOKENS, GW_RETRIES,
     GW_REQUEST_DURATION, GW_TIME_TO_FIRST_TOKEN, GW_HIT_RATE, GW_TREE_CORRECTIONS,
-    GW_UPSTREAM_TIMEOUTS,
+    GW_UPSTREAM_TIMEOUTS, GW_WAIT_QUEUE, GW_WAIT_QUEUE_OUTCOMES, GW_WAIT_QUEUE_SECONDS,
 )
 
 ALL_METRICS: tuple[MetricSpec, ...] = WORKER_METRICS + GATEWAY_METRICS

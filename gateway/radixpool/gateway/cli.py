@@ -62,6 +62,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="tree bound per worker until its /server_info reports KV capacity")
     r.add_argument("--text-block-bytes", type=int, default=D.text_block_bytes,
                    help="block size when routing on text (no tokenizer)")
+    r.add_argument("--late-binding", action=argparse.BooleanOptionalAction,
+                   default=D.late_binding,
+                   help="hold a request in the gateway while its best worker is saturated, and "
+                        "place it when a worker's prefill queue drains")
+    r.add_argument("--hold-queued-tokens", type=int, default=D.hold_queued_tokens,
+                   help="late binding: a worker with more prefill tokens queued is saturated")
+    r.add_argument("--hold-max-requests", type=int, default=D.hold_max_requests,
+                   help="late binding: at most this many held (later arrivals bind at once)")
+    r.add_argument("--hold-max-seconds", type=float, default=D.hold_max_seconds,
+                   help="late binding: a request held this long goes to its soonest worker")
     s = p.add_argument_group("server and fleet")
     s.add_argument("--host", default=D.host)
     s.add_argument("--port", type=int, default=D.port)
@@ -137,7 +147,9 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.e
         health_failures=args.health_failures, health_successes=args.health_successes,
         breaker_failures=args.breaker_failures, breaker_open_seconds=args.breaker_open_seconds,
         max_retries=args.max_retries, connect_timeout=args.connect_timeout,
-        kv_events=args.kv_events, tree_capacity_tokens=args.tree_capacity_tokens,
+        kv_events=args.kv_events, late_binding=args.late_binding,
+        hold_queued_tokens=args.hold_queued_tokens, hold_max_requests=args.hold_max_requests,
+        hold_max_seconds=args.hold_max_seconds, tree_capacity_tokens=args.tree_capacity_tokens,
         text_block_bytes=args.text_block_bytes, log_level=args.log_level,
         header_read_timeout=args.header_read_timeout, max_header_bytes=args.max_header_bytes,
         body_read_timeout=args.body_read_timeout,

@@ -56,6 +56,12 @@ class GatewayConfig:
     max_retries: int = 2
     connect_timeout: float = 2.0
     kv_events: bool = True
+    # late binding (wait_queue.py): hold a request while its best worker has more than
+    # `hold_queued_tokens` of prefill queued, at most `hold_max_requests` for `hold_max_seconds`
+    late_binding: bool = False
+    hold_queued_tokens: int = 1024
+    hold_max_requests: int = 1024
+    hold_max_seconds: float = 5.0
     tree_capacity_tokens: int = 1 << 20
     text_block_bytes: int = 64
     log_level: str = "info"
@@ -97,6 +103,9 @@ class GatewayConfig:
         _check(self.breaker_open_seconds > 0, "breaker_open_seconds", "> 0")
         _check(self.max_retries >= 0, "max_retries", ">= 0")
         _check(self.connect_timeout > 0, "connect_timeout", "> 0")
+        _check(self.hold_queued_tokens >= 0, "hold_queued_tokens", ">= 0")
+        _check(self.hold_max_requests >= 1, "hold_max_requests", ">= 1")
+        _check(self.hold_max_seconds > 0, "hold_max_seconds", "> 0")
         _check(self.tree_capacity_tokens > 0, "tree_capacity_tokens", "> 0")
         _check(self.text_block_bytes > 0, "text_block_bytes", "> 0")
         _check(self.header_read_timeout >= 0.001, "header_read_timeout", ">= 0.001")

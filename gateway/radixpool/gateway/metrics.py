@@ -57,6 +57,9 @@ class GatewayMetrics:
         self.corrections: dict[tuple[str, str], int] = defaultdict(int)
         self.timeouts: dict[tuple[str], int] = defaultdict(int)
         self.retries = 0
+        self.holding = 0
+        self.held_outcomes: dict[tuple[str], int] = defaultdict(int)
+        self.hold = _Histogram()
         self.duration = _Histogram()
         self.ttft = _Histogram()
         self.registry = CollectorRegistry(auto_describe=False)
@@ -88,6 +91,10 @@ class GatewayMetrics:
     def upstream_timeout(self, worker: str) -> None:
         self.timeouts[worker,] += 1
 
+    def held(self, outcome: str, seconds: float) -> None:
+        self.held_outcomes[outcome,] += 1
+        self.hold.observe(seconds)
+
     # --- the scrape ---------------------------------------------------------------------------
     def render(self, workers: WorkerSet, index: PrefixIndex) -> bytes:
         self._state = (workers, index)
@@ -104,6 +111,10 @@ class GatewayMetrics:
         yield _counter(spec.GW_RETRIES, {(): self.retries})
         yield self.duration.family(spec.GW_REQUEST_DURATION)
         yield self.ttft.family(spec.GW_TIME_TO_FIRST_TOKEN)
+        yield GaugeMetricFamily(spec.GW_WAIT_QUEUE.name, spec.GW_WAIT_QUEUE.help,
+                                value=self.holding)
+        yield _counter(spec.GW_WAIT_QUEUE_OUTCOMES, self.held_outcomes)
+        yield self.hold.family(spec.GW_WAIT_QUEUE_SECONDS)
         if self._state is None:
             return
         workers, index = self._state

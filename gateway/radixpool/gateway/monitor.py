@@ -191,11 +191,15 @@ class Monitor:
                 if status != 200 or not isinstance(doc, dict) or doc["instance_id"] != instance:
                     since = None
                     continue
+                stored = False
                 for event in doc["events"]:
                     kv_event = KVEvent.from_json(event)
                     self.index.apply_event(worker.url, kv_event)
                     if kv_event.type == "stored":
                         worker.prefill_stored(kv_event.blocks)
+                        stored = True
+                if stored:
+                    self.workers.drained()
                 since = int(doc["next"])
             except (asyncio.TimeoutError, OSError, KeyError, ValueError, TypeError) as exc:
                 log.debug("kv events from %s: %r", worker.url, exc)

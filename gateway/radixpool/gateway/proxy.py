@@ -52,6 +52,7 @@ from radixpool.gateway.upstream import (
     UpstreamResponse,
     UpstreamTimeout,
 )
+from radixpool.gateway.wait_queue import Held, LateBinding
 from radixpool.gateway.workers import Worker, WorkerSet
 from radixpool.tokenization import PromptTokenizer
 
@@ -78,12 +79,20 @@ class Gateway:
         # client headers not forwarded: hop-by-hop ones, and the client's key when we send ours
         self._unforwarded = HOP_BY_HOP | {b"authorization"} if key else HOP_BY_HOP
         self.workers.membership_hooks.append(self._membership)
+        self.binding = LateBinding(self.policy, config.hold_queued_tokens,
+                                   config.hold_max_requests, config.hold_max_seconds
+                                   ) if config.late_binding else None
+        self._waiters: dict[Held, asyncio.Future] = {}
+        if self.binding is not None:
+            self.workers.drain_hooks.append(self._release_held)
         for url in config.worker_urls:
             self.workers.add(url)
 
     def _membership(self, worker: Worker, joined: bool) -> None:
         if not joined:
             self.forget_pool(worker.url)
+        elif self.binding is not None and self.binding.queue:
+            self._release_held()
 
     @property
     def predicts(self) -> bool:
@@ -184,7 +193,7 @@ class Gateway:
         try:
             await self._relay(worker, decision, key, upstream, respond, strip_usage, started)
         finally:
-            _release(worker, prefill_wait(decision, key))
+            self._release(worker, prefill_wait(decision, key))
 
     def _parse(self, path: str, body: bytes, on_loop: bool) -> tuple[dict, RouteKey]:
         doc = json.loads(body)
@@ -209,34 +218,43 @@ class Gateway:
                 [Candidate(w.url, w.inflight, w.backlog(tokens), w.queued(tokens))
                  for w in ready], key)
             worker = by_url[decision.worker]
+            wait = prefill_wait(decision, key)
+            if (not attempt and self.binding is not None
+                    and self.binding.holds(worker.queued(tokens))):
+                self.policy.failed(decision, key)
+                held = await self._held(key)
+                if held is None:
+                    break
+                worker, decision = held.worker, held.decision
+                wait = prefill_wait(decision, key)
+            else:
+                worker.inflight += 1
+                if wait is not None:
+                    worker.prefill_sent(*wait)
             self.metrics.decision(worker.url, "retry" if attempt else decision.reason)
             if attempt:
                 self.metrics.retry()
-            worker.inflight += 1
-            wait = prefill_wait(decision, key)
-            if wait is not None:
-                worker.prefill_sent(*wait)
             worker.breaker.dispatched(now)
             try:
                 upstream = await self.pool(worker).request(
                     "POST", path, headers, body, self.config.upstream_first_byte_timeout,
                     self.config.upstream_timeout)
             except UpstreamTimeout as exc:  # a hung worker: no retry (it may still be working)
-                _release(worker, wait)
+                self._release(worker, wait)
                 self._timed_out(worker)
                 self.policy.failed(decision, key)
                 return 504, f"worker {worker.url} timed out: {exc}"
             except UpstreamError as exc:
-                _release(worker, wait)
+                self._release(worker, wait)
                 worker.breaker.record_failure("connect_error", self.clock())
                 errors.append(f"{worker.url}: {exc}")
             except BaseException:  # the client left while the worker was being asked
-                _release(worker, wait)
+                self._release(worker, wait)
                 raise
             else:
                 if upstream.status != 503 or attempt == self.config.max_retries:
                     return worker, decision, upstream
-                _release(worker, wait)
+                self._release(worker, wait)
                 worker.breaker.record_failure("server_error", self.clock())
                 with contextlib.suppress(UpstreamError):
                     await upstream.body()  # read to the end so the connection can be reused
@@ -323,6 +341,57 @@ class Gateway:
             await respond.write(pending)
         return usage, ttfb
 
+    # --- late binding (wait_queue.py) -----------------------------------------------------------
+    async def _held(self, key: RouteKey) -> Held | None:
+        """Hold the request until the wait queue places it (the worker already taken for it);
+        None when no worker was eligible even at its deadline. A client that leaves while held
+        withdraws it (counted as `left`)."""
+        binding = self.binding
+        held = binding.queue.hold(key, self.clock())
+        deadline = held.since + binding.queue.max_wait
+        waiter = self._waiters[held] = asyncio.get_running_loop().create_future()
+        self.metrics.holding += 1
+        outcome = "placed"
+        try:
+            self._release_held()
+            if held.worker is None:
+                try:
+                    await asyncio.wait_for(waiter, deadline - self.clock())
+                except asyncio.TimeoutError:  # the timer may fire a hair early: it is due now
+                    self._release_held(max(self.clock(), deadline))
+            if held.worker is None:
+                binding.queue.withdraw(held)
+                outcome = "rejected"
+            elif self.clock() >= deadline:
+                outcome = "overdue"
+        except asyncio.CancelledError:
+            if not binding.queue.withdraw(held):  # placed as the client left: give it back
+                self._release(held.worker, prefill_wait(held.decision, key))
+                self.policy.failed(held.decision, key)
+            outcome = "left"
+            raise
+        finally:
+            del self._waiters[held]
+            self.metrics.holding -= 1
+            self.metrics.held(outcome, self.clock() - held.since)
+        return held if held.worker is not None else None
+
+    def _release_held(self, now: float | None = None) -> None:
+        """A worker's queue drained (or one joined): offer the held requests again."""
+        now = self.clock() if now is None else now
+        for held in self.binding.release(now, lambda model: self.workers.eligible(now, model)):
+            waiter = self._waiters.get(held)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+    def _release(self, worker: Worker, wait: tuple[int, float] | None) -> None:
+        """A dispatched request is over at `worker` (answered, failed or given up)."""
+        worker.inflight -= 1
+        if wait is not None:
+            worker.prefill_ended(*wait)
+        if self.binding is not None and self.binding.queue:
+            self._release_held()
+
     def forwarded_headers(self, request: Request) -> Headers:
         """The client's end-to-end headers, with the gateway's worker key (when it has one) in
         place of the client's, and a request id."""
@@ -339,13 +408,6 @@ class Gateway:
     def _learn(self, worker: Worker, decision: Decision, key: RouteKey, prompt: int,
                cached: int | None) -> None:
         learn(worker, self.index, self.metrics, decision, key, prompt, cached, self.predicts)
-
-
-def _release(worker: Worker, wait: tuple[int, float] | None) -> None:
-    """A dispatched request is over at `worker` (answered, failed or given up)."""
-    worker.inflight -= 1
-    if wait is not None:
-        worker.prefill_ended(*wait)
 
 
 def _cut_stream_event(worker_url: str, exc: UpstreamError) -> bytes:

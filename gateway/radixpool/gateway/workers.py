@@ -116,6 +116,7 @@ class Worker:
 
 
 MembershipHook = Callable[[Worker, bool], None]   # (worker, joined)
+DrainHook = Callable[[], None]
 
 
 class WorkerSet:
@@ -125,6 +126,11 @@ class WorkerSet:
         self.keys = keys
         self.workers: dict[str, Worker] = {}
         self.membership_hooks: list[MembershipHook] = []
+        self.drain_hooks: list[DrainHook] = []   # some worker's queued prefill went down
+
+    def drained(self) -> None:
+        for hook in self.drain_hooks:
+            hook()
 
     def __iter__(self):
         return iter(list(self.workers.values()))

@@ -1,0 +1,129 @@
+"""Late binding: a request whose best worker is saturated waits in the gateway, not in a worker.
+
+With early binding a request is committed to a worker on arrival and sits in that worker's FIFO
+prefill queue, even when another worker goes idle a moment later. Here, when the worker the
+policy picks already has more than `hold_queued_tokens` of prefill queued (`Worker.queued`: the
+uncached tokens of the requests sent there whose prefill has not ended), the request is held;
+so are all later arrivals while anything is held (first come, first placed). Whenever a worker's
+queue drains (a KV event stores a prompt, a request ends or fails, a worker joins), the held
+requests are offered again, oldest first, each to the worker where it would get its first token
+soonest counting the cache (`Policy.place`: queued prefill there + its uncached part + the reused
+prefixes it would push out; for `cache_aware`, among the prefix's owners when it has some, or an
+idle worker by the spill rule); it is sent when that worker is no longer saturated, else it keeps
+waiting, without blocking younger requests bound elsewhere.
+
+Bounds. A request held `hold_max_seconds` is sent anyway to its soonest worker, saturated or not:
+the workers are up and merely busy, so a 503 would throw away work early binding would have done
+(the fallback is never worse than no queue). While `hold_max_requests` are held, new arrivals
+bypass the queue (early binding). Only when no eligible worker is left at the deadline is the
+request answered 503. A held request whose client leaves is withdrawn. Nothing is bound to a
+worker while held, so a worker that dies takes no held request with it.
+
+`WaitQueue` is the pure core (no clock, no I/O): the proxy and the virtual fleet
+(`bench/simfleet/virtual.py`) drive the same `LateBinding` around it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from radixpool.gateway.feedback import prefill_wait
+from radixpool.gateway.policies import Candidate, Decision, Policy
+from radixpool.gateway.route_key import BYTES_PER_TOKEN, RouteKey
+from radixpool.gateway.workers import Worker
+
+
+@dataclass(eq=False, slots=True)
+class Held:
+    key: RouteKey
+    since: float
+    worker: Worker | None = None       # set once, when placed
+    decision: Decision | None = None
+
+
+Place = Callable[[Held, bool], bool]   # (held, overdue) -> placed
+
+
+class WaitQueue:
+    """Held requests in arrival order. Each leaves exactly once: placed by `release`, or
+    withdrawn (its client left)."""
+
+    def __init__(self, max_held: int, max_wait: float) -> None:
+        self.max_held = max_held
+        self.max_wait = max_wait
+        self._held: dict[Held, None] = {}   # insertion-ordered set: oldest first
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __bool__(self) -> bool:
+        return bool(self._held)
+
+    def admits(self) -> bool:
+        return len(self._held) < self.max_held
+
+    def hold(self, key: RouteKey, now: float) -> Held:
+        held = Held(key, now)
+        self._held[held] = None
+        return held
+
+    def withdraw(self, held: Held) -> bool:
+        """The client left: False when it was already placed (the caller then owns a worker)."""
+        if held not in self._held:
+            return False
+        del self._held[held]
+        return True
+
+    def release(self, now: float, place: Place) -> list[Held]:
+        """Offer every held request, oldest first, to `place`; those placed leave the queue."""
+        placed = []
+        for held in list(self._held):
+            if place(held, now - held.since >= self.max_wait):
+                del self._held[held]
+                placed.append(held)
+        return placed
+
+    def next_deadline(self) -> float | None:
+        oldest = next(iter(self._held), None)
+        return None if oldest is None else oldest.since + self.max_wait
+
+
+class LateBinding:
+    """The wait queue and the placement of its requests on `Worker`s: what the proxy and the
+    virtual fleet share. Placing takes the worker (in-flight count, queued prefill) at once, so
+    the next held request sees it."""
+
+    def __init__(self, policy: Policy, threshold: float, max_held: int, max_wait: float) -> None:
+        self.policy = policy
+        self.threshold = threshold
+        self.queue = WaitQueue(max_held, max_wait)
+
+    def holds(self, queued_at_pick: float) -> bool:
+        """Whether a request just routed to a worker with `queued_at_pick` tokens of prefill
+        queued waits here instead: the fast path is this one comparison when nothing is held."""
+        if self.queue:
+            return self.queue.admits()
+        return queued_at_pick > self.threshold and self.queue.admits()
+
+    def release(self, now: float, eligible: Callable[[str | None], Sequence[Worker]]
+                ) -> list[Held]:
+        def place(held: Held, overdue: bool) -> bool:
+            ready = eligible(held.key.model)
+            if not ready:
+                return False
+            key = held.key
+            tokens = key.units if key.exact else key.units / BYTES_PER_TOKEN
+            decision = self.policy.place(
+                [Candidate(w.url, w.inflight, w.backlog(tokens), w.queued(tokens))
+                 for w in ready], key, self.threshold, overdue)
+            if decision is None:
+                return False
+            worker = next(w for w in ready if w.url == decision.worker)
+            worker.inflight += 1
+            if (wait := prefill_wait(decision, key)) is not None:
+                worker.prefill_sent(*wait)
+            held.worker, held.decision = worker, decision
+            return True
+
+        return self.queue.release(now, place) if self.queue else []

@@ -1,0 +1,122 @@
+"""Late binding through the real gateway on loopback: a request held while its worker is
+saturated is served once the worker drains; one whose client leaves while held is removed."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+
+from bench.simfleet import SimConfig
+from tests.gateway.conftest import words
+from tests.gateway.test_active_active import wait_until
+
+
+def held_outcomes(stack) -> dict[str, float]:
+    out = {}
+    for line in stack.client.get("/metrics").text.splitlines():
+        if line.startswith("radixpool_gateway_wait_queue_outcomes_total{"):
+            out[line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("radixpool_gateway_wait_queue_requests "):
+            out["now"] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_a_request_held_behind_a_saturated_worker_is_served_when_its_prefill_ends(
+        make_stack, loop_thread):
+    # one worker, prefills of 0.3 s: the second request arrives while the first is prefilling
+    stack = make_stack(workers=1, sim=SimConfig(prefill_us_per_token=3000.0),
+                       late_binding=True, hold_queued_tokens=0)
+    assert wait_until(loop_thread, lambda: all(
+        w.tree_source == "kv_events" for w in stack.gateway.workers))
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+    answers = {}
+
+    def ask(name: str, prompt: str) -> None:
+        answers[name] = client.chat.completions.with_raw_response.create(
+            model="sim-model", max_tokens=2, messages=[{"role": "user", "content": prompt}])
+
+    first = threading.Thread(target=ask, args=("first", words(0, 100)))
+    first.start()
+    assert wait_until(loop_thread, lambda: any(w.queued(0) for w in stack.gateway.workers))
+    ask("second", words(2000, 20))
+    first.join(10)
+    assert answers["second"].http_response.status_code == 200
+    assert answers["second"].parse().choices[0].message.content
+    assert answers["first"].http_response.status_code == 200
+    outcomes = held_outcomes(stack)
+    assert outcomes.get("placed") == 1 and outcomes["now"] == 0
+    assert 'reason="late"' in stack.client.get("/metrics").text
+
+
+def test_a_client_that_leaves_while_held_is_removed_and_counted(make_stack, loop_thread):
+    # without KV events a request is queued until it ends: a 2 s decode holds the next one
+    stack = make_stack(workers=1, sim=SimConfig(decode_ms_per_token=100.0),
+                       late_binding=True, hold_queued_tokens=0, kv_events=False)
+    body = {"model": "sim-model", "max_tokens": 20,
+            "messages": [{"role": "user", "content": words(0, 40)}]}
+    slow = threading.Thread(target=stack.client.post, args=("/v1/chat/completions",),
+                            kwargs={"json": body})
+    slow.start()
+    assert wait_until(loop_thread, lambda: any(w.inflight for w in stack.gateway.workers))
+    started = time.monotonic()
+    try:
+        httpx.post(stack.url + "/v1/chat/completions", timeout=0.3, json={
+            **body, "max_tokens": 1, "messages": [{"role": "user", "content": words(500, 9)}]})
+        raise AssertionError("the held request was answered before the worker drained")
+    except httpx.ReadTimeout:
+        pass
+    assert time.monotonic() - started < 1.5
+    assert wait_until(loop_thread, lambda: not stack.gateway.binding.queue)
+    outcomes = held_outcomes(stack)
+    assert outcomes.get("left") == 1 and outcomes["now"] == 0 and "placed" not in outcomes
+    slow.join(10)
+    assert stack.gateway.workers.get(stack.fleet.urls[0]).inflight == 0
+    fresh = stack.client.post("/v1/chat/completions", json={**body, "max_tokens": 1})
+    assert fresh.status_code == 200 and "placed" not in held_outcomes(stack)
+
+
+def test_a_request_held_past_its_deadline_is_sent_to_the_saturated_worker_anyway(
+        make_stack, loop_thread):
+    stack = make_stack(workers=1, sim=SimConfig(decode_ms_per_token=100.0), late_binding=True,
+                       hold_queued_tokens=0, kv_events=False, hold_max_seconds=0.3)
+    body = {"model": "sim-model", "max_tokens": 20,
+            "messages": [{"role": "user", "content": words(0, 40)}]}
+    slow = threading.Thread(target=stack.client.post, args=("/v1/chat/completions",),
+                            kwargs={"json": body})
+    slow.start()
+    assert wait_until(loop_thread, lambda: any(w.inflight for w in stack.gateway.workers))
+    started = time.monotonic()
+    late = stack.client.post("/v1/chat/completions", json={**body, "max_tokens": 1})
+    assert late.status_code == 200
+    assert time.monotonic() - started < 1.5       # not after the slow one's 2 s
+    assert held_outcomes(stack).get("overdue") == 1
+    slow.join(10)
+
+
+def test_a_held_request_goes_to_a_remaining_worker_when_the_others_leave(make_stack, loop_thread):
+    stack = make_stack(workers=2, sim=SimConfig(decode_ms_per_token=50.0), late_binding=True,
+                       hold_queued_tokens=0, kv_events=False)
+    body = {"model": "sim-model", "max_tokens": 20,
+            "messages": [{"role": "user", "content": words(0, 40)}]}
+    busy = [threading.Thread(target=stack.client.post, args=("/v1/chat/completions",),
+                             kwargs={"json": {**body, "messages": [
+                                 {"role": "user", "content": words(100 * i, 40)}]}})
+            for i in range(2)]
+    for thread in busy:
+        thread.start()
+    assert wait_until(loop_thread, lambda: all(w.inflight for w in stack.gateway.workers))
+    answer = {}
+    held = threading.Thread(target=lambda: answer.setdefault("r", stack.client.post(
+        "/v1/chat/completions", json={**body, "max_tokens": 1})))
+    held.start()
+    assert wait_until(loop_thread, lambda: len(stack.gateway.binding.queue) == 1)
+    gone = stack.fleet.urls[0]
+    loop_thread.call(stack.gateway.workers.remove, gone)
+    held.join(10)
+    assert answer["r"].status_code == 200
+    assert answer["r"].headers["x-radixpool-worker"] == stack.fleet.urls[1]
+    for thread in busy:
+        thread.join(10)
