@@ -123,6 +123,8 @@ GATEWAY = obj("The cache-aware gateway in front of the workers: the pool's endpo
                                    "to least-load.", default=64, minimum=0),
     "balanceRelThreshold": number("Load ratio that, with the absolute gap, switches to "
                                   "least-load.", default=1.5, minimum=1),
+    "lateBinding": boolean("Hold a request in the gateway while its worker has prefill queued, "
+                           "and place it when a worker drains (--late-binding).", default=False),
     "resources": obj("Compute for each gateway pod.", {
         "cpu": int_or_string("CPU request.", default="1", pattern=QUANTITY),
         "memory": int_or_string("Memory request and limit.", default="1Gi", pattern=QUANTITY),

@@ -78,6 +78,8 @@ def gateway_args(pool: Pool) -> list[str]:
             "--balance-abs-threshold", str(gw["balanceAbsThreshold"]),
             "--balance-rel-threshold", str(gw["balanceRelThreshold"]),
             "--host", "0.0.0.0", "--port", str(api.GATEWAY_PORT)]
+    if gw.get("lateBinding"):
+        args.append("--late-binding")
     return args  # keys come from the environment only: RADIXPOOL_API_KEY, RADIXPOOL_WORKER_API_KEY
 
 
