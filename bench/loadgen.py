@@ -93,6 +93,21 @@ async def closed_loop(port: int, make, clients: int, total: int | None,
     return samples, elapsed
 
 
+async def interleaved(ports: list[int], path: str, body: bytes, rounds: int
+                      ) -> list[list[Sample]]:
+    """One request to each port in turn, `rounds` times (the order flips every round): series
+    taken side by side, so a drift in the machine's speed touches them alike."""
+    pools = [UpstreamPool("127.0.0.1", port, 5.0, max_idle=1) for port in ports]
+    series: list[list[Sample]] = [[] for _ in ports]
+    for r in range(rounds):
+        order = range(len(ports)) if r % 2 == 0 else reversed(range(len(ports)))
+        for i in order:
+            series[i].append(await one(pools[i], path, body))
+    for pool in pools:
+        pool.close()
+    return series
+
+
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")

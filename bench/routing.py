@@ -40,7 +40,8 @@ Workloads (token counts exact: the simulated tokenizer is one token per word):
                  before its turn and prefill where it waits): the idleness routing could avoid.
 
 `overhead` measures, with zero-service-time workers: p50 added latency of a non-streamed request
-(via gateway minus direct, sequential), the same for the first byte of a stream, and peak
+(via gateway minus direct; one request at a time, the two paths taken in turn so a drift in
+the machine's speed touches both alike), the same for the first byte of a stream, and peak
 throughput with the gateway's CPU time per request.
 """
 
@@ -58,7 +59,7 @@ import sys
 
 import httpx
 from fleet_procs import cpu_seconds, decision_counts, spawn_fleet, spawn_gateway, stop
-from loadgen import Sample, Workload, closed_loop, pct, words
+from loadgen import Sample, Workload, closed_loop, interleaved, pct, words
 from simfleet.virtual import FleetModel, Request, percentile, simulate
 
 from radixpool.gateway.config import GatewayConfig
@@ -239,17 +240,12 @@ def overhead(args: argparse.Namespace) -> None:
     streamed8 = json.dumps({"model": "sim-model", "prompt": words(0, 32), "max_tokens": 8,
                             "stream": True}).encode()
     try:
-        def seq(target: int, body: bytes) -> list[Sample]:
-            samples, _ = asyncio.run(closed_loop(
-                target, lambda i: ("/v1/completions", body), 1, args.sequential, None))
-            return samples
+        def side_by_side(body: bytes, rounds: int) -> list[list[Sample]]:
+            return asyncio.run(interleaved([worker_port, port], "/v1/completions", body, rounds))
 
-        seq(port, plain)  # warm up both paths
-        seq(worker_port, plain)
-        direct = seq(worker_port, plain)
-        via = seq(port, plain)
-        direct_s = seq(worker_port, streamed)
-        via_s = seq(port, streamed)
+        side_by_side(plain, 300)  # warm up both paths
+        direct, via = side_by_side(plain, args.sequential)
+        direct_s, via_s = side_by_side(streamed, args.sequential)
         cpu0 = cpu_seconds(gateway.pid)
         samples, elapsed = asyncio.run(closed_loop(
             port, lambda i: ("/v1/completions", plain), args.concurrency, None, args.seconds))
