@@ -176,8 +176,9 @@ def capacity(args: argparse.Namespace) -> None:
 
 def bindings(args: argparse.Namespace) -> list[tuple[str, GatewayConfig]]:
     """The gateway configs the virtual rows run: early binding, late binding, or both."""
+    early = GatewayConfig(late_binding=False)
     late = GatewayConfig(late_binding=True, hold_queued_tokens=args.hold_queued_tokens)
-    return [(name, config) for name, config in (("", GatewayConfig()), ("+late", late))
+    return [(name, config) for name, config in (("", early), ("+late", late))
             if (name or "+early")[1:] in args.binding]
 
 

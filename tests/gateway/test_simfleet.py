@@ -80,7 +80,8 @@ def test_late_binding_leaves_no_worker_idle_while_a_request_waits_that_it_could_
     requests = [Request(0.0, list(range(8000)), 0)]
     requests += [Request(0.001 * i, list(range(10_000 * i, 10_000 * i + 100)), i)
                  for i in (1, 2, 3)]
-    early = simulate(requests, model, "cache_aware")
+    early = simulate(requests, model, "cache_aware",
+                     gateway_config=GatewayConfig(late_binding=False))
     late = simulate(requests, model, "cache_aware",
                     gateway_config=GatewayConfig(late_binding=True, hold_queued_tokens=0))
     assert early.idle_avoidable > 0.1

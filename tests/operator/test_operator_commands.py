@@ -32,7 +32,7 @@ FULL = {
                "maxRunningRequests": 64, "chunkedPrefillSize": 4096, "schedulePolicy": "fcfs",
                "logLevel": "debug"},
     "gateway": {"policy": "power_of_two", "cacheThreshold": 0.4, "balanceAbsThreshold": 8,
-                "balanceRelThreshold": 2.0, "lateBinding": True},
+                "balanceRelThreshold": 2.0, "lateBinding": False},
     "lifecycle": {"drainTimeoutSeconds": 45},
 }
 
@@ -46,7 +46,7 @@ def test_gateway_accepts_the_operator_command_line(pool_body, spec):
     assert args.cache_threshold == pool.gateway["cacheThreshold"]
     assert args.balance_abs_threshold == pool.gateway["balanceAbsThreshold"]
     assert args.balance_rel_threshold == pool.gateway["balanceRelThreshold"]
-    assert args.late_binding == pool.gateway["lateBinding"] == bool(spec)
+    assert args.late_binding == pool.gateway["lateBinding"] == (not spec)
     assert args.port == 8080 and args.host == "0.0.0.0"
     assert args.k8s_port_name == "http"
 

@@ -58,7 +58,7 @@ class GatewayConfig:
     kv_events: bool = True
     # late binding (wait_queue.py): hold a request while its best worker has more than
     # `hold_queued_tokens` of prefill queued, at most `hold_max_requests` for `hold_max_seconds`
-    late_binding: bool = False
+    late_binding: bool = True
     hold_queued_tokens: int = 1024
     hold_max_requests: int = 1024
     hold_max_seconds: float = 5.0

@@ -124,7 +124,7 @@ GATEWAY = obj("The cache-aware gateway in front of the workers: the pool's endpo
     "balanceRelThreshold": number("Load ratio that, with the absolute gap, switches to "
                                   "least-load.", default=1.5, minimum=1),
     "lateBinding": boolean("Hold a request in the gateway while its worker has prefill queued, "
-                           "and place it when a worker drains (--late-binding).", default=False),
+                           "and place it when a worker drains (--late-binding).", default=True),
     "resources": obj("Compute for each gateway pod.", {
         "cpu": int_or_string("CPU request.", default="1", pattern=QUANTITY),
         "memory": int_or_string("Memory request and limit.", default="1Gi", pattern=QUANTITY),
