@@ -69,7 +69,7 @@ def test_a_client_that_leaves_while_held_is_removed_and_counted(make_stack, loop
     except httpx.ReadTimeout:
         pass
     assert time.monotonic() - started < 1.5
-    assert wait_until(loop_thread, lambda: not stack.gateway.binding.queue)
+    assert wait_until(loop_thread, lambda: not stack.gateway.holding)
     outcomes = held_outcomes(stack)
     assert outcomes.get("left") == 1 and outcomes["now"] == 0 and "placed" not in outcomes
     slow.join(10)
@@ -112,7 +112,7 @@ def test_a_held_request_goes_to_a_remaining_worker_when_the_others_leave(make_st
     held = threading.Thread(target=lambda: answer.setdefault("r", stack.client.post(
         "/v1/chat/completions", json={**body, "max_tokens": 1})))
     held.start()
-    assert wait_until(loop_thread, lambda: len(stack.gateway.binding.queue) == 1)
+    assert wait_until(loop_thread, lambda: len(stack.gateway.holding.binding.queue) == 1)
     gone = stack.fleet.urls[0]
     loop_thread.call(stack.gateway.workers.remove, gone)
     held.join(10)

@@ -34,6 +34,7 @@ from radixpool.gateway import admin
 from radixpool.gateway.access import AccessPolicy
 from radixpool.gateway.config import GatewayConfig
 from radixpool.gateway.feedback import is_usage_only_event, learn, prefill_wait, usage_in
+from radixpool.gateway.holding import Holding
 from radixpool.gateway.http_edge import Headers, Request, Responder, error_body
 from radixpool.gateway.metrics import GatewayMetrics
 from radixpool.gateway.policies import CacheAware, Candidate, Decision, make_policy
@@ -52,7 +53,7 @@ from radixpool.gateway.upstream import (
     UpstreamResponse,
     UpstreamTimeout,
 )
-from radixpool.gateway.wait_queue import Held, LateBinding
+from radixpool.gateway.wait_queue import LateBinding
 from radixpool.gateway.workers import Worker, WorkerSet
 from radixpool.tokenization import PromptTokenizer
 
@@ -79,20 +80,18 @@ class Gateway:
         # client headers not forwarded: hop-by-hop ones, and the client's key when we send ours
         self._unforwarded = HOP_BY_HOP | {b"authorization"} if key else HOP_BY_HOP
         self.workers.membership_hooks.append(self._membership)
-        self.binding = LateBinding(self.policy, config.hold_queued_tokens,
-                                   config.hold_max_requests, config.hold_max_seconds
-                                   ) if config.late_binding else None
-        self._waiters: dict[Held, asyncio.Future] = {}
-        if self.binding is not None:
-            self.workers.drain_hooks.append(self._release_held)
+        self.holding = Holding(
+            LateBinding(self.policy, config.hold_queued_tokens, config.hold_max_requests,
+                        config.hold_max_seconds),
+            self.workers, self.metrics, self.clock, self._release) if config.late_binding else None
         for url in config.worker_urls:
             self.workers.add(url)
 
     def _membership(self, worker: Worker, joined: bool) -> None:
         if not joined:
             self.forget_pool(worker.url)
-        elif self.binding is not None and self.binding.queue:
-            self._release_held()
+        elif self.holding:
+            self.holding.offer()
 
     @property
     def predicts(self) -> bool:
@@ -219,10 +218,10 @@ class Gateway:
                  for w in ready], key)
             worker = by_url[decision.worker]
             wait = prefill_wait(decision, key)
-            if (not attempt and self.binding is not None
-                    and self.binding.holds(worker.queued(tokens))):
+            if (not attempt and self.holding is not None
+                    and self.holding.holds(worker.queued(tokens))):
                 self.policy.failed(decision, key)
-                held = await self._held(key)
+                held = await self.holding.wait(key)
                 if held is None:
                     break
                 worker, decision = held.worker, held.decision
@@ -341,56 +340,13 @@ class Gateway:
             await respond.write(pending)
         return usage, ttfb
 
-    # --- late binding (wait_queue.py) -----------------------------------------------------------
-    async def _held(self, key: RouteKey) -> Held | None:
-        """Hold the request until the wait queue places it (the worker already taken for it);
-        None when no worker was eligible even at its deadline. A client that leaves while held
-        withdraws it (counted as `left`)."""
-        binding = self.binding
-        held = binding.queue.hold(key, self.clock())
-        deadline = held.since + binding.queue.max_wait
-        waiter = self._waiters[held] = asyncio.get_running_loop().create_future()
-        self.metrics.holding += 1
-        outcome = "placed"
-        try:
-            self._release_held()
-            if held.worker is None:
-                try:
-                    await asyncio.wait_for(waiter, deadline - self.clock())
-                except asyncio.TimeoutError:  # the timer may fire a hair early: it is due now
-                    self._release_held(max(self.clock(), deadline))
-            if held.worker is None:
-                binding.queue.withdraw(held)
-                outcome = "rejected"
-            elif self.clock() >= deadline:
-                outcome = "overdue"
-        except asyncio.CancelledError:
-            if not binding.queue.withdraw(held):  # placed as the client left: give it back
-                self._release(held.worker, prefill_wait(held.decision, key))
-                self.policy.failed(held.decision, key)
-            outcome = "left"
-            raise
-        finally:
-            del self._waiters[held]
-            self.metrics.holding -= 1
-            self.metrics.held(outcome, self.clock() - held.since)
-        return held if held.worker is not None else None
-
-    def _release_held(self, now: float | None = None) -> None:
-        """A worker's queue drained (or one joined): offer the held requests again."""
-        now = self.clock() if now is None else now
-        for held in self.binding.release(now, lambda model: self.workers.eligible(now, model)):
-            waiter = self._waiters.get(held)
-            if waiter is not None and not waiter.done():
-                waiter.set_result(None)
-
     def _release(self, worker: Worker, wait: tuple[int, float] | None) -> None:
         """A dispatched request is over at `worker` (answered, failed or given up)."""
         worker.inflight -= 1
         if wait is not None:
             worker.prefill_ended(*wait)
-        if self.binding is not None and self.binding.queue:
-            self._release_held()
+        if self.holding:
+            self.holding.offer()
 
     def forwarded_headers(self, request: Request) -> Headers:
         """The client's end-to-end headers, with the gateway's worker key (when it has one) in

@@ -1,0 +1,76 @@
+"""The proxy's side of late binding: a held request waits here, on a future of its own, until the
+wait queue places it (the rules are in wait_queue.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from radixpool.gateway.feedback import prefill_wait
+from radixpool.gateway.metrics import GatewayMetrics
+from radixpool.gateway.route_key import RouteKey
+from radixpool.gateway.wait_queue import Held, LateBinding
+from radixpool.gateway.workers import Worker, WorkerSet
+
+Release = Callable[[Worker, "tuple[int, float] | None"], None]
+
+
+class Holding:
+    def __init__(self, binding: LateBinding, workers: WorkerSet, metrics: GatewayMetrics,
+                 clock: Callable[[], float], release: Release) -> None:
+        self.binding = binding
+        self.workers = workers
+        self.metrics = metrics
+        self.clock = clock
+        self.release = release  # the proxy's: a placed request given back
+        self._waiters: dict[Held, asyncio.Future] = {}
+        workers.drain_hooks.append(self.offer)
+
+    def __bool__(self) -> bool:
+        """Whether any request is held."""
+        return bool(self.binding.queue)
+
+    def holds(self, queued_at_pick: float) -> bool:
+        return self.binding.holds(queued_at_pick)
+
+    async def wait(self, key: RouteKey) -> Held | None:
+        """Hold the request until the wait queue places it (the worker already taken for it);
+        None when no worker was eligible even at its deadline. A client that leaves while held
+        withdraws it (counted as `left`)."""
+        queue = self.binding.queue
+        held = queue.hold(key, self.clock())
+        deadline = held.since + queue.max_wait
+        waiter = self._waiters[held] = asyncio.get_running_loop().create_future()
+        self.metrics.holding += 1
+        outcome = "placed"
+        try:
+            self.offer()
+            if held.worker is None:
+                try:
+                    await asyncio.wait_for(waiter, deadline - self.clock())
+                except asyncio.TimeoutError:  # the timer may fire a hair early: it is due now
+                    self.offer(max(self.clock(), deadline))
+            if held.worker is None:
+                queue.withdraw(held)
+                outcome = "rejected"
+            elif self.clock() >= deadline:
+                outcome = "overdue"
+        except asyncio.CancelledError:
+            if not queue.withdraw(held):  # placed as the client left: give it back
+                self.release(held.worker, prefill_wait(held.decision, key))
+                self.binding.policy.failed(held.decision, key)
+            outcome = "left"
+            raise
+        finally:
+            del self._waiters[held]
+            self.metrics.holding -= 1
+            self.metrics.held(outcome, self.clock() - held.since)
+        return held if held.worker is not None else None
+
+    def offer(self, now: float | None = None) -> None:
+        """A worker's queue drained (or one joined): offer the held requests again."""
+        now = self.clock() if now is None else now
+        for held in self.binding.release(now, lambda model: self.workers.eligible(now, model)):
+            waiter = self._waiters.get(held)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
