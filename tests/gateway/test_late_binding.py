@@ -24,6 +24,15 @@ def held_outcomes(stack) -> dict[str, float]:
     return out
 
 
+def occupy(stack, loop_thread, body: dict) -> threading.Thread:
+    """A slow request in the background, once the gateway counts it in flight."""
+    slow = threading.Thread(target=stack.client.post, args=("/v1/chat/completions",),
+                            kwargs={"json": body})
+    slow.start()
+    assert wait_until(loop_thread, lambda: any(w.inflight for w in stack.gateway.workers))
+    return slow
+
+
 def test_a_request_held_behind_a_saturated_worker_is_served_when_its_prefill_ends(
         make_stack, loop_thread):
     # one worker, prefills of 0.3 s: the second request arrives while the first is prefilling
@@ -57,10 +66,7 @@ def test_a_client_that_leaves_while_held_is_removed_and_counted(make_stack, loop
                        late_binding=True, hold_queued_tokens=0, kv_events=False)
     body = {"model": "sim-model", "max_tokens": 20,
             "messages": [{"role": "user", "content": words(0, 40)}]}
-    slow = threading.Thread(target=stack.client.post, args=("/v1/chat/completions",),
-                            kwargs={"json": body})
-    slow.start()
-    assert wait_until(loop_thread, lambda: any(w.inflight for w in stack.gateway.workers))
+    slow = occupy(stack, loop_thread, body)
     started = time.monotonic()
     try:
         httpx.post(stack.url + "/v1/chat/completions", timeout=0.3, json={
@@ -84,10 +90,7 @@ def test_a_request_held_past_its_deadline_is_sent_to_the_saturated_worker_anyway
                        hold_queued_tokens=0, kv_events=False, hold_max_seconds=0.3)
     body = {"model": "sim-model", "max_tokens": 20,
             "messages": [{"role": "user", "content": words(0, 40)}]}
-    slow = threading.Thread(target=stack.client.post, args=("/v1/chat/completions",),
-                            kwargs={"json": body})
-    slow.start()
-    assert wait_until(loop_thread, lambda: any(w.inflight for w in stack.gateway.workers))
+    slow = occupy(stack, loop_thread, body)
     started = time.monotonic()
     late = stack.client.post("/v1/chat/completions", json={**body, "max_tokens": 1})
     assert late.status_code == 200
