@@ -145,6 +145,14 @@ def fleet_dashboard() -> dict[str, Any]:
         _panel("In flight per worker (gateway)", [
             {"expr": f"sum by (worker) ({m.GW_INFLIGHT.name}{{{POOL}}})",
              "legendFormat": "{{worker}}"}], "short", "The gateway's view of worker load."),
+        _panel("Gateway wait queue (late binding)", [
+            {"expr": f"sum({m.GW_WAIT_QUEUE.name}{{{POOL}}})", "legendFormat": "held now"},
+            {"expr": f"sum by (outcome) ({_rate(m.GW_WAIT_QUEUE_OUTCOMES.name, POOL)})",
+             "legendFormat": "{{outcome}} / s"}], "short",
+            "Requests the gateways hold while their worker has prefill queued, and how they "
+            "leave: placed, overdue (sent at the deadline), left (client gone), rejected."),
+        _panel("Time held in the gateway", _quantiles(m.GW_WAIT_QUEUE_SECONDS, POOL), "s",
+               "Arrival at the gateway to being sent to a worker, for held requests."),
         _panel("Worker health", [
             {"expr": f"min by (worker) ({m.GW_WORKER_HEALTHY.name}{{{POOL}}})",
              "legendFormat": "{{worker}}"}], "bool_yes_no",
