@@ -315,6 +315,16 @@ def test_with_lru_workers_a_cold_prompt_just_goes_to_the_least_loaded():
     assert picks == {"a": 5, "b": 5}  # ties rotate, as without capacity awareness
 
 
+def test_new_sessions_that_fit_anywhere_spread_whatever_the_room():
+    """Short cold prompts (new conversations) fit in every probation worker's room: nothing
+    reused is at stake, so ties rotate as with lru workers. Preferring the worker with the most
+    room herded them onto one worker, since its room shrinks only once a later turn reuses."""
+    policy = capacity_bound(reused_on_a=10)  # a: 54 blocks of room, b: 24
+    picks = Counter(policy.select(idle("a", "b"), key_of(tokens(90_000 + 1000 * i, 3 * BLOCK)))
+                    .worker for i in range(10))
+    assert picks == {"a": 5, "b": 5}
+
+
 def test_a_busy_owner_does_not_spill_onto_a_worker_it_would_evict_a_group_from():
     policy = capacity_bound(reused_on_a=40)
     hot = key_of(tokens(0, 40 * BLOCK) + tokens(900, 2 * BLOCK))  # b's group
