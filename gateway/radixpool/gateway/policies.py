@@ -195,15 +195,22 @@ class CacheAware(Policy):
         self._requests = 0
         self._old_requests = 0
 
-    def select(self, candidates: Sequence[Candidate], key: RouteKey) -> Decision:
+    def _standing(self, candidates: Sequence[Candidate], key: RouteKey
+                  ) -> tuple[list[int], list[int], bool]:
+        """Blocks each candidate holds, those beyond what every worker (or the hot set) holds,
+        and whether the best of them is an owner: a match beyond the base above the threshold."""
         depth = self.index.match(key.hashes) if key.hashes else {}
         matched = [depth.get(c.name, 0) for c in candidates]
-        everyone = range(len(candidates))
         base = max(min(matched), self.hot_blocks(key.hashes, len(candidates)))
         beyond = [max(0, m - base) for m in matched]
-        best = max(beyond)
         rest = key.blocks - base
-        if rest > 0 and best / rest > self.threshold:
+        return matched, beyond, rest > 0 and max(beyond) / rest > self.threshold
+
+    def select(self, candidates: Sequence[Candidate], key: RouteKey) -> Decision:
+        matched, beyond, owned = self._standing(candidates, key)
+        everyone = range(len(candidates))
+        best = max(beyond)
+        if owned:
             owners = [i for i in everyone if beyond[i] == best]
             pick, reason = self._least_loaded(candidates, owners, beyond), "cache_hit"
             low = min(c.load for c in candidates)
@@ -249,13 +256,10 @@ class CacheAware(Policy):
         copy of the prefix (on the capacity-bound load, placing on all workers by that cost
         alone fell from 0.85 to 0.34 hit rate; spilling by queued instead of rule 4's
         estimate, 0.77 to 0.62 with lru workers). Its demand was counted when it arrived."""
-        depth = self.index.match(key.hashes) if key.hashes else {}
-        matched = [depth.get(c.name, 0) for c in candidates]
-        base = max(min(matched), self.hot_blocks(key.hashes, len(candidates)))
-        beyond = [max(0, m - base) for m in matched]
-        best, rest = max(beyond), key.blocks - base
+        matched, beyond, owned = self._standing(candidates, key)
         among = range(len(candidates))
-        if rest > 0 and best / rest > self.threshold:
+        if owned:
+            best = max(beyond)
             among = [i for i in among if beyond[i] == best]
         units = key.block_units if key.exact else key.block_units / BYTES_PER_TOKEN
         cost = {i: candidates[i].queued + (key.blocks - matched[i]

@@ -52,7 +52,8 @@ class _WorkerTree:
         self.event_fed = False
         self.protects_reuse = False   # the worker evicts never-reused prefixes first
         self.lru: OrderedDict[int, int] = OrderedDict()
-        # blocks a later request matched here (worth keeping) -> epoch of the last match
+        # blocks a later request matched here (worth keeping; kept when protects_reuse) -> epoch of
+        # the last match
         self.reused: OrderedDict[int, int] = OrderedDict()
 
     @property
@@ -158,10 +159,11 @@ class PrefixIndex:
         before = [lru.get(h, 0) for h in hashes[:matched]]
         self._epoch += 1
         epoch, bit, owners = self._epoch, tree.bit, self._owners
-        reused = tree.reused
-        for h in hashes[:matched]:
-            reused[h] = epoch
-            reused.move_to_end(h)
+        if tree.protects_reuse:  # only `room` reads it, and only for such workers
+            reused = tree.reused
+            for h in hashes[:matched]:
+                reused[h] = epoch
+                reused.move_to_end(h)
         for h in reversed(hashes):  # children first: a parent must end up more recent
             if h in lru:
                 lru.move_to_end(h)
