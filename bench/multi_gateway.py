@@ -36,9 +36,9 @@ from dataclasses import dataclass
 import httpx
 from fleet_procs import decision_counts, spawn_fleet, spawn_gateway, stop
 from loadgen import Sample, Workload, one, pct
+from simfleet.sglang_eviction import BENCH_EVICTION_POLICIES
 
 from radixpool.gateway.upstream import UpstreamPool
-from radixpool.worker.config import EVICTION_POLICIES
 
 
 def wait_for_kv_events(ports: list[int], seconds: float = 30.0) -> None:
@@ -148,7 +148,7 @@ def main() -> None:
     p.add_argument("--decode-ms-per-token", type=float, default=1.0)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--kv-capacity-tokens", type=int, default=8192)
-    p.add_argument("--eviction-policy", default="lru", choices=EVICTION_POLICIES)
+    p.add_argument("--eviction-policy", default="lru", choices=BENCH_EVICTION_POLICIES)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
                    help="extra flag for every gateway, repeatable")

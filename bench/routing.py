@@ -60,10 +60,10 @@ import sys
 import httpx
 from fleet_procs import cpu_seconds, decision_counts, spawn_fleet, spawn_gateway, stop
 from loadgen import Sample, Workload, closed_loop, interleaved, pct, words
+from simfleet.sglang_eviction import BENCH_EVICTION_POLICIES
 from simfleet.virtual import FleetModel, Request, percentile, simulate
 
 from radixpool.gateway.config import GatewayConfig
-from radixpool.worker.config import EVICTION_POLICIES
 
 
 # --- quality --------------------------------------------------------------------------------------
@@ -295,10 +295,10 @@ def main() -> None:
     q.add_argument("--decode-ms-per-token", type=float, default=1.0)
     q.add_argument("--max-tokens", type=int, default=8)
     q.add_argument("--kv-capacity-tokens", type=int, default=8192)
-    q.add_argument("--eviction-policy", default="lru", choices=EVICTION_POLICIES,
+    q.add_argument("--eviction-policy", default="lru", choices=BENCH_EVICTION_POLICIES,
                    help="the simulated workers' radix cache eviction (HTTP workloads)")
-    q.add_argument("--eviction-policies", nargs="+", default=list(EVICTION_POLICIES),
-                   choices=EVICTION_POLICIES, help="capacity-bound: one table per policy")
+    q.add_argument("--eviction-policies", nargs="+", default=list(BENCH_EVICTION_POLICIES),
+                   choices=BENCH_EVICTION_POLICIES, help="capacity-bound: one table per policy")
     q.add_argument("--capacity-requests", type=int, default=4096, help="at most 4096")
     q.add_argument("--capacity-kv-tokens", type=int, default=131072)
     q.add_argument("--capacity-prefill-us", type=float, default=20.0)
@@ -322,7 +322,7 @@ def main() -> None:
     m.add_argument("--rate", type=float, default=10.0, help="requests/s per worker (Poisson)")
     m.add_argument("--prefill-us-per-token", type=float, default=100.0)
     m.add_argument("--kv-capacity-tokens", type=int, default=8192)
-    m.add_argument("--eviction-policy", default="lru", choices=EVICTION_POLICIES)
+    m.add_argument("--eviction-policy", default="lru", choices=BENCH_EVICTION_POLICIES)
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--binding", nargs="+", default=["early", "late"], choices=["early", "late"])
     m.add_argument("--hold-queued-tokens", type=int, default=GatewayConfig.hold_queued_tokens)

@@ -11,10 +11,10 @@ import sys
 from collections.abc import Callable
 
 from radixpool.tokenization import PromptTokenizer
-from radixpool.worker.config import EVICTION_POLICIES
 
 from .http_server import serve
 from .kv import sim_tokenizer_files
+from .sglang_eviction import BENCH_EVICTION_POLICIES
 from .worker import SimConfig, SimWorker
 
 SAMPLE_SECONDS = 0.005
@@ -97,7 +97,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=0, help="first port (0: ephemeral ports)")
     p.add_argument("--kv-capacity-tokens", type=int, default=d.kv_capacity_tokens)
     p.add_argument("--block-size", type=int, default=d.block_size)
-    p.add_argument("--eviction-policy", choices=EVICTION_POLICIES, default=d.eviction_policy)
+    p.add_argument("--eviction-policy", choices=BENCH_EVICTION_POLICIES, default=d.eviction_policy)
     p.add_argument("--prefill-us-per-token", type=float, default=d.prefill_us_per_token)
     p.add_argument("--decode-ms-per-token", type=float, default=d.decode_ms_per_token)
     p.add_argument("--no-kv-events", dest="kv_events", action="store_false")

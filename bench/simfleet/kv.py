@@ -21,6 +21,8 @@ from radixpool.protocol.kv_blocks import KVEvent, prefix_block_hashes
 from radixpool.worker.kv_event_log import KVEventLog
 from radixpool.worker.mem.radix_cache import RadixCache
 
+from .sglang_eviction import eviction_policy as bench_eviction
+
 SPECIALS = ("[UNK]", "<s>", "</s>", "<|im_start|>", "<|im_end|>")
 ROLES = ("system", "user", "assistant")
 CHAT_TEMPLATE = (
@@ -83,7 +85,8 @@ class SimKV:
                  event_buffer: int = 4096) -> None:
         self.block_size = block_size
         self.pool = CountingPool(capacity_tokens)
-        self.cache = RadixCache(self.pool, 1, block_size, eviction_policy, RangeRuns())
+        self.cache = RadixCache(self.pool, 1, block_size, bench_eviction(eviction_policy),
+                                RangeRuns())
         self.events = KVEventLog(event_buffer)
 
     @property

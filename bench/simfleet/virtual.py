@@ -44,6 +44,7 @@ from radixpool.gateway.workers import Worker
 from radixpool.protocol.kv_blocks import KVEvent
 
 from .kv import SimKV
+from .sglang_eviction import reported
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ class _Gateway:
                                   kv_events_live=True) for n in names}
         for n in names:  # what the monitor learns from each worker's /server_info
             self.index.add_worker(n, model.kv_capacity_tokens // model.block_size)
-            self.index.set_eviction_policy(n, model.eviction_policy)
+            self.index.set_eviction_policy(n, reported(model.eviction_policy))
         self.binding = LateBinding(self.policy, config.hold_queued_tokens,
                                    config.hold_max_requests, config.hold_max_seconds
                                    ) if config.late_binding else None

@@ -38,6 +38,7 @@ from .http_server import (
     json_body,
 )
 from .kv import SimKV
+from .sglang_eviction import reported
 
 SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
@@ -86,7 +87,7 @@ class SimWorker:
     def info(self) -> ServerInfo:
         c = self.config
         return ServerInfo(c.model, c.model, 1 << 20, c.kv_capacity_tokens, 1, c.block_size,
-                          self.instance_id, "sim", c.kv_events, c.eviction_policy)
+                          self.instance_id, "sim", c.kv_events, reported(c.eviction_policy))
 
     def flush(self) -> None:
         self.cache.clear()

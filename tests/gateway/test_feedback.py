@@ -13,8 +13,10 @@ import openai
 
 from bench.sim_no_cached import omit_cached_tokens, strip_cached
 from radixpool.gateway.feedback import usage_in
+from radixpool.gateway.prefix_index import PrefixIndex
 from radixpool.gateway.worker_info import parse_server_info
 from tests.gateway.conftest import words
+from tests.gateway.test_prefix_index import chain
 
 
 def test_an_answer_without_cached_tokens_reports_it_as_unknown():
@@ -101,6 +103,20 @@ def test_sglang_server_info_gives_the_kv_capacity():
     assert parse_server_info(nested).kv_capacity_tokens == 777
     assert parse_server_info({"model_path": "x"}) is None
     assert parse_server_info({"instance_id": "a", "kv_capacity_tokens": 5}) is None  # malformed
+
+
+def test_sglang_server_info_names_its_eviction_policy_and_slru_protects_reuse():
+    assert parse_server_info(SGLANG_INFO).eviction_policy == "lru"  # SGLang's default
+    index = PrefixIndex()
+    history = chain(list(range(80)))  # 20 blocks, reused by a later request
+    for policy, protects in (("slru", True), ("lfu", True), ("fifo", False), ("lru", False)):
+        info = parse_server_info({**SGLANG_INFO, "radix_eviction_policy": policy})
+        assert info.eviction_policy == policy
+        index.add_worker(policy, 64)
+        index.set_eviction_policy(policy, info.eviction_policy)
+        index.insert(policy, history)
+        index.insert(policy, history, matched=20)
+        assert index.room(policy) == (44 if protects else 64), policy
 
 
 class _SGLangLike(http.server.BaseHTTPRequestHandler):

@@ -7,8 +7,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bench.simfleet.sglang_eviction import BENCH_EVICTION_POLICIES
+from bench.simfleet.sglang_eviction import eviction_policy as bench_eviction
 from radixpool.protocol.kv_blocks import prefix_block_hashes
-from radixpool.worker.config import EVICTION_POLICIES
 from radixpool.worker.mem.kv_pool import KVPool
 from radixpool.worker.mem.radix_cache import RadixCache
 
@@ -16,9 +17,11 @@ CAPACITY = 256
 
 
 def make_cache(page_size: int = 1, block_size: int = 4, policy: str = "lru") -> RadixCache:
+    """`policy`: a worker's `--eviction-policy`, or one of the benchmark's SGLang orders."""
     pool = KVPool(CAPACITY, page_size, num_layers=1, num_kv_heads=1, head_dim=1,
                   dtype=torch.float32, device="cpu")
-    return RadixCache(pool, page_size=page_size, block_size=block_size, eviction_policy=policy)
+    return RadixCache(pool, page_size=page_size, block_size=block_size,
+                      eviction_policy=bench_eviction(policy))
 
 
 class Client:
@@ -114,7 +117,8 @@ ops = st.lists(
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=ops, page_size=st.sampled_from([1, 2, 4]), policy=st.sampled_from(EVICTION_POLICIES))
+@given(ops=ops, page_size=st.sampled_from([1, 2, 4]),
+       policy=st.sampled_from(BENCH_EVICTION_POLICIES))
 def test_random_workload_keeps_every_invariant(ops, page_size, policy):
     cache = make_cache(page_size=page_size, block_size=4, policy=policy)
     client = Client(cache)
@@ -213,7 +217,7 @@ def shared_prompt_then_one_offs(policy: str, one_offs: int) -> RadixCache:
 
 
 def test_reuse_aware_policies_keep_a_shared_prompt_that_lru_evicts():
-    for policy in EVICTION_POLICIES:
+    for policy in BENCH_EVICTION_POLICIES:
         cache = shared_prompt_then_one_offs(policy, one_offs=8)  # 192 one-off tokens
         kept = cache.probe([7] * 64 + [1])
         assert kept == (0 if policy == "lru" else 64), policy
@@ -251,6 +255,34 @@ def test_lfu_ages_out_a_prefix_that_was_hot_long_ago():
     client.check()
     assert survived[0] and survived[2], "a hot prefix outlives the first one-off prompts"
     assert not survived[-1], "without ageing a once-hot prefix would pin its KV forever"
+
+
+def test_sglang_lfu_has_no_ageing_a_once_hot_prefix_stays_forever():
+    """The comparison the benchmark makes: the same churn as above under SGLang's lfu order
+    (hit count, then recency) keeps the once-hot prefix to the end, pinning its KV."""
+    cache = make_cache(policy="sglang-lfu")
+    client = Client(cache)
+    client.run([9] * 40, hold=False)
+    for _ in range(5):
+        cache.match_prefix([9] * 40)
+    for i in range(60):
+        client.run([300 + i] * 60, hold=False)
+    client.check()
+    assert cache.probe([9] * 40) == 40
+
+
+def test_sglang_slru_protects_a_prefix_only_after_two_reuses():
+    cache = make_cache(policy="sglang-slru")
+    client = Client(cache)
+    for tokens in ([1] * 10, [2] * 10, [3] * 10):
+        client.run(tokens, hold=False)
+    cache.match_prefix([2] * 10)
+    cache.match_prefix([2] * 10)      # reused twice: protected
+    cache.match_prefix([1] * 10)      # reused once: still probationary, though the most recent
+    assert cache.evict(1) == 10 and cache.probe([3] * 10) == 0
+    assert cache.evict(1) == 10 and cache.probe([1] * 10) == 0
+    assert cache.probe([2] * 10) == 10
+    client.check()
 
 
 def test_an_unknown_eviction_policy_is_refused_naming_the_field():

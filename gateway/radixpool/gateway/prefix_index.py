@@ -40,7 +40,7 @@ EVENT_FED_SLACK = 2
 # zero on multi-turn traffic that fits easily, and misses were then placed by damage instead of
 # load (8 workers, probation: hit 0.729 against lru's 0.767; with this, 0.764).
 STALE_EPOCHS = 1024
-REUSE_AWARE_EVICTION = ("lfu", "probation")
+REUSE_AWARE_EVICTION = ("lfu", "probation", "slru")  # slru: an SGLang worker's segmented LRU
 
 
 class _WorkerTree:
@@ -102,7 +102,8 @@ class PrefixIndex:
         return self._trees[worker].capacity
 
     def set_eviction_policy(self, worker: str, policy: str) -> None:
-        """What the worker reports in `/server_info`: lfu and probation protect reused prefixes."""
+        """What the worker reports (`/server_info`, or SGLang's `radix_eviction_policy`): lfu,
+        probation and SGLang's slru protect reused prefixes."""
         tree = self._trees.get(worker)
         if tree is not None:
             tree.protects_reuse = policy in REUSE_AWARE_EVICTION

@@ -3,7 +3,8 @@
 - A RadixPool worker answers `GET /server_info` with `protocol.server_info.ServerInfo`.
 - An SGLang server answers `GET /get_server_info` with its server arguments plus the scheduler's
   numbers; the one the gateway needs is `max_total_num_tokens`, the KV pool size in tokens, which
-  bounds that worker's tree. It has no instance id and no KV-event stream of ours: its tree is
+  bounds that worker's tree, and `radix_eviction_policy` (its `lfu` and `slru` protect reused
+  prefixes, as ours do). It has no instance id and no KV-event stream of ours: its tree is
   corrected by the `cached_tokens` its answers report.
 """
 
@@ -32,7 +33,8 @@ def parse_server_info(doc: object) -> ServerInfo | None:
             context_length=int(doc.get("context_length") or UNKNOWN_CONTEXT),
             kv_capacity_tokens=capacity, page_size=int(doc.get("page_size") or 1),
             kv_block_size=DEFAULT_BLOCK_SIZE, instance_id="",
-            version=f"sglang {doc.get('version', '')}".strip(), kv_events=False)
+            version=f"sglang {doc.get('version', '')}".strip(), kv_events=False,
+            eviction_policy=str(doc.get("radix_eviction_policy") or "lru").lower())
     except (TypeError, ValueError):
         return None
 

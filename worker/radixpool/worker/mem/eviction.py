@@ -87,7 +87,11 @@ class Probation(EvictionPolicy):
         return (now - node.last_access <= STALE_AFTER_INTERVALS * interval, node.last_access)
 
 
-def make_eviction_policy(name: str) -> EvictionPolicy:
+def make_eviction_policy(name: str | EvictionPolicy) -> EvictionPolicy:
+    """The policy called `name`, or `name` itself when it is already a policy (a benchmark's
+    own ordering, e.g. `bench/simfleet/sglang_eviction.py`)."""
+    if isinstance(name, EvictionPolicy):
+        return name
     if name == "lru":
         return EvictionPolicy()
     if name == "lfu":

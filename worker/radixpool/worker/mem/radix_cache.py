@@ -47,7 +47,7 @@ from radixpool.protocol.kv_blocks import (
     namespace_seed,
     publish,
 )
-from radixpool.worker.mem.eviction import make_eviction_policy
+from radixpool.worker.mem.eviction import EvictionPolicy, make_eviction_policy
 
 if TYPE_CHECKING:
     import torch
@@ -128,7 +128,8 @@ class MatchResult:
 
 class RadixCache:
     def __init__(self, pool, page_size: int = 1, block_size: int = 16,
-                 eviction_policy: str = "lru", slot_runs: SlotRuns | None = None) -> None:
+                 eviction_policy: str | EvictionPolicy = "lru",
+                 slot_runs: SlotRuns | None = None) -> None:
         if block_size % page_size:
             raise ValueError(f"block_size ({block_size}) must be a multiple of page_size")
         self.pool = pool
