@@ -109,6 +109,27 @@ def test_a_busy_owner_spills_to_an_idle_worker_only_when_its_queue_costs_more():
     assert policy.select(both, key).worker == "b"  # two owners: the less loaded
 
 
+def test_a_held_request_spills_only_with_twice_the_cold_prefill_waiting_at_its_owner():
+    """Late binding offers a held request again at every drain: it would catch some idle
+    worker far more often than an arrival does, so it copies a group only for a clear gain."""
+    policy = cache_aware(("a", "b"))
+    prompt = tokens(0, 20 * BLOCK)
+    policy.index.insert("a", key_of(prompt).hashes)
+    key = key_of(prompt + tokens(900, 2 * BLOCK))   # 22 blocks, 20 cached on a: 352 cold on b
+
+    def standing(backlog: float) -> list[Candidate]:
+        return [Candidate("a", 3, backlog=backlog, queued=backlog), Candidate("b", 0)]
+
+    assert policy.select(standing(450.0), key).reason == "spill"      # 352 < 450 + 32
+    policy.index.remove("b", key.hashes)
+    assert policy.place(standing(450.0), key, threshold=100, force=False) is None  # 704 > 482
+    spilled = policy.place(standing(700.0), key, threshold=100, force=False)      # 704 < 732
+    assert (spilled.worker, spilled.reason) == ("b", "spill")
+    policy.index.remove("b", key.hashes)
+    placed = policy.place(standing(450.0), key, threshold=500, force=False)
+    assert (placed.worker, placed.reason) == ("a", "late")  # the owner is no longer saturated
+
+
 def test_several_owners_the_least_loaded_wins():
     policy = cache_aware(("a", "b", "c"))
     prompt = tokens(0, 8 * BLOCK)
