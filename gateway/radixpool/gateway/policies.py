@@ -41,18 +41,18 @@ pick one. Pure: no I/O, no clock; the proxy owns the loop around them.
    prompt and its history would pin it there). Remaining ties rotate (never always the first).
 
 Capacity (when the fleet's KV is the limit): a worker whose eviction protects reused prefixes
-(`/server_info` says lfu or probation) keeps what was reused and churns the rest. Its *room* is
-its KV capacity less the reused blocks the gateway routed there and it still holds (KV events
-keep that exact); a prompt's *damage* there is the part of it that does not fit in the room, i.e.
-reused prefixes it would push out. Cold prompts that no worker can keep — more groups than the
-fleet holds — then land where they push nothing out, usually one worker with spare room, instead
-of each evicting another group's system prompt and making it homeless in turn; groups stay
-partitioned. Ties among equally loaded workers go to the one with the most room, except for a
-prompt that does no damage anywhere (rule 5's last case): nothing reused is at stake, and room
-lags (it shrinks only when a later request reuses), so preferring it herded new conversations
-onto one worker (multi-turn, 8 workers, probation: hit 0.755-0.764 against lru's 0.767-0.771).
-A worker that evicts by recency alone (lru) protects nothing, so damage is zero everywhere and
-the rules above are unchanged.
+(`/server_info` says lfu or probation; an SGLang worker's `radix_eviction_policy` lfu or slru) keeps
+what was reused and churns the rest. Its *room* is its KV capacity less the reused blocks the
+gateway routed there and it still holds (KV events keep that exact); a prompt's *damage* there is
+the part of it that does not fit in the room, i.e. reused prefixes it would push out. Cold prompts
+that no worker can keep — more groups than the fleet holds — then land where they push nothing out,
+usually one worker with spare room, instead of each evicting another group's system prompt and
+making it homeless in turn; groups stay partitioned. Ties among equally loaded workers go to the one
+with the most room, except for a prompt that does no damage anywhere (rule 5's last case): nothing
+reused is at stake, and room lags (it shrinks only when a later request reuses), so preferring it
+herded new conversations onto one worker (multi-turn, 8 workers, probation: hit 0.755-0.764 against
+lru's 0.767-0.771). A worker that evicts by recency alone (lru) protects nothing, so damage is zero
+everywhere and the rules above are unchanged.
 6. The prompt is inserted into the chosen worker's tree at selection time; `failed` undoes that
    if the request never reached the worker, and the proxy trims the tree when the worker reports
    fewer cached tokens than predicted.
@@ -80,9 +80,9 @@ SPILL_ROOM_SHARE = 0.5  # spill copies only onto workers with this share of thei
 # A held request (late binding) spills only when its cold prefill on the idle worker is at most
 # 1/HELD_SPILL_MARGIN of what waits for it at its owner. It is offered again at every drain, so
 # a margin of 1 (as on arrival) found an idle worker far more often and copied groups that the
-# owner would have served moments later: real HTTP fleets, shared prefixes, lru workers, hit
-# 0.882 -> 0.856-0.864 (8 workers) and 0.918 -> 0.897 (2 workers); with 2, back to early
-# binding's figures, and the capacity-bound and multi-gateway figures are unchanged at seed 0.
+# owner would have served moments later: real HTTP fleets, shared prefixes, lru workers, 8
+# workers, hit 0.882 with early binding, 0.856-0.864 with late; with 2, 0.877-0.890, and the
+# capacity-bound and multi-gateway figures are unchanged at seed 0.
 HELD_SPILL_MARGIN = 2.0
 DEMAND_WINDOW = 512  # requests per demand window; hot-prefix shares cover the last two windows
 
