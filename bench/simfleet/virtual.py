@@ -36,11 +36,11 @@ from radixpool.gateway.breaker import CircuitBreaker
 from radixpool.gateway.config import GatewayConfig
 from radixpool.gateway.feedback import first_missing_block, prefill_wait
 from radixpool.gateway.health import HealthHysteresis
-from radixpool.gateway.policies import Candidate, Decision, make_policy
+from radixpool.gateway.policies import Decision, make_policy
 from radixpool.gateway.prefix_index import PrefixIndex
 from radixpool.gateway.route_key import KeyBuilder, RouteKey
 from radixpool.gateway.wait_queue import Held, LateBinding
-from radixpool.gateway.workers import Worker
+from radixpool.gateway.workers import Worker, candidates
 from radixpool.protocol.kv_blocks import KVEvent
 
 from .kv import SimKV
@@ -100,16 +100,12 @@ class _Gateway:
     def route(self, key: RouteKey, now: float) -> Decision | Held:
         """The proxy's first attempt: a decision, or the request held by late binding."""
         ready = list(self.workers.values())
-        decision = self.policy.select(
-            [Candidate(w.url, w.inflight, w.backlog(key.units), w.queued(key.units))
-             for w in ready], key)
+        decision = self.policy.select(candidates(ready, key), key)
         worker = self.workers[decision.worker]
-        if self.binding is not None and self.binding.holds(worker.queued(key.units)):
+        if self.binding is not None and self.binding.holds(worker.queued(key.tokens)):
             self.policy.failed(decision, key)
             return self.binding.queue.hold(key, now)
-        worker.inflight += 1
-        if (wait := prefill_wait(decision, key)) is not None:
-            worker.prefill_sent(*wait)
+        worker.take(prefill_wait(decision, key))
         return decision
 
     def release(self, now: float) -> list[Held]:
@@ -126,9 +122,7 @@ class _Gateway:
     def learn(self, name: str, decision: Decision, key: RouteKey, prompt: int,
               cached: int) -> None:
         worker = self.workers[name]
-        worker.inflight -= 1
-        if (wait := prefill_wait(decision, key)) is not None:
-            worker.prefill_ended(*wait)
+        worker.give_back(prefill_wait(decision, key))
         worker.observe_uncached(prompt - cached)
         missing = first_missing_block(decision, key, prompt, cached)
         if missing is not None and missing < len(decision.prior_epochs):

@@ -73,7 +73,7 @@ from dataclasses import dataclass, field
 
 from radixpool.gateway.config import GatewayConfig
 from radixpool.gateway.prefix_index import PrefixIndex
-from radixpool.gateway.route_key import BYTES_PER_TOKEN, RouteKey
+from radixpool.gateway.route_key import RouteKey
 
 LOAD_SLACK = 1
 SPILL_ROOM_SHARE = 0.5  # spill copies only onto workers with this share of their KV unreserved
@@ -244,7 +244,7 @@ class CacheAware(Policy):
         if not idle:
             return owner, "cache_hit"
         there = max(idle, key=lambda i: matched[i])
-        units = key.block_units if key.exact else key.block_units / BYTES_PER_TOKEN
+        units = key.block_tokens
         at_owner = candidates[owner].backlog + (key.blocks - matched[owner]) * units
         if (key.blocks - matched[there]) * units * margin < at_owner:
             return there, "spill"
@@ -270,9 +270,9 @@ class CacheAware(Policy):
         if owned:
             best = max(beyond)
             among = [i for i in among if beyond[i] == best]
-        units = key.block_units if key.exact else key.block_units / BYTES_PER_TOKEN
-        cost = {i: candidates[i].queued + (key.blocks - matched[i]
-                   + self._damage(candidates[i], matched[i], key)) * units for i in among}
+        cost = {i: _first_token_cost(candidates[i], matched[i], key,
+                                     self._damage(candidates[i], matched[i], key))
+                for i in among}
         least = min(cost.values())
         pick = self._least_loaded(candidates, [i for i, x in cost.items() if x == least],
                                   beyond)
@@ -304,8 +304,7 @@ class CacheAware(Policy):
             # Some worker would lose reused prefixes to it: weigh that against the wait, in
             # tokens to compute: prefill queued there + this prompt's uncached part + the
             # reused blocks it pushes out (computed again by the next request that needs them).
-            units = key.block_units if key.exact else key.block_units / BYTES_PER_TOKEN
-            cost = [c.queued + (key.blocks - matched[i] + damage[i]) * units
+            cost = [_first_token_cost(c, matched[i], key, damage[i])
                     for i, c in enumerate(candidates)]
             least = min(cost)
             best = [i for i, x in enumerate(cost) if x == least]
@@ -371,3 +370,10 @@ def make_policy(config: GatewayConfig, index: PrefixIndex) -> Policy:
 
 def _point(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+def _first_token_cost(candidate: Candidate, matched: int, key: RouteKey, damage: int) -> float:
+    """When the request's first token would come on `candidate`, in tokens to compute: prefill
+    queued there + its uncached part + the reused blocks it would push out (computed again by
+    the next request that needs them)."""
+    return candidate.queued + (key.blocks - matched + damage) * key.block_tokens

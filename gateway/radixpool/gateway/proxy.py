@@ -37,10 +37,9 @@ from radixpool.gateway.feedback import is_usage_only_event, learn, prefill_wait,
 from radixpool.gateway.holding import Holding
 from radixpool.gateway.http_edge import Headers, Request, Responder, error_body
 from radixpool.gateway.metrics import GatewayMetrics
-from radixpool.gateway.policies import CacheAware, Candidate, Decision, make_policy
+from radixpool.gateway.policies import CacheAware, Decision, make_policy
 from radixpool.gateway.prefix_index import PrefixIndex
 from radixpool.gateway.route_key import (
-    BYTES_PER_TOKEN,
     ROUTED_PATHS,
     BadRequest,
     KeyBuilder,
@@ -54,7 +53,7 @@ from radixpool.gateway.upstream import (
     UpstreamTimeout,
 )
 from radixpool.gateway.wait_queue import LateBinding
-from radixpool.gateway.workers import Worker, WorkerSet
+from radixpool.gateway.workers import Worker, WorkerSet, candidates
 from radixpool.tokenization import PromptTokenizer
 
 OFFLOAD_BODY_BYTES = 64 * 1024  # larger bodies are parsed and keyed off the event loop
@@ -212,14 +211,11 @@ class Gateway:
             if not ready:
                 break
             by_url = {w.url: w for w in ready}
-            tokens = key.units if key.exact else key.units / BYTES_PER_TOKEN
-            decision = self.policy.select(
-                [Candidate(w.url, w.inflight, w.backlog(tokens), w.queued(tokens))
-                 for w in ready], key)
+            decision = self.policy.select(candidates(ready, key), key)
             worker = by_url[decision.worker]
             wait = prefill_wait(decision, key)
             if (not attempt and self.holding is not None
-                    and self.holding.holds(worker.queued(tokens))):
+                    and self.holding.holds(worker.queued(key.tokens))):
                 self.policy.failed(decision, key)
                 held = await self.holding.wait(key)
                 if held is None:
@@ -227,9 +223,7 @@ class Gateway:
                 worker, decision = held.worker, held.decision
                 wait = prefill_wait(decision, key)
             else:
-                worker.inflight += 1
-                if wait is not None:
-                    worker.prefill_sent(*wait)
+                worker.take(wait)
             self.metrics.decision(worker.url, "retry" if attempt else decision.reason)
             if attempt:
                 self.metrics.retry()
@@ -342,9 +336,7 @@ class Gateway:
 
     def _release(self, worker: Worker, wait: tuple[int, float] | None) -> None:
         """A dispatched request is over at `worker` (answered, failed or given up)."""
-        worker.inflight -= 1
-        if wait is not None:
-            worker.prefill_ended(*wait)
+        worker.give_back(wait)
         if self.holding:
             self.holding.offer()
 
@@ -376,9 +368,6 @@ def _cut_stream_event(worker_url: str, exc: UpstreamError) -> bytes:
 
 _REQUEST_IDS = itertools.count()
 _ID_PREFIX = uuid.uuid4().hex[:12].encode()
-
-
-
 
 
 def _response_headers(upstream: UpstreamResponse, worker: Worker) -> Headers:

@@ -53,6 +53,16 @@ class RouteKey:
         return len(self.hashes)
 
     @property
+    def tokens(self) -> float:
+        """The prompt's length in tokens (estimated from bytes in text mode)."""
+        return self.units if self.exact else self.units / BYTES_PER_TOKEN
+
+    @property
+    def block_tokens(self) -> float:
+        """Tokens per block (estimated from bytes in text mode)."""
+        return self.block_units if self.exact else self.block_units / BYTES_PER_TOKEN
+
+    @property
     def prefix_key(self) -> int:
         """Digest of the prompt's head, for the prefix_hash policy: computed on demand, so the
         other policies never pay for it."""

@@ -29,9 +29,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from radixpool.gateway.feedback import prefill_wait
-from radixpool.gateway.policies import Candidate, Decision, Policy
-from radixpool.gateway.route_key import BYTES_PER_TOKEN, RouteKey
-from radixpool.gateway.workers import Worker
+from radixpool.gateway.policies import Decision, Policy
+from radixpool.gateway.route_key import RouteKey
+from radixpool.gateway.workers import Worker, candidates
 
 
 @dataclass(eq=False, slots=True)
@@ -113,16 +113,11 @@ class LateBinding:
             if not ready:
                 return False
             key = held.key
-            tokens = key.units if key.exact else key.units / BYTES_PER_TOKEN
-            decision = self.policy.place(
-                [Candidate(w.url, w.inflight, w.backlog(tokens), w.queued(tokens))
-                 for w in ready], key, self.threshold, overdue)
+            decision = self.policy.place(candidates(ready, key), key, self.threshold, overdue)
             if decision is None:
                 return False
             worker = next(w for w in ready if w.url == decision.worker)
-            worker.inflight += 1
-            if (wait := prefill_wait(decision, key)) is not None:
-                worker.prefill_sent(*wait)
+            worker.take(prefill_wait(decision, key))
             held.worker, held.decision = worker, decision
             return True
 

@@ -11,15 +11,16 @@ in flight: their connections and this object live until their streams end.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from radixpool.gateway.breaker import CircuitBreaker
 from radixpool.gateway.config import GatewayConfig, normalize_worker_url
 from radixpool.gateway.health import HealthHysteresis
+from radixpool.gateway.policies import Candidate
 from radixpool.gateway.prefix_index import PrefixIndex
-from radixpool.gateway.route_key import BYTES_PER_TOKEN, KeyBuilder
+from radixpool.gateway.route_key import BYTES_PER_TOKEN, KeyBuilder, RouteKey
 from radixpool.protocol.server_info import ServerInfo
 
 UNCACHED_SMOOTHING = 0.2
@@ -93,6 +94,18 @@ class Worker:
             return sum(map(sum, self.awaiting_prefill.values()))
         return self.backlog(prompt_tokens)
 
+    def take(self, wait: tuple[int, float] | None) -> None:
+        """A request is dispatched here; `wait` is `feedback.prefill_wait` of its decision."""
+        self.inflight += 1
+        if wait is not None:
+            self.prefill_sent(*wait)
+
+    def give_back(self, wait: tuple[int, float] | None) -> None:
+        """A request taken here is over (answered, failed or given up)."""
+        self.inflight -= 1
+        if wait is not None:
+            self.prefill_ended(*wait)
+
     def prefill_sent(self, last_block: int, uncached_tokens: float) -> None:
         self.awaiting_prefill.setdefault(last_block, []).append(uncached_tokens)
 
@@ -113,6 +126,12 @@ class Worker:
 
     def corrected(self, source: str) -> None:
         self.corrections[source] = self.corrections.get(source, 0) + 1
+
+
+def candidates(workers: Sequence[Worker], key: RouteKey) -> list[Candidate]:
+    """What a policy sees of `workers` for a request keyed `key`."""
+    tokens = key.tokens
+    return [Candidate(w.url, w.inflight, w.backlog(tokens), w.queued(tokens)) for w in workers]
 
 
 MembershipHook = Callable[[Worker, bool], None]   # (worker, joined)
