@@ -31,6 +31,17 @@ BAD = [
      "frequency_penalty"),
     ("/v1/chat/completions", {"messages": MSG, "top_logprobs": 99, "logprobs": True}, 400,
      "top_logprobs"),
+    # numbers as strings or booleans are refused, as max_tokens "many" is (they were coerced)
+    ("/v1/chat/completions", {"messages": MSG, "temperature": "0.5"}, 400, "temperature"),
+    ("/v1/chat/completions", {"messages": MSG, "temperature": True}, 400, "temperature"),
+    ("/v1/chat/completions", {"messages": MSG, "top_p": "1"}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": False}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "min_p": "0.1"}, 400, "min_p"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": "10"}}, 400, "logit_bias.5"),
+    # combinations OpenAI and vLLM refuse rather than ignore
+    ("/v1/chat/completions", {"messages": MSG, "top_logprobs": 3}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": MSG, "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),
     ("/v1/chat/completions", {"messages": MSG, "logit_bias": {"x": 1}}, 400, "logit_bias"),
     ("/v1/chat/completions", {"messages": MSG, "logit_bias": {"99999999": 1}}, 400,
      "logit_bias"),

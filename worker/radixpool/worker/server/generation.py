@@ -116,6 +116,7 @@ class EngineRun:
         self._renames = renames or {}
         self._prompt_param = prompt_param
         self._last: dict[int, float] = {}
+        self._latest: dict[int, Any] = {}   # each choice's last chunk: its token counts so far
         self._open = set(range(params.n))
         self._start = time.time()
         self._first: Any = None
@@ -142,6 +143,7 @@ class EngineRun:
 
     def _observe(self, chunk: Any) -> None:
         now = time.time()
+        self._latest[chunk.index] = chunk
         if chunk.token_ids:   # a choice aborted before its first token has no TTFT
             prev = self._last.get(chunk.index)
             if prev is None:
@@ -177,8 +179,13 @@ class EngineRun:
             self._owns_rid = False
         await self._stream.aclose()
         now = time.time()
-        for _ in self._open:
-            self._metrics.record_aborted(now - self._start)
+        for index in self._open:
+            latest = self._latest.get(index)
+            if latest is None:   # no token yet: what its prefill computed is not known here
+                self._metrics.record_aborted(now - self._start)
+            else:
+                self._metrics.record_aborted(now - self._start, latest.prompt_tokens,
+                                             latest.cached_tokens, latest.completion_tokens)
         self._open.clear()
 
     @property
@@ -275,5 +282,7 @@ async def until_disconnect(request: Request, work: Awaitable[T], runs: list[Engi
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            for run in runs:   # `work` may have reached only some of them (one prompt at a time)
+                await run.close()
             raise APIError(499, "client closed the request", code="client_disconnected")
     return task.result()
