@@ -176,6 +176,51 @@ def test_a_disconnected_batch_of_prompts_aborts_and_counts_each_of_them(worker, 
     assert _abort_count(http) == aborted_before + 6   # and no more
 
 
+def test_clients_that_leave_before_their_first_token_are_aborted(slow_prefill):
+    # The disconnect watch began at the first token: prompts whose clients had left were
+    # still prefilled, one after the other, for seconds.
+    url = slow_prefill.url
+    aborted_before = _metric(httpx.Client(base_url=url), 'radixpool_requests_total'
+                             '{finish_reason="abort"}')
+    prompts = [[7 + (13 * i + j) % 900 for j in range(1500)] for i in range(6)]
+    bodies = [("/generate", {"input_ids": prompts[0], "stream": True}),
+              ("/generate", {"input_ids": prompts[1]}),
+              ("/v1/completions", {"prompt": prompts[2], "stream": True}),
+              ("/v1/completions", {"prompt": prompts[3]}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w " * 1400}],
+                                        "stream": True}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w " * 1450}]})]
+    outcomes: list[str] = []
+
+    def leave_early(path: str, body: dict) -> None:
+        try:
+            with httpx.Client(base_url=url, timeout=httpx.Timeout(60, read=0.5)) as c, \
+                    c.stream("POST", path, json={**body, "max_tokens": 50}
+                             if path != "/generate" else body) as r:
+                r.read()
+                outcomes.append(f"{path} answered {r.status_code} {r.text[:200]}")
+        except httpx.ReadTimeout:
+            outcomes.append("left")
+
+    threads = [threading.Thread(target=leave_early, args=b) for b in bodies]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    gone = time.monotonic()
+    assert outcomes == ["left"] * 6, outcomes
+    with httpx.Client(base_url=url) as http:
+        wait_until(lambda: _abort_count(http) == aborted_before + 6, timeout_s=10,
+                   what="six aborts")
+        wait_until(lambda: (lambda load: load["running"] + load["waiting"] == 0)(
+            http.get("/load").json()), timeout_s=10, what="the engine to stop")
+        # prefilling what was left takes seconds here (2 s on a 2-vCPU machine)
+        assert time.monotonic() - gone < 1.5
+        # nothing was left half-made: the worker serves the next request
+        assert http.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": {
+            "max_new_tokens": 2}}).status_code == 200
+
+
 def test_a_dead_engine_core_makes_the_worker_exit_nonzero_within_seconds(doomed):
     # the core was started from a thread: look through every task's children
     children = [c for task in Path(f"/proc/{doomed.pid}/task").iterdir()

@@ -249,15 +249,20 @@ async def merge_streams(runs: list[EngineRun]) -> AsyncIterator[tuple[int, Any]]
             await run.close()
 
 
-async def start_all(runs: list[EngineRun]) -> None:
-    """Start every run; if one is rejected, close the others and re-raise."""
-    try:
-        for run in runs:
-            await run.first()
-    except BaseException:
-        for run in runs:
-            await run.close()
-        raise
+async def start_all(request: Request, runs: list[EngineRun]) -> None:
+    """Start every run (up to its first token: a bad request is refused with a 400 by then).
+    If one is rejected, close the others and re-raise; if the client leaves meanwhile, abort
+    them all (a long prompt waiting or in prefill is not computed for nobody)."""
+    async def first_tokens() -> None:
+        try:
+            for run in runs:
+                await run.first()
+        except BaseException:
+            for run in runs:
+                await run.close()
+            raise
+
+    await until_disconnect(request, first_tokens(), runs)
 
 
 async def until_disconnect(request: Request, work: Awaitable[T], runs: list[EngineRun]) -> T:

@@ -130,7 +130,7 @@ def router(state: WorkerState) -> APIRouter:
         runs = [EngineRun(state, ids, p, body.cache_salt, rids[i],
                           {name: prefixes[i] + name for name in CONSTRAINT_FIELDS})
                 for i, (ids, p) in enumerate(zip(inputs, params, strict=True))]
-        await start_all(runs)
+        await start_all(request, runs)
         if body.stream:
             return EventStream(_generate_events(runs, params, rids))
 
