@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -239,10 +240,12 @@ def router(state: WorkerState) -> APIRouter:
 
 async def _generate_events(runs: list[EngineRun], params: list, rids: list[str]
                            ) -> AsyncIterator[bytes]:
+    # a choice's index is its place in the non-streamed answer: prompts may ask for different n
+    first = list(itertools.accumulate((p.n for p in params[:-1]), initial=0))
     try:
         async for p, chunk in merge_streams(runs):
             event = {
-                "index": p * params[p].n + chunk.index,
+                "index": first[p] + chunk.index,
                 "text": chunk.text,
                 "output_ids": list(chunk.token_ids),
                 "meta_info": _meta(chunk, rids[p], params[p].logprobs is not None),
