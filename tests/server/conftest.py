@@ -7,7 +7,8 @@ Three servers, each started once per session and only if a collected test needs 
 - `impatient`: a 0.5 s drain timeout, to see requests cut short by a drain;
 - `doomed`: default flags, for the test that kills its engine core;
 - `polled`: default flags, SIGTERMed with a `/kv_events` long poll open;
-- `slow_prefill`: 8-token prefill chunks and pages: long prompts take seconds to a first token.
+- `slow_prefill`: 8-token prefill chunks and pages (long prompts take seconds to a first
+  token), and KV for 1,600 tokens, less than the 2,048-token context.
 They are launched together (startup is mostly waiting on imports and model loading) and stopped
 together, each by its own PID.
 """
@@ -26,7 +27,7 @@ SERVERS: dict[str, tuple[str, ...]] = {
     "doomed": (),
     "polled": (),
     "slow_prefill": ("--chunked-prefill-size", "8", "--max-prefill-tokens", "8",
-                     "--page-size", "8"),
+                     "--page-size", "8", "--kv-cache-tokens", "1600"),
 }
 
 

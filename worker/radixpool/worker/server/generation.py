@@ -29,6 +29,7 @@ T = TypeVar("T")
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 _UNKNOWN_FIELD = re.compile(r"unknown sampling field '(\w+)'")
 _LEADING_NAME = re.compile(r"^([a-z_]+)\b")
+_OVER_KV = re.compile(r"^the prompt has \d+ tokens; this worker takes at most")  # the core's
 
 
 def engine_error(exc: ValueError, renames: dict[str, str], default_param: str | None) -> APIError:
@@ -44,7 +45,9 @@ def engine_error(exc: ValueError, renames: dict[str, str], default_param: str | 
         message = param + message[len(name):]
     else:
         param = default_param
-    return bad_request(message, param=param)
+    # a prompt longer than the KV pool is refused like one longer than the context
+    code = "context_length_exceeded" if _OVER_KV.match(message) else None
+    return bad_request(message, param=param, code=code)
 
 
 def build_params(doc: dict[str, Any], vocab_size: int, renames: dict[str, str],

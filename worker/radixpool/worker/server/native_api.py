@@ -108,7 +108,7 @@ def router(state: WorkerState) -> APIRouter:
                                   f"{len(prompts)} prompts", param="sampling_params")
         else:
             params_docs = [params_docs or {}] * len(prompts)
-        inputs, params, prefixes = [], [], []
+        inputs, params, prefixes, prompt_params = [], [], [], []
         for i, (prompt, doc) in enumerate(zip(prompts, params_docs, strict=True)):
             where = f"[{i}]" if batch else ""
             if isinstance(prompt, str):
@@ -125,11 +125,13 @@ def router(state: WorkerState) -> APIRouter:
             inputs.append(ids)
             params.append(p)
             prefixes.append(sp_prefix)
+            prompt_params.append(prompt_param)
         rid = body.rid or uuid.uuid4().hex
         rids = [f"{rid}-{i}" if batch else rid for i in range(len(inputs))]
         # a constraint the engine cannot compile is reported under its sampling_params path
         runs = [EngineRun(state, ids, p, body.cache_salt, rids[i],
-                          {name: prefixes[i] + name for name in CONSTRAINT_FIELDS})
+                          {name: prefixes[i] + name for name in CONSTRAINT_FIELDS},
+                          prompt_params[i])
                 for i, (ids, p) in enumerate(zip(inputs, params, strict=True))]
         await start_all(request, runs)
         if body.stream:

@@ -149,7 +149,8 @@ def router(state: WorkerState) -> APIRouter:
                               state.vocab_size, COMPLETION_RENAMES)
         rid = f"cmpl-{uuid.uuid4().hex}"
         runs = [EngineRun(state, ids, params, body.cache_salt,
-                          f"{rid}-{i}" if len(inputs) > 1 else rid, COMPLETION_RENAMES, "prompt")
+                          f"{rid}-{i}" if len(inputs) > 1 else rid, COMPLETION_RENAMES,
+                          "prompt" if len(inputs) == 1 else f"prompt[{i}]")
                 for i, ids in enumerate(inputs)]
         await start_all(request, runs)
         head = {"id": rid, "created": int(time.time()), "model": state.config.served_model_name}
