@@ -9,6 +9,7 @@ import threading
 
 import httpx
 import openai
+import pytest
 
 from bench.simfleet import SimConfig, SimFleet, kill
 from tests.gateway.conftest import words
@@ -64,19 +65,39 @@ def test_non_streamed_endpoints_and_models(make_stack):
 def test_bad_input_gets_a_4xx_without_reaching_a_worker(make_stack):
     stack = make_stack(2, max_body_bytes=10_000)
     c = stack.client
-    cases = [
-        (c.post("/v1/chat/completions", content=b"{not json"), 400, "malformed JSON"),
-        (c.post("/v1/chat/completions", json={"messages": "hi"}), 400, "'messages'"),
-        (c.post("/v1/completions", json={"model": "sim-model"}), 400, "'prompt'"),
-        (c.post("/v2/everything", json={}), 404, "unknown path"),
-        (c.get("/v1/chat/completions"), 405, "accepts POST"),
-        (c.post("/generate", json={"text": "x" * 20_000}), 413, "exceeds the limit"),
+    lone_surrogate = b'{"model": "sim-model", "prompt": "w1 \\ud800 w2", "max_tokens": 1}'
+    cases = [  # the response, its status, words of its message, its param and code
+        (c.post("/v1/chat/completions", content=b"{not json"), 400, "not valid JSON", None,
+         "invalid_json"),
+        (c.post("/v1/chat/completions", json={"messages": "hi"}), 400, "'messages'", "messages",
+         None),
+        (c.post("/v1/chat/completions", json={"messages": [{"role": "user"}, "hi"]}), 400,
+         "messages[1]", "messages[1]", None),
+        (c.post("/v1/completions", json={"model": "sim-model"}), 400, "'prompt'", "prompt",
+         "missing_field"),
+        (c.post("/v1/completions", json={"model": 5, "prompt": "w1"}), 400, "'model'", "model",
+         None),
+        (c.post("/v1/completions", content=lone_surrogate), 400, "lone UTF-16 surrogate",
+         "prompt", None),
+        (c.post("/generate", content=b'{"text": ["w1 \\udc80"]}'), 400, "lone UTF-16 surrogate",
+         "text", None),
+        (c.post("/v2/everything", json={}), 404, "unknown path", None, None),
+        (c.get("/v1/chat/completions"), 405, "accepts POST", None, None),
+        (c.post("/generate", json={"text": "x" * 20_000}), 413, "exceeds the limit", None,
+         "request_too_large"),
     ]
-    for response, status, message in cases:
+    for response, status, message, param, code in cases:
         assert response.status_code == status, response.text
-        assert message in response.json()["error"]["message"]
+        error = response.json()["error"]
+        assert message in error["message"]
+        # the shape the workers answer with, so an OpenAI client reads both alike
+        assert (error["param"], error["code"]) == (param, code), error
+        assert error["type"] == "invalid_request_error"
     assert served(stack) == 0
     assert c.get("/health").status_code == 200  # and the gateway keeps serving
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk(stack).chat.completions.create(model="sim-model", messages=[], max_tokens=1)
+    assert refused.value.param == "messages" and refused.value.code is None
 
 
 def test_a_workers_4xx_passes_through_unchanged(make_stack):

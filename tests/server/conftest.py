@@ -6,7 +6,9 @@ Three servers, each started once per session and only if a collected test needs 
 - `fuzz_worker`: a 32-token context, so fuzzed generations stay short on a CPU;
 - `impatient`: a 0.5 s drain timeout, to see requests cut short by a drain;
 - `doomed`: default flags, for the test that kills its engine core;
-- `polled`: default flags, SIGTERMed with a `/kv_events` long poll open.
+- `polled`: default flags, SIGTERMed with a `/kv_events` long poll open;
+- `slow_prefill`: 8-token prefill chunks and pages (long prompts take seconds to a first
+  token), and KV for 1,600 tokens, less than the 2,048-token context.
 They are launched together (startup is mostly waiting on imports and model loading) and stopped
 together, each by its own PID.
 """
@@ -24,6 +26,8 @@ SERVERS: dict[str, tuple[str, ...]] = {
     "impatient": ("--drain-timeout", "0.5"),
     "doomed": (),
     "polled": (),
+    "slow_prefill": ("--chunked-prefill-size", "8", "--max-prefill-tokens", "8",
+                     "--page-size", "8", "--kv-cache-tokens", "1600"),
 }
 
 
@@ -71,6 +75,11 @@ def doomed(worker_pool) -> WorkerProcess:
 @pytest.fixture(scope="session")
 def polled(worker_pool) -> WorkerProcess:
     return worker_pool["polled"].wait_ready()
+
+
+@pytest.fixture(scope="session")
+def slow_prefill(worker_pool) -> WorkerProcess:
+    return worker_pool["slow_prefill"].wait_ready()
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import httpx
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -31,6 +32,17 @@ BAD = [
      "frequency_penalty"),
     ("/v1/chat/completions", {"messages": MSG, "top_logprobs": 99, "logprobs": True}, 400,
      "top_logprobs"),
+    # numbers as strings or booleans are refused, as max_tokens "many" is (they were coerced)
+    ("/v1/chat/completions", {"messages": MSG, "temperature": "0.5"}, 400, "temperature"),
+    ("/v1/chat/completions", {"messages": MSG, "temperature": True}, 400, "temperature"),
+    ("/v1/chat/completions", {"messages": MSG, "top_p": "1"}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": False}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "min_p": "0.1"}, 400, "min_p"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": "10"}}, 400, "logit_bias.5"),
+    # combinations OpenAI and vLLM refuse rather than ignore
+    ("/v1/chat/completions", {"messages": MSG, "top_logprobs": 3}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": MSG, "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),
     ("/v1/chat/completions", {"messages": MSG, "logit_bias": {"x": 1}}, 400, "logit_bias"),
     ("/v1/chat/completions", {"messages": MSG, "logit_bias": {"99999999": 1}}, 400,
      "logit_bias"),
@@ -94,3 +106,25 @@ def test_unknown_route_and_method(http):
     assert r.status_code == 404 and r.json()["error"]["message"]
     r = http.get("/v1/chat/completions")
     assert r.status_code == 405
+
+
+def test_a_prompt_longer_than_the_kv_pool_is_refused_naming_its_field(slow_prefill):
+    # It fits the context (2,048) but not this worker's KV (1,600 tokens): /generate named no
+    # field, and a batch of completions named `prompt` instead of the prompt at fault.
+    url, long = slow_prefill.url, [9] * 1700
+    cases = [
+        ("/generate", {"input_ids": long}, "input_ids"),
+        ("/generate", {"input_ids": [[5, 6], long]}, "input_ids[1]"),
+        ("/generate", {"input_ids": long, "stream": True}, "input_ids"),
+        ("/v1/completions", {"prompt": long, "max_tokens": 5}, "prompt"),
+        ("/v1/completions", {"prompt": [[5, 6], long], "max_tokens": 5}, "prompt[1]"),
+    ]
+    for path, body, param in cases:
+        r = httpx.post(url + path, json=body, timeout=60)
+        error = r.json()["error"]
+        assert r.status_code == 400, r.text
+        assert (error["param"], error["code"]) == (param, "context_length_exceeded"), (path, error)
+        assert "takes at most 1599" in error["message"]
+    ok = httpx.post(url + "/generate", json={"input_ids": [5, 6, 7], "sampling_params": {
+        "max_new_tokens": 2}}, timeout=60)
+    assert ok.status_code == 200   # and it keeps serving

@@ -113,19 +113,45 @@ def test_disconnected_stream_is_aborted_and_frees_its_kv(worker, http):
                 assert http.get("/load").json()["running"] == 1
                 break
     wait_until(lambda: _abort_count(http) == aborted_before + 1, what="the request's abort")
-    load = http.get("/load").json()
-    assert (load["running"], load["waiting"]) == (0, 0)
+    # the server counts the abort as it sends it; the engine core ends the request just after
+    wait_until(lambda: (lambda load: (load["running"], load["waiting"]) == (0, 0))(
+        http.get("/load").json()), timeout_s=10, what="the engine to end the request")
     # nothing holds KV any more: a flush (refused while any request runs) leaves none in use
     assert http.post("/flush_cache").status_code == 200
     load = http.get("/load").json()
     assert (load["running"], load["waiting"], load["kv_usage"]) == (0, 0, 0)
 
 
-def _abort_count(http) -> float:
+def _metric(http, sample: str) -> float:
     for line in http.get("/metrics").text.splitlines():
-        if line.startswith('radixpool_requests_total{finish_reason="abort"}'):
+        if line.startswith(sample + " "):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def _abort_count(http) -> float:
+    return _metric(http, 'radixpool_requests_total{finish_reason="abort"}')
+
+
+def test_an_aborted_streams_tokens_are_counted(worker, http):
+    before = {name: _metric(http, name) for name in (
+        "radixpool_generation_tokens_total", "radixpool_prompt_tokens_total")}
+    aborted_before = _abort_count(http)
+    body = {"model": "tiny", "prompt": "never mind", "max_tokens": 1500, "stream": True,
+            "ignore_eos": True}
+    with httpx.Client(base_url=worker.url, timeout=60) as c, \
+            c.stream("POST", "/v1/completions", json=body) as r:
+        tokens = 0
+        for line in r.iter_lines():
+            tokens += line.startswith("data: ")
+            if tokens >= 20:
+                break
+    wait_until(lambda: _abort_count(http) == aborted_before + 1, what="the request's abort")
+    generated = _metric(http, "radixpool_generation_tokens_total") - before[
+        "radixpool_generation_tokens_total"]
+    assert 20 <= generated < 1500   # what it made before the client left, not 0
+    assert _metric(http, "radixpool_prompt_tokens_total") > before[
+        "radixpool_prompt_tokens_total"]
 
 
 def test_disconnected_non_streaming_request_is_aborted(worker, http):
@@ -134,6 +160,65 @@ def test_disconnected_non_streaming_request_is_aborted(worker, http):
         httpx.post(f"{worker.url}/v1/completions", timeout=1.0,
                    json={"prompt": "never mind", "max_tokens": 1500, "ignore_eos": True})
     wait_until(lambda: _abort_count(http) == aborted_before + 1, what="the request's abort")
+
+
+def test_a_disconnected_batch_of_prompts_aborts_and_counts_each_of_them(worker, http):
+    # The batch was collected one prompt at a time: the client leaving cancelled the first
+    # prompt's collection only, and the others were never closed (nor counted).
+    aborted_before = _abort_count(http)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{worker.url}/v1/completions", timeout=1.0,
+                   json={"prompt": ["never mind", "forget it", "not now"], "n": 2,
+                         "max_tokens": 1500, "ignore_eos": True})
+    wait_until(lambda: _abort_count(http) == aborted_before + 6, what="six aborts")
+    wait_until(lambda: http.get("/load").json()["running"] == 0, what="nothing running")
+    time.sleep(0.5)
+    assert _abort_count(http) == aborted_before + 6   # and no more
+
+
+def test_clients_that_leave_before_their_first_token_are_aborted(slow_prefill):
+    # The disconnect watch began at the first token: prompts whose clients had left were
+    # still prefilled, one after the other, for seconds.
+    url = slow_prefill.url
+    aborted_before = _metric(httpx.Client(base_url=url), 'radixpool_requests_total'
+                             '{finish_reason="abort"}')
+    prompts = [[7 + (13 * i + j) % 900 for j in range(1500)] for i in range(6)]
+    bodies = [("/generate", {"input_ids": prompts[0], "stream": True}),
+              ("/generate", {"input_ids": prompts[1]}),
+              ("/v1/completions", {"prompt": prompts[2], "stream": True}),
+              ("/v1/completions", {"prompt": prompts[3]}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w " * 1400}],
+                                        "stream": True}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w " * 1450}]})]
+    outcomes: list[str] = []
+
+    def leave_early(path: str, body: dict) -> None:
+        try:
+            with httpx.Client(base_url=url, timeout=httpx.Timeout(60, read=0.5)) as c, \
+                    c.stream("POST", path, json={**body, "max_tokens": 50}
+                             if path != "/generate" else body) as r:
+                r.read()
+                outcomes.append(f"{path} answered {r.status_code} {r.text[:200]}")
+        except httpx.ReadTimeout:
+            outcomes.append("left")
+
+    threads = [threading.Thread(target=leave_early, args=b) for b in bodies]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    gone = time.monotonic()
+    assert outcomes == ["left"] * 6, outcomes
+    with httpx.Client(base_url=url) as http:
+        wait_until(lambda: _abort_count(http) == aborted_before + 6, timeout_s=10,
+                   what="six aborts")
+        wait_until(lambda: (lambda load: load["running"] + load["waiting"] == 0)(
+            http.get("/load").json()), timeout_s=10, what="the engine to stop")
+        # prefilling what was left takes seconds here (2 s on a 2-vCPU machine)
+        assert time.monotonic() - gone < 1.5
+        # nothing was left half-made: the worker serves the next request
+        assert http.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": {
+            "max_new_tokens": 2}}).status_code == 200
 
 
 def test_a_dead_engine_core_makes_the_worker_exit_nonzero_within_seconds(doomed):

@@ -40,6 +40,22 @@ def test_generate_batch_and_n(http):
     assert all(1 <= len(r["output_ids"]) <= 3 for r in out)
 
 
+def test_a_streamed_batch_numbers_choices_as_the_answer_lists_them(http):
+    # Prompts with different n: the event index was p * n_p + i, so prompt 0's second choice
+    # and prompt 1's only one were both index 1.
+    body = {"input_ids": [[5, 6, 7], [8, 9, 10], [11, 12]], "sampling_params": [
+        {"max_new_tokens": 3, "n": 3, "temperature": 0, "ignore_eos": True},
+        {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
+        {"max_new_tokens": 3, "n": 2, "temperature": 0, "ignore_eos": True}]}
+    listed = http.post("/generate", json=body).json()
+    streamed: dict[int, list[int]] = {}
+    with http.stream("POST", "/generate", json={**body, "stream": True}) as r:
+        for event in _stream_events(r):
+            streamed.setdefault(event["index"], []).extend(event["output_ids"])
+    assert sorted(streamed) == list(range(6))
+    assert [streamed[i] for i in range(6)] == [answer["output_ids"] for answer in listed]
+
+
 def test_generate_stream(http):
     body = {"input_ids": [5, 6, 7, 8], "stream": True,
             "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}

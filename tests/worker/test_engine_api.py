@@ -259,6 +259,36 @@ def test_a_rid_in_flight_is_refused_and_the_first_request_keeps_its_tokens(engin
     engine.check_invariants()
 
 
+def test_a_rid_reused_right_after_a_stop_string_gets_its_own_tokens(engine):
+    # A stop string ends a request here while the core still runs it (the abort is on its
+    # way): the same rid, reused at once, got the old request's abort and tokens, and the core
+    # leaked the KV of the request it could no longer tell apart.
+    prompt = [1, *range(640, 660)]
+    params = {"max_new_tokens": 40, "ignore_eos": True, "temperature": 0}
+    expected = engine.generate(input_ids=prompt, sampling_params=params)
+    stop = expected["text"][2:6]
+    assert stop and stop in expected["text"]
+
+    async def scenario() -> list[dict]:
+        answers = []
+        for trial in range(8):
+            first = await engine.generate_async(
+                input_ids=prompt, rid=f"again-{trial}",
+                sampling_params={**params, "max_new_tokens": 200, "stop": [stop]})
+            assert first["meta_info"]["finish_reason"] == "stop"
+            answers.append(await engine.generate_async(
+                input_ids=prompt, rid=f"again-{trial}", sampling_params=params))
+        return answers
+
+    for again in asyncio.run(asyncio.wait_for(scenario(), 120)):
+        assert again["meta_info"]["finish_reason"] == "length"
+        assert again["output_ids"] == expected["output_ids"]
+    deadline = time.monotonic() + 30
+    while engine.stats().running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    engine.check_invariants()   # no slot leaked (the engine runs with debug invariants)
+
+
 def test_min_new_tokens_holds_back_stop_strings(engine):
     base = {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True}
 

@@ -165,6 +165,39 @@ def test_jump_forward_same_tokens_fewer_forward_passes(tiny_model, tok, mode):
         (core_on.times.steps, core_off.times.steps)
 
 
+@pytest.mark.parametrize("mode", ["exact", "retokenize"])
+def test_forced_text_split_by_chunked_prefill_gives_the_same_tokens_and_cache(tiny_model, mode):
+    # Retokenized forced text of 9 tokens, in 8-token chunks: the one left over went as a decode,
+    # which read the sampled token the forced ones had replaced, and the KV computed from it
+    # went into the radix cache under the forced token's id, for later requests to reuse.
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+              "properties": {"name": {"type": "string", "maxLength": 12},
+                             "age": {"type": "integer"}}}
+    prompt = [11, 12, 13]
+    constrained = SamplingParams(max_new_tokens=30, temperature=0, json_schema=json.dumps(schema))
+    outputs = {chunk: run(tiny_model, [("json", prompt, constrained, 0)], jump_forward=mode,
+                          chunked_prefill_size=chunk, max_prefill_tokens=chunk)[0]["json"][0]
+               for chunk in (2048, 8, 4, 3)}
+    assert len({tuple(ids) for ids in outputs.values()}) == 1, outputs
+    # a request continuing from that output reuses its KV: the same greedy tokens as cold
+    follow = [*prompt, *outputs[8][:20]]
+    plain = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    core = EngineCore(EngineConfig(str(tiny_model), device="cpu", kv_cache_tokens=4096,
+                                   debug_invariants=True, jump_forward=mode,
+                                   chunked_prefill_size=8, max_prefill_tokens=8))
+    answers: dict[str, list[int]] = {"json": [], "warm": []}
+    for rid, ids, params in (("json", prompt, constrained), ("warm", follow, plain)):
+        assert core.add_request(GenerateRequest(rid, ids, params, 0)) is None
+        cached = 0
+        while core.has_work:
+            for delta in core.step().deltas:
+                answers[delta.rid] += delta.token_ids
+                cached = max(cached, delta.cached_tokens)
+    assert cached >= 16   # the follow-up did reuse the constrained request's KV
+    cold, _ = run(tiny_model, [("cold", follow, plain, 0)])
+    assert answers["warm"] == cold["cold"][0]
+
+
 def test_jump_forward_appends_forced_text_in_one_step(tiny_model, tok):
     """On a schema whose keys are forced text, jump-forward produces valid output with far
     fewer forward passes than tokens."""

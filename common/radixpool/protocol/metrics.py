@@ -41,12 +41,14 @@ GRAMMAR_COMPILE_BUCKETS = (
 
 # --- worker -----------------------------------------------------------------------------------
 PROMPT_TOKENS = MetricSpec(
-    "radixpool_prompt_tokens_total", "counter", "Prompt tokens received by the engine.")
+    "radixpool_prompt_tokens_total", "counter",
+    "Prompt tokens of finished requests, and of aborted ones that had their first token.")
 CACHED_PROMPT_TOKENS = MetricSpec(
     "radixpool_cached_prompt_tokens_total", "counter",
     "Prompt tokens served from the radix KV cache instead of being computed.")
 GENERATION_TOKENS = MetricSpec(
-    "radixpool_generation_tokens_total", "counter", "Tokens generated.")
+    "radixpool_generation_tokens_total", "counter",
+    "Tokens generated, by finished and aborted requests.")
 REQUESTS = MetricSpec(
     "radixpool_requests_total", "counter", "Finished requests by finish reason.",
     ("finish_reason",))

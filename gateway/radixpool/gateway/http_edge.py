@@ -39,7 +39,6 @@ import socket
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from http import HTTPStatus
 
 from granian.constants import HTTPModes, Interfaces
 from granian.http import HTTP1Settings
@@ -56,11 +55,13 @@ def json_body(status: int, doc: object) -> tuple[int, Headers, bytes]:
     return status, [(b"content-type", b"application/json")], json.dumps(doc).encode()
 
 
-def error_body(status: int, message: str, code: str | None = None) -> tuple[int, Headers, bytes]:
-    """An OpenAI-style error document."""
+def error_body(status: int, message: str, code: str | None = None,
+               param: str | None = None) -> tuple[int, Headers, bytes]:
+    """An OpenAI-style error document, shaped as the workers shape theirs: `param` names the
+    field at fault, `code` is a machine-readable reason or null."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return json_body(status, {"error": {"message": message, "type": kind,
-                                        "code": code or HTTPStatus(status).phrase}})
+    return json_body(status, {"error": {"message": message, "type": kind, "param": param,
+                                        "code": code}})
 
 
 @dataclass(frozen=True)
@@ -104,8 +105,9 @@ class Responder:
         self.started = True
         self._proto.response_bytes(status, _wire(headers), body)
 
-    async def send_error(self, status: int, message: str, code: str | None = None) -> None:
-        await self.send(*error_body(status, message, code))
+    async def send_error(self, status: int, message: str, code: str | None = None,
+                         param: str | None = None) -> None:
+        await self.send(*error_body(status, message, code, param))
 
     async def start(self, status: int, headers: Headers) -> None:
         self.started = True

@@ -166,9 +166,11 @@ class Gateway:
             else:
                 doc, key = await asyncio.get_running_loop().run_in_executor(
                     self._key_threads, self._parse, request.path, request.body, False)
+        except BadRequest as exc:
+            await respond.send_error(400, str(exc), exc.code, exc.param)
+            return
         except (ValueError, UnicodeDecodeError) as exc:
-            await respond.send_error(400, str(exc) if isinstance(exc, BadRequest)
-                                     else f"malformed JSON body: {exc}")
+            await respond.send_error(400, f"request body is not valid JSON: {exc}", "invalid_json")
             return
         body, strip_usage = request.body, False
         if doc.get("stream") is True and request.path != "/generate":

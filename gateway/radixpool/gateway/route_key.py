@@ -35,7 +35,13 @@ BYTES_PER_TOKEN = 4  # text-mode estimate: sizing byte trees, comparing bytes wi
 
 
 class BadRequest(ValueError):
-    """The request body is not what the endpoint accepts; the message says which field."""
+    """The request body is not what the endpoint accepts: the message says what, `param` which
+    field (as the workers name it: `messages[0]`), `code` a machine-readable reason if any."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
 
 
 @dataclass(slots=True)
@@ -97,15 +103,15 @@ class KeyBuilder:
             raise BadRequest("request body must be a JSON object")
         model = doc.get("model")
         if model is not None and not isinstance(model, str):
-            raise BadRequest("'model' must be a string")
+            raise BadRequest("'model' must be a string", "model")
         salt = doc.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
-            raise BadRequest("'cache_salt' must be a string")
+            raise BadRequest("'cache_salt' must be a string", "cache_salt")
         if path == "/v1/chat/completions":
             return self._chat(doc, model, salt, shared_caches)
         if path == "/v1/completions":
             if "prompt" not in doc:
-                raise BadRequest("'prompt' is required")
+                raise BadRequest("'prompt' is required", "prompt", "missing_field")
             return self._prompt(doc["prompt"], "prompt", model, salt)
         ids = doc.get("input_ids")
         if ids is not None:
@@ -113,17 +119,19 @@ class KeyBuilder:
                 ids = ids[0]  # a batch routes on its first prompt
             return self._ids(ids, "input_ids", model, salt)
         if "text" not in doc:
-            raise BadRequest("'text' or 'input_ids' is required")
+            raise BadRequest("'text' or 'input_ids' is required", "text", "missing_field")
         return self._prompt(doc["text"], "text", model, salt)
 
     def _chat(self, doc: dict, model: str | None, salt: str | None,
               shared_caches: bool) -> RouteKey:
         messages = doc.get("messages")
         if not isinstance(messages, list) or not messages:
-            raise BadRequest("'messages' must be a non-empty array")
+            raise BadRequest("'messages' must be a non-empty array", "messages",
+                             "missing_field" if messages is None else None)
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise BadRequest(f"messages[{i}] must be an object with a string 'role'")
+                raise BadRequest(f"messages[{i}] must be an object with a string 'role'",
+                                 f"messages[{i}]")
         if self.chat is not None:
             kwargs = doc.get("chat_template_kwargs")
             kwargs = dict(kwargs) if isinstance(kwargs, dict) else {}
@@ -146,7 +154,11 @@ class KeyBuilder:
         if isinstance(prompt, str):
             if self.tokenizer is not None:
                 head = prompt[: self.max_prompt_chars]
-                ids = encode_ids(self.tokenizer, head, True)
+                try:
+                    ids = encode_ids(self.tokenizer, head, True)
+                except TypeError:  # a lone surrogate ("\ud800" in the JSON) is no UTF-8 text
+                    raise BadRequest(f"'{field}' is not valid Unicode text: it holds a lone "
+                                     f"UTF-16 surrogate", field) from None
                 key = self._token_key(ids, model, salt, len(head) < len(prompt))
                 if len(head) < len(prompt):
                     key.units = key.units * len(prompt) // len(head)
@@ -156,11 +168,11 @@ class KeyBuilder:
 
     def _ids(self, ids: object, field: str, model: str | None, salt: str | None) -> RouteKey:
         if not isinstance(ids, list) or not ids:
-            raise BadRequest(f"'{field}' must be a non-empty array of token ids")
+            raise BadRequest(f"'{field}' must be a non-empty array of token ids", field)
         try:
             tokens = as_token_array(ids[: self.max_prompt_chars])
         except (TypeError, OverflowError) as exc:
-            raise BadRequest(f"'{field}' must hold integer token ids") from exc
+            raise BadRequest(f"'{field}' must hold integer token ids", field) from exc
         key = self._token_key(tokens, model, salt)
         key.units = len(ids)
         return key
@@ -189,7 +201,7 @@ def _first(value: object, field: str) -> object:
         return value[0]
     if isinstance(value, (str, list)):
         return value
-    raise BadRequest(f"'{field}' must be a string, an array of strings or of token ids")
+    raise BadRequest(f"'{field}' must be a string, an array of strings or of token ids", field)
 
 
 def _content_text(content: object) -> str:

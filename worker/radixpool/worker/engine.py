@@ -75,6 +75,10 @@ class Engine:
         self.instance_id = uuid.uuid4().hex
         self._forks: dict[str, RequestOutput] = {}   # by core rid, until finished
         self._open_rids: dict[str, int] = {}   # caller's rid -> its forks in `_forks`
+        # Core rids are the caller's plus a submission number: a rid reused as soon as its
+        # request finished here (a stop string ends it before the core hears of the abort)
+        # never meets the old request's late output, nor the old request itself, in the core.
+        self._submissions = itertools.count()
         self._controls: dict[int, concurrent.futures.Future] = {}
         self._tokens = itertools.count(1)
         self._stats: EngineStats | None = None
@@ -336,13 +340,11 @@ class Engine:
         if self._closed:
             raise RuntimeError("the engine is shut down")
         rid = rid or uuid.uuid4().hex
-        core_rids = [rid] if params.n == 1 else [f"{rid}/{i}" for i in range(params.n)]
-        # The core keys requests by core rid, abort() by the caller's: both must be free.
-        if rid in self._open_rids:
+        if rid in self._open_rids:   # abort() stops every open request of a rid
             raise RidInUse(rid)
-        taken = next((r for r in core_rids if r in self._forks), None)
-        if taken is not None:
-            raise RidInUse(taken)
+        # unique: the number after the last "#" is this submission's alone
+        tag = f"{rid}#{next(self._submissions)}"
+        core_rids = [tag] if params.n == 1 else [f"{tag}/{i}" for i in range(params.n)]
         now = time.time()
         forks, requests = [], []
         for i, core_rid in enumerate(core_rids):

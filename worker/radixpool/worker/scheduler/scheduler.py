@@ -289,8 +289,10 @@ class Scheduler:
         if forced is None:
             return tokens
         req.replace_last(forced)
-        if len(forced) == 1:
-            self.rows.last_token[req.row] = forced[0]
+        # Whatever step computes the forced tokens' KV, the last of them may go alone as a
+        # decode, which reads its input from the row's device-side last token (a chunked extend
+        # leaves one over; so does KV pressure): it must be the forced token, not the sampled one.
+        self.rows.last_token[req.row] = forced[-1]
         self.jump_forward_tokens += len(forced) - 1
         return [*tokens[:-1], *forced]
 

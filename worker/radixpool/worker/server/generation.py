@@ -29,6 +29,7 @@ T = TypeVar("T")
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 _UNKNOWN_FIELD = re.compile(r"unknown sampling field '(\w+)'")
 _LEADING_NAME = re.compile(r"^([a-z_]+)\b")
+_OVER_KV = re.compile(r"^the prompt has \d+ tokens; this worker takes at most")  # the core's
 
 
 def engine_error(exc: ValueError, renames: dict[str, str], default_param: str | None) -> APIError:
@@ -44,7 +45,9 @@ def engine_error(exc: ValueError, renames: dict[str, str], default_param: str | 
         message = param + message[len(name):]
     else:
         param = default_param
-    return bad_request(message, param=param)
+    # a prompt longer than the KV pool is refused like one longer than the context
+    code = "context_length_exceeded" if _OVER_KV.match(message) else None
+    return bad_request(message, param=param, code=code)
 
 
 def build_params(doc: dict[str, Any], vocab_size: int, renames: dict[str, str],
@@ -116,6 +119,7 @@ class EngineRun:
         self._renames = renames or {}
         self._prompt_param = prompt_param
         self._last: dict[int, float] = {}
+        self._latest: dict[int, Any] = {}   # each choice's last chunk: its token counts so far
         self._open = set(range(params.n))
         self._start = time.time()
         self._first: Any = None
@@ -142,6 +146,7 @@ class EngineRun:
 
     def _observe(self, chunk: Any) -> None:
         now = time.time()
+        self._latest[chunk.index] = chunk
         if chunk.token_ids:   # a choice aborted before its first token has no TTFT
             prev = self._last.get(chunk.index)
             if prev is None:
@@ -177,8 +182,13 @@ class EngineRun:
             self._owns_rid = False
         await self._stream.aclose()
         now = time.time()
-        for _ in self._open:
-            self._metrics.record_aborted(now - self._start)
+        for index in self._open:
+            latest = self._latest.get(index)
+            if latest is None:   # no token yet: what its prefill computed is not known here
+                self._metrics.record_aborted(now - self._start)
+            else:
+                self._metrics.record_aborted(now - self._start, latest.prompt_tokens,
+                                             latest.cached_tokens, latest.completion_tokens)
         self._open.clear()
 
     @property
@@ -242,15 +252,20 @@ async def merge_streams(runs: list[EngineRun]) -> AsyncIterator[tuple[int, Any]]
             await run.close()
 
 
-async def start_all(runs: list[EngineRun]) -> None:
-    """Start every run; if one is rejected, close the others and re-raise."""
-    try:
-        for run in runs:
-            await run.first()
-    except BaseException:
-        for run in runs:
-            await run.close()
-        raise
+async def start_all(request: Request, runs: list[EngineRun]) -> None:
+    """Start every run (up to its first token: a bad request is refused with a 400 by then).
+    If one is rejected, close the others and re-raise; if the client leaves meanwhile, abort
+    them all (a long prompt waiting or in prefill is not computed for nobody)."""
+    async def first_tokens() -> None:
+        try:
+            for run in runs:
+                await run.first()
+        except BaseException:
+            for run in runs:
+                await run.close()
+            raise
+
+    await until_disconnect(request, first_tokens(), runs)
 
 
 async def until_disconnect(request: Request, work: Awaitable[T], runs: list[EngineRun]) -> T:
@@ -275,5 +290,7 @@ async def until_disconnect(request: Request, work: Awaitable[T], runs: list[Engi
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            for run in runs:   # `work` may have reached only some of them (one prompt at a time)
+                await run.close()
             raise APIError(499, "client closed the request", code="client_disconnected")
     return task.result()

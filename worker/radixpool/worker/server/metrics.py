@@ -152,10 +152,17 @@ class WorkerMetrics:
         self.e2e.observe(max(e2e_s, 0.0))
         self.hit_rate.add(prompt_tokens, cached_tokens)
 
-    def record_aborted(self, e2e_s: float) -> None:
-        """A request closed before the engine finished it (the client left)."""
+    def record_aborted(self, e2e_s: float, prompt_tokens: int = 0, cached_tokens: int = 0,
+                       completion_tokens: int = 0) -> None:
+        """A request closed before the engine finished it (the client left), with the tokens it
+        had been through: its prompt once its first token came, and what it generated."""
         self.requests.labels("abort").inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.cached_tokens.inc(cached_tokens)
+        self.generation_tokens.inc(completion_tokens)
         self.e2e.observe(max(e2e_s, 0.0))
+        if prompt_tokens:
+            self.hit_rate.add(prompt_tokens, cached_tokens)
 
     def exposition(self) -> bytes:
         from prometheus_client import generate_latest

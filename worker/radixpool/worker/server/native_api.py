@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -107,7 +108,7 @@ def router(state: WorkerState) -> APIRouter:
                                   f"{len(prompts)} prompts", param="sampling_params")
         else:
             params_docs = [params_docs or {}] * len(prompts)
-        inputs, params, prefixes = [], [], []
+        inputs, params, prefixes, prompt_params = [], [], [], []
         for i, (prompt, doc) in enumerate(zip(prompts, params_docs, strict=True)):
             where = f"[{i}]" if batch else ""
             if isinstance(prompt, str):
@@ -124,13 +125,15 @@ def router(state: WorkerState) -> APIRouter:
             inputs.append(ids)
             params.append(p)
             prefixes.append(sp_prefix)
+            prompt_params.append(prompt_param)
         rid = body.rid or uuid.uuid4().hex
         rids = [f"{rid}-{i}" if batch else rid for i in range(len(inputs))]
         # a constraint the engine cannot compile is reported under its sampling_params path
         runs = [EngineRun(state, ids, p, body.cache_salt, rids[i],
-                          {name: prefixes[i] + name for name in CONSTRAINT_FIELDS})
+                          {name: prefixes[i] + name for name in CONSTRAINT_FIELDS},
+                          prompt_params[i])
                 for i, (ids, p) in enumerate(zip(inputs, params, strict=True))]
-        await start_all(runs)
+        await start_all(request, runs)
         if body.stream:
             return EventStream(_generate_events(runs, params, rids))
 
@@ -239,10 +242,12 @@ def router(state: WorkerState) -> APIRouter:
 
 async def _generate_events(runs: list[EngineRun], params: list, rids: list[str]
                            ) -> AsyncIterator[bytes]:
+    # a choice's index is its place in the non-streamed answer: prompts may ask for different n
+    first = list(itertools.accumulate((p.n for p in params[:-1]), initial=0))
     try:
         async for p, chunk in merge_streams(runs):
             event = {
-                "index": p * params[p].n + chunk.index,
+                "index": first[p] + chunk.index,
                 "text": chunk.text,
                 "output_ids": list(chunk.token_ids),
                 "meta_info": _meta(chunk, rids[p], params[p].logprobs is not None),

@@ -101,7 +101,7 @@ def router(state: WorkerState) -> APIRouter:
         params = build_params(sampling, state.vocab_size, CHAT_RENAMES)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         run = EngineRun(state, input_ids, params, body.cache_salt, rid, CHAT_RENAMES, "messages")
-        await run.first()
+        await start_all(request, [run])
         created = int(time.time())
         head = {"id": rid, "created": created, "model": state.config.served_model_name}
         if body.stream:
@@ -149,9 +149,10 @@ def router(state: WorkerState) -> APIRouter:
                               state.vocab_size, COMPLETION_RENAMES)
         rid = f"cmpl-{uuid.uuid4().hex}"
         runs = [EngineRun(state, ids, params, body.cache_salt,
-                          f"{rid}-{i}" if len(inputs) > 1 else rid, COMPLETION_RENAMES, "prompt")
+                          f"{rid}-{i}" if len(inputs) > 1 else rid, COMPLETION_RENAMES,
+                          "prompt" if len(inputs) == 1 else f"prompt[{i}]")
                 for i, ids in enumerate(inputs)]
-        await start_all(runs)
+        await start_all(request, runs)
         head = {"id": rid, "created": int(time.time()), "model": state.config.served_model_name}
         echo = [p if isinstance(p, str) else state.engine.tokenizer.decode(p) for p in prompts]
         if body.stream:

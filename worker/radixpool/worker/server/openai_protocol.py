@@ -20,6 +20,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    StrictFloat,
     StrictInt,
     field_validator,
     model_validator,
@@ -79,20 +80,20 @@ class SamplingFields(BaseModel):
 
     model: str | None = None
     n: Annotated[StrictInt, Field(ge=1, le=128)] = 1
-    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    temperature: Annotated[StrictFloat, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[StrictFloat, Field(gt=0, le=1)] | None = None
     stop: Stop = None
     seed: Seed | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    frequency_penalty: Annotated[StrictFloat, Field(ge=-2, le=2)] | None = None
+    presence_penalty: Annotated[StrictFloat, Field(ge=-2, le=2)] | None = None
+    logit_bias: dict[str, Annotated[StrictFloat, Field(ge=-100, le=100)]] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # extensions (SGLang / vLLM names)
     top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
-    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0, le=10)] | None = None
+    min_p: Annotated[StrictFloat, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[StrictFloat, Field(gt=0, le=10)] | None = None
     ignore_eos: StrictBool = False
     min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
     stop_token_ids: list[TokenId] | None = None
@@ -106,6 +107,14 @@ class SamplingFields(BaseModel):
     metadata: dict[str, str] | None = None
     store: StrictBool | None = None
     service_tier: str | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_with_stream(cls, value: StreamOptions | None, info: Any
+                                    ) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):   # as OpenAI answers
+            raise ValueError("only allowed when stream is true")
+        return value
 
     @field_validator("logit_bias")
     @classmethod
@@ -207,14 +216,19 @@ class ChatCompletionRequest(SamplingFields):
         _reject_unsupported(info.field_name, value)
         return value
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_with_logprobs(cls, value: int | None, info: Any) -> int | None:
+        if value is not None and not info.data.get("logprobs"):   # as vLLM answers
+            raise ValueError("only allowed when logprobs is true")
+        return value
+
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
     @property
     def logprobs_k(self) -> int | None:
-        if self.top_logprobs is not None and not self.logprobs:
-            return None
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
