@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -262,3 +264,20 @@ def test_sigterm_with_a_kv_events_long_poll_open_exits_quietly(polled):
     assert polled.proc.wait(60) == 0
     log = polled.log()
     assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
+
+
+@pytest.mark.parametrize("flags, says", [
+    (("--page-size", "64", "--kv-cache-tokens", "32"), "smaller than one page (64 tokens)"),
+    (("--context-length", "100000",), "may only shrink the model's context (2048 tokens)"),
+])
+def test_settings_the_engine_cannot_run_with_end_the_worker_with_one_line(tiny_model, flags,
+                                                                          says):
+    # They were reported with the engine core's traceback, as if the worker had crashed.
+    done = subprocess.run([sys.executable, "-m", "radixpool.cli", "worker", "--model",
+                           str(tiny_model), "--port", "0", *flags], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 1
+    errors = [line for line in done.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and says in errors[0], done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+

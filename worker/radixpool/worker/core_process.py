@@ -44,7 +44,10 @@ def run_core(config: EngineConfig, fd: int, parent_pid: int) -> None:
 
         core = EngineCore(config)
     except Exception as exc:  # report why, so the front end can raise it
-        outbox.send(CoreFailed(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        # a setting the engine cannot run with (ValueError) is said in one line; anything else
+        # is a fault, with its traceback
+        detail = "" if isinstance(exc, ValueError) else f"\n{traceback.format_exc()}"
+        outbox.send(CoreFailed(f"{type(exc).__name__}: {exc}{detail}"))
         outbox.drain(SHUTDOWN_FLUSH_S)
         return
     outbox.send(core.ready_message())
