@@ -96,6 +96,54 @@ def test_a_1_mib_header_gets_431_and_never_reaches_a_worker(make_stack):
     assert stack.fleet.workers[0].requests == 0
 
 
+def test_the_header_limit_is_the_configured_one_not_hypers_buffer(make_stack):
+    # hyper's read buffer of the same size let heads up to ~1.75 times the limit through
+    stack = make_stack(1, max_header_bytes=65536)
+    for size, status in ((60_000, 200), (78_643, 431), (98_304, 431), (111_411, 431)):
+        r = stack.client.post("/v1/completions", headers={"x-pad": "a" * size},
+                              json={"prompt": words(0, 4), "max_tokens": 1})
+        assert r.status_code == status, size   # (hyper refuses some sizes itself, bodiless)
+    assert stack.fleet.workers[0].requests == 1
+
+
+def test_bodies_that_break_the_parser_are_400s_not_500s(make_stack):
+    # Deep nesting raised RecursionError (on the loop, and on the key thread for a large body),
+    # a non-text part's "text" a TypeError, and a UTF-16 body passed unstreamed but had the
+    # stream_options splice written into it in UTF-8 when streamed.
+    stack = make_stack(1)
+    nested = b"[" * 100_000
+    cases = [
+        ("/v1/completions", nested, "invalid_json"),
+        ("/v1/completions", b'{"prompt": ' + b"[" * 20_000, "invalid_json"),
+        ("/v1/chat/completions", b'{"messages": ' + b'{"a":' * 50_000, "invalid_json"),
+        ("/v1/completions", json.dumps({"prompt": "w1 w2", "stream": True}).encode("utf-16"),
+         "invalid_json"),
+        ("/v1/completions", json.dumps({"prompt": "w1 w2"}).encode("utf-16"), "invalid_json"),
+    ]
+    for path, body, code in cases:
+        r = stack.client.post(path, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (path, r.text[:200])
+        assert r.json()["error"]["code"] == code
+    # a content part whose text is not a string: routed on the rest; the worker refuses it
+    r = stack.client.post("/v1/chat/completions", json={
+        "model": "sim-model", "max_tokens": 1,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]})
+    assert r.status_code != 500
+    assert stack.fleet.workers[0].requests <= 1
+    assert stack.client.post("/workers", content=nested).status_code in (400, 401, 403)
+    assert stack.client.get("/health").status_code == 200
+
+
+def test_read_only_endpoints_refuse_other_methods(make_stack):
+    stack = make_stack(1)
+    for path in ("/health", "/livez", "/metrics", "/v1/models"):
+        for method in ("POST", "DELETE", "PUT"):
+            r = stack.client.request(method, path)
+            assert r.status_code == 405, (method, path)
+            assert "accepts GET" in r.json()["error"]["message"]
+    assert stack.fleet.workers[0].requests == 0
+
+
 def test_a_pipelined_expect_100_continue_stays_out_of_the_previous_stream(make_stack):
     stack = make_stack(1)
     with connect(stack.url) as c:

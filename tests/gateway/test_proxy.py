@@ -254,6 +254,34 @@ def test_no_worker_means_503_and_unhealthy_gateway(make_stack):
     assert stack.client.get("/health").status_code == 503
     r = stack.client.post("/generate", json={"text": "w1 w2"})
     assert r.status_code == 503 and "no healthy worker" in r.json()["error"]["message"]
+    # the answers the gateway gave itself are counted (an outage read as zero errors before)
+    metrics = stack.client.get("/metrics").text
+    assert 'radixpool_gateway_requests_total{code="502",worker="gateway"} 1.0' in metrics
+    assert 'radixpool_gateway_requests_total{code="503",worker="gateway"} 1.0' in metrics
+
+
+def test_a_refused_request_leaves_nothing_in_the_workers_tree(make_stack):
+    # The prompt went into the chosen worker's tree at selection, and a 4xx answer left it
+    # there: later requests were routed as cache hits on prefixes no worker held.
+    stack = make_stack(1, kv_events=False)
+    refused = stack.client.post("/v1/completions", json={
+        "model": "sim-model", "prompt": words(100, 64), "max_tokens": -1})
+    assert refused.status_code == 400   # the worker's own refusal
+    row = stack.client.get("/workers").json()["workers"][0]
+    assert row["tree_blocks"] == 0, row
+
+
+def test_keys_are_read_as_the_workers_read_them(make_stack):
+    stack = make_stack(1, api_key="client-key")
+    body = {"model": "sim-model", "prompt": "w1", "max_tokens": 1}
+    for headers in ({"authorization": "bearer client-key"},
+                    {"authorization": "BEARER  client-key"},
+                    {"x-api-key": "client-key"}):
+        assert stack.client.post("/v1/completions", json=body, headers=headers
+                                 ).status_code == 200, headers
+    for headers in ({"authorization": "Bearer wrong"}, {"authorization": "client-key"}, {}):
+        r = stack.client.post("/v1/completions", json=body, headers=headers)
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", headers
 
 
 def test_metrics_carry_the_contract_names(make_stack):

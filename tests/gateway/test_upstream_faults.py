@@ -121,3 +121,100 @@ def test_health_checks_that_time_out_mid_body_leave_no_connection_open(loop_thre
     finally:
         loop_thread.run(server.stop())
         loop_thread.call(listener.close)
+
+
+def test_a_long_request_on_a_worker_that_answers_others_leaves_its_breaker_closed(make_stack):
+    # Every timeout was a breaker failure: a client's own long non-streamed generations (headers
+    # come at the end) took healthy workers out for everyone.
+    stack = make_stack(1, sim=SimConfig(decode_ms_per_token=100.0),
+                       upstream_first_byte_timeout=1.0, breaker_failures=1)
+    url = stack.fleet.urls[0]
+    long_one: list[httpx.Response] = []
+    thread = threading.Thread(target=lambda: long_one.append(stack.client.post(
+        "/v1/completions", json={"prompt": words(0, 8), "max_tokens": 60})))
+    thread.start()
+    time.sleep(0.2)
+    short = stack.client.post("/v1/completions", json={"prompt": words(9, 8), "max_tokens": 1})
+    thread.join(10)
+    assert short.status_code == 200 and long_one[0].status_code == 504
+    row = next(w for w in stack.client.get("/workers").json()["workers"] if w["url"] == url)
+    assert row["circuit_breaker"] == "closed"
+    assert f'radixpool_gateway_upstream_timeouts_total{{worker="{url}"}} 1.0' in \
+        stack.client.get("/metrics").text   # still counted
+
+
+def test_models_from_a_hung_worker_time_out(loop_thread):
+    async def listen():
+        return await asyncio.get_running_loop().create_server(StallingWorker, "127.0.0.1", 0)
+
+    listener = loop_thread.run(listen())
+    port = listener.sockets[0].getsockname()[1]
+    server = GatewayServer(GatewayConfig(worker_urls=(f"http://127.0.0.1:{port}",),
+                                         host="127.0.0.1", port=0, health_interval=3600.0,
+                                         upstream_first_byte_timeout=0.5, upstream_timeout=1.0))
+    loop_thread.run(server.start())
+    try:
+        started = time.monotonic()
+        r = httpx.get(f"http://127.0.0.1:{server.port}/v1/models", timeout=10)
+        assert r.status_code == 504 and time.monotonic() - started < 5
+    finally:
+        loop_thread.run(server.stop())
+        loop_thread.call(listener.close)
+
+
+class DroppingWorker(asyncio.Protocol):
+    """Answers 200 while `dropping` is off; then closes each connection a request comes on."""
+
+    dropping = False
+    received = 0
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        DroppingWorker.received += 1
+        if DroppingWorker.dropping:
+            self.transport.close()
+        else:
+            self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+
+
+def test_a_request_the_worker_drops_is_tried_once_more_not_once_per_idle_connection(
+        loop_thread):
+    # Each idle pooled connection was tried in turn: one request reached the failing worker 20
+    # times before the client got its 502.
+    from radixpool.gateway.upstream import UpstreamError, UpstreamPool
+
+    async def scenario() -> int:
+        server = await asyncio.get_running_loop().create_server(DroppingWorker, "127.0.0.1", 0)
+        pool = UpstreamPool("127.0.0.1", server.sockets[0].getsockname()[1], 2.0)
+
+        async def one() -> None:
+            answer = await pool.request("GET", "/x")
+            await answer.body()
+            answer.release()
+
+        await asyncio.gather(*(one() for _ in range(20)))   # 20 idle connections now
+        DroppingWorker.dropping, DroppingWorker.received = True, 0
+        with pytest.raises(UpstreamError):
+            await pool.request("POST", "/v1/completions", body=b"{}")
+        pool.close()
+        server.close()
+        return DroppingWorker.received
+
+    assert loop_thread.run(scenario()) <= 2
+
+
+def test_a_worker_url_with_a_bad_host_name_is_a_down_worker(make_stack):
+    # An empty DNS label made the connection raise UnicodeError: requests routed there got 500s
+    # (no retry), and the health check's task died, so it stayed eligible.
+    stack = make_stack(1)
+    bad = "http://worker-1.pool..svc:8000"
+    stack.loop.call(stack.gateway.workers.add, bad)
+    answers = [stack.client.post("/v1/completions", json={
+        "prompt": words(10 * i, 8), "max_tokens": 1}).status_code for i in range(6)]
+    assert answers == [200] * 6
+    for _ in range(3):
+        stack.check_all()
+    row = next(w for w in stack.client.get("/workers").json()["workers"] if w["url"] == bad)
+    assert not row["eligible"], row

@@ -26,13 +26,23 @@ def is_admin_path(path: str) -> bool:
     return path == "/workers" or path.startswith("/workers/")
 
 
+def presented_key(authorization: bytes, api_key_header: bytes = b"") -> bytes:
+    """The key a client presents, read as the workers read it: `Authorization: Bearer KEY`
+    (the scheme in any case, spaces around the key ignored), else an `X-API-Key` header."""
+    scheme, _, key = authorization.strip().partition(b" ")
+    if scheme.lower() == b"bearer" and key.strip():
+        return key.strip()
+    return api_key_header.strip()
+
+
 class AccessPolicy:
     def __init__(self, client_key: str | None, admin_key: str | None) -> None:
-        self._client = f"Bearer {client_key}".encode() if client_key else None
-        self._admin = f"Bearer {admin_key}".encode() if admin_key else None
+        self._client = client_key.encode() if client_key else None
+        self._admin = admin_key.encode() if admin_key else None
 
     def check(self, path: str, method: str, authorization: bytes) -> Denial | None:
-        """None when the request may proceed, else what to answer."""
+        """None when the request may proceed, else what to answer. `authorization`: the key
+        presented (`presented_key`)."""
         if path in OPEN_PATHS:
             return None
         admin = self._admin is not None and hmac.compare_digest(authorization, self._admin)

@@ -103,7 +103,7 @@ def _target_url(request: Request) -> str | None:
     if request.body:
         try:
             doc = json.loads(request.body)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         if isinstance(doc, dict) and isinstance(doc.get("url"), str):
             return doc["url"]

@@ -6,11 +6,13 @@ byte / req/s at concurrency 32): the old hand-written asyncio+httptools server 1
 4,305; Granian RSGI 339 / 464 us / 6,907; aiohttp 302 / 388 us / 5,965; uvicorn+httptools
 225 / 377 us / 6,617. All clear the budgets on their own; they differ in what the edge needs.
 Granian's HTTP/1 core (hyper) is the only one that enforces by itself: a header read timeout
-that also closes idle keep-alive connections (slow-loris), a header size cap answered with 431,
+that also closes idle keep-alive connections (slow-loris), a header size cap answered with 431
+(hyper's buffer lets heads up to ~1.75 times its size through: the exact cap is checked here),
 pipelining done right (answers in order, `100 Continue` sent only when the body is read, a
-malformed request after a valid one answered 400 after the valid answer), TCP_NODELAY and write
-backpressure. uvicorn's httptools protocol has no header read timeout nor header cap and writes
-its 400 into a pipelined response in flight; aiohttp has neither a header timeout nor a 431. The
+malformed request after a valid one answered 400 after the valid answer) and TCP_NODELAY. Its
+RSGI stream sends do not wait for a slow client (docs/gateway.md, Limits). uvicorn's httptools
+protocol has no header read timeout nor header cap and writes its 400 into a pipelined response
+in flight; aiohttp has neither a header timeout nor a 431. The
 price is ~150-200 us per request against the hand-written server (a hop between hyper's thread
 and the event loop); where the gateway stands against its budgets:
 bench/results/gateway_overhead_2cpu.txt.
@@ -67,7 +69,7 @@ def error_body(status: int, message: str, code: str | None = None,
 @dataclass(frozen=True)
 class EdgeLimits:
     header_read_timeout: float = 10.0   # seconds; hyper also closes idle keep-alives after it
-    max_header_bytes: int = 65536       # hyper's read buffer: larger request heads get 431
+    max_header_bytes: int = 65536       # larger request heads (line + headers) get 431
     max_body_bytes: int = 32 << 20
     body_read_timeout: float = 30.0
     disconnect_watch_after: float = 0.05  # seconds a handler runs before its client is watched
@@ -234,6 +236,15 @@ class EdgeServer:
         early = proto() if (length and length.isdigit() and length != "0"
                             and int(length) <= self.limits.max_body_bytes) else None
         headers = {k.encode("latin-1"): v.encode("latin-1") for k, v in scope.headers.items()}
+        if (sum(map(len, headers)) + sum(map(len, headers.values())) + 4 * len(headers)
+                + len(scope.path) + len(scope.query_string) > self.limits.max_header_bytes):
+            # hyper's read buffer (the same size) lets heads up to ~1.75 times through
+            if early is not None:
+                with contextlib.suppress(Exception):
+                    await early
+            await respond.send_error(431, f"request head exceeds {self.limits.max_header_bytes}"
+                                          " bytes", "request_header_fields_too_large")
+            return
         task = asyncio.current_task()
         deadlines = _Deadlines(proto, task, self.limits)
         try:

@@ -31,7 +31,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from radixpool.gateway import admin
-from radixpool.gateway.access import AccessPolicy
+from radixpool.gateway.access import AccessPolicy, presented_key
 from radixpool.gateway.config import GatewayConfig
 from radixpool.gateway.feedback import is_usage_only_event, learn, prefill_wait, usage_in
 from radixpool.gateway.holding import Holding
@@ -57,6 +57,7 @@ from radixpool.gateway.workers import Worker, WorkerSet, candidates
 from radixpool.tokenization import PromptTokenizer
 
 OFFLOAD_BODY_BYTES = 64 * 1024  # larger bodies are parsed and keyed off the event loop
+READ_ONLY_PATHS = ("/livez", "/health", "/metrics", "/v1/models")
 
 class Gateway:
     def __init__(self, config: GatewayConfig, tokenizer: PromptTokenizer | None = None,
@@ -77,7 +78,7 @@ class Gateway:
         key = config.upstream_key
         self.upstream_auth: Headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
         # client headers not forwarded: hop-by-hop ones, and the client's key when we send ours
-        self._unforwarded = HOP_BY_HOP | {b"authorization"} if key else HOP_BY_HOP
+        self._unforwarded = HOP_BY_HOP | {b"authorization", b"x-api-key"} if key else HOP_BY_HOP
         self.workers.membership_hooks.append(self._membership)
         self.holding = Holding(
             LateBinding(self.policy, config.hold_queued_tokens, config.hold_max_requests,
@@ -117,14 +118,21 @@ class Gateway:
     # --- endpoints ----------------------------------------------------------------------------
     async def __call__(self, request: Request, respond: Responder) -> None:
         path, method = request.path, request.method
-        denied = self.access.check(path, method, request.headers.get(b"authorization", b""))
+        headers = request.headers
+        denied = self.access.check(path, method, presented_key(
+            headers.get(b"authorization", b""), headers.get(b"x-api-key", b"")))
         if denied is not None:
-            await respond.send(*error_body(*denied))
+            status, error_headers, doc = error_body(*denied)
+            if status == 401:
+                error_headers = [(b"www-authenticate", b"Bearer"), *error_headers]
+            await respond.send(status, error_headers, doc)
         elif path in ROUTED_PATHS:
             if method != "POST":
                 await respond.send_error(405, f"{path} accepts POST, not {method}")
             else:
                 await self.proxy(request, respond)
+        elif path in READ_ONLY_PATHS and method not in ("GET", "HEAD"):
+            await respond.send(*error_body(405, f"{path} accepts GET, not {method}"))
         elif path == "/livez":  # the process serves; workers do not matter here
             await respond.send(200, [(b"content-type", b"application/json")], b'{"status":"ok"}')
         elif path == "/health":
@@ -149,9 +157,15 @@ class Gateway:
             return
         worker = min(ready, key=lambda w: w.inflight)
         try:
-            upstream = await self.pool(worker).request("GET", "/v1/models",
-                                                       self.forwarded_headers(request))
+            upstream = await self.pool(worker).request(
+                "GET", "/v1/models", self.forwarded_headers(request),
+                first_byte_timeout=self.config.upstream_first_byte_timeout,
+                total_timeout=self.config.upstream_timeout)
             body = await upstream.body()
+        except UpstreamTimeout as exc:
+            self._timed_out(worker, self.clock() - self.config.upstream_first_byte_timeout)
+            await respond.send_error(504, f"worker {worker.url} timed out: {exc}")
+            return
         except UpstreamError as exc:
             await respond.send_error(502, f"worker {worker.url} failed: {exc}")
             return
@@ -167,10 +181,12 @@ class Gateway:
                 doc, key = await asyncio.get_running_loop().run_in_executor(
                     self._key_threads, self._parse, request.path, request.body, False)
         except BadRequest as exc:
-            await respond.send_error(400, str(exc), exc.code, exc.param)
+            await self._refuse(respond, started, 400, str(exc), exc.code, exc.param)
             return
-        except (ValueError, UnicodeDecodeError) as exc:
-            await respond.send_error(400, f"request body is not valid JSON: {exc}", "invalid_json")
+        except (ValueError, RecursionError) as exc:   # (UnicodeDecodeError is a ValueError)
+            reason = "nested too deeply" if isinstance(exc, RecursionError) else exc
+            await self._refuse(respond, started, 400, f"request body is not valid JSON: {reason}",
+                               "invalid_json")
             return
         body, strip_usage = request.body, False
         if doc.get("stream") is True and request.path != "/generate":
@@ -186,8 +202,8 @@ class Gateway:
         picked = await self._dispatch(request.path, headers, body, key)
         if len(picked) == 2:
             status, message = picked
-            _, error_headers, error_doc = error_body(status, message)
-            await respond.send(status, [(b"retry-after", b"1"), *error_headers], error_doc)
+            await self._refuse(respond, started, status, message,
+                               headers=[(b"retry-after", b"1")])
             return
         worker, decision, upstream = picked
         try:
@@ -196,8 +212,18 @@ class Gateway:
             self._release(worker, prefill_wait(decision, key))
 
     def _parse(self, path: str, body: bytes, on_loop: bool) -> tuple[dict, RouteKey]:
-        doc = json.loads(body)
+        # UTF-8 only (RFC 8259): `json.loads(bytes)` would also take UTF-16 and -32, which the
+        # stream_options splice and the workers do not
+        doc = json.loads(body.decode("utf-8"))
         return doc, self.keys.build(path, doc, shared_caches=on_loop)
+
+    async def _refuse(self, respond: Responder, started: float, status: int, message: str,
+                      code: str | None = None, param: str | None = None,
+                      headers: Headers = ()) -> None:
+        """An answer the gateway gives a routed request itself, counted with worker="gateway"."""
+        _, error_headers, doc = error_body(status, message, code, param)
+        await respond.send(status, [*headers, *error_headers], doc)
+        self.metrics.answered("gateway", status, time.perf_counter() - started, None)
 
     async def _dispatch(self, path: str, headers: Headers, body: bytes, key: RouteKey
                         ) -> tuple[Worker, Decision, UpstreamResponse] | tuple[int, str]:
@@ -236,7 +262,7 @@ class Gateway:
                     self.config.upstream_timeout)
             except UpstreamTimeout as exc:  # a hung worker: no retry (it may still be working)
                 self._release(worker, wait)
-                self._timed_out(worker)
+                self._timed_out(worker, now)
                 self.policy.failed(decision, key)
                 return 504, f"worker {worker.url} timed out: {exc}"
             except UpstreamError as exc:
@@ -282,7 +308,7 @@ class Gateway:
         except UpstreamError as exc:
             timed_out = isinstance(exc, UpstreamTimeout)
             if timed_out:
-                self._timed_out(worker)
+                self._timed_out(worker, self.clock() - (time.perf_counter() - started))
             else:
                 worker.breaker.record_failure("cut", self.clock())
             upstream.release()
@@ -303,8 +329,11 @@ class Gateway:
             upstream.release()
         if status < 500:
             worker.breaker.record_success(self.clock())
+            worker.answered_at = self.clock()
         else:
             worker.breaker.record_failure("server_error", self.clock())
+        if status >= 400:   # refused (a wrong model, a prompt too long, ...): nothing was cached
+            self.policy.failed(decision, key)
         worker.requests += 1
         self.metrics.answered(worker.url, status, time.perf_counter() - started, ttfb)
         if usage is not None:
@@ -351,9 +380,13 @@ class Gateway:
             headers.append((b"x-request-id", b"%s-%x" % (_ID_PREFIX, next(_REQUEST_IDS))))
         return headers
 
-    def _timed_out(self, worker: Worker) -> None:
-        worker.breaker.record_failure("timeout", self.clock())
+    def _timed_out(self, worker: Worker, sent_at: float) -> None:
+        """A request sent at `sent_at` ran out of time. The breaker learns of it only if the
+        worker has answered nothing since: one that serves others is slow for this request (a
+        long generation), not hung, and a client's own long requests must not take it out."""
         self.metrics.upstream_timeout(worker.url)
+        if worker.answered_at <= sent_at:
+            worker.breaker.record_failure("timeout", self.clock())
 
     def _learn(self, worker: Worker, decision: Decision, key: RouteKey, prompt: int,
                cached: int | None) -> None:

@@ -207,8 +207,9 @@ def _first(value: object, field: str) -> object:
 def _content_text(content: object) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    if isinstance(content, list):   # text parts; anything else is the worker's to refuse
+        return "".join(t for p in content if isinstance(p, dict)
+                       and isinstance(t := p.get("text"), str))
     return ""
 
 

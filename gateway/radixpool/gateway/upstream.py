@@ -251,7 +251,8 @@ class UpstreamPool:
         try:
             _, conn = await asyncio.wait_for(
                 loop.create_connection(_Connection, self.host, self.port), self.connect_timeout)
-        except (OSError, asyncio.TimeoutError) as exc:
+        except (OSError, asyncio.TimeoutError, UnicodeError) as exc:
+            # UnicodeError: a host name IDNA cannot encode (an empty or 64-character label)
             raise UpstreamError(f"cannot connect to {self.host}:{self.port}: {exc!r}") from exc
         return conn
 
@@ -289,6 +290,10 @@ class UpstreamPool:
             except UpstreamError as exc:
                 if conn.got_bytes:  # the worker answered garbage: not an idle-close race
                     raise exc
+                # The worker closed an idle connection as we used it, or dropped the request:
+                # the other idle ones are as suspect. One more try, on a fresh connection (the
+                # request must not reach a failing worker once per idle connection).
+                self.close()
         return await self._exchange(await self._connect(), data, *deadlines)
 
     async def _exchange(self, conn: _Connection, data: bytes, first_byte_timeout: float | None,

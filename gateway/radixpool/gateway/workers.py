@@ -40,6 +40,7 @@ class Worker:
     info: ServerInfo | None = None
     instance_id: str | None = None
     requests: int = 0
+    answered_at: float = 0.0            # when it last answered a request in full (clock time)
     prompt_tokens: int = 0
     cached_tokens: int = 0
     predicted_tokens: int = 0
