@@ -5,6 +5,7 @@ that time out without leaking connections."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -102,25 +103,32 @@ class StallingWorker(asyncio.Protocol):
         StallingWorker.open.discard(self)
 
 
-def test_health_checks_that_time_out_mid_body_leave_no_connection_open(loop_thread):
+@contextlib.contextmanager
+def gateway_before(loop_thread, worker: type[asyncio.Protocol], **config):
+    """A gateway (health checks left to the test) in front of one `worker` protocol server."""
     async def listen():
-        return await asyncio.get_running_loop().create_server(StallingWorker, "127.0.0.1", 0)
+        return await asyncio.get_running_loop().create_server(worker, "127.0.0.1", 0)
 
     listener = loop_thread.run(listen())
     port = listener.sockets[0].getsockname()[1]
     server = GatewayServer(GatewayConfig(worker_urls=(f"http://127.0.0.1:{port}",),
                                          host="127.0.0.1", port=0, health_interval=3600.0,
-                                         health_timeout=0.2))
+                                         **config))
     loop_thread.run(server.start())
     try:
+        yield server
+    finally:
+        loop_thread.run(server.stop())
+        loop_thread.call(listener.close)
+
+
+def test_health_checks_that_time_out_mid_body_leave_no_connection_open(loop_thread):
+    with gateway_before(loop_thread, StallingWorker, health_timeout=0.2) as server:
         worker = next(iter(server.gateway.workers))
         for _ in range(5):
             loop_thread.run(server.monitor.check(worker))
         # every timed-out check closed its connection (before: one leaked per check)
         assert wait_for(lambda: len(StallingWorker.open) == 0, 3), len(StallingWorker.open)
-    finally:
-        loop_thread.run(server.stop())
-        loop_thread.call(listener.close)
 
 
 def test_a_long_request_on_a_worker_that_answers_others_leaves_its_breaker_closed(make_stack):
@@ -144,22 +152,11 @@ def test_a_long_request_on_a_worker_that_answers_others_leaves_its_breaker_close
 
 
 def test_models_from_a_hung_worker_time_out(loop_thread):
-    async def listen():
-        return await asyncio.get_running_loop().create_server(StallingWorker, "127.0.0.1", 0)
-
-    listener = loop_thread.run(listen())
-    port = listener.sockets[0].getsockname()[1]
-    server = GatewayServer(GatewayConfig(worker_urls=(f"http://127.0.0.1:{port}",),
-                                         host="127.0.0.1", port=0, health_interval=3600.0,
-                                         upstream_first_byte_timeout=0.5, upstream_timeout=1.0))
-    loop_thread.run(server.start())
-    try:
+    with gateway_before(loop_thread, StallingWorker, upstream_first_byte_timeout=0.5,
+                        upstream_timeout=1.0) as server:
         started = time.monotonic()
         r = httpx.get(f"http://127.0.0.1:{server.port}/v1/models", timeout=10)
         assert r.status_code == 504 and time.monotonic() - started < 5
-    finally:
-        loop_thread.run(server.stop())
-        loop_thread.call(listener.close)
 
 
 class DroppingWorker(asyncio.Protocol):

@@ -101,19 +101,28 @@ def test_drain_timeout_ends_running_streams_cleanly(impatient):
     assert impatient.proc.wait(60) == 0
 
 
-def test_disconnected_stream_is_aborted_and_frees_its_kv(worker, http):
-    aborted_before = _abort_count(http)
+def _leave_a_long_stream(url: str, events: int, while_open=lambda: None) -> None:
+    """Stream a 1,500-token completion and hang up after `events` SSE events; `while_open` runs
+    just before (leaving the event loop closes the connection)."""
     body = {"model": "tiny", "prompt": "never mind", "max_tokens": 1500, "stream": True,
             "ignore_eos": True}
-    with httpx.Client(base_url=worker.url, timeout=60) as c, \
+    with httpx.Client(base_url=url, timeout=60) as c, \
             c.stream("POST", "/v1/completions", json=body) as r:
-        events = 0
+        seen = 0
         for line in r.iter_lines():
-            events += line.startswith("data: ")
-            if events >= 3:
-                # Checked while the stream is open: leaving iter_lines closes the connection.
-                assert http.get("/load").json()["running"] == 1
+            seen += line.startswith("data: ")
+            if seen >= events:
+                while_open()
                 break
+
+
+def test_disconnected_stream_is_aborted_and_frees_its_kv(worker, http):
+    aborted_before = _abort_count(http)
+
+    def one_running() -> None:
+        assert http.get("/load").json()["running"] == 1
+
+    _leave_a_long_stream(worker.url, 3, one_running)
     wait_until(lambda: _abort_count(http) == aborted_before + 1, what="the request's abort")
     # the server counts the abort as it sends it; the engine core ends the request just after
     wait_until(lambda: (lambda load: (load["running"], load["waiting"]) == (0, 0))(
@@ -139,15 +148,7 @@ def test_an_aborted_streams_tokens_are_counted(worker, http):
     before = {name: _metric(http, name) for name in (
         "radixpool_generation_tokens_total", "radixpool_prompt_tokens_total")}
     aborted_before = _abort_count(http)
-    body = {"model": "tiny", "prompt": "never mind", "max_tokens": 1500, "stream": True,
-            "ignore_eos": True}
-    with httpx.Client(base_url=worker.url, timeout=60) as c, \
-            c.stream("POST", "/v1/completions", json=body) as r:
-        tokens = 0
-        for line in r.iter_lines():
-            tokens += line.startswith("data: ")
-            if tokens >= 20:
-                break
+    _leave_a_long_stream(worker.url, 20)
     wait_until(lambda: _abort_count(http) == aborted_before + 1, what="the request's abort")
     generated = _metric(http, "radixpool_generation_tokens_total") - before[
         "radixpool_generation_tokens_total"]

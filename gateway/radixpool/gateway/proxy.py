@@ -132,7 +132,7 @@ class Gateway:
             else:
                 await self.proxy(request, respond)
         elif path in READ_ONLY_PATHS and method not in ("GET", "HEAD"):
-            await respond.send(*error_body(405, f"{path} accepts GET, not {method}"))
+            await respond.send_error(405, f"{path} accepts GET, not {method}")
         elif path == "/livez":  # the process serves; workers do not matter here
             await respond.send(200, [(b"content-type", b"application/json")], b'{"status":"ok"}')
         elif path == "/health":
@@ -156,6 +156,7 @@ class Gateway:
             await respond.send_error(503, "no healthy worker available")
             return
         worker = min(ready, key=lambda w: w.inflight)
+        sent = self.clock()
         try:
             upstream = await self.pool(worker).request(
                 "GET", "/v1/models", self.forwarded_headers(request),
@@ -163,7 +164,7 @@ class Gateway:
                 total_timeout=self.config.upstream_timeout)
             body = await upstream.body()
         except UpstreamTimeout as exc:
-            self._timed_out(worker, self.clock() - self.config.upstream_first_byte_timeout)
+            self._timed_out(worker, sent)
             await respond.send_error(504, f"worker {worker.url} timed out: {exc}")
             return
         except UpstreamError as exc:
