@@ -107,7 +107,7 @@ def test_the_header_limit_is_the_configured_one_not_hypers_buffer(make_stack):
 
 
 def test_bodies_that_break_the_parser_are_400s_not_500s(make_stack):
-    # Deep nesting raised RecursionError (on the loop, and on the key thread for a large body),
+    # Deep nesting raised RecursionError (on the loop, and off it for a large body),
     # a non-text part's "text" a TypeError, and a UTF-16 body passed unstreamed but had the
     # stream_options splice written into it in UTF-8 when streamed.
     stack = make_stack(1)

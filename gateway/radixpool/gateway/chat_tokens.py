@@ -45,12 +45,6 @@ def encode_ids(tokenizer: PromptTokenizer, text: str, add_special_tokens: bool) 
         0].ids
 
 
-def encode_releasing_gil(tokenizer: PromptTokenizer, text: str,
-                         add_special_tokens: bool) -> np.ndarray:
-    """`encode_ids` as a uint64 array, for use off the event loop's thread."""
-    return as_token_array(encode_ids(tokenizer, text, add_special_tokens))
-
-
 class ChatEncoder:
     def __init__(self, tokenizer: PromptTokenizer) -> None:
         self.tokenizer = tokenizer
@@ -70,16 +64,11 @@ class ChatEncoder:
                                                             **kwargs))
 
     def encode_chat_prefix(self, messages: list[dict], add_generation_prompt: bool,
-                           max_chars: int, use_cache: bool, **kwargs: Any
-                           ) -> tuple[np.ndarray, bool]:
+                           max_chars: int, **kwargs: Any) -> tuple[np.ndarray, bool]:
         """Token ids of at most the first `max_chars` characters of the rendered prompt, and
-        whether it was cut (then the last ids may differ from the whole prompt's). Without
-        `use_cache` the prompt is encoded whole, never touching the piece cache, and without
-        holding the GIL (for a thread off the event loop)."""
+        whether it was cut (then the last ids may differ from the whole prompt's)."""
         text = self.tokenizer.render_chat(messages, add_generation_prompt, **kwargs)
         cut = len(text) > max_chars
-        if not use_cache:
-            return encode_releasing_gil(self.tokenizer, text[:max_chars], False), cut
         if cut:
             return as_token_array(encode_ids(self.tokenizer, text[:max_chars], False)), cut
         return self._encode_text(text), False

@@ -121,6 +121,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "is cut)")
     e.add_argument("--max-route-prompt-chars", type=int, default=D.max_route_prompt_chars,
                    help="the router tokenizes and hashes at most this prefix of a prompt")
+    e.add_argument("--parse-processes", type=int, default=D.parse_processes,
+                   help="child processes that parse bodies over 16 KiB, off the event loop")
+    e.add_argument("--parse-memory-bytes", type=int, default=D.parse_memory_bytes,
+                   help="memory one of them may take to parse a body (413 beyond)")
     p.set_defaults(func=_gateway)
 
 
@@ -155,7 +159,8 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.e
         body_read_timeout=args.body_read_timeout,
         upstream_first_byte_timeout=args.upstream_first_byte_timeout,
         upstream_timeout=args.upstream_timeout,
-        max_route_prompt_chars=args.max_route_prompt_chars)
+        max_route_prompt_chars=args.max_route_prompt_chars,
+        parse_processes=args.parse_processes, parse_memory_bytes=args.parse_memory_bytes)
     if config.api_key and not config.worker_api_key:
         warnings.append(f"the gateway presents the client key to workers; set ${WORKER_KEY_ENV} "
                         "to the workers' control key so clients cannot reach their control "

@@ -72,6 +72,8 @@ class GatewayConfig:
     upstream_first_byte_timeout: float = 300.0
     upstream_timeout: float = 1800.0
     max_route_prompt_chars: int = 256 * 1024  # the router tokenizes and hashes this prefix only
+    parse_processes: int = 2    # child processes that parse large bodies (body_parsing.py)
+    parse_memory_bytes: int = 256 * 1024 * 1024   # what one of them may grow by for a body
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -114,6 +116,8 @@ class GatewayConfig:
         _check(self.upstream_first_byte_timeout > 0, "upstream_first_byte_timeout", "> 0")
         _check(self.upstream_timeout > 0, "upstream_timeout", "> 0")
         _check(self.max_route_prompt_chars > 0, "max_route_prompt_chars", "> 0")
+        _check(self.parse_processes >= 1, "parse_processes", ">= 1")
+        _check(self.parse_memory_bytes >= 16 * 1024 * 1024, "parse_memory_bytes", ">= 16 MiB")
 
     @property
     def upstream_key(self) -> str | None:

@@ -16,8 +16,8 @@ within `upstream_timeout`, is cut: 504 (or, mid-stream, a last error event), cou
 `radixpool_gateway_upstream_timeouts_total`, and its breaker records a failure. A client that
 leaves cancels its handler (see `http_edge`): the worker connection closes on the way out, the
 worker aborts the request, and the in-flight count drops. A large body is parsed and its route
-key built on a thread (`tokenizers` releases the GIL), over at most `max_route_prompt_chars` of
-the prompt, so one huge prompt never holds up the small ones.
+key built in a child process (`body_parsing`), over at most `max_route_prompt_chars` of the
+prompt, so one huge or hostile body never holds up the small ones.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ import itertools
 import json
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 from radixpool.gateway import admin
 from radixpool.gateway.access import AccessPolicy, presented_key
+from radixpool.gateway.body_parsing import BodyParser, BodyTooComplex
 from radixpool.gateway.config import GatewayConfig
 from radixpool.gateway.feedback import is_usage_only_event, learn, prefill_wait, usage_in
 from radixpool.gateway.holding import Holding
@@ -56,7 +56,6 @@ from radixpool.gateway.wait_queue import LateBinding
 from radixpool.gateway.workers import Worker, WorkerSet, candidates
 from radixpool.tokenization import PromptTokenizer
 
-OFFLOAD_BODY_BYTES = 64 * 1024  # larger bodies are parsed and keyed off the event loop
 READ_ONLY_PATHS = ("/livez", "/health", "/metrics", "/v1/models")
 
 class Gateway:
@@ -66,9 +65,9 @@ class Gateway:
         self.index = PrefixIndex()
         self.keys = KeyBuilder(config.text_block_bytes, config.prefix_token_count,
                                config.max_route_prompt_chars)
-        self._key_threads = ThreadPoolExecutor(2, thread_name_prefix="route-key")
         if tokenizer is not None:
             self.keys.use_tokenizer(tokenizer, block_size)
+        self.bodies = BodyParser(self.keys, config.parse_processes, config.parse_memory_bytes)
         self.workers = WorkerSet(config, self.index, self.keys)
         self.policy = make_policy(config, self.index)
         self.metrics = GatewayMetrics()
@@ -176,31 +175,16 @@ class Gateway:
     async def proxy(self, request: Request, respond: Responder) -> None:
         started = time.perf_counter()
         try:
-            if len(request.body) <= OFFLOAD_BODY_BYTES:
-                doc, key = self._parse(request.path, request.body, True)
-            else:
-                doc, key = await asyncio.get_running_loop().run_in_executor(
-                    self._key_threads, self._parse, request.path, request.body, False)
+            parsed = await self.bodies.parse(request.path, request.body)
         except BadRequest as exc:
             await self._refuse(respond, started, 400, str(exc), exc.code, exc.param)
             return
-        except (ValueError, RecursionError) as exc:   # (UnicodeDecodeError is a ValueError)
-            reason = "nested too deeply" if isinstance(exc, RecursionError) else exc
-            await self._refuse(respond, started, 400, f"request body is not valid JSON: {reason}",
-                               "invalid_json")
+        except BodyTooComplex as exc:
+            await self._refuse(respond, started, 413, str(exc), "request_too_large")
             return
-        body, strip_usage = request.body, False
-        if doc.get("stream") is True and request.path != "/generate":
-            options = doc.get("stream_options")
-            if options is None:  # splice, no re-encoding: the object has a "stream" member
-                start = body.index(b"{") + 1
-                body = body[:start] + b'"stream_options":{"include_usage":true},' + body[start:]
-                strip_usage = True
-            elif isinstance(options, dict) and not options.get("include_usage"):
-                doc["stream_options"] = {**options, "include_usage": True}
-                body, strip_usage = json.dumps(doc).encode(), True
+        key = parsed.key
         headers = self.forwarded_headers(request)
-        picked = await self._dispatch(request.path, headers, body, key)
+        picked = await self._dispatch(request.path, headers, parsed.body, key)
         if len(picked) == 2:
             status, message = picked
             await self._refuse(respond, started, status, message,
@@ -208,15 +192,10 @@ class Gateway:
             return
         worker, decision, upstream = picked
         try:
-            await self._relay(worker, decision, key, upstream, respond, strip_usage, started)
+            await self._relay(worker, decision, key, upstream, respond, parsed.strip_usage,
+                              started)
         finally:
             self._release(worker, prefill_wait(decision, key))
-
-    def _parse(self, path: str, body: bytes, on_loop: bool) -> tuple[dict, RouteKey]:
-        # UTF-8 only (RFC 8259): `json.loads(bytes)` would also take UTF-16 and -32, which the
-        # stream_options splice and the workers do not
-        doc = json.loads(body.decode("utf-8"))
-        return doc, self.keys.build(path, doc, shared_caches=on_loop)
 
     async def _refuse(self, respond: Responder, started: float, status: int, message: str,
                       code: str | None = None, param: str | None = None,

@@ -43,6 +43,9 @@ class BadRequest(ValueError):
         self.param = param
         self.code = code
 
+    def __reduce__(self) -> tuple:   # whole across processes (body_parsing's children)
+        return type(self), (str(self), self.param, self.code)
+
 
 @dataclass(slots=True)
 class RouteKey:
@@ -86,6 +89,7 @@ class KeyBuilder:
         self.chat: ChatEncoder | None = None
         self.block_size = DEFAULT_BLOCK_SIZE
         self.block_size_known = False   # False: a guess until a worker reports its own
+        self.generation = 0   # counts changes: copies in other processes are rebuilt from it
 
     def use_tokenizer(self, tokenizer: PromptTokenizer, block_size: int | None) -> None:
         """Route on token ids in blocks of `block_size` (None: the default, until a worker
@@ -94,11 +98,24 @@ class KeyBuilder:
         self.chat = ChatEncoder(tokenizer) if tokenizer.chat_template else None
         self.block_size = block_size or DEFAULT_BLOCK_SIZE
         self.block_size_known = block_size is not None
+        self.generation += 1
 
-    def build(self, path: str, doc: object, shared_caches: bool = True) -> RouteKey:
-        """The route key of a request body; `shared_caches=False` when called off the event
-        loop's thread: the chat piece cache (not thread-safe) is left alone and tokenization
-        releases the GIL."""
+    def settings(self) -> tuple:
+        """What `from_settings` needs to build an equal KeyBuilder in another process."""
+        files = self.tokenizer.files if self.tokenizer is not None else None
+        return (self.text_block_bytes, self.prefix_token_count, self.max_prompt_chars, files,
+                self.block_size)
+
+    @classmethod
+    def from_settings(cls, settings: tuple) -> KeyBuilder:
+        text_block_bytes, prefix_token_count, max_prompt_chars, files, block_size = settings
+        keys = cls(text_block_bytes, prefix_token_count, max_prompt_chars)
+        if files is not None:
+            keys.use_tokenizer(PromptTokenizer(files), block_size)
+        return keys
+
+    def build(self, path: str, doc: object) -> RouteKey:
+        """The route key of a request body (a parsed JSON document); raises `BadRequest`."""
         if not isinstance(doc, dict):
             raise BadRequest("request body must be a JSON object")
         model = doc.get("model")
@@ -108,7 +125,7 @@ class KeyBuilder:
         if salt is not None and not isinstance(salt, str):
             raise BadRequest("'cache_salt' must be a string", "cache_salt")
         if path == "/v1/chat/completions":
-            return self._chat(doc, model, salt, shared_caches)
+            return self._chat(doc, model, salt)
         if path == "/v1/completions":
             if "prompt" not in doc:
                 raise BadRequest("'prompt' is required", "prompt", "missing_field")
@@ -122,8 +139,7 @@ class KeyBuilder:
             raise BadRequest("'text' or 'input_ids' is required", "text", "missing_field")
         return self._prompt(doc["text"], "text", model, salt)
 
-    def _chat(self, doc: dict, model: str | None, salt: str | None,
-              shared_caches: bool) -> RouteKey:
+    def _chat(self, doc: dict, model: str | None, salt: str | None) -> RouteKey:
         messages = doc.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("'messages' must be a non-empty array", "messages",
@@ -140,7 +156,7 @@ class KeyBuilder:
                     kwargs["tools"] = template_tools(doc["tools"])
                 ids, cut = self.chat.encode_chat_prefix(
                     messages, doc.get("add_generation_prompt", True) is not False,
-                    self.max_prompt_chars, shared_caches, **kwargs)
+                    self.max_prompt_chars, **kwargs)
             except Exception:  # the worker will answer with its own 4xx; route on text meanwhile
                 ids = None
             if ids is not None:

@@ -64,6 +64,7 @@ class GatewayServer:
             await self.monitor.stop()
         for pool in self.gateway.pools.values():
             pool.close()
+        self.gateway.bodies.close()
 
 
 async def _main(config: GatewayConfig, tokenizer: PromptTokenizer | None) -> None:
