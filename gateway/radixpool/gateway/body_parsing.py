@@ -23,6 +23,7 @@ import json
 import logging
 import multiprocessing
 import resource
+import signal
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -124,6 +125,7 @@ _child_keys: KeyBuilder | None = None
 
 def _start_child(settings: tuple, memory_bytes: int) -> None:
     global _child_keys
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the gateway's to handle
     _child_keys = KeyBuilder.from_settings(settings)
     # first to go when the pod runs out of memory
     with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as f:
