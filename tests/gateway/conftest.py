@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine
+import time
+from collections.abc import Callable, Coroutine
 from dataclasses import replace
 
 import httpx
@@ -109,3 +110,32 @@ def make_stack(loop_thread):
 def words(start: int, count: int) -> str:
     """`count` distinct tokens of the simulated tokenizer (one word = one token)."""
     return " ".join(f"w{(start + i) % 4096}" for i in range(count))
+
+
+def latencies_during(url: str, big: Callable[[], httpx.Response]
+                     ) -> tuple[list[float], float, httpx.Response]:
+    """Small requests (`GET /livez`) one after another while `big()` runs: their latencies, how
+    long `big` took, and its response."""
+    latencies: list[float] = []
+    done = threading.Event()
+    probe = httpx.Client(base_url=url, timeout=120)   # made before: clients cost GIL time
+    probe.get("/livez")
+
+    def small_requests() -> None:
+        while not done.is_set():
+            started = time.monotonic()
+            probe.get("/livez")
+            latencies.append(time.monotonic() - started)
+
+    smalls = threading.Thread(target=small_requests)
+    smalls.start()
+    time.sleep(0.2)
+    started = time.monotonic()
+    try:
+        response = big()
+    finally:
+        took = time.monotonic() - started
+        done.set()
+        smalls.join(120)
+        probe.close()
+    return latencies, took, response

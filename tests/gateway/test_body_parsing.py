@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
-import time
 
 import httpx
 import numpy as np
@@ -20,7 +18,7 @@ from radixpool.gateway.config import GatewayConfig
 from radixpool.gateway.route_key import BadRequest, KeyBuilder
 from radixpool.gateway.server import GatewayServer
 from radixpool.tokenization import PromptTokenizer
-from tests.gateway.conftest import words
+from tests.gateway.conftest import latencies_during, words
 
 
 @pytest.fixture(scope="module")
@@ -101,26 +99,8 @@ def test_a_hostile_body_does_not_hold_up_small_requests(loop_thread):
             # the parse processes start on the first large body: not part of what is measured
             assert c.post("/v1/completions", content=large({"prompt": words(0, 5000)})
                           ).status_code == 503   # parsed, keyed, and no worker to take it
-            latencies: list[float] = []
-            done = threading.Event()
-            probe = httpx.Client(base_url=url, timeout=120)
-            probe.get("/livez")
-
-            def small_requests() -> None:
-                while not done.is_set():
-                    started = time.monotonic()
-                    probe.get("/livez")
-                    latencies.append(time.monotonic() - started)
-
-            smalls = threading.Thread(target=small_requests)
-            smalls.start()
-            time.sleep(0.2)
-            started = time.monotonic()
-            r = c.post("/v1/chat/completions", content=hostile)
-            big_latency = time.monotonic() - started
-            done.set()
-            smalls.join(120)
-            probe.close()
+            latencies, big_latency, r = latencies_during(
+                url, lambda: c.post("/v1/chat/completions", content=hostile))
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0]"
         # loose and relative to the big request: the test's own threads share a GIL with the
         # gateway's event loop

@@ -18,7 +18,7 @@ from bench.simfleet import sim_tokenizer_files
 from radixpool.gateway.config import GatewayConfig
 from radixpool.gateway.server import GatewayServer
 from radixpool.tokenization import PromptTokenizer
-from tests.gateway.conftest import words
+from tests.gateway.conftest import latencies_during, words
 
 
 def connect(url: str) -> socket.socket:
@@ -221,28 +221,10 @@ def test_a_huge_prompt_does_not_hold_up_small_requests(loop_thread):
     url = f"http://127.0.0.1:{server.port}"
     try:
         prompt = " ".join(f"w{i % 4096}" for i in range(700_000))   # ~4 MB, 700k tokens
-        latencies: list[float] = []
-        done = threading.Event()
-        probe = httpx.Client(base_url=url, timeout=120)   # made before: clients cost GIL time
-        probe.get("/health")
-
-        def small_requests() -> None:
-            while not done.is_set():
-                started = time.monotonic()
-                probe.get("/health")
-                latencies.append(time.monotonic() - started)
-
-        smalls = threading.Thread(target=small_requests)
-        smalls.start()
-        time.sleep(0.2)
         body = json.dumps({"prompt": prompt, "max_tokens": 1}).encode()
         with httpx.Client(timeout=120) as c:
-            started = time.monotonic()
-            c.post(url + "/v1/completions", content=body)
-            big_latency = time.monotonic() - started
-        done.set()
-        smalls.join(120)
-        probe.close()
+            latencies, big_latency, _ = latencies_during(
+                url, lambda: c.post(url + "/v1/completions", content=body))
         # small requests kept flowing while the huge prompt was in the gateway; before, its
         # tokenization held the event loop, so a small request waited about as long as the big
         # one took (2-11 s here, with the load). A loose bound, relative to the big request:
