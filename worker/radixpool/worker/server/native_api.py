@@ -22,6 +22,7 @@ from radixpool.worker.server.generation import (
     EngineRun,
     ForkOutput,
     build_params,
+    check_choices,
     merge_streams,
     server_timing,
     start_all,
@@ -101,6 +102,7 @@ def router(state: WorkerState) -> APIRouter:
         prompts, batch = body.prompts()
         if not prompts:
             raise bad_request("the batch is empty", param="text" if body.text else "input_ids")
+        check_choices(len(prompts), "text" if body.text is not None else "input_ids")
         params_docs = body.sampling_params
         if isinstance(params_docs, list):
             if len(params_docs) != len(prompts):
@@ -109,6 +111,7 @@ def router(state: WorkerState) -> APIRouter:
         else:
             params_docs = [params_docs or {}] * len(prompts)
         inputs, params, prefixes, prompt_params = [], [], [], []
+        choices = 0
         for i, (prompt, doc) in enumerate(zip(prompts, params_docs, strict=True)):
             where = f"[{i}]" if batch else ""
             if isinstance(prompt, str):
@@ -120,6 +123,8 @@ def router(state: WorkerState) -> APIRouter:
                 state.check_token_ids(ids, prompt_param)
             sp_prefix = f"sampling_params{where if isinstance(body.sampling_params, list) else ''}."
             p = build_params(doc, state.vocab_size, {}, sp_prefix)
+            choices += p.n
+            check_choices(choices, f"{sp_prefix}n")
             state.token_budget(len(ids), p.max_new_tokens, prompt_param,
                                f"{sp_prefix}max_new_tokens")
             inputs.append(ids)
