@@ -9,6 +9,7 @@ import json
 import pytest
 
 from radixpool.worker.config import EngineConfig
+from radixpool.worker.server import app as app_module
 from radixpool.worker.server import fast_path
 from radixpool.worker.server.app import create_app
 from radixpool.worker.server.config import ServerConfig
@@ -82,6 +83,15 @@ def test_a_body_over_the_limit_is_refused(gate, monkeypatch):
     body = json.dumps({"messages": [{"role": "user", "content": "x" * 4096}]}).encode()
     status, doc = call(gate.app, "/v1/chat/completions", body, chunk=512)
     assert status == 413 and doc["error"]["code"] == "request_too_large"
+
+
+def test_a_body_over_the_limit_is_refused_off_the_fast_path_too(monkeypatch):
+    # /prefix_probe read any body whole: 100 MiB of text took 19 GiB and wedged the worker
+    monkeypatch.setattr(app_module, "MAX_BODY_BYTES", 1024)
+    gate = create_app(WorkerState(ServerConfig(EngineConfig(model_path="/nowhere"), "tiny")))
+    for body in ({"text": "x" * 4096}, {"input_ids": [1] * 2048}):
+        status, doc = call(gate.app, "/prefix_probe", json.dumps(body).encode(), chunk=512)
+        assert status == 413 and doc["error"]["code"] == "request_too_large"
 
 
 def test_only_post_to_the_generation_paths_takes_the_fast_path(gate):
