@@ -239,7 +239,9 @@ def router(state: WorkerState) -> APIRouter:
             ids = await state.encode(body.text)
         else:
             ids = await state.encode_chat([m.template_dict() for m in body.messages])
-        cached = await state.engine.probe_async(ids, body.cache_salt)
+        # the cache holds no path longer than the context: the rest cannot change the answer,
+        # and a prompt of millions of ids is too big a message for the engine core's pipe
+        cached = await state.engine.probe_async(ids[:state.context_length], body.cache_salt)
         return {"prompt_tokens": len(ids), "cached_tokens": cached}
 
     return r
