@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 from starlette.responses import JSONResponse
 
 from radixpool.protocol.server_info import ServerInfo
@@ -29,19 +29,18 @@ from radixpool.worker.server.generation import (
     until_disconnect,
 )
 from radixpool.worker.server.lifecycle import Phase
-from radixpool.worker.server.openai_protocol import ChatMessage
+from radixpool.worker.server.openai_protocol import ChatMessage, Texts, TokenIdLists, TokenIds
 from radixpool.worker.server.sse import DONE, EventStream, sse
 from radixpool.worker.server.state import WorkerState
 
-TokenId = Annotated[StrictInt, Field(ge=0)]
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 
 
 class GenerateBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    text: str | list[str] | None = None
-    input_ids: list[TokenId] | list[list[TokenId]] | None = None
+    text: str | Texts | None = None
+    input_ids: TokenIds | TokenIdLists | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     stream: StrictBool = False
     rid: Annotated[str, Field(min_length=1, max_length=128)] | None = None
@@ -66,7 +65,7 @@ class GenerateBody(BaseModel):
 class ProbeBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    input_ids: list[TokenId] | None = None
+    input_ids: TokenIds | None = None
     text: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     cache_salt: Annotated[str, Field(max_length=256)] | None = None
