@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 
 import httpx
@@ -155,3 +156,27 @@ def test_a_request_for_too_many_completions_is_refused_naming_its_field(http):
     ok = http.post("/generate", json={"input_ids": [[5], [6]], "sampling_params": {
         "max_new_tokens": 2, "n": 2}})
     assert ok.status_code == 200 and len(ok.json()) == 4
+
+
+def test_text_far_over_the_context_is_refused_before_it_is_tokenized(http):
+    # Tokenizing takes ~250 bytes a character: 8 MiB of text grew the worker by 2 GiB only to
+    # be refused for its length afterwards.
+    def resident_bytes() -> float:
+        metrics = http.get("/metrics").text
+        return float(re.search(r"^process_resident_memory_bytes (\S+)$", metrics, re.M)[1])
+
+    text = "a b " * (2 << 20)
+    before = resident_bytes()
+    for path, body, param in [
+        ("/generate", {"text": text}, "text"),
+        ("/generate", {"text": ["hi", text]}, "text[1]"),
+        ("/v1/completions", {"prompt": text}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}, "messages"),
+    ]:
+        r = http.post(path, json=body)
+        assert r.status_code == 400, r.text[:300]
+        error = r.json()["error"]
+        assert (error["param"], error["code"]) == (param, "context_length_exceeded"), error
+    assert resident_bytes() - before < 1 << 30
+    assert http.post("/generate", json={"text": "hi", "sampling_params": {
+        "max_new_tokens": 2}}).status_code == 200

@@ -114,8 +114,8 @@ def router(state: WorkerState) -> APIRouter:
         for i, (prompt, doc) in enumerate(zip(prompts, params_docs, strict=True)):
             where = f"[{i}]" if batch else ""
             if isinstance(prompt, str):
-                ids = await state.encode(prompt)
                 prompt_param = f"text{where}"
+                ids = await state.encode(prompt, prompt_param)
             else:
                 ids = prompt
                 prompt_param = f"input_ids{where}"
@@ -235,7 +235,7 @@ def router(state: WorkerState) -> APIRouter:
             ids = body.input_ids
             state.check_token_ids(ids, "input_ids")
         elif body.text is not None:
-            ids = await state.encode(body.text)
+            ids = await state.encode(body.text, "text")
         else:
             ids = await state.encode_chat([m.template_dict() for m in body.messages])
         # the cache holds no path longer than the context: the rest cannot change the answer,

@@ -142,7 +142,7 @@ def router(state: WorkerState) -> APIRouter:
         for i, prompt in enumerate(prompts):
             param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
             if isinstance(prompt, str):
-                ids = await state.encode(prompt)
+                ids = await state.encode(prompt, param)
             else:
                 ids = prompt
                 state.check_token_ids(ids, param)
