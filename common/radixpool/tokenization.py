@@ -87,6 +87,13 @@ class PromptTokenizer:
         added = self.tokenizer.get_added_tokens_decoder()
         return frozenset(i for i, token in added.items() if token.special)
 
+    @cached_property
+    def longest_token_chars(self) -> int:
+        """The longest token's length as the vocabulary spells it (a byte per character for
+        byte-level BPE): no token covers more characters of a text, bar normalizers that drop
+        characters."""
+        return max(map(len, self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
+
     def token_id(self, token: str | None) -> int | None:
         return None if token is None else self.tokenizer.token_to_id(token)
 

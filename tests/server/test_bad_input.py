@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import threading
 
 import httpx
 import pytest
+
+from radixpool.worker.server.generation import MAX_CHOICES
 
 pytestmark = pytest.mark.slow
 
@@ -128,3 +131,52 @@ def test_a_prompt_longer_than_the_kv_pool_is_refused_naming_its_field(slow_prefi
     ok = httpx.post(url + "/generate", json={"input_ids": [5, 6, 7], "sampling_params": {
         "max_new_tokens": 2}}, timeout=60)
     assert ok.status_code == 200   # and it keeps serving
+
+
+def test_a_request_for_too_many_completions_is_refused_naming_its_field(http):
+    # Each completion is an engine request: a few hundred bytes asking for 100,000 of them kept
+    # the worker busy for minutes instead of being refused.
+    over = MAX_CHOICES + 1
+    cases = [
+        ("/generate", {"input_ids": [[1]] * over}, "input_ids"),
+        ("/generate", {"text": ["a"] * over}, "text"),
+        ("/generate", {"text": "a", "sampling_params": {"n": 100_000}}, "sampling_params.n"),
+        ("/generate", {"input_ids": [[1], [2]], "sampling_params": [{}, {"n": MAX_CHOICES}]},
+         "sampling_params[1].n"),
+        ("/generate", {"input_ids": [[1]] * 100_000, "stream": True}, "input_ids"),
+        ("/v1/completions", {"prompt": [[1]] * over}, "prompt"),
+        ("/v1/completions", {"prompt": [[1]] * (MAX_CHOICES // 128 + 1), "n": 128}, "n"),
+    ]
+    for path, body, param in cases:
+        r = http.post(path, json=body, timeout=60)
+        assert r.status_code == 400, (path, param, r.text[:300])
+        error = r.json()["error"]
+        assert (error["param"], error["code"]) == (param, "too_many_choices"), (path, error)
+        assert str(MAX_CHOICES) in error["message"]
+    ok = http.post("/generate", json={"input_ids": [[5], [6]], "sampling_params": {
+        "max_new_tokens": 2, "n": 2}})
+    assert ok.status_code == 200 and len(ok.json()) == 4
+
+
+def test_text_far_over_the_context_is_refused_before_it_is_tokenized(http):
+    # Tokenizing takes ~250 bytes a character: 8 MiB of text grew the worker by 2 GiB only to
+    # be refused for its length afterwards.
+    def resident_bytes() -> float:
+        metrics = http.get("/metrics").text
+        return float(re.search(r"^process_resident_memory_bytes (\S+)$", metrics, re.M)[1])
+
+    text = "a b " * (2 << 20)
+    before = resident_bytes()
+    for path, body, param in [
+        ("/generate", {"text": text}, "text"),
+        ("/generate", {"text": ["hi", text]}, "text[1]"),
+        ("/v1/completions", {"prompt": text}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}, "messages"),
+    ]:
+        r = http.post(path, json=body)
+        assert r.status_code == 400, r.text[:300]
+        error = r.json()["error"]
+        assert (error["param"], error["code"]) == (param, "context_length_exceeded"), error
+    assert resident_bytes() - before < 1 << 30
+    assert http.post("/generate", json={"text": "hi", "sampling_params": {
+        "max_new_tokens": 2}}).status_code == 200

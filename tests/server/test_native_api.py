@@ -188,3 +188,18 @@ def test_a_rid_in_flight_gets_400_and_the_first_request_keeps_its_tokens(http):
     again = http.post("/generate", json={"input_ids": prompt, "sampling_params": params,
                                          "rid": rid})
     assert again.status_code == 200 and again.json()["output_ids"] == expected
+
+
+def test_a_probe_of_millions_of_ids_is_answered_and_the_worker_keeps_serving(http):
+    # A 16 MiB body (under the limit) sent all its ids to the engine core in one message: the
+    # pipe refused it, and every later request failed with "the engine core process died".
+    ids = fresh_ids(32)
+    http.post("/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 1}})
+    huge = ids + [7] * 8_000_000
+    probe = http.post("/prefix_probe", json={"input_ids": huge})
+    assert probe.status_code == 200, probe.text[:300]
+    assert probe.json()["prompt_tokens"] == len(huge)
+    assert probe.json()["cached_tokens"] >= 31   # the cached prefix, as for the short prompt
+    after = http.post("/generate", json={"input_ids": ids, "sampling_params": {
+        "max_new_tokens": 2}})
+    assert after.status_code == 200 and after.json()["meta_info"]["completion_tokens"] == 2

@@ -8,7 +8,7 @@ from starlette.responses import Response
 
 from radixpool.worker.server import kv_events, native_api, openai_api
 from radixpool.worker.server.errors import install_error_handlers
-from radixpool.worker.server.fast_path import FastRoutes
+from radixpool.worker.server.fast_path import MAX_BODY_BYTES, FastRoutes
 from radixpool.worker.server.lifecycle import GENERATION_PATHS, Gate
 from radixpool.worker.server.state import WorkerState
 
@@ -20,6 +20,7 @@ def create_app(state: WorkerState) -> Gate:
         title="RadixPool worker",
         version=state.version,
         description="OpenAI-compatible and native LLM serving with a radix-tree prefix KV cache.",
+        max_body_size=MAX_BODY_BYTES,   # the routes off the fast path (`/prefix_probe`, ...)
     )
     app.state.worker = state
     install_error_handlers(app)

@@ -147,7 +147,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        code = {404: "not_found", 405: "method_not_allowed",
+                413: "request_too_large"}.get(exc.status_code)
         return APIError(exc.status_code, str(exc.detail), code=code,
                         headers=getattr(exc, "headers", None)).response()
 

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 from starlette.responses import JSONResponse
 
 from radixpool.protocol.server_info import ServerInfo
@@ -22,25 +22,25 @@ from radixpool.worker.server.generation import (
     EngineRun,
     ForkOutput,
     build_params,
+    check_choices,
     merge_streams,
     server_timing,
     start_all,
     until_disconnect,
 )
 from radixpool.worker.server.lifecycle import Phase
-from radixpool.worker.server.openai_protocol import ChatMessage
+from radixpool.worker.server.openai_protocol import ChatMessage, Texts, TokenIdLists, TokenIds
 from radixpool.worker.server.sse import DONE, EventStream, sse
 from radixpool.worker.server.state import WorkerState
 
-TokenId = Annotated[StrictInt, Field(ge=0)]
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 
 
 class GenerateBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    text: str | list[str] | None = None
-    input_ids: list[TokenId] | list[list[TokenId]] | None = None
+    text: str | Texts | None = None
+    input_ids: TokenIds | TokenIdLists | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     stream: StrictBool = False
     rid: Annotated[str, Field(min_length=1, max_length=128)] | None = None
@@ -65,7 +65,7 @@ class GenerateBody(BaseModel):
 class ProbeBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    input_ids: list[TokenId] | None = None
+    input_ids: TokenIds | None = None
     text: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     cache_salt: Annotated[str, Field(max_length=256)] | None = None
@@ -101,6 +101,7 @@ def router(state: WorkerState) -> APIRouter:
         prompts, batch = body.prompts()
         if not prompts:
             raise bad_request("the batch is empty", param="text" if body.text else "input_ids")
+        check_choices(len(prompts), "text" if body.text is not None else "input_ids")
         params_docs = body.sampling_params
         if isinstance(params_docs, list):
             if len(params_docs) != len(prompts):
@@ -109,17 +110,20 @@ def router(state: WorkerState) -> APIRouter:
         else:
             params_docs = [params_docs or {}] * len(prompts)
         inputs, params, prefixes, prompt_params = [], [], [], []
+        choices = 0
         for i, (prompt, doc) in enumerate(zip(prompts, params_docs, strict=True)):
             where = f"[{i}]" if batch else ""
             if isinstance(prompt, str):
-                ids = await state.encode(prompt)
                 prompt_param = f"text{where}"
+                ids = await state.encode(prompt, prompt_param)
             else:
                 ids = prompt
                 prompt_param = f"input_ids{where}"
                 state.check_token_ids(ids, prompt_param)
             sp_prefix = f"sampling_params{where if isinstance(body.sampling_params, list) else ''}."
             p = build_params(doc, state.vocab_size, {}, sp_prefix)
+            choices += p.n
+            check_choices(choices, f"{sp_prefix}n")
             state.token_budget(len(ids), p.max_new_tokens, prompt_param,
                                f"{sp_prefix}max_new_tokens")
             inputs.append(ids)
@@ -231,10 +235,12 @@ def router(state: WorkerState) -> APIRouter:
             ids = body.input_ids
             state.check_token_ids(ids, "input_ids")
         elif body.text is not None:
-            ids = await state.encode(body.text)
+            ids = await state.encode(body.text, "text")
         else:
             ids = await state.encode_chat([m.template_dict() for m in body.messages])
-        cached = await state.engine.probe_async(ids, body.cache_salt)
+        # the cache holds no path longer than the context: the rest cannot change the answer,
+        # and a prompt of millions of ids is too big a message for the engine core's pipe
+        cached = await state.engine.probe_async(ids[:state.context_length], body.cache_salt)
         return {"prompt_tokens": len(ids), "cached_tokens": cached}
 
     return r

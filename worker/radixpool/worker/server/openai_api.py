@@ -17,9 +17,11 @@ from starlette.responses import JSONResponse
 
 from radixpool.worker.server.errors import bad_request, error_body
 from radixpool.worker.server.generation import (
+    MAX_CHOICES,
     EngineRun,
     ForkOutput,
     build_params,
+    check_choices,
     merge_streams,
     server_timing,
     start_all,
@@ -130,6 +132,7 @@ def router(state: WorkerState) -> APIRouter:
         prompts = body.prompts()
         if not prompts:
             raise bad_request("prompt must not be an empty list", param="prompt")
+        check_choices(len(prompts) * body.n, "n" if len(prompts) <= MAX_CHOICES else "prompt")
         if body.echo and body.logprobs is not None:
             # The echoed prompt would need its own logprobs, which the engine does not compute;
             # completion-only logprobs under an echoed text would be misaligned.
@@ -139,7 +142,7 @@ def router(state: WorkerState) -> APIRouter:
         for i, prompt in enumerate(prompts):
             param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
             if isinstance(prompt, str):
-                ids = await state.encode(prompt)
+                ids = await state.encode(prompt, param)
             else:
                 ids = prompt
                 state.check_token_ids(ids, param)

@@ -30,6 +30,11 @@ from radixpool.worker.server.tools import Tool
 
 Seed = Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)]
 TokenId = Annotated[StrictInt, Field(ge=0)]
+# Prompt lists stop at their first bad item (fail_fast): in a union every branch is tried, and a
+# 4M-id prompt with one bad id made the token-id-lists branch report 4M errors (31 s, 4.6 GiB).
+TokenIds = Annotated[list[TokenId], Field(fail_fast=True)]
+TokenIdLists = Annotated[list[TokenIds], Field(fail_fast=True)]
+Texts = Annotated[list[str], Field(fail_fast=True)]
 Stop = str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)] | None
 
 
@@ -232,7 +237,7 @@ class ChatCompletionRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
+Prompt = str | Texts | TokenIds | TokenIdLists
 
 
 class CompletionRequest(SamplingFields):

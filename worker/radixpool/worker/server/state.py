@@ -17,6 +17,10 @@ from radixpool.worker.server.tool_format import ToolFormat, resolve_tool_format
 
 # Prompts longer than this (characters) are tokenized off the event loop.
 INLINE_TOKENIZE_CHARS = 8192
+# Text over context × longest token × this many characters cannot fit the context, whatever it
+# tokenizes to (the margin is for normalizers that drop characters): refused before tokenizing,
+# which takes ~250 bytes a character (16 MiB of text took the worker from 0.25 to 4.3 GiB).
+TEXT_LENGTH_MARGIN = 4
 
 
 def radixpool_version() -> str:
@@ -107,7 +111,17 @@ class WorkerState:
                 param=max_param, code="context_length_exceeded")
         return requested
 
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def check_text_length(self, chars: int, param: str) -> None:
+        limit = self.context_length * self.engine.tokenizer.longest_token_chars \
+            * TEXT_LENGTH_MARGIN
+        if chars > limit:
+            raise bad_request(
+                f"the prompt is {chars} characters, too long for this model's context length of "
+                f"{self.context_length} tokens (at most {limit} characters)", param=param,
+                code="context_length_exceeded")
+
+    async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        self.check_text_length(len(text), param)
         tokenizer = self.engine.tokenizer
         if len(text) <= INLINE_TOKENIZE_CHARS:
             return tokenizer.encode(text, add_special_tokens)
@@ -124,6 +138,7 @@ class WorkerState:
                 raise bad_request(f"chat_template_kwargs may not set '{reserved}'",
                                   param=f"chat_template_kwargs.{reserved}")
         size = sum(len(str(m.get("content", ""))) for m in messages)
+        self.check_text_length(size, "messages")
         try:
             if size <= INLINE_TOKENIZE_CHARS:
                 return tokenizer.encode_chat(messages, add_generation_prompt, **kwargs)
