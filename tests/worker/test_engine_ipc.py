@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import socket
 import threading
 
 import pytest
@@ -113,3 +114,23 @@ def test_a_core_that_dies_ends_streams_with_an_error_and_refuses_new_work(engine
 
     asyncio.run(asyncio.wait_for(main(), 60))
 
+
+
+def test_a_message_larger_than_the_pipe_reaches_the_core_whole_under_uvloop(engine):
+    # uvloop (libuv) makes a descriptor it watches non-blocking, so `sendall` stopped at the first
+    # full socket buffer and left part of a message in the pipe: the core read every later message
+    # out of frame, the worker answered 500 "the engine core process died" to everything after,
+    # and its core ran on with /health still 200. The worker's server runs on uvloop.
+    uvloop = pytest.importorskip("uvloop")
+    expected = engine.generate("the same prompt", GREEDY)["output_ids"]
+
+    buffers = sum(engine._sock.getsockopt(socket.SOL_SOCKET, opt)
+                  for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF))
+
+    async def main() -> None:
+        engine.bind_loop()
+        assert await engine.probe_async([7] * buffers) == 0   # ~2 bytes an id once pickled
+        out = await engine.generate_async("the same prompt", GREEDY)
+        assert out["output_ids"] == expected
+
+    uvloop.run(asyncio.wait_for(main(), 60))

@@ -37,7 +37,7 @@ from radixpool.worker.config import EngineConfig
 from radixpool.worker.core_process import Shutdown
 from radixpool.worker.detokenizer import IncrementalDetokenizer
 from radixpool.worker.engine_errors import EngineBusy, RidInUse
-from radixpool.worker.ipc import Inbox, PeerClosed, frame, socket_pair
+from radixpool.worker.ipc import Inbox, PeerClosed, frame, send_whole, socket_pair
 from radixpool.worker.kv_event_log import KVEventLog
 from radixpool.worker.messages import (
     AbortRequest,
@@ -137,8 +137,8 @@ class Engine:
             if self._dead:
                 raise RuntimeError("the engine core process died")
             try:
-                self._sock.sendall(data)
-            except OSError:
+                send_whole(self._sock, data)
+            except (PeerClosed, OSError):
                 raise RuntimeError("the engine core process died") from None
 
     def shutdown(self) -> None:

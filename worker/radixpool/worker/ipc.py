@@ -5,9 +5,10 @@ A socket pair costs one system call per message on each side and wakes the reade
 message queue library puts an I/O thread on each side of every hop; on a small CPU machine those
 extra wake-ups were about a tenth of a millisecond per request, a large share of what the server
 adds to a request. Both ends read without blocking (whatever whole frames have arrived); the front
-end writes with a blocking `sendall` (the core drains its inbox every step), the core never blocks
-on a write: what the socket does not take now waits in `Outbox` until it is writable, so a slow
-front end can never stall the scheduler, and the two can never wait on each other.
+end writes whole frames, waiting while the socket is full (`send_whole`: the core drains its inbox
+every step), the core never blocks on a write: what the socket does not take now waits in
+`Outbox` until it is writable, so a slow front end can never stall the scheduler, and the two can
+never wait on each other.
 """
 
 from __future__ import annotations
@@ -38,6 +39,26 @@ def frame(msg: Any) -> bytes:
 
 class PeerClosed(Exception):
     """The other end closed the pipe (its process exited)."""
+
+
+def send_whole(sock: socket.socket, data: bytes) -> None:
+    """Write all of `data`, waiting while the socket is full; PeerClosed if the reader is gone.
+
+    Not `sendall`: an event loop that watches the socket may have made it non-blocking (uvloop's
+    libuv does), and `sendall` then gives up at the first full buffer with part of a frame
+    written, which puts every later message out of step."""
+    view = memoryview(data)
+    poller = select.poll()
+    poller.register(sock, select.POLLOUT)
+    while view:
+        try:
+            sent = sock.send(view)
+        except (BlockingIOError, InterruptedError):
+            poller.poll()
+            continue
+        except (BrokenPipeError, ConnectionResetError):
+            raise PeerClosed from None
+        view = view[sent:]
 
 
 class Inbox:
