@@ -131,8 +131,8 @@ def test_a_parse_process_killed_between_requests_costs_no_request(make_stack):
     stack = make_stack(1)
     body = large({"prompt": words(0, 5000), "max_tokens": 2})
     assert stack.client.post("/v1/completions", content=body).status_code == 200
-    pool = stack.gateway.bodies._pool
+    pool = stack.gateway.bodies.children._pool
     for pid in list(pool._processes):   # as the kernel's OOM killer would
         os.kill(pid, signal.SIGKILL)
     assert stack.client.post("/v1/completions", content=body).status_code == 200
-    assert stack.gateway.bodies._pool is not pool   # started anew
+    assert stack.gateway.bodies.children._pool is not pool   # started anew

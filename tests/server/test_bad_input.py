@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
+import json
 import re
 import threading
+import time
 
 import httpx
 import pytest
@@ -180,3 +183,33 @@ def test_text_far_over_the_context_is_refused_before_it_is_tokenized(http):
     assert resident_bytes() - before < 1 << 30
     assert http.post("/generate", json={"text": "hi", "sampling_params": {
         "max_new_tokens": 2}}).status_code == 200
+
+
+def test_a_huge_body_does_not_stall_other_streams(client, http):
+    # 8 MiB of one-id prompts takes seconds to validate, with the GIL held throughout: on the
+    # event loop that streams every request's tokens, each stream stood still that long
+    arrivals: list[float] = []
+
+    def stream() -> None:
+        for _ in client.completions.create(model="tiny", prompt="a long story", stream=True,
+                                           max_tokens=1500, temperature=0,
+                                           extra_body={"ignore_eos": True}):
+            arrivals.append(time.monotonic())
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    while len(arrivals) < 5 and thread.is_alive():
+        time.sleep(0.01)
+    hostile = json.dumps({"input_ids": [[1]] * 1_600_000}).encode()
+    started = time.monotonic()
+    r = http.post("/generate", content=hostile, headers={"content-type": "application/json"},
+                  timeout=120)
+    took = time.monotonic() - started
+    thread.join(120)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_choices"
+    assert arrivals[-1] > started + took, "the stream ended before the big body was answered"
+    # the longest the stream went without a token while the big body was in the worker; loose
+    # and relative: the test client, the worker and its children share two CPUs
+    window = [started, *(t for t in arrivals if started < t < started + took), started + took]
+    longest = max(b - a for a, b in itertools.pairwise(window))
+    assert longest < 0.5 * took, (longest, took)

@@ -9,11 +9,13 @@ import time
 
 import pytest
 
+from radixpool.child_pool import ChildPool
 from radixpool.worker.config import EngineConfig
 from radixpool.worker.server import app as app_module
 from radixpool.worker.server import fast_path
 from radixpool.worker.server.app import create_app
 from radixpool.worker.server.config import ServerConfig
+from radixpool.worker.server.errors import APIError
 from radixpool.worker.server.fast_path import FastRoutes
 from radixpool.worker.server.state import WorkerState
 
@@ -39,7 +41,9 @@ INVALID = [
 
 @pytest.fixture(scope="module")
 def gate():
-    return create_app(WorkerState(ServerConfig(EngineConfig(model_path="/nowhere"), "tiny")))
+    state = WorkerState(ServerConfig(EngineConfig(model_path="/nowhere"), "tiny"))
+    yield create_app(state)
+    state.bodies.close()
 
 
 def call(app, path: str, body: bytes, chunk: int | None = None) -> tuple[int, dict]:
@@ -115,6 +119,37 @@ def test_one_bad_id_in_a_long_prompt_is_refused_as_fast_as_an_unknown_field(gate
     bad_id = seconds_to_refuse({field: [*ids, -1]}, field)
     unknown = seconds_to_refuse({field: ids, "bogus_field": 1}, "bogus_field")
     assert bad_id < 10 * unknown, (bad_id, unknown)
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/generate", {"input_ids": [[1]] * 100_000 + [[-1]]}),
+    ("/v1/completions", {"prompt": "w " * 200_000, "temperature": "hot"}),
+    ("/v1/chat/completions", {"messages": [*MSG * 20_000, {"role": "wizard", "content": "x"}]}),
+])
+def test_a_large_body_validated_in_a_child_process_gets_the_same_answer(gate, path, body):
+    raw = json.dumps(body).encode()
+    assert len(raw) > fast_path.INLINE_BODY_BYTES
+    with pytest.raises(APIError) as in_place:
+        fast_path.validated(gate.app.routes[path][0], raw)
+    status, doc = call(gate.app, path, raw)
+    assert status == in_place.value.status == 400 and doc == in_place.value.body()
+
+
+def test_a_body_too_big_to_validate_gets_413_and_the_next_one_is_answered():
+    state = WorkerState(ServerConfig(EngineConfig(model_path="/nowhere"), "tiny"))
+    # a tighter limit than the default; pydantic's Rust code may hang on the failed allocation
+    # instead of aborting, which the timeout ends
+    state.bodies = ChildPool(1, 16 << 20, fast_path.BODY_MODULES, timeout_s=10)
+    gate = create_app(state)
+    try:
+        status, doc = call(gate.app, "/generate", json.dumps(
+            {"input_ids": [[1]] * 1_000_000}).encode())   # 5 MiB: ~120 MiB once validated
+        assert status == 413 and doc["error"]["code"] == "request_too_large"
+        status, doc = call(gate.app, "/v1/completions", json.dumps(
+            {"prompt": "w " * 150_000, "temperature": "hot"}).encode())   # also off the loop
+        assert status == 400 and doc["error"]["param"] == "temperature"
+    finally:
+        state.bodies.close()
 
 
 def test_only_post_to_the_generation_paths_takes_the_fast_path(gate):

@@ -29,11 +29,20 @@ class APIError(Exception):
         self.type = type or _default_type(status)
         self.headers = headers
 
+    def __reduce__(self) -> tuple:   # whole across processes (the body-parsing children)
+        return _api_error, (self.status, self.message, self.param, self.code, self.type,
+                            self.headers)
+
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def _api_error(status: int, message: str, param: str | None, code: str | None, type: str,
+               headers: dict[str, str] | None) -> APIError:
+    return APIError(status, message, param=param, code=code, type=type, headers=headers)
 
 
 def _default_type(status: int) -> str:

@@ -7,6 +7,11 @@ a 2-vCPU machine, a large share of what the worker itself adds to a request. `Fa
 `POST` to the generation paths directly: read the body, validate it with the route's own pydantic
 model, call the route's own handler, send the response it returns. Errors take the same
 OpenAI-style shape as the app's exception handlers give them. Every other request goes to the app.
+
+Bodies over `INLINE_BODY_BYTES` are validated in child processes (`radixpool.child_pool`): the
+validation holds the GIL for as long as it takes, and a body of millions of tiny values (a batch
+of one-id prompts, a million chat messages) would otherwise stall every stream on this event loop
+for seconds. A body that needs more than `BODY_MEMORY_BYTES` to validate gets 413.
 """
 
 from __future__ import annotations
@@ -22,10 +27,17 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from radixpool.child_pool import ChildPool, TooBig
 from radixpool.worker.server.errors import APIError, validation_error
 
 log = logging.getLogger("radixpool.worker.server")
 MAX_BODY_BYTES = 64 << 20   # a prompt at any context length fits many times over
+INLINE_BODY_BYTES = 256 << 10   # about 64k tokens of text: a few ms to validate in place
+BODY_PROCESSES = 2
+BODY_MEMORY_BYTES = 1 << 30     # what one child may grow by to validate a body
+# where `validated` and the body models live, imported by each child before its memory limit
+BODY_MODULES = ("radixpool.worker.server.fast_path", "radixpool.worker.server.openai_protocol",
+                "radixpool.worker.server.native_api")
 
 Endpoint = Callable[..., Awaitable[Any]]
 
@@ -44,9 +56,11 @@ def post_routes(routers: list[APIRouter],
 
 
 class FastRoutes:
-    def __init__(self, app: FastAPI, routers: list[APIRouter], paths: frozenset[str]) -> None:
+    def __init__(self, app: FastAPI, routers: list[APIRouter], paths: frozenset[str],
+                 children: ChildPool) -> None:
         self.app = app
         self.routes = post_routes(routers, paths)
+        self.children = children
 
     async def __call__(self, scope, receive, send) -> None:
         route = self.routes.get(scope["path"]) if scope["type"] == "http" else None
@@ -56,11 +70,7 @@ class FastRoutes:
         model, endpoint = route
         try:
             body = await _read_body(receive)
-            try:
-                parsed = model.model_validate_json(body)
-            except ValidationError as exc:   # the same locations FastAPI would report
-                raise validation_error(RequestValidationError(
-                    [{**err, "loc": ("body", *err["loc"])} for err in exc.errors()])) from None
+            parsed = await self._validate(model, body)
             response = await endpoint(body=parsed, request=Request(scope, receive))
         except APIError as exc:
             response = exc.response()
@@ -70,6 +80,25 @@ class FastRoutes:
         if not callable(response):
             response = JSONResponse(response)
         await response(scope, receive, send)
+
+
+    async def _validate(self, model: type[BaseModel], body: bytes) -> BaseModel:
+        if len(body) <= INLINE_BODY_BYTES:
+            return validated(model, body)
+        try:
+            return await self.children.run(validated, model, body)
+        except TooBig:
+            raise APIError(413, f"request body needs more than {BODY_MEMORY_BYTES >> 20} MiB to "
+                                f"validate", code="request_too_large") from None
+
+
+def validated(model: type[BaseModel], body: bytes) -> BaseModel:
+    """The body as `model`, or the APIError FastAPI's own validation would give."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:   # the same locations FastAPI would report
+        raise validation_error(RequestValidationError(
+            [{**err, "loc": ("body", *err["loc"])} for err in exc.errors()])) from None
 
 
 async def _read_body(receive) -> bytes:

@@ -125,6 +125,7 @@ def run_worker(config: ServerConfig) -> int:
     try:
         server.run()   # uvicorn's loop factory: uvloop when installed
     finally:
+        state.bodies.close()
         if state.engine is not None:
             state.engine.shutdown()
     if state.lifecycle.failure is not None:

@@ -7,9 +7,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixpool.child_pool import ChildPool
 from radixpool.worker.messages import EngineStats
 from radixpool.worker.server.config import ServerConfig
 from radixpool.worker.server.errors import APIError, bad_request
+from radixpool.worker.server.fast_path import BODY_MEMORY_BYTES, BODY_MODULES, BODY_PROCESSES
 from radixpool.worker.server.lifecycle import Lifecycle
 from radixpool.worker.server.logprobs import TokenText
 from radixpool.worker.server.metrics import WorkerMetrics
@@ -39,6 +41,9 @@ class WorkerState:
     tool_format: ToolFormat = "hermes"   # the model's tool-call syntax, set when it loads
     started_at: int = field(default_factory=lambda: int(time.time()))
     active_rids: set[str] = field(default_factory=set)   # engine requests not yet closed
+    # where large bodies are validated (fast_path.py), started on the first
+    bodies: ChildPool = field(
+        default_factory=lambda: ChildPool(BODY_PROCESSES, BODY_MEMORY_BYTES, BODY_MODULES))
     metrics: WorkerMetrics = field(init=False)
 
     def __post_init__(self) -> None:
