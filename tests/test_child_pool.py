@@ -39,3 +39,18 @@ def test_work_past_the_memory_limit_raises_too_big_and_the_pool_serves_the_next_
             pool.close()
 
     asyncio.run(main())
+
+
+def test_work_queued_behind_busy_children_is_not_cut_by_the_time_limit():
+    # The limit is for a call's own time: counted from submission, a backlog of legitimate
+    # large bodies timed out the later ones (and killed the children doing the earlier ones).
+    async def main() -> None:
+        pool = ChildPool(1, 64 << 20, timeout_s=2.5)
+        try:
+            await pool.run(json.loads, "[0]")   # started: the spawn is not part of the test
+            done = await asyncio.gather(*(pool.run(time.sleep, 1.0) for _ in range(4)))
+            assert done == [None] * 4
+        finally:
+            pool.close()
+
+    asyncio.run(main())

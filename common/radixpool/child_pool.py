@@ -46,6 +46,9 @@ class ChildPool:
         self.timeout_s = timeout_s
         self._setup = (initializer, initargs)
         self._pool: ProcessPoolExecutor | None = None
+        # at most one call per child at a time: work waits here, not in the executor's queue,
+        # so `timeout_s` counts a call's own time, never the time it queued behind others
+        self._slots = asyncio.Semaphore(processes)
 
     def restart(self, initializer: Callable[..., None] | None, initargs: tuple = ()) -> None:
         """Later work runs in children set up this way; the current ones finish what they hold."""
@@ -58,19 +61,20 @@ class ChildPool:
         """`fn(*args)` in a child (both picklable by reference); raises what `fn` raises, or
         `TooBig`."""
         loop = asyncio.get_running_loop()
-        for _ in range(2):   # a child killed while it held this work and others': once more
-            pool = self._current()
-            try:
-                return await asyncio.wait_for(loop.run_in_executor(pool, fn, *args),
-                                              self.timeout_s)
-            except MemoryError:
-                break
-            except asyncio.TimeoutError:
-                self._discard(pool, kill=True)
-                raise TooBig(f"more than {self.timeout_s:g} s") from None
-            except BrokenProcessPool:
-                log.warning("a child process died; starting new ones")
-                self._discard(pool)
+        async with self._slots:
+            for _ in range(2):   # a child killed while it held this work and others': once more
+                pool = self._current()
+                try:
+                    return await asyncio.wait_for(loop.run_in_executor(pool, fn, *args),
+                                                  self.timeout_s)
+                except MemoryError:
+                    break
+                except asyncio.TimeoutError:
+                    self._discard(pool, kill=True)
+                    raise TooBig(f"more than {self.timeout_s:g} s") from None
+                except BrokenProcessPool:
+                    log.warning("a child process died; starting new ones")
+                    self._discard(pool)
         raise TooBig(f"more than the memory limit of {self.memory_bytes} bytes")
 
     def _discard(self, pool: ProcessPoolExecutor, kill: bool = False) -> None:
