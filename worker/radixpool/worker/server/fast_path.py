@@ -81,7 +81,6 @@ class FastRoutes:
             response = JSONResponse(response)
         await response(scope, receive, send)
 
-
     async def _validate(self, model: type[BaseModel], body: bytes) -> BaseModel:
         if len(body) <= INLINE_BODY_BYTES:
             return validated(model, body)
