@@ -31,7 +31,8 @@ log = logging.getLogger("radixpool")
 
 
 class TooBig(Exception):
-    """The work could not be done within the children's memory limit."""
+    """The work could not be done within the children's memory or time limit; the message
+    names which ("memory limit of N bytes", "time limit of N s")."""
 
 
 class ChildPool:
@@ -71,11 +72,11 @@ class ChildPool:
                     break
                 except asyncio.TimeoutError:
                     self._discard(pool, kill=True)
-                    raise TooBig(f"more than {self.timeout_s:g} s") from None
+                    raise TooBig(f"time limit of {self.timeout_s:g} s") from None
                 except BrokenProcessPool:
                     log.warning("a child process died; starting new ones")
                     self._discard(pool)
-        raise TooBig(f"more than the memory limit of {self.memory_bytes} bytes")
+        raise TooBig(f"memory limit of {self.memory_bytes} bytes")
 
     def _discard(self, pool: ProcessPoolExecutor, kill: bool = False) -> None:
         if pool is self._pool:

@@ -26,7 +26,7 @@ USAGE_OPTION = b'"stream_options":{"include_usage":true},'
 
 
 class BodyTooComplex(Exception):
-    """The body could not be parsed within the parse processes' memory limit: answered 413."""
+    """The body could not be parsed within the parse processes' memory or time limit: 413."""
 
 
 @dataclass(slots=True)
@@ -77,10 +77,9 @@ class BodyParser:
             self.children.restart(_start_child, (self.keys.settings(),))
         try:
             return await self.children.run(_parse_in_child, path, body)
-        except TooBig:
+        except TooBig as exc:
             raise BodyTooComplex(
-                f"request body could not be parsed within the gateway's parse memory limit of "
-                f"{self.children.memory_bytes} bytes") from None
+                f"request body could not be parsed within the gateway's parse {exc}") from None
 
     def close(self) -> None:
         self.children.close()

@@ -86,9 +86,9 @@ class FastRoutes:
             return validated(model, body)
         try:
             return await self.children.run(validated, model, body)
-        except TooBig:
-            raise APIError(413, f"request body needs more than {BODY_MEMORY_BYTES >> 20} MiB to "
-                                f"validate", code="request_too_large") from None
+        except TooBig as exc:
+            raise APIError(413, f"request body could not be validated within this worker's {exc}",
+                           code="request_too_large") from None
 
 
 def validated(model: type[BaseModel], body: bytes) -> BaseModel:
