@@ -54,3 +54,25 @@ def test_work_queued_behind_busy_children_is_not_cut_by_the_time_limit():
             pool.close()
 
     asyncio.run(main())
+
+
+def test_a_caller_that_leaves_frees_no_busy_child_and_what_it_left_is_still_cut():
+    # A client that disconnects cancels its caller: its child kept working, but its slot was
+    # free at once, so the next call queued behind it on the clock; and a call left hanging
+    # was never cut, holding its child for good.
+    async def main() -> None:
+        pool = ChildPool(1, 64 << 20, timeout_s=1.5)
+        try:
+            await pool.run(json.loads, "[0]")   # started: the spawn is not part of the test
+            left = asyncio.create_task(pool.run(time.sleep, 1.0))
+            await asyncio.sleep(0.2)
+            left.cancel()
+            assert await pool.run(time.sleep, 1.0) is None   # waits for the child, then runs
+            hung = asyncio.create_task(pool.run(time.sleep, 3600))
+            await asyncio.sleep(0.2)
+            hung.cancel()
+            assert await pool.run(json.loads, "[1]") == [1]   # after the hung call is cut
+        finally:
+            pool.close()
+
+    asyncio.run(asyncio.wait_for(main(), 60))

@@ -61,22 +61,50 @@ class ChildPool:
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)` in a child (both picklable by reference); raises what `fn` raises, or
         `TooBig`."""
-        loop = asyncio.get_running_loop()
-        async with self._slots:
-            for _ in range(2):   # a child killed while it held this work and others': once more
-                pool = self._current()
-                try:
-                    return await asyncio.wait_for(loop.run_in_executor(pool, fn, *args),
-                                                  self.timeout_s)
-                except MemoryError:
-                    break
-                except asyncio.TimeoutError:
-                    self._discard(pool, kill=True)
+        for _ in range(2):   # a child killed while it held this work and others': once more
+            expired: list[bool] = []
+            pool, work = await self._submit(fn, args, expired)
+            try:
+                return await asyncio.shield(work)
+            except MemoryError:
+                break
+            except BrokenProcessPool:
+                if expired:
                     raise TooBig(f"time limit of {self.timeout_s:g} s") from None
-                except BrokenProcessPool:
-                    log.warning("a child process died; starting new ones")
-                    self._discard(pool)
+                log.warning("a child process died; starting new ones")
+                self._discard(pool)
         raise TooBig(f"memory limit of {self.memory_bytes} bytes")
+
+    async def _submit(self, fn: Callable[..., Any], args: tuple, expired: list[bool]
+                      ) -> tuple[ProcessPoolExecutor, asyncio.Future]:
+        """The call, started in a child once one is free. Its slot and its time limit follow the
+        call, not the caller: a caller that leaves (its client disconnected) frees no child
+        that is still busy, and what it left running is still cut at `timeout_s`."""
+        loop = asyncio.get_running_loop()
+        await self._slots.acquire()
+        pool = self._current()
+        try:
+            work = loop.run_in_executor(pool, fn, *args)
+        except BrokenProcessPool as exc:   # found broken at submission: the call fails at once
+            work = loop.create_future()
+            work.set_exception(exc)
+        except BaseException:
+            self._slots.release()
+            raise
+        timer = loop.call_later(self.timeout_s, self._expire, pool, work, expired)
+
+        def finished(_: asyncio.Future) -> None:
+            timer.cancel()
+            self._slots.release()
+
+        work.add_done_callback(finished)
+        return pool, work
+
+    def _expire(self, pool: ProcessPoolExecutor, work: asyncio.Future,
+                expired: list[bool]) -> None:
+        if not work.done():
+            expired.append(True)
+            self._discard(pool, kill=True)   # the call ends with BrokenProcessPool
 
     def _discard(self, pool: ProcessPoolExecutor, kill: bool = False) -> None:
         if pool is self._pool:
