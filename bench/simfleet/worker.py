@@ -82,7 +82,11 @@ class SimWorker:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        """Its address as bound (127.0.0.1 by default); a wildcard bind answers on loopback."""
+        assert self.server is not None
+        host = self.server.sockets[0].getsockname()[0]
+        host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
 
     def info(self) -> ServerInfo:
         c = self.config

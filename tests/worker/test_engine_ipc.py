@@ -4,9 +4,12 @@ engine whose output is read on an event loop (`bind_loop`), including its core d
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
 import socket
 import threading
+import time
 
 import pytest
 
@@ -115,7 +118,6 @@ def test_a_core_that_dies_ends_streams_with_an_error_and_refuses_new_work(engine
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
-
 def test_a_message_larger_than_the_pipe_reaches_the_core_whole_under_uvloop(engine):
     # uvloop (libuv) makes a descriptor it watches non-blocking, so `sendall` stopped at the first
     # full socket buffer and left part of a message in the pipe: the core read every later message
@@ -134,3 +136,44 @@ def test_a_message_larger_than_the_pipe_reaches_the_core_whole_under_uvloop(engi
         assert out["output_ids"] == expected
 
     uvloop.run(asyncio.wait_for(main(), 60))
+
+
+def test_the_event_loop_runs_on_while_the_core_is_slow_to_take_a_large_message(engine):
+    # The core reads its pipe between steps. A message larger than the pipe's free space (a long
+    # prompt: 0.4-0.55 MB for 128k tokens, over the 416 KiB that Linux's default wmem_max allows a
+    # socket) held the front end's event loop until the core had read it, so every other stream
+    # stood still through the core's step. A stopped core makes that step as long as we like.
+    uvloop = pytest.importorskip("uvloop")
+    expected = engine.generate("the same prompt", GREEDY)["output_ids"]
+    engine._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
+    ids = [7] * (1 << 20)   # ~2 MB pickled, many times the buffer
+    stopped = threading.Event()
+    resumed = threading.Timer(5.0, lambda: os.kill(engine._process.pid, signal.SIGCONT))
+
+    async def main() -> float:
+        engine.bind_loop()
+        os.kill(engine._process.pid, signal.SIGSTOP)
+        stopped.set()
+        resumed.start()   # unsticks a loop that waits on the core, so the test fails, not hangs
+        probe = asyncio.ensure_future(engine.probe_async(ids))
+        started = time.monotonic()
+        await asyncio.sleep(0.2)
+        slept = time.monotonic() - started
+        # a blocking call from another thread queues behind what the loop still has to write
+        other = asyncio.ensure_future(asyncio.to_thread(engine.generate, "the same prompt",
+                                                        GREEDY))
+        await asyncio.sleep(0.1)
+        os.kill(engine._process.pid, signal.SIGCONT)
+        assert await probe == 0
+        assert (await other)["output_ids"] == expected
+        out = await engine.generate_async("the same prompt", GREEDY)   # later messages in step
+        assert out["output_ids"] == expected
+        return slept
+
+    try:
+        slept = uvloop.run(asyncio.wait_for(main(), 60))
+    finally:
+        resumed.cancel()
+        if stopped.is_set():
+            os.kill(engine._process.pid, signal.SIGCONT)
+    assert slept < 2.0, f"the event loop stood still {slept:.1f} s waiting on the core"

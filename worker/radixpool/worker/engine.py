@@ -37,7 +37,7 @@ from radixpool.worker.config import EngineConfig
 from radixpool.worker.core_process import Shutdown
 from radixpool.worker.detokenizer import IncrementalDetokenizer
 from radixpool.worker.engine_errors import EngineBusy, RidInUse
-from radixpool.worker.ipc import Inbox, PeerClosed, frame, send_whole, socket_pair
+from radixpool.worker.ipc import Inbox, Outbox, PeerClosed, frame, socket_pair
 from radixpool.worker.kv_event_log import KVEventLog
 from radixpool.worker.messages import (
     AbortRequest,
@@ -95,6 +95,8 @@ class Engine:
     def _start_core(self) -> None:
         self._sock, core_end = socket_pair()
         self._inbox = Inbox(self._sock)
+        self._outbox = Outbox(self._sock)
+        self._writer_loop: asyncio.AbstractEventLoop | None = None   # see _send
         # A fresh interpreter (not multiprocessing's spawn): it never re-imports the caller's
         # main module, so scripts need no `if __name__ == "__main__"` guard.
         with core_end:
@@ -132,14 +134,50 @@ class Engine:
         raise RuntimeError(f"engine core not ready after {STARTUP_TIMEOUT_S:.0f} s")
 
     def _send(self, msg: Any) -> None:
+        """Messages reach the core whole and in order. What the socket does not take now (the
+        core reads between steps) is written by the bound event loop when the socket has room:
+        the loop never waits on the core. Without a loop, the caller waits here."""
         data = frame(msg)
         with self._send_lock:
             if self._dead:
                 raise RuntimeError("the engine core process died")
             try:
-                send_whole(self._sock, data)
+                self._outbox.push(data)
+                if self._outbox.pending:
+                    self._finish_write()
             except (PeerClosed, OSError):
                 raise RuntimeError("the engine core process died") from None
+
+    def _finish_write(self) -> None:   # under _send_lock
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            self._outbox.drain(None)
+        elif threading.get_ident() == self._loop_thread:
+            self._arm_writer(loop)
+        else:
+            loop.call_soon_threadsafe(self._on_writable)   # on the loop: writes, or arms
+
+    def _arm_writer(self, loop: asyncio.AbstractEventLoop) -> None:   # on loop's thread
+        if self._writer_loop is None:
+            loop.add_writer(self._sock.fileno(), self._on_writable)
+            self._writer_loop = loop
+
+    def _on_writable(self) -> None:
+        with self._send_lock:
+            try:
+                self._outbox.flush()
+            except (PeerClosed, OSError):   # the core is gone: the reader sees the pipe end
+                self._outbox.clear()
+            if self._outbox.pending and self._loop is not None:
+                self._arm_writer(self._loop)
+            else:
+                self._disarm_writer()
+
+    def _disarm_writer(self) -> None:   # under _send_lock
+        loop, self._writer_loop = self._writer_loop, None
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(Exception):   # the loop may be gone with its selector
+                loop.remove_writer(self._sock.fileno())
 
     def shutdown(self) -> None:
         if self._closed:
@@ -147,6 +185,8 @@ class Engine:
         self._closed = True
         try:
             self._send(Shutdown())
+            with self._send_lock, contextlib.suppress(PeerClosed, OSError):
+                self._outbox.drain(10)   # the loop may never run again to finish the write
             self._process.wait(timeout=10)
         except (RuntimeError, subprocess.TimeoutExpired):
             pass
@@ -210,6 +250,8 @@ class Engine:
             self._unbind_loop()
 
     def _unbind_loop(self) -> None:
+        with self._send_lock:
+            self._disarm_writer()
         loop, self._loop = self._loop, None
         if loop is None or loop.is_closed():
             return

@@ -4,11 +4,11 @@ over one Unix stream socket pair.
 A socket pair costs one system call per message on each side and wakes the reader directly. A
 message queue library puts an I/O thread on each side of every hop; on a small CPU machine those
 extra wake-ups were about a tenth of a millisecond per request, a large share of what the server
-adds to a request. Both ends read without blocking (whatever whole frames have arrived); the front
-end writes whole frames, waiting while the socket is full (`send_whole`: the core drains its inbox
-every step), the core never blocks on a write: what the socket does not take now waits in
-`Outbox` until it is writable, so a slow front end can never stall the scheduler, and the two can
-never wait on each other.
+adds to a request. Both ends read without blocking (whatever whole frames have arrived) and write
+through an `Outbox`: what the socket does not take now waits there, in order, until the socket is
+writable. So the core never blocks on a slow front end, the front end's event loop never waits
+for the core to finish a step and read (a long prompt is larger than the socket's buffer), and
+the two can never wait on each other.
 """
 
 from __future__ import annotations
@@ -39,26 +39,6 @@ def frame(msg: Any) -> bytes:
 
 class PeerClosed(Exception):
     """The other end closed the pipe (its process exited)."""
-
-
-def send_whole(sock: socket.socket, data: bytes) -> None:
-    """Write all of `data`, waiting while the socket is full; PeerClosed if the reader is gone.
-
-    Not `sendall`: an event loop that watches the socket may have made it non-blocking (uvloop's
-    libuv does), and `sendall` then gives up at the first full buffer with part of a frame
-    written, which puts every later message out of step."""
-    view = memoryview(data)
-    poller = select.poll()
-    poller.register(sock, select.POLLOUT)
-    while view:
-        try:
-            sent = sock.send(view)
-        except (BlockingIOError, InterruptedError):
-            poller.poll()
-            continue
-        except (BrokenPipeError, ConnectionResetError):
-            raise PeerClosed from None
-        view = view[sent:]
 
 
 class Inbox:
@@ -123,7 +103,11 @@ class Outbox:
         return bool(self._pending)
 
     def send(self, msg: Any) -> None:
-        self._pending += frame(msg)
+        self.push(frame(msg))
+
+    def push(self, data: bytes) -> None:
+        """Queue an already framed message behind what is pending, and write what fits now."""
+        self._pending += data
         self.flush()
 
     def flush(self) -> None:
@@ -137,9 +121,14 @@ class Outbox:
                 raise PeerClosed from None
             del self._pending[:sent]
 
-    def drain(self, timeout_s: float) -> None:
-        """Flush everything, waiting up to `timeout_s` for the reader (used at shutdown)."""
+    def drain(self, timeout_s: float | None) -> None:
+        """Flush everything, waiting up to `timeout_s` (None: as long as it takes) each time for
+        the reader to make room; raises PeerClosed if the reader is gone."""
         poller = select.poll()
         poller.register(self.sock, select.POLLOUT)
-        while self._pending and poller.poll(timeout_s * 1000):
+        wait_ms = None if timeout_s is None else timeout_s * 1000
+        while self._pending and poller.poll(wait_ms):
             self.flush()
+
+    def clear(self) -> None:
+        self._pending.clear()
