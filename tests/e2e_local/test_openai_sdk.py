@@ -152,3 +152,19 @@ def test_logprob_bytes_spell_the_text_even_inside_a_character(sdk):
         extra_body={"regex": pattern}) if c.choices and c.choices[0].logprobs]
     assert [o for s in streamed for o in s.text_offset] == lp.text_offset
     assert [t for s in streamed for t in s.tokens] == lp.tokens
+
+
+def test_the_sdks_other_chat_parameters_are_honoured_or_refused_by_name(sdk):
+    """Parameters of OpenAI's own API are not "unrecognized": the hints are accepted (no effect
+    here), the features this server lacks are refused saying so."""
+    reply = sdk.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=2, prompt_cache_key="tenant-7",
+        safety_identifier="user-42", verbosity="low", prompt_cache_retention="in_memory")
+    assert reply.choices[0].message.content is not None
+    refusals = [({"moderation": {"model": "omni-moderation-latest"}}, "moderation", "supported"),
+                ({"prompt_cache_options": {"ttl": "30m"}}, "prompt_cache_options", "supported"),
+                ({"prompt_cache_retention": "24h"}, "prompt_cache_retention", "in_memory")]
+    for bad, param, words in refusals:
+        with pytest.raises(openai.BadRequestError) as refused:
+            sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, **bad)
+        assert refused.value.body["param"] == param and words in refused.value.body["message"]
