@@ -16,6 +16,7 @@ from radixpool.protocol.metrics import WORKER_METRICS
 from radixpool.worker.server.config import config_from_args
 from radixpool.worker.server.errors import field_path, validation_error
 from radixpool.worker.server.lifecycle import Lifecycle, Phase
+from radixpool.worker.server.logprobs import TokenText, completion_logprobs
 from radixpool.worker.server.metrics import HitRateWindow
 from radixpool.worker.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 
@@ -96,6 +97,30 @@ def test_validation_errors_name_the_field(model, body, param, words):
     assert err.status == 400 and err.param == param
     assert words in err.message
     assert err.body()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("tokenizer", ["bpe", "sentencepiece"])
+def test_logprob_tokens_spell_their_own_bytes(tiny_model_factory, tokenizer):
+    """Byte-level BPE and byte-fallback tokens: each token's bytes are its own, so they join to
+    the text; a token inside a character reads `bytes:\\x..`; a SentencePiece token keeps the
+    space its `▁` stands for; offsets count characters across chunks."""
+    from radixpool.tokenization import PromptTokenizer
+
+    words = PromptTokenizer.from_dir(tiny_model_factory("mistral", 0, tokenizer))
+    spell = TokenText(words)
+    text = " 東京🎉 café 👩\u200d👧 ok"
+    ids = words.encode(text, add_special_tokens=False)
+    spelled = [spell(i) for i in ids]
+    assert b"".join(raw for _, raw in spelled) == text.encode()
+    assert any(token.startswith("bytes:\\x") for token, _ in spelled)
+    assert all(token == raw.decode() for token, raw in spelled if not token.startswith("bytes:"))
+    first, offset = completion_logprobs(spell, ids[:3], [0.0] * 3, None)
+    rest, _ = completion_logprobs(spell, ids[3:], [0.0] * (len(ids) - 3), None, offset)
+    offsets = first["text_offset"] + rest["text_offset"]
+    assert offsets == sorted(offsets) and offsets[-1] == len(text) - 1
+    tokens = first["tokens"] + rest["tokens"]
+    assert all(text.startswith(token, at) for token, at in zip(tokens, offsets, strict=True)
+               if not token.startswith("bytes:"))
 
 
 def test_hit_rate_window_forgets_old_requests():

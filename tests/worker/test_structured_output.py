@@ -166,6 +166,24 @@ def test_jump_forward_same_tokens_fewer_forward_passes(tiny_model, tok, mode):
 
 
 @pytest.mark.parametrize("mode", ["exact", "retokenize"])
+def test_forced_text_that_starts_inside_a_character_is_finished_token_by_token(tiny_model, tok,
+                                                                                mode):
+    """Once the model has written the first byte token of a forced emoji, the rest is not text
+    xgrammar can hand over (it is no UTF-8 alone): nothing is forced then, the engine goes on,
+    and the output is what token-by-token decoding gives."""
+    target = "東京🎉 café 👩\u200d👧 ok"
+    reqs = [(f"r{i}", tok.encode(p), SamplingParams(
+        max_new_tokens=60, temperature=0 if i < 2 else 1.0, regex=re.escape(target)), i)
+        for i, p in enumerate(("Say:", "the quick brown fox", "radix"))]
+    on, _ = run(tiny_model, reqs, jump_forward=mode)
+    off, _ = run(tiny_model, reqs, jump_forward="off")
+    for ids, reason, error in on.values():
+        assert (text_of(tok, ids), reason, error) == (target, "stop", None)
+    if mode == "exact":
+        assert on == off
+
+
+@pytest.mark.parametrize("mode", ["exact", "retokenize"])
 def test_forced_text_split_by_chunked_prefill_gives_the_same_tokens_and_cache(tiny_model, mode):
     # Retokenized forced text of 9 tokens, in 8-token chunks: the one left over went as a decode,
     # which read the sampled token the forced ones had replaced, and the KV computed from it

@@ -26,7 +26,9 @@ connection, which aborts the request on the worker). Watching for the client's d
 Granian ~30 us of event-loop time per request, so the watch starts only once a handler has run
 for `disconnect_watch_after` (a request answered sooner never pays for it; a client that left
 earlier is seen the moment the watch starts). That delay and the body read deadline share one
-timer per request (`_Deadlines`). The application sees a `Request` and a `Responder`:
+timer per request (`_Deadlines`). Every answer carries the request's `x-request-id` (the
+client's when it sent a usable one, else a new one; the request passes it on to the worker, so
+both log the same id). The application sees a `Request` and a `Responder`:
 
     async def app(request: Request, respond: Responder) -> None
 """
@@ -35,10 +37,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
+import re
 import socket
 import sys
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -51,6 +56,19 @@ log = logging.getLogger("radixpool.gateway")
 
 Headers = list[tuple[bytes, bytes]]
 App = Callable[["Request", "Responder"], Awaitable[None]]
+
+REQUEST_ID = b"x-request-id"
+_USABLE_REQUEST_ID = re.compile(rb"[\x21-\x7e]{1,256}")   # printable ASCII, no spaces
+_REQUEST_IDS = itertools.count()
+_ID_PREFIX = uuid.uuid4().hex[:12].encode()
+
+
+def request_id(headers: dict[bytes, bytes]) -> bytes:
+    """The client's `x-request-id` if it is short printable ASCII, else a new one."""
+    given = headers.get(REQUEST_ID)
+    if given is not None and _USABLE_REQUEST_ID.fullmatch(given):
+        return given
+    return b"%s-%x" % (_ID_PREFIX, next(_REQUEST_IDS))
 
 
 def json_body(status: int, doc: object) -> tuple[int, Headers, bytes]:
@@ -87,25 +105,22 @@ class Request:
         self.body = body
 
 
-def _wire(headers: Headers) -> list[tuple[str, str]]:
-    return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
-
-
 class Responder:
     """`send` answers in one piece (Content-Length); `start` then `write`s stream it (chunked,
     one chunk per write, flushed at once). A stream ends when the handler returns."""
 
-    __slots__ = ("_proto", "_stream", "disconnected", "started")
+    __slots__ = ("_proto", "_stream", "disconnected", "request_id", "started")
 
-    def __init__(self, proto) -> None:
+    def __init__(self, proto, request_id: bytes) -> None:
         self._proto = proto
         self._stream = None
         self.started = False
         self.disconnected = False
+        self.request_id = request_id
 
     async def send(self, status: int, headers: Headers, body: bytes) -> None:
         self.started = True
-        self._proto.response_bytes(status, _wire(headers), body)
+        self._proto.response_bytes(status, self._wire(headers), body)
 
     async def send_error(self, status: int, message: str, code: str | None = None,
                          param: str | None = None) -> None:
@@ -113,7 +128,13 @@ class Responder:
 
     async def start(self, status: int, headers: Headers) -> None:
         self.started = True
-        self._stream = self._proto.response_stream(status, _wire(headers))
+        self._stream = self._proto.response_stream(status, self._wire(headers))
+
+    def _wire(self, headers: Headers) -> list[tuple[str, str]]:
+        wire = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers
+                if k != REQUEST_ID]   # a worker's echo of the id is the same id
+        wire.append(("x-request-id", self.request_id.decode()))
+        return wire
 
     async def write(self, data: bytes) -> None:
         if data and not self.disconnected:
@@ -229,13 +250,14 @@ class EdgeServer:
     async def _handle(self, scope, proto) -> None:
         if scope.proto != "http":
             return
-        respond = Responder(proto)
         # A body of a length within the limit is asked for first: hyper's thread gathers it
         # (a round trip between threads) while this one converts the headers and sets timers.
         length = scope.headers.get("content-length")
         early = proto() if (length and length.isdigit() and length != "0"
                             and int(length) <= self.limits.max_body_bytes) else None
         headers = {k.encode("latin-1"): v.encode("latin-1") for k, v in scope.headers.items()}
+        headers[REQUEST_ID] = request_id(headers)
+        respond = Responder(proto, headers[REQUEST_ID])
         if (sum(map(len, headers)) + sum(map(len, headers.values())) + 4 * len(headers)
                 + len(scope.path) + len(scope.query_string) > self.limits.max_header_bytes):
             # hyper's read buffer (the same size) lets heads up to ~1.75 times through

@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import time
-import uuid
 
 from radixpool.gateway import admin
 from radixpool.gateway.access import AccessPolicy, presented_key
@@ -57,6 +55,7 @@ from radixpool.gateway.workers import Worker, WorkerSet, candidates
 from radixpool.tokenization import PromptTokenizer
 
 READ_ONLY_PATHS = ("/livez", "/health", "/metrics", "/v1/models")
+MODEL_PATH = "/v1/models/"   # + a model id
 
 class Gateway:
     def __init__(self, config: GatewayConfig, tokenizer: PromptTokenizer | None = None,
@@ -130,7 +129,8 @@ class Gateway:
                 await respond.send_error(405, f"{path} accepts POST, not {method}")
             else:
                 await self.proxy(request, respond)
-        elif path in READ_ONLY_PATHS and method not in ("GET", "HEAD"):
+        elif (path in READ_ONLY_PATHS or path.startswith(MODEL_PATH)) \
+                and method not in ("GET", "HEAD"):
             await respond.send_error(405, f"{path} accepts GET, not {method}")
         elif path == "/livez":  # the process serves; workers do not matter here
             await respond.send(200, [(b"content-type", b"application/json")], b'{"status":"ok"}')
@@ -140,17 +140,20 @@ class Gateway:
         elif path == "/metrics":
             body = self.metrics.render(self.workers, self.index)
             await respond.send(200, [(b"content-type", b"text/plain; version=0.0.4")], body)
-        elif path == "/v1/models":
+        elif path == "/v1/models" or path.startswith(MODEL_PATH):
             await self.forward_models(request, respond)
         elif path == "/workers" or path.startswith("/workers/"):
             await respond.send(*admin.workers_endpoint(self.workers, request, self.clock()))
         else:
             await respond.send_error(404, f"unknown path {path!r}; the gateway serves "
-                                          f"{', '.join(ROUTED_PATHS)}, /v1/models, /workers, "
+                                          f"{', '.join(ROUTED_PATHS)}, /v1/models[/ID], /workers, "
                                           "/health, /metrics")
 
     async def forward_models(self, request: Request, respond: Responder) -> None:
-        ready = self.workers.eligible(self.clock())
+        """`/v1/models` from the least loaded worker; `/v1/models/{id}` from one serving `id`
+        if any does (the others answer 404 naming it)."""
+        model = request.path[len(MODEL_PATH):] or None
+        ready = self.workers.eligible(self.clock(), model)
         if not ready:
             await respond.send_error(503, "no healthy worker available")
             return
@@ -158,7 +161,7 @@ class Gateway:
         sent = self.clock()
         try:
             upstream = await self.pool(worker).request(
-                "GET", "/v1/models", self.forwarded_headers(request),
+                "GET", request.path, self.forwarded_headers(request),
                 first_byte_timeout=self.config.upstream_first_byte_timeout,
                 total_timeout=self.config.upstream_timeout)
             body = await upstream.body()
@@ -352,12 +355,11 @@ class Gateway:
             self.holding.offer()
 
     def forwarded_headers(self, request: Request) -> Headers:
-        """The client's end-to-end headers, with the gateway's worker key (when it has one) in
-        place of the client's, and a request id."""
+        """The client's end-to-end headers (the request id among them: the edge gives every
+        request one), with the gateway's worker key (when it has one) in place of the
+        client's."""
         headers = [(k, v) for k, v in request.headers.items() if k not in self._unforwarded]
         headers.extend(self.upstream_auth)
-        if b"x-request-id" not in request.headers:
-            headers.append((b"x-request-id", b"%s-%x" % (_ID_PREFIX, next(_REQUEST_IDS))))
         return headers
 
     def _timed_out(self, worker: Worker, sent_at: float) -> None:
@@ -381,8 +383,6 @@ def _cut_stream_event(worker_url: str, exc: UpstreamError) -> bytes:
     return b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
 
 
-_REQUEST_IDS = itertools.count()
-_ID_PREFIX = uuid.uuid4().hex[:12].encode()
 
 
 def _response_headers(upstream: UpstreamResponse, worker: Worker) -> Headers:

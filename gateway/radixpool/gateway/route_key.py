@@ -144,10 +144,14 @@ class KeyBuilder:
         if not isinstance(messages, list) or not messages:
             raise BadRequest("'messages' must be a non-empty array", "messages",
                              "missing_field" if messages is None else None)
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise BadRequest(f"messages[{i}] must be an object with a string 'role'",
-                                 f"messages[{i}]")
+        for i, m in enumerate(messages):   # named as the workers name them
+            if not isinstance(m, dict):
+                raise BadRequest(f"messages[{i}] must be an object", f"messages[{i}]")
+            if "role" not in m:
+                raise BadRequest(f"'messages[{i}].role' is required", f"messages[{i}].role",
+                                 "missing_field")
+            if not isinstance(m["role"], str):
+                raise BadRequest(f"messages[{i}].role must be a string", f"messages[{i}].role")
         if self.chat is not None:
             kwargs = doc.get("chat_template_kwargs")
             kwargs = dict(kwargs) if isinstance(kwargs, dict) else {}

@@ -31,6 +31,16 @@ class RequestGrammar:
     def accept(self, token: int) -> bool:
         return self.matcher.accept_token(token)
 
+    def forced_text(self) -> str:
+        """The text the grammar forces next ("" when none). xgrammar hands it over as a Python
+        str and fails when it starts inside a UTF-8 character (the output so far ends with part
+        of one, e.g. the first byte token of an emoji a pattern spells out): nothing is forced
+        then, and the character's remaining bytes are decoded one token at a time."""
+        try:
+            return self.matcher.find_jump_forward_string()
+        except UnicodeDecodeError:
+            return ""
+
     @property
     def terminated(self) -> bool:
         """The grammar accepted a stop token: the output is complete."""
@@ -41,7 +51,7 @@ class RequestGrammar:
         the grammar forces next, at most `budget` (≥ 1) tokens; the matcher accepts them. None
         when nothing is forced or no tokenization of it fits. One token can be the answer: the
         joined text may be a single token other than `last`."""
-        forced = self.matcher.find_jump_forward_string()
+        forced = self.forced_text()
         if not forced:
             return None
         vocab = self.vocab

@@ -13,6 +13,8 @@ The gate is plain ASGI (no per-request Starlette middleware objects) and does th
   path except the open ones gets 503 with `Retry-After` (`/health` and `/livez` answer from their
   routes).
 - It counts generation requests in flight, so a drain knows when the last one has finished.
+- Every answer carries `x-request-id`: the client's (the gateway sends its own) when it gave a
+  usable one, else a new one, as OpenAI's API does (the SDK's `request_id` reads it).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import asyncio
 import enum
 import hmac
 import json
+import os
+import re
 from collections.abc import Awaitable
 
 from radixpool.worker.server.errors import error_body
@@ -29,6 +33,7 @@ GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/gener
 OPEN_PATHS = frozenset({"/health", "/livez", "/metrics"})
 CONTROL_PATHS = frozenset({"/flush_cache", "/kv_events", "/kv_events/snapshot", "/prefix_probe"})
 RETRY_AFTER_S = 5
+_USABLE_REQUEST_ID = re.compile(rb"[\x21-\x7e]{1,256}")   # printable ASCII, no spaces
 
 
 class Phase(enum.Enum):
@@ -110,6 +115,24 @@ class Lifecycle:
         return f"{self.failure}; this worker is exiting"
 
 
+def request_id(scope: dict) -> bytes:
+    """The client's `x-request-id` if it is short printable ASCII, else a new random one."""
+    for key, value in scope.get("headers", ()):
+        if key == b"x-request-id":
+            if _USABLE_REQUEST_ID.fullmatch(value):
+                return value
+            break
+    return b"req_" + os.urandom(12).hex().encode()
+
+
+def _with_request_id(send, rid: bytes):
+    async def send_with_id(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            message["headers"] = [*message.get("headers", ()), (b"x-request-id", rid)]
+        await send(message)
+    return send_with_id
+
+
 def _header(scope: dict, name: bytes) -> str | None:
     for key, value in scope.get("headers", ()):
         if key == name:
@@ -157,6 +180,7 @@ class Gate:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        send = _with_request_id(send, request_id(scope))
         path = scope["path"]
         if path not in OPEN_PATHS:
             denied = self._denied(scope)

@@ -27,7 +27,7 @@ from radixpool.worker.server.generation import (
     start_all,
     until_disconnect,
 )
-from radixpool.worker.server.logprobs import chat_logprobs, completion_logprobs
+from radixpool.worker.server.logprobs import TextOffset, chat_logprobs, completion_logprobs
 from radixpool.worker.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from radixpool.worker.server.sse import DONE, EventStream, sse
 from radixpool.worker.server.state import WorkerState
@@ -76,14 +76,20 @@ class UsageTally:
 def router(state: WorkerState) -> APIRouter:
     r = APIRouter()
 
+    def model_card() -> dict:
+        return {"id": state.config.served_model_name, "object": "model",
+                "created": state.started_at, "owned_by": "radixpool",
+                "root": state.config.engine.model_path,
+                "max_model_len": state.engine.info.context_length}
+
     @r.get("/v1/models")
     async def models() -> dict:
-        info = state.engine.info
-        return {"object": "list", "data": [{
-            "id": state.config.served_model_name, "object": "model", "created": state.started_at,
-            "owned_by": "radixpool", "root": state.config.engine.model_path,
-            "max_model_len": info.context_length,
-        }]}
+        return {"object": "list", "data": [model_card()]}
+
+    @r.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict:
+        state.check_model(model)
+        return model_card()
 
     @r.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -263,7 +269,7 @@ def _completion_events(state: WorkerState, runs: list[EngineRun], body: Completi
                 for p, text in enumerate(echo) for i in range(n)] if body.echo else []
 
     async def choices() -> AsyncIterator[dict]:
-        offsets: dict[int, int] = {}
+        offsets: dict[int, TextOffset] = {}
         async for p, chunk in merge_streams(runs):
             tally.add(p, chunk)
             if not (chunk.text or chunk.finished or (want_logprobs and chunk.token_ids)):
@@ -273,7 +279,7 @@ def _completion_events(state: WorkerState, runs: list[EngineRun], body: Completi
             if want_logprobs:
                 logprobs, offsets[index] = completion_logprobs(
                     state.token_text, chunk.token_ids, chunk.logprobs or [], chunk.top_logprobs,
-                    offsets.get(index, 0))
+                    offsets.get(index))
             yield {"index": index, "text": chunk.text, "logprobs": logprobs,
                    "finish_reason": chunk.finish_reason if chunk.finished else None}
 

@@ -163,6 +163,9 @@ _UNSUPPORTED = {
     "functions": "function calling (the legacy API; use tools)",
     "function_call": "function calling", "audio": "audio output", "modalities": "audio output",
     "prediction": "predicted outputs", "web_search_options": "web search",
+    "moderation": "moderation",
+    "prompt_cache_options": "cache breakpoints and lifetimes (the radix cache keeps every prefix "
+                            "as its eviction policy allows)",
 }
 
 
@@ -200,7 +203,13 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     parallel_tool_calls: StrictBool | None = None
+    # accepted for SDK compatibility, no effect here (prefix reuse needs no cache key: the
+    # gateway routes on the prompt itself)
     reasoning_effort: str | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory"] | None = None   # what KV in memory gives
+    safety_identifier: str | None = None
     # extensions
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None
@@ -213,9 +222,11 @@ class ChatCompletionRequest(SamplingFields):
     modalities: list[str] | None = None
     prediction: Any = None
     web_search_options: Any = None
+    moderation: Any = None
+    prompt_cache_options: Any = None
 
-    @field_validator("functions", "function_call", "audio",
-                     "modalities", "prediction", "web_search_options")
+    @field_validator("functions", "function_call", "audio", "modalities", "prediction",
+                     "web_search_options", "moderation", "prompt_cache_options")
     @classmethod
     def _unsupported(cls, value: Any, info: Any) -> Any:
         _reject_unsupported(info.field_name, value)
