@@ -57,6 +57,7 @@ from radixpool.tokenization import PromptTokenizer
 READ_ONLY_PATHS = ("/livez", "/health", "/metrics", "/v1/models")
 MODEL_PATH = "/v1/models/"   # + a model id
 
+
 class Gateway:
     def __init__(self, config: GatewayConfig, tokenizer: PromptTokenizer | None = None,
                  block_size: int | None = None) -> None:
@@ -381,8 +382,6 @@ def _cut_stream_event(worker_url: str, exc: UpstreamError) -> bytes:
                         f"mid-stream ({exc}); the answer is incomplete",
              "type": "server_error", "code": "worker_timeout" if timed_out else "worker_failed"}
     return b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
-
-
 
 
 def _response_headers(upstream: UpstreamResponse, worker: Worker) -> Headers:
