@@ -334,3 +334,36 @@ def test_sentencepiece_completions_keep_their_leading_space(tiny_model_factory):
 
             assert asyncio.run(streamed()) == expected
         assert spaced, "no completion started with a word: the check above saw no leading space"
+
+
+def test_a_request_whose_output_fails_to_decode_ends_alone(engine, monkeypatch):
+    # An exception turning one request's tokens into output (detokenizing, stop strings) ended
+    # the loop that reads the core: the rest of that step's output was lost, and every request
+    # in flight then, and after, waited forever.
+    from radixpool.worker.request_output import RequestOutput
+
+    greedy = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    expected = engine.generate("a request that finishes", greedy)["output_ids"]
+    apply = RequestOutput.apply
+
+    def apply_or_fail(self, delta):
+        if self.rid == "doomed" and len(self.output_ids) >= 2:
+            raise ValueError("simulated decoding failure")
+        return apply(self, delta)
+
+    monkeypatch.setattr(RequestOutput, "apply", apply_or_fail)
+
+    async def both() -> list:
+        return await asyncio.wait_for(asyncio.gather(
+            engine.generate_async("another request", greedy, rid="doomed"),
+            engine.generate_async("a request that finishes", greedy, rid="other"),
+            return_exceptions=True), 60)
+
+    doomed, other = asyncio.run(both())   # before: a TimeoutError, both waiting for good
+    results = {"doomed": doomed,
+               "other": other if isinstance(other, BaseException) else other["output_ids"]}
+    assert isinstance(results["doomed"], RuntimeError), results["doomed"]
+    assert "simulated decoding failure" in str(results["doomed"])
+    assert results["other"] == expected
+    monkeypatch.undo()
+    assert engine.generate("a request that finishes", greedy)["output_ids"] == expected

@@ -183,6 +183,64 @@ def test_forced_text_that_starts_inside_a_character_is_finished_token_by_token(t
         assert on == off
 
 
+class FailingMatcher:
+    """A request's matcher that raises the way a bug in the grammar library would: on the
+    token `!` (`where="accept"`), or whenever its mask is filled (`where="mask"`)."""
+
+    def __init__(self, matcher, vocab, where: str) -> None:
+        self._matcher, self._vocab, self._where = matcher, vocab, where
+
+    def accept_token(self, token: int) -> bool:
+        if self._where == "accept" and b"!" in self._vocab.decoded[token]:
+            raise RuntimeError("simulated grammar library failure")
+        return self._matcher.accept_token(token)
+
+    def fill_next_token_bitmask(self, *args):
+        if self._where == "mask":
+            raise RuntimeError("simulated grammar library failure")
+        return self._matcher.fill_next_token_bitmask(*args)
+
+    def __getattr__(self, name: str):
+        if name == "_handle" and self._where == "mask":   # what the batched fill reads
+            raise RuntimeError("simulated grammar library failure")
+        return getattr(self._matcher, name)
+
+
+@pytest.mark.parametrize("where", ["accept", "mask"])
+@pytest.mark.parametrize(("mode", "overlap"), [("exact", False), ("retokenize", False),
+                                               ("off", False), ("exact", True)])
+def test_a_grammar_library_failure_ends_that_request_alone(tiny_model, tok, monkeypatch, where,
+                                                            mode, overlap):
+    """Before, the exception took the engine core down, and every request with it; a gateway or
+    client retry then took the same request to the next worker, and that one down too."""
+    from radixpool.worker.grammar.queue import GrammarQueue
+
+    ready = GrammarQueue.ready
+
+    def ready_with_a_failing_matcher(self):
+        settled = ready(self)
+        for req, _ in settled:
+            if req.rid == "doomed" and req.grammar is not None:
+                req.grammar.matcher = FailingMatcher(req.grammar.matcher, req.grammar.vocab,
+                                                     where)
+        return settled
+
+    others = [(f"c{i}", prompts(tok)[i % 3], SamplingParams(
+        max_new_tokens=60, temperature=1.0, json_schema=json.dumps(FINITE_SCHEMAS[i % 3])), i)
+        for i in range(3)]
+    others += [(f"f{i}", prompts(tok)[i % 3], SamplingParams(
+        max_new_tokens=12, temperature=0.8, ignore_eos=True), 100 + i) for i in range(2)]
+    doomed = ("doomed", prompts(tok)[0], SamplingParams(max_new_tokens=20, regex="(yes|no)!"), 0)
+    options = {"jump_forward": mode, "overlap_schedule": overlap}
+    alone, _ = run(tiny_model, others, **options)
+    monkeypatch.setattr(GrammarQueue, "ready", ready_with_a_failing_matcher)
+    out, _ = run(tiny_model, [doomed, *others], **options)   # invariants checked too
+    _, reason, error = out.pop("doomed")
+    assert reason == "abort" and error.startswith("regex could not be followed"), error
+    assert "simulated grammar library failure" in error
+    assert out == alone
+
+
 @pytest.mark.parametrize("mode", ["exact", "retokenize"])
 def test_forced_text_split_by_chunked_prefill_gives_the_same_tokens_and_cache(tiny_model, mode):
     # Retokenized forced text of 9 tokens, in 8-token chunks: the one left over went as a decode,

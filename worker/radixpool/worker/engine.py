@@ -270,7 +270,10 @@ class Engine:
             for delta in msg.deltas:
                 fork = self._forks.get(delta.rid)
                 if fork is not None:
-                    self._apply(fork, delta)
+                    try:
+                        self._apply(fork, delta)
+                    except Exception as exc:
+                        self._output_failed(fork, delta, exc)
         elif isinstance(msg, ControlReply):
             fut = self._controls.pop(msg.token, None)
             if fut is not None:
@@ -299,6 +302,17 @@ class Engine:
         if chunk.finished:
             self._drop(fork)
         _deliver(fork, chunk)
+
+    def _output_failed(self, fork: RequestOutput, delta: TokenDelta, exc: Exception) -> None:
+        """Turning one request's tokens into output failed (a bug meeting odd tokens): that
+        request ends with an internal error. The other deltas of the step are still handled."""
+        log.error("request %s: its output could not be decoded", fork.rid, exc_info=exc)
+        if not delta.finished:
+            with contextlib.suppress(RuntimeError):   # a core that died says so on its own
+                self._send(AbortRequest(fork.core_rid))
+        self._drop(fork)
+        _deliver(fork, fork.fail("abort", f"the engine failed to decode this request's output "
+                                          f"({type(exc).__name__}: {exc})", internal=True))
 
     def _release_forks(self, first: RequestOutput, delta: TokenDelta) -> None:
         """Send the sibling forks held back behind `first`, or end them if it ended early."""

@@ -49,21 +49,46 @@ class GrammarMasks:
         if self._host.shape[0] < m:
             self._host = self._alloc(max(m, 2 * self._host.shape[0]))
         host = self._host[:m]
-        if not drafts or not any(drafts):
-            self._batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], host)
-        else:
-            row = 0
-            for grammar, draft in zip(grammars, drafts):
-                matcher = grammar.matcher
-                for token in draft:
-                    matcher.fill_next_token_bitmask(host, row)
-                    row += 1
-                    if not matcher.accept_token(token):
-                        raise RuntimeError(f"a draft token ({token}) the grammar refuses")
-                matcher.fill_next_token_bitmask(host, row)
-                row += 1
-                if draft:
-                    matcher.rollback(len(draft))
+        try:
+            if not drafts or not any(drafts):
+                self._batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], host)
+            else:
+                row = 0
+                for grammar, draft in zip(grammars, drafts):
+                    row = _fill(grammar, draft, host, row)
+        except Exception:   # the library failed on some request: find it, mask the others
+            self._fill_each(grammars, drafts or [[]] * len(grammars), host)
         words = host.to(self.device, non_blocking=True) & self._allowed
         bits = (words.unsqueeze(-1) >> self._shifts) & 1
         return bits.view(m, self.words * 32)[:, :self.vocab_size].bool()
+
+    @staticmethod
+    def _fill_each(grammars: list[RequestGrammar], drafts: list[list[int]],
+                   host: torch.Tensor) -> None:
+        """Each grammar on its own; one that fails gets `failure` set and unmasked rows (its
+        token is discarded: the request ends with the failure when its step is processed)."""
+        row = 0
+        for grammar, draft in zip(grammars, drafts):
+            try:
+                _fill(grammar, draft, host, row)
+            except Exception as exc:
+                grammar.failure = grammar.failure or exc
+                host[row:row + len(draft) + 1] = -1
+            row += len(draft) + 1
+
+
+def _fill(grammar: RequestGrammar, draft: list[int], host: torch.Tensor, row: int) -> int:
+    """Rows `row`.. of `host`: the grammar's mask now, then after each draft token (accepted
+    in turn, rolled back after). Returns the next free row."""
+    if grammar.failure is not None:
+        raise grammar.failure
+    matcher = grammar.matcher
+    for token in draft:
+        matcher.fill_next_token_bitmask(host, row)
+        row += 1
+        if not matcher.accept_token(token):
+            raise RuntimeError(f"a draft token ({token}) the grammar refuses")
+    matcher.fill_next_token_bitmask(host, row)
+    if draft:
+        matcher.rollback(len(draft))
+    return row + 1

@@ -20,13 +20,16 @@ from radixpool.worker.grammar.compiler import ModelVocab
 
 
 class RequestGrammar:
-    __slots__ = ("matcher", "vocab")
+    __slots__ = ("failure", "matcher", "vocab")
 
     def __init__(self, compiled: Any, vocab: ModelVocab) -> None:
         import xgrammar as xgr
 
         self.matcher = xgr.GrammarMatcher(compiled)
         self.vocab = vocab
+        # What the grammar library raised on this request (filling its mask): the request is
+        # ended with it when its step is processed; the others in the batch go on.
+        self.failure: Exception | None = None
 
     def accept(self, token: int) -> bool:
         return self.matcher.accept_token(token)

@@ -19,6 +19,7 @@ and give back their row.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -35,6 +36,8 @@ from radixpool.worker.scheduler.kv_manager import KVManager
 from radixpool.worker.scheduler.prefill import PrefillAdder
 from radixpool.worker.scheduler.running import RunningSet
 from radixpool.worker.scheduler.waiting_queue import WaitingQueue
+
+log = logging.getLogger("radixpool.core")
 
 
 @dataclass
@@ -206,11 +209,24 @@ class Scheduler:
         self.waiting.unpark(req.rid)   # requests held behind its prefill re-match the tree
 
     def _finish_now(self, req: Req, reason: str, error: str | None = None) -> None:
+        self._pending_deltas.append(self._ended(req, reason, error))
+
+    def _ended(self, req: Req, reason: str, error: str | None) -> TokenDelta:
         self._leave_running(req)
         req.status, req.finish_reason = Status.FINISHED, reason
         delta = self._delta(req, [])
         delta.error = error
-        self._pending_deltas.append(delta)
+        return delta
+
+    def _constraint_failed(self, req: Req, exc: Exception) -> TokenDelta:
+        """The grammar library raised on this request: it ends, with the reason; the batch and
+        the engine go on (a crash here would end every request, and a gateway or client retry
+        would take the same request to the next worker)."""
+        kind = req.params.constraint[0] if req.params.constraint else "the output constraint"
+        log.warning("request %s: the grammar library failed on its %s", req.rid, kind,
+                    exc_info=exc)
+        return self._ended(req, "abort", f"{kind} could not be followed: the grammar library "
+                                         f"failed on it ({type(exc).__name__}: {exc})")
 
     def _retract(self, req: Req) -> None:
         self._leave_running(req)
@@ -246,7 +262,11 @@ class Scheduler:
             for token in tokens:
                 req.append(token)
             if req.grammar is not None:
-                tokens = self._follow_grammar(req, tokens, verified=bool(draft))
+                try:
+                    tokens = self._follow_grammar(req, tokens, verified=bool(draft))
+                except Exception as exc:
+                    deltas.append(self._constraint_failed(req, exc))
+                    continue
             if self._check_finished(req, tokens[-1]):
                 self._leave_running(req)
             elif (n > 1 and not draft) or len(req.output_ids) == 1:
@@ -267,6 +287,8 @@ class Scheduler:
         forces for the next step to verify; "retokenize" appends it (the sampled token maybe
         re-split with it). Returns the tokens that now end the output in their place."""
         grammar = req.grammar
+        if grammar.failure is not None:   # raised while its mask was filled
+            raise grammar.failure
         for token in tokens:
             if not grammar.accept(token):
                 # Only a grammar with no allowed token left gets here (the sampler gave it eos).
