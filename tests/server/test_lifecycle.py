@@ -245,6 +245,8 @@ def test_a_dead_engine_core_makes_the_worker_exit_nonzero_within_seconds(doomed)
     # ended with a 503 a gateway retries elsewhere, not hung, before the worker went away
     assert results and results[0].status_code == 503, results
     assert "died" in results[0].json()["error"]["message"]
+    # the code tells a gateway the engine died holding this request (twice: a query of death)
+    assert results[0].json()["error"]["code"] == "engine_core_died"
     assert results[0].headers["retry-after"]
     code = doomed.proc.wait(CORE_DEATH_EXIT_S)   # so the container is restarted
     assert code != 0 and time.monotonic() - killed < CORE_DEATH_EXIT_S

@@ -133,6 +133,10 @@ GW_TREE_TOKENS = MetricSpec(
     ("worker",))
 GW_RETRIES = MetricSpec(
     "radixpool_gateway_retries_total", "counter", "Requests retried on another worker.")
+GW_QUARANTINED = MetricSpec(
+    "radixpool_gateway_quarantined_requests_total", "counter",
+    "Requests refused because two workers' engines died while holding the same request "
+    "(a query of death).")
 GW_REQUEST_DURATION = MetricSpec(
     "radixpool_gateway_request_duration_seconds", "histogram",
     "Time from request arrival at the gateway to the last byte.")
@@ -165,7 +169,7 @@ GW_WAIT_QUEUE_SECONDS = MetricSpec(
 
 GATEWAY_METRICS: tuple[MetricSpec, ...] = (
     GW_REQUESTS, GW_ROUTE_DECISIONS, GW_INFLIGHT, GW_WORKER_HEALTHY, GW_PROMPT_TOKENS,
-    GW_CACHED_TOKENS, GW_PREDICTED_CACHED_TOKENS, GW_TREE_TOKENS, GW_RETRIES,
+    GW_CACHED_TOKENS, GW_PREDICTED_CACHED_TOKENS, GW_TREE_TOKENS, GW_RETRIES, GW_QUARANTINED,
     GW_REQUEST_DURATION, GW_TIME_TO_FIRST_TOKEN, GW_HIT_RATE, GW_TREE_CORRECTIONS,
     GW_UPSTREAM_TIMEOUTS, GW_WAIT_QUEUE, GW_WAIT_QUEUE_OUTCOMES, GW_WAIT_QUEUE_SECONDS,
 )

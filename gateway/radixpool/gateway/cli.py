@@ -102,6 +102,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="how long the breaker stays open before a half-open probe")
     s.add_argument("--max-retries", type=int, default=D.max_retries,
                    help="retries on another worker (connect errors, 503 before the first byte)")
+    s.add_argument("--quarantine-seconds", type=float, default=D.quarantine_seconds,
+                   help="refuse a request this long (500 request_quarantined) once two workers' "
+                        "engines died holding it; 0 turns it off")
     s.add_argument("--connect-timeout", type=float, default=D.connect_timeout, help="seconds")
     s.add_argument("--log-level", default=D.log_level,
                    choices=("debug", "info", "warning", "error"))
@@ -150,7 +153,8 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.e
         health_interval=args.health_interval, health_timeout=args.health_timeout,
         health_failures=args.health_failures, health_successes=args.health_successes,
         breaker_failures=args.breaker_failures, breaker_open_seconds=args.breaker_open_seconds,
-        max_retries=args.max_retries, connect_timeout=args.connect_timeout,
+        max_retries=args.max_retries, quarantine_seconds=args.quarantine_seconds,
+        connect_timeout=args.connect_timeout,
         kv_events=args.kv_events, late_binding=args.late_binding,
         hold_queued_tokens=args.hold_queued_tokens, hold_max_requests=args.hold_max_requests,
         hold_max_seconds=args.hold_max_seconds, tree_capacity_tokens=args.tree_capacity_tokens,

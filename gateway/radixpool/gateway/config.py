@@ -54,6 +54,7 @@ class GatewayConfig:
     breaker_failures: int = 5
     breaker_open_seconds: float = 10.0
     max_retries: int = 2
+    quarantine_seconds: float = 600.0   # quarantine.py: refuse a query of death this long; 0: off
     connect_timeout: float = 2.0
     kv_events: bool = True
     # late binding (wait_queue.py): hold a request while its best worker has more than
@@ -104,6 +105,7 @@ class GatewayConfig:
         _check(self.breaker_failures >= 1, "breaker_failures", ">= 1")
         _check(self.breaker_open_seconds > 0, "breaker_open_seconds", "> 0")
         _check(self.max_retries >= 0, "max_retries", ">= 0")
+        _check(self.quarantine_seconds >= 0, "quarantine_seconds", ">= 0")
         _check(self.connect_timeout > 0, "connect_timeout", "> 0")
         _check(self.hold_queued_tokens >= 0, "hold_queued_tokens", ">= 0")
         _check(self.hold_max_requests >= 1, "hold_max_requests", ">= 1")

@@ -57,6 +57,7 @@ class GatewayMetrics:
         self.corrections: dict[tuple[str, str], int] = defaultdict(int)
         self.timeouts: dict[tuple[str], int] = defaultdict(int)
         self.retries = 0
+        self.quarantined = 0
         self.holding = 0
         self.held_outcomes: dict[tuple[str], int] = defaultdict(int)
         self.hold = _Histogram()
@@ -109,6 +110,7 @@ class GatewayMetrics:
         yield _counter(spec.GW_TREE_CORRECTIONS, self.corrections)
         yield _counter(spec.GW_UPSTREAM_TIMEOUTS, self.timeouts)
         yield _counter(spec.GW_RETRIES, {(): self.retries})
+        yield _counter(spec.GW_QUARANTINED, {(): self.quarantined})
         yield self.duration.family(spec.GW_REQUEST_DURATION)
         yield self.ttft.family(spec.GW_TIME_TO_FIRST_TOKEN)
         yield GaugeMetricFamily(spec.GW_WAIT_QUEUE.name, spec.GW_WAIT_QUEUE.help,

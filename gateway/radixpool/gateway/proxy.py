@@ -37,6 +37,7 @@ from radixpool.gateway.http_edge import Headers, Request, Responder, error_body
 from radixpool.gateway.metrics import GatewayMetrics
 from radixpool.gateway.policies import CacheAware, Decision, make_policy
 from radixpool.gateway.prefix_index import PrefixIndex
+from radixpool.gateway.quarantine import Quarantine, engine_died
 from radixpool.gateway.route_key import (
     ROUTED_PATHS,
     BadRequest,
@@ -55,6 +56,7 @@ from radixpool.gateway.workers import Worker, WorkerSet, candidates
 from radixpool.tokenization import PromptTokenizer
 
 READ_ONLY_PATHS = ("/livez", "/health", "/metrics", "/v1/models")
+QUARANTINED = object()   # _dispatch's answer for a request a second dying engine held
 MODEL_PATH = "/v1/models/"   # + a model id
 
 
@@ -74,6 +76,8 @@ class Gateway:
         self.pools: dict[str, UpstreamPool] = {}
         self.clock = time.monotonic
         self.access = AccessPolicy(config.api_key, config.admin_api_key)
+        self.quarantine = Quarantine(ttl_s=config.quarantine_seconds) \
+            if config.quarantine_seconds > 0 else None
         key = config.upstream_key
         self.upstream_auth: Headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
         # client headers not forwarded: hop-by-hop ones, and the client's key when we send ours
@@ -187,8 +191,14 @@ class Gateway:
             await self._refuse(respond, started, 413, str(exc), "request_too_large")
             return
         key = parsed.key
+        if self.quarantine is not None and self.quarantine.refuses(parsed.body, self.clock()):
+            await self._quarantined(respond, started)
+            return
         headers = self.forwarded_headers(request)
         picked = await self._dispatch(request.path, headers, parsed.body, key)
+        if picked is QUARANTINED:
+            await self._quarantined(respond, started)
+            return
         if len(picked) == 2:
             status, message = picked
             await self._refuse(respond, started, status, message,
@@ -197,9 +207,17 @@ class Gateway:
         worker, decision, upstream = picked
         try:
             await self._relay(worker, decision, key, upstream, respond, parsed.strip_usage,
-                              started)
+                              started, parsed.body)
         finally:
             self._release(worker, prefill_wait(decision, key))
+
+    async def _quarantined(self, respond: Responder, started: float) -> None:
+        self.metrics.quarantined += 1
+        await self._refuse(
+            respond, started, 500, f"this request was in the engines of "
+            f"{self.quarantine.deaths_to_refuse} workers when each of them died; it is refused "
+            f"for {self.quarantine.ttl_s:g} s so that it cannot take down more",
+            "request_quarantined")
 
     async def _refuse(self, respond: Responder, started: float, status: int, message: str,
                       code: str | None = None, param: str | None = None,
@@ -210,10 +228,11 @@ class Gateway:
         self.metrics.answered("gateway", status, time.perf_counter() - started, None)
 
     async def _dispatch(self, path: str, headers: Headers, body: bytes, key: RouteKey
-                        ) -> tuple[Worker, Decision, UpstreamResponse] | tuple[int, str]:
+                        ) -> tuple[Worker, Decision, UpstreamResponse] | tuple[int, str] | object:
         """Pick a worker and get its response headers, retrying connect errors and 503s on
         others. Returns the worker (its in-flight count taken), or the status and reason to
-        answer with: 502 when a worker failed, 503 when none was available or all were busy."""
+        answer with: 502 when a worker failed, 503 when none was available or all were busy;
+        or QUARANTINED when the request was in a second engine that died."""
         tried: set[str] = set()
         errors: list[str] = []
         busy = 0
@@ -261,9 +280,13 @@ class Gateway:
                     return worker, decision, upstream
                 self._release(worker, wait)
                 worker.breaker.record_failure("server_error", self.clock())
+                answer = b""
                 with contextlib.suppress(UpstreamError):
-                    await upstream.body()  # read to the end so the connection can be reused
+                    answer = await upstream.body()  # to the end: the connection is reused
                 worker.draining = True  # cleared when its /health answers 200 again
+                if self._engine_died(answer, body):
+                    self.policy.failed(decision, key)
+                    return QUARANTINED
                 errors.append(f"{worker.url}: 503 (draining or overloaded)")
                 busy += 1
             self.policy.failed(decision, key)
@@ -276,7 +299,7 @@ class Gateway:
 
     async def _relay(self, worker: Worker, decision: Decision, key: RouteKey,
                      upstream: UpstreamResponse, respond: Responder, strip_usage: bool,
-                     started: float) -> None:
+                     started: float, body: bytes) -> None:
         status = upstream.status
         headers = _response_headers(upstream, worker)
         ttfb = None
@@ -286,6 +309,8 @@ class Gateway:
                 ttfb = time.perf_counter() - started
                 await respond.send(status, headers, data)
                 usage = usage_in(data) if status == 200 else None
+                if status == 503:
+                    self._engine_died(data, body)
             else:
                 await respond.start(status, headers)
                 usage, ttfb = await self._relay_events(upstream, respond, strip_usage, started)
@@ -362,6 +387,12 @@ class Gateway:
         headers = [(k, v) for k, v in request.headers.items() if k not in self._unforwarded]
         headers.extend(self.upstream_auth)
         return headers
+
+    def _engine_died(self, answer: bytes, body: bytes) -> bool:
+        """Note a worker's 503 that says its engine died holding this request; True when the
+        request is now quarantined."""
+        return (self.quarantine is not None and engine_died(answer)
+                and self.quarantine.died_holding(body, self.clock()))
 
     def _timed_out(self, worker: Worker, sent_at: float) -> None:
         """A request sent at `sent_at` ran out of time. The breaker learns of it only if the

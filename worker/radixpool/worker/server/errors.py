@@ -64,8 +64,8 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
-def unavailable(message: str, retry_after_s: int = 5) -> APIError:
-    return APIError(503, message, headers={"Retry-After": str(retry_after_s)})
+def unavailable(message: str, retry_after_s: int = 5, code: str | None = None) -> APIError:
+    return APIError(503, message, code=code, headers={"Retry-After": str(retry_after_s)})
 
 
 def field_path(loc: tuple[Any, ...] | list[Any]) -> str | None:

@@ -213,8 +213,10 @@ class EngineRun:
 
 
 def _core_died() -> APIError:
-    # 503, so a gateway retries it on another worker; /health says why, and the worker exits
-    return unavailable("the engine core process died; this worker cannot serve")
+    # 503, so a gateway retries it on another worker; /health says why, and the worker exits.
+    # The code tells a gateway the engine died holding this request (a query of death, twice).
+    return unavailable("the engine core process died; this worker cannot serve",
+                       code="engine_core_died")
 
 
 def server_timing(forks: list[ForkOutput]) -> dict[str, str]:
