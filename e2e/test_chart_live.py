@@ -358,6 +358,34 @@ def test_without_its_peering_object_the_operator_says_so_and_exits(as_chart, tmp
     assert "--standalone" in output
 
 
+def test_helm_upgrade_changes_the_release_in_place_and_back(kube, release, as_chart):
+    # what a cluster admin does after installing: change values, then return to the defaults
+    def can_get_secrets() -> bool:
+        return kube.auth.create_subject_access_review({"spec": {
+            "user": f"system:serviceaccount:{release.namespace}:{as_chart.account}",
+            "resourceAttributes": {"verb": "get", "resource": "secrets",
+                                   "namespace": "default"}}}).status.allowed
+
+    deployment = next(d for d in release.manifest if d["kind"] == "Deployment")["metadata"]
+    upgraded = release.helm.upgrade(str(CHART), release.name, {
+        "rbac": {"readSecrets": True}, "replicaCount": 2, "dashboards": {"enabled": True}},
+        namespace=release.namespace, timeout=120)
+    assert upgraded["status"] == "deployed"
+    assert can_get_secrets()
+    assert kube.apps.read_namespaced_deployment(
+        deployment["name"], release.namespace).spec.replicas == 2
+    assert any(m.metadata.name.startswith(RELEASE)
+               for m in kube.core.list_namespaced_config_map(release.namespace).items)
+    restored = release.helm.upgrade(str(CHART), release.name, {}, namespace=release.namespace,
+                                    timeout=120, reset_values=True)
+    assert restored["status"] == "deployed"
+    assert not can_get_secrets()
+    assert kube.apps.read_namespaced_deployment(
+        deployment["name"], release.namespace).spec.replicas == 1
+    assert not any(m.metadata.name.startswith(RELEASE)
+                   for m in kube.core.list_namespaced_config_map(release.namespace).items)
+
+
 def test_uninstall_leaves_no_pool_stuck(kube, release, namespaces, as_chart, tmp_path):
     namespace = namespaces[0]
     leftover = Operator(as_chart, tmp_path / "operator.log")
