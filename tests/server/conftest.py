@@ -28,6 +28,7 @@ SERVERS: dict[str, tuple[str, ...]] = {
     "polled": (),
     "slow_prefill": ("--chunked-prefill-size", "8", "--max-prefill-tokens", "8",
                      "--page-size", "8", "--kv-cache-tokens", "1600"),
+    "edge": ("--header-read-timeout", "1"),
 }
 
 
@@ -80,6 +81,11 @@ def polled(worker_pool) -> WorkerProcess:
 @pytest.fixture(scope="session")
 def slow_prefill(worker_pool) -> WorkerProcess:
     return worker_pool["slow_prefill"].wait_ready()
+
+
+@pytest.fixture(scope="session")
+def edge(worker_pool) -> WorkerProcess:
+    return worker_pool["edge"].wait_ready()
 
 
 @pytest.fixture(scope="session")

@@ -61,6 +61,14 @@ def test_flags_become_a_validated_config(tmp_path):
     missing = build_parser().parse_args(["worker", "--model", str(tmp_path / "nope")])
     with pytest.raises(ValueError, match=r"--model .* is not a directory"):
         config_from_args(missing)
+    edge = build_parser().parse_args(["worker", "--model", str(model),
+                                      "--header-read-timeout", "2.5", "--max-header-bytes", "8192"])
+    limits = config_from_args(edge).edge
+    assert (limits.header_read_timeout, limits.max_header_bytes) == (2.5, 8192)
+    for flag, value in (("--header-read-timeout", "0"), ("--max-header-bytes", "10")):
+        bad = build_parser().parse_args(["worker", "--model", str(model), flag, value])
+        with pytest.raises(ValueError, match=flag):
+            config_from_args(bad)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["worker", "--model", "m", "--kv-cache-tokens", "1",
                                    "--mem-fraction", "0.5"])
