@@ -1,6 +1,6 @@
 """The worker's HTTP edge, attacked over raw sockets: a slow-loris head, oversized heads, a
-malformed request pipelined behind a valid one. The `edge` worker reads heads for at most 1 s;
-heads are capped at the default 64 KiB."""
+malformed request pipelined behind a valid one. The `edge` worker reads heads, and bodies, for at
+most 0.5 s each; heads are capped at the default 64 KiB."""
 
 from __future__ import annotations
 
@@ -43,11 +43,12 @@ def split_responses(raw: bytes) -> list[tuple[int, bytes]]:
     return found
 
 
-def completion_request(max_tokens: int) -> bytes:
+def completion_request(max_tokens: int, split: bool = False) -> bytes | tuple[bytes, bytes]:
     body = json.dumps({"model": "tiny", "prompt": "hello there", "max_tokens": max_tokens,
                        "temperature": 0, "ignore_eos": True}).encode()
-    return (b"POST /v1/completions HTTP/1.1\r\nHost: w\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n" % len(body)) + body
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: w\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body))
+    return (head + body[:10], body[10:]) if split else head + body
 
 
 def test_half_a_request_line_is_cut_at_the_header_timeout(edge):
@@ -123,3 +124,35 @@ def test_pipelined_requests_are_answered_whole_and_in_order(edge):
     tokens = [json.loads(body)["usage"]["completion_tokens"] for _, body in answers[:2]]
     assert tokens == [20, 3]
     assert json.loads(answers[2][1]) == {"status": "ok"}
+
+
+def test_a_body_that_stops_arriving_gets_408_and_the_worker_keeps_serving(edge):
+    sock = connect(edge)
+    start = time.monotonic()
+    sock.sendall(completion_request(5, split=True)[0])
+    (status, body), = split_responses(read_until_closed(sock))
+    assert status == 408 and "body" in json.loads(body)["error"]["message"]
+    assert time.monotonic() - start < 5
+    assert httpx.get(f"{edge.url}/health").status_code == 200
+
+
+def test_pipelined_heads_and_bodies_held_back_by_the_worker_are_not_timed_out(edge):
+    """Once a request is being answered, the worker stops reading the connection at the next
+    pipelined head until that answer is done (here a 1 s `/kv_events` long poll, longer than
+    the 0.5 s read timeouts): that wait is the worker's, not the client's."""
+    seq = httpx.get(f"{edge.url}/kv_events/snapshot").json()["seq"]
+    long_poll = b"GET /kv_events?since=%d&timeout=1 HTTP/1.1\r\nHost: w\r\n\r\n" % seq
+    start, rest = completion_request(3, split=True)
+    held_body, held_head = connect(edge), connect(edge)
+    for sock in (held_body, held_head):
+        sock.sendall(long_poll)
+    time.sleep(0.1)   # both are being answered
+    held_body.sendall(start)   # a head, and a body that waits behind the answer
+    held_head.sendall(completion_request(3) + b"GET /health HTTP/1.1\r\nHo")   # a head waits
+    time.sleep(0.2)
+    held_body.sendall(rest + b"GET /health HTTP/1.1\r\nHost: w\r\nConnection: close\r\n\r\n")
+    held_head.sendall(b"st: w\r\nConnection: close\r\n\r\n")
+    for sock in (held_body, held_head):
+        answers = split_responses(read_until_closed(sock))
+        assert [status for status, _ in answers] == [200, 200, 200]
+        assert json.loads(answers[1][1])["usage"]["completion_tokens"] == 3

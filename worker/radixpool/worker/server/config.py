@@ -32,11 +32,14 @@ class EdgeLimits:
 
     header_read_timeout: float = 10.0   # seconds from a request head's first byte to its end
     max_header_bytes: int = 65536       # request line + headers; larger heads get 431
+    body_read_timeout: float = 30.0     # seconds from a head's end to its body's end
 
     def __post_init__(self) -> None:
         if not self.header_read_timeout > 0:
             raise ValueError("header_read_timeout must be > 0 seconds, "
                              f"got {self.header_read_timeout}")
+        if not self.body_read_timeout > 0:
+            raise ValueError(f"body_read_timeout must be > 0 seconds, got {self.body_read_timeout}")
         if self.max_header_bytes < 1024:
             raise ValueError(f"max_header_bytes must be ≥ 1024, got {self.max_header_bytes}")
 
@@ -151,6 +154,10 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-header-bytes", type=int, default=EdgeLimits.max_header_bytes,
                    metavar="N", help="largest request head (request line and headers) taken; "
                                      f"larger get 431 (default: {EdgeLimits.max_header_bytes})")
+    p.add_argument("--body-read-timeout", type=float, default=EdgeLimits.body_read_timeout,
+                   metavar="SECONDS",
+                   help="how long a request's body may take to arrive after its head; slower "
+                        f"clients get 408 (default: {EdgeLimits.body_read_timeout:g})")
     p.add_argument("--tool-call-format", choices=TOOL_FORMAT_FLAGS, default="auto",
                    help="the syntax the model writes tool calls in: "
                         f"{', '.join(TOOL_FORMATS)}, or auto: read from the chat template "
@@ -216,5 +223,6 @@ def _config_from_args(args: argparse.Namespace) -> ServerConfig:
         log_level=args.log_level,
         tool_call_format=args.tool_call_format,
         edge=EdgeLimits(header_read_timeout=args.header_read_timeout,
-                        max_header_bytes=args.max_header_bytes),
+                        max_header_bytes=args.max_header_bytes,
+                        body_read_timeout=args.body_read_timeout),
     )

@@ -11,6 +11,9 @@ connection under the valid request's response (whose request is then aborted). `
   connection's opening, for the first request): else 408 and the connection closes. While an
   earlier request on the connection is still being answered, the clock waits for it;
 - a head over `max_header_bytes` (request line and headers) is answered 431;
+- a request body must arrive whole within `body_read_timeout` of the head's end (time the
+  worker itself holds reading back, for flow control or a pipelined turn, does not count): else
+  408 (or, once an answer has begun, a closed connection) and the request is aborted;
 - a malformed or oversized request pipelined behind others is answered, and the connection
   closed, only after the earlier requests' responses are complete.
 
@@ -49,11 +52,13 @@ class EdgeProtocol(HttpToolsProtocol):
         self._in_head = True      # the next bytes belong to a request head
         self._head_bytes = 0
         self._head_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
         self._refusal: bytes | None = None   # sent once the responses ahead of it are complete
         self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
+        self._cancel_body_timer()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -102,8 +107,11 @@ class EdgeProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._cancel_head_timer()
         super().on_headers_complete()
+        self._body_timer = self.loop.call_later(self.limits.body_read_timeout,
+                                                self._body_timed_out)
 
     def on_message_complete(self) -> None:
+        self._cancel_body_timer()
         super().on_message_complete()
         self._in_head = True
 
@@ -138,6 +146,28 @@ class EdgeProtocol(HttpToolsProtocol):
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
+
+    def _cancel_body_timer(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _body_timed_out(self) -> None:
+        self._body_timer = None
+        if self.transport.is_closing():
+            return
+        if self.flow.read_paused:   # the worker holds the body back, not the client
+            self._body_timer = self.loop.call_later(self.limits.body_read_timeout,
+                                                    self._body_timed_out)
+            return
+        message = (f"the request body did not arrive within "
+                   f"{self.limits.body_read_timeout:g} s")
+        self.logger.warning("refused a request: %s", message)
+        self._refusal = b""   # nothing more is read
+        cycle = self.cycle
+        if not (cycle.response_started and not cycle.response_complete):
+            self.transport.write(_error_response(408, message, "request_timeout"))
+        self.transport.close()   # a handler waiting on the body sees a disconnect
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
