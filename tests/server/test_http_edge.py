@@ -105,6 +105,15 @@ def test_a_head_under_the_cap_and_a_body_over_it_are_served(edge):
     assert r.status_code == 200, r.text
 
 
+def test_many_small_pipelined_requests_are_not_taken_for_one_large_head(edge):
+    count = 3000   # 99 kB of heads in a few reads, each head 33 bytes
+    sock = connect(edge)
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: w\r\n\r\n" * (count - 1)
+                 + b"GET /health HTTP/1.1\r\nHost: w\r\nConnection: close\r\n\r\n")
+    answers = split_responses(read_until_closed(sock))
+    assert [status for status, _ in answers] == [200] * count
+
+
 def test_a_malformed_request_pipelined_behind_a_valid_one_waits_its_turn(edge):
     sock = connect(edge)
     sock.sendall(completion_request(30) + b"NOT\x01HTTP AT ALL\r\n\r\n")

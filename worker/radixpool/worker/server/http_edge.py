@@ -50,7 +50,8 @@ class EdgeProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)
         self._in_head = True      # the next bytes belong to a request head
-        self._head_bytes = 0
+        self._head_bytes = 0      # of the head being read, counted from the read it began in
+        self._heads_read = 0
         self._head_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
         self._refusal: bytes | None = None   # sent once the responses ahead of it are complete
@@ -68,9 +69,11 @@ class EdgeProtocol(HttpToolsProtocol):
             # Feed a head at most one byte past the cap, so the cap is exact within this read.
             room = self.limits.max_header_bytes - self._head_bytes + 1
             piece, data = data[:room], data[room:]
+            heads_read = self._heads_read
             if not self._feed(piece):
                 return
-            if self._in_head:
+            # A piece that ended one head and began the next is not counted: it is bounded.
+            if self._in_head and self._heads_read == heads_read:
                 self._head_bytes += len(piece)
                 if self._head_bytes > self.limits.max_header_bytes:
                     self._refuse(431, f"the request head is over this worker's limit of "
@@ -105,6 +108,7 @@ class EdgeProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._head_bytes = 0
+        self._heads_read += 1
         self._cancel_head_timer()
         super().on_headers_complete()
         self._body_timer = self.loop.call_later(self.limits.body_read_timeout,
