@@ -145,6 +145,15 @@ def test_a_body_that_stops_arriving_gets_408_and_the_worker_keeps_serving(edge):
     assert httpx.get(f"{edge.url}/health").status_code == 200
 
 
+def test_a_pipelined_body_that_stops_arriving_is_refused_after_the_answer_ahead(edge):
+    start, _ = completion_request(3, split=True)
+    sock = connect(edge)
+    sock.sendall(completion_request(400) + start)   # the second body never ends
+    (first, body), (second, error) = split_responses(read_until_closed(sock))
+    assert first == 200 and json.loads(body)["usage"]["completion_tokens"] == 400
+    assert second == 408 and json.loads(error)["error"]["code"] == "request_timeout"
+
+
 def test_pipelined_heads_and_bodies_held_back_by_the_worker_are_not_timed_out(edge):
     """Once a request is being answered, the worker stops reading the connection at the next
     pipelined head until that answer is done (here a 1 s `/kv_events` long poll, longer than

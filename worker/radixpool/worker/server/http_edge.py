@@ -54,6 +54,7 @@ class EdgeProtocol(HttpToolsProtocol):
         self._heads_read = 0
         self._head_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
+        self._running = None   # the request being answered (uvicorn's `cycle` is the newest)
         self._refusal: bytes | None = None   # sent once the responses ahead of it are complete
         self._arm_head_timer()
 
@@ -124,9 +125,13 @@ class EdgeProtocol(HttpToolsProtocol):
         if self._refusal is not None and not self._answering():
             self._send_refusal()
 
+    def _start_asgi_task(self, cycle, app) -> None:
+        self._running = cycle
+        super()._start_asgi_task(cycle, app)
+
     def _answering(self) -> bool:
-        return bool(self.pipeline) or (self.cycle is not None
-                                       and not self.cycle.response_complete)
+        return bool(self.pipeline) or (self._running is not None
+                                       and not self._running.response_complete)
 
     def _refuse(self, status: int, message: str, code: str) -> None:
         self.logger.warning("refused a request: %s", message)
@@ -166,9 +171,13 @@ class EdgeProtocol(HttpToolsProtocol):
             return
         message = (f"the request body did not arrive within "
                    f"{self.limits.body_read_timeout:g} s")
-        self.logger.warning("refused a request: %s", message)
-        self._refusal = b""   # nothing more is read
         cycle = self.cycle
+        queued = next((entry for entry in self.pipeline if entry[0] is cycle), None)
+        if queued is not None:   # never started: refused after the answers ahead of it
+            self.pipeline.remove(queued)
+            self._refuse(408, message, "request_timeout")
+            return
+        self.logger.warning("refused a request: %s", message)
         if not (cycle.response_started and not cycle.response_complete):
             self.transport.write(_error_response(408, message, "request_timeout"))
         self.transport.close()   # a handler waiting on the body sees a disconnect
