@@ -1,6 +1,6 @@
 """Real `radixpool worker` processes on loopback ports, with the tiny model.
 
-Three servers, each started once per session and only if a collected test needs it:
+Servers, each started once per session and only if a collected test needs it:
 - `worker`: default flags, shared by every test that neither stops nor reconfigures it;
 - `secured`: `--api-key`, for the auth tests and the SIGTERM drain (which ends it);
 - `fuzz_worker`: a 32-token context, so fuzzed generations stay short on a CPU;
@@ -8,7 +8,8 @@ Three servers, each started once per session and only if a collected test needs 
 - `doomed`: default flags, for the test that kills its engine core;
 - `polled`: default flags, SIGTERMed with a `/kv_events` long poll open;
 - `slow_prefill`: 8-token prefill chunks and pages (long prompts take seconds to a first
-  token), and KV for 1,600 tokens, less than the 2,048-token context.
+  token), and KV for 1,600 tokens, less than the 2,048-token context;
+- `edge`: 0.5 s header and body read timeouts, for the HTTP edge's limits.
 They are launched together (startup is mostly waiting on imports and model loading) and stopped
 together, each by its own PID.
 """
@@ -28,6 +29,7 @@ SERVERS: dict[str, tuple[str, ...]] = {
     "polled": (),
     "slow_prefill": ("--chunked-prefill-size", "8", "--max-prefill-tokens", "8",
                      "--page-size", "8", "--kv-cache-tokens", "1600"),
+    "edge": ("--header-read-timeout", "0.5", "--body-read-timeout", "0.5"),
 }
 
 
@@ -80,6 +82,11 @@ def polled(worker_pool) -> WorkerProcess:
 @pytest.fixture(scope="session")
 def slow_prefill(worker_pool) -> WorkerProcess:
     return worker_pool["slow_prefill"].wait_ready()
+
+
+@pytest.fixture(scope="session")
+def edge(worker_pool) -> WorkerProcess:
+    return worker_pool["edge"].wait_ready()
 
 
 @pytest.fixture(scope="session")

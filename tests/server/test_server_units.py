@@ -62,6 +62,17 @@ def test_flags_become_a_validated_config(tmp_path):
     missing = build_parser().parse_args(["worker", "--model", str(tmp_path / "nope")])
     with pytest.raises(ValueError, match=r"--model .* is not a directory"):
         config_from_args(missing)
+    edge = build_parser().parse_args(["worker", "--model", str(model),
+                                      "--header-read-timeout", "2.5", "--max-header-bytes", "8192",
+                                      "--body-read-timeout", "7"])
+    limits = config_from_args(edge).edge
+    assert (limits.header_read_timeout, limits.max_header_bytes) == (2.5, 8192)
+    assert limits.body_read_timeout == 7
+    for flag, value in (("--header-read-timeout", "0"), ("--max-header-bytes", "10"),
+                        ("--body-read-timeout", "-1")):
+        bad = build_parser().parse_args(["worker", "--model", str(model), flag, value])
+        with pytest.raises(ValueError, match=flag):
+            config_from_args(bad)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["worker", "--model", "m", "--kv-cache-tokens", "1",
                                    "--mem-fraction", "0.5"])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from radixpool.keys import KeySource, read_key
 from radixpool.worker.config import (
@@ -27,6 +27,24 @@ CONTROL_KEY_ENV = "RADIXPOOL_CONTROL_API_KEY"
 
 
 @dataclass(frozen=True)
+class EdgeLimits:
+    """What the HTTP edge (`http_edge.py`) takes from a client before the app sees a request."""
+
+    header_read_timeout: float = 10.0   # seconds from a request head's first byte to its end
+    max_header_bytes: int = 65536       # request line + headers; larger heads get 431
+    body_read_timeout: float = 30.0     # seconds from a head's end to its body's end
+
+    def __post_init__(self) -> None:
+        if not self.header_read_timeout > 0:
+            raise ValueError("header_read_timeout must be > 0 seconds, "
+                             f"got {self.header_read_timeout}")
+        if not self.body_read_timeout > 0:
+            raise ValueError(f"body_read_timeout must be > 0 seconds, got {self.body_read_timeout}")
+        if self.max_header_bytes < 1024:
+            raise ValueError(f"max_header_bytes must be ≥ 1024, got {self.max_header_bytes}")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     engine: EngineConfig
     served_model_name: str
@@ -37,6 +55,7 @@ class ServerConfig:
     drain_timeout: float = 30.0      # seconds
     log_level: str = "info"
     tool_call_format: str = "auto"   # "auto": from the chat template
+    edge: EdgeLimits = field(default_factory=EdgeLimits)
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -127,6 +146,18 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, how long running requests may take to finish before they "
                         "are aborted; keep it below the pod's terminationGracePeriodSeconds "
                         "(default: 30)")
+    p.add_argument("--header-read-timeout", type=float, default=EdgeLimits.header_read_timeout,
+                   metavar="SECONDS",
+                   help="how long a request's head (request line and headers) may take to "
+                        "arrive, from its first byte; slower clients get 408 (default: "
+                        f"{EdgeLimits.header_read_timeout:g})")
+    p.add_argument("--max-header-bytes", type=int, default=EdgeLimits.max_header_bytes,
+                   metavar="N", help="largest request head (request line and headers) taken; "
+                                     f"larger get 431 (default: {EdgeLimits.max_header_bytes})")
+    p.add_argument("--body-read-timeout", type=float, default=EdgeLimits.body_read_timeout,
+                   metavar="SECONDS",
+                   help="how long a request's body may take to arrive after its head; slower "
+                        f"clients get 408 (default: {EdgeLimits.body_read_timeout:g})")
     p.add_argument("--tool-call-format", choices=TOOL_FORMAT_FLAGS, default="auto",
                    help="the syntax the model writes tool calls in: "
                         f"{', '.join(TOOL_FORMATS)}, or auto: read from the chat template "
@@ -191,4 +222,7 @@ def _config_from_args(args: argparse.Namespace) -> ServerConfig:
         drain_timeout=args.drain_timeout,
         log_level=args.log_level,
         tool_call_format=args.tool_call_format,
+        edge=EdgeLimits(header_read_timeout=args.header_read_timeout,
+                        max_header_bytes=args.max_header_bytes,
+                        body_read_timeout=args.body_read_timeout),
     )

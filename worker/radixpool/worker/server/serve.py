@@ -19,6 +19,7 @@ import uvicorn
 
 from radixpool.worker.server.app import create_app
 from radixpool.worker.server.config import ServerConfig
+from radixpool.worker.server.http_edge import edge_protocol
 from radixpool.worker.server.state import WorkerState
 
 log = logging.getLogger("radixpool.worker.server")
@@ -119,7 +120,7 @@ def run_worker(config: ServerConfig) -> int:
     uv_config = uvicorn.Config(
         create_app(state), host=config.host, port=config.port, log_level=config.log_level,
         access_log=config.log_level == "debug", timeout_graceful_shutdown=5,
-        timeout_keep_alive=30,
+        timeout_keep_alive=30, http=edge_protocol(config.edge),
     )
     server = WorkerServer(uv_config, state)
     try:

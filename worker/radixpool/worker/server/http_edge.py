@@ -1,0 +1,196 @@
+"""The worker's HTTP/1 edge: uvicorn's httptools protocol, with the limits it lacks.
+
+In a cluster any pod can reach a worker's Service, so the worker's edge holds the line the
+gateway's does (gateway/radixpool/gateway/http_edge.py). uvicorn's httptools protocol, left to
+itself, waits forever for a request head sent a byte at a time (its keep-alive timer restarts on
+every byte), takes request heads of any size (an 8 MiB header is buffered and answered 200), and
+answers a malformed request pipelined behind a valid one with an immediate 400 that closes the
+connection under the valid request's response (whose request is then aborted). `EdgeProtocol`:
+
+- a request head must arrive whole within `header_read_timeout` of its first byte (of the
+  connection's opening, for the first request): else 408 and the connection closes. While an
+  earlier request on the connection is still being answered, the clock waits for it;
+- a head over `max_header_bytes` (request line and headers) is answered 431;
+- a request body must arrive whole within `body_read_timeout` of the head's end (time the
+  worker itself holds reading back, for flow control or a pipelined turn, does not count): else
+  408 (or, once an answer has begun, a closed connection) and the request is aborted;
+- a malformed or oversized request pipelined behind others is answered, and the connection
+  closed, only after the earlier requests' responses are complete.
+
+Errors have the worker's OpenAI-style body. Idle keep-alive connections still close after
+uvicorn's `timeout_keep_alive`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httptools
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from radixpool.worker.server.config import EdgeLimits
+from radixpool.worker.server.errors import error_body
+
+
+def edge_protocol(limits: EdgeLimits) -> type[HttpToolsProtocol]:
+    """The protocol class to give `uvicorn.Config(http=...)`."""
+    return type("EdgeProtocol", (EdgeProtocol,), {"limits": limits})
+
+
+def _error_response(status: int, message: str, code: str) -> bytes:
+    body = json.dumps(error_body(message, code=code)).encode()
+    return b"".join([STATUS_LINE[status], b"content-type: application/json\r\n",
+                     b"content-length: %d\r\n" % len(body), b"connection: close\r\n\r\n", body])
+
+
+class EdgeProtocol(HttpToolsProtocol):
+    limits = EdgeLimits()
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)
+        self._in_head = True      # the next bytes belong to a request head
+        self._head_bytes = 0      # of the head being read, counted from the read it began in
+        self._heads_read = 0
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+        self._running = None   # the request being answered (uvicorn's `cycle` is the newest)
+        self._refusal: bytes | None = None   # sent once the responses ahead of it are complete
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        self._cancel_body_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refusal is not None:
+            return   # the parser stopped at the bad request; what follows it is not read
+        while self._in_head and data:
+            # Feed a head at most one byte past the cap, so the cap is exact within this read.
+            room = self.limits.max_header_bytes - self._head_bytes + 1
+            piece, data = data[:room], data[room:]
+            heads_read = self._heads_read
+            if not self._feed(piece):
+                return
+            # A piece that ended one head and began the next is not counted: it is bounded.
+            if self._in_head and self._heads_read == heads_read:
+                self._head_bytes += len(piece)
+                if self._head_bytes > self.limits.max_header_bytes:
+                    self._refuse(431, f"the request head is over this worker's limit of "
+                                      f"{self.limits.max_header_bytes} bytes",
+                                 "request_header_fields_too_large")
+                    return
+        # A head that begins inside this (bounded) read is capped from the next read on.
+        if data:
+            self._feed(data)
+
+    def _feed(self, data: bytes) -> bool:
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._refuse(400, f"malformed HTTP request: {exc}", "invalid_http_request")
+            return False
+        except httptools.HttpParserUpgrade:   # as uvicorn does: the request is served as is
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+            return False
+        return True
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head = True
+        if self._head_timer is None:
+            self._arm_head_timer()
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._head_bytes = 0
+        self._heads_read += 1
+        self._cancel_head_timer()
+        super().on_headers_complete()
+        self._body_timer = self.loop.call_later(self.limits.body_read_timeout,
+                                                self._body_timed_out)
+
+    def on_message_complete(self) -> None:
+        self._cancel_body_timer()
+        super().on_message_complete()
+        self._in_head = True
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._refusal is not None and not self._answering():
+            self._send_refusal()
+
+    def _start_asgi_task(self, cycle, app) -> None:
+        self._running = cycle
+        super()._start_asgi_task(cycle, app)
+
+    def _answering(self) -> bool:
+        return bool(self.pipeline) or (self._running is not None
+                                       and not self._running.response_complete)
+
+    def _refuse(self, status: int, message: str, code: str) -> None:
+        self.logger.warning("refused a request: %s", message)
+        self._cancel_head_timer()
+        self._refusal = _error_response(status, message, code)
+        if self._answering():
+            self.flow.pause_reading()   # the answers ahead of it go first, whole
+        else:
+            self._send_refusal()
+
+    def _send_refusal(self) -> None:
+        if not self.transport.is_closing():
+            self.transport.write(self._refusal)
+            self.transport.close()
+
+    def _arm_head_timer(self) -> None:
+        self._head_timer = self.loop.call_later(self.limits.header_read_timeout,
+                                                self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _cancel_body_timer(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _body_timed_out(self) -> None:
+        self._body_timer = None
+        if self.transport.is_closing():
+            return
+        if self.flow.read_paused:   # the worker holds the body back, not the client
+            self._body_timer = self.loop.call_later(self.limits.body_read_timeout,
+                                                    self._body_timed_out)
+            return
+        message = (f"the request body did not arrive within "
+                   f"{self.limits.body_read_timeout:g} s")
+        cycle = self.cycle
+        queued = next((entry for entry in self.pipeline if entry[0] is cycle), None)
+        if queued is not None:   # never started: refused after the answers ahead of it
+            self.pipeline.remove(queued)
+            self._refuse(408, message, "request_timeout")
+            return
+        self.logger.warning("refused a request: %s", message)
+        if not (cycle.response_started and not cycle.response_complete):
+            self.transport.write(_error_response(408, message, "request_timeout"))
+        self.transport.close()   # a handler waiting on the body sees a disconnect
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing():
+            return
+        if self._answering():   # reading is ours to resume: the client is not the one late
+            self._arm_head_timer()
+            return
+        if self._head_bytes == 0 and self.cycle is None:
+            self.transport.close()   # a connection that never sent a byte
+            return
+        self._refuse(408, f"the request head did not arrive within "
+                          f"{self.limits.header_read_timeout:g} s", "request_timeout")
