@@ -7,7 +7,8 @@ Each candidate serves the same answers in its own process (a 68-byte JSON body, 
 SSE stream at /s); one client process measures the p50 of 2,000 sequential requests, the p50 time
 to a stream's first byte, and throughput at concurrency 32 with the server's CPU per request.
 `handwritten` is the asyncio+httptools server the gateway ran on before (now the simulated
-workers'). aiohttp is not a dependency of the project: install it to include it.
+workers'); `granian-asgi` is Granian's ASGI interface (whose streams wait for slow clients, unlike
+RSGI's). aiohttp is not a dependency of the project: install it to include it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 from fleet_procs import cpu_seconds, free_port, stop
 from loadgen import closed_loop
 
-KINDS = ("handwritten", "granian", "aiohttp", "uvicorn")
+KINDS = ("handwritten", "granian", "granian-asgi", "aiohttp", "uvicorn")
 
 BODY = b'{"id":"x","choices":[{"text":"hello"}],"usage":{"prompt_tokens":32}}'
 EVENTS = [b'data: {"choices":[{"text":"w"}]}\n\n'] * 10
@@ -83,12 +84,14 @@ async def serve_in_loop(kind: str, port: int) -> None:
         from simfleet.http_server import serve as serve_handwritten
 
         await serve_handwritten(handwritten_app, "127.0.0.1", port, 1 << 20)
-    elif kind == "granian":
+    elif kind.startswith("granian"):   # granian-asgi: its ASGI interface (backpressure on streams)
         from granian.constants import Interfaces
         from granian.server.embed import Server
 
+        rsgi = kind == "granian"
         asyncio.get_running_loop().create_task(Server(
-            rsgi_app, "127.0.0.1", port, interface=Interfaces.RSGI, log_enabled=False).serve())
+            rsgi_app if rsgi else asgi_app, "127.0.0.1", port,
+            interface=Interfaces.RSGI if rsgi else Interfaces.ASGINL, log_enabled=False).serve())
         await asyncio.sleep(0.5)
     else:
         from aiohttp import web
