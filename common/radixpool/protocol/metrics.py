@@ -58,7 +58,6 @@ RETRACTED_REQUESTS = MetricSpec(
 RADIX_EVICTED_TOKENS = MetricSpec(
     "radixpool_radix_evicted_tokens_total", "counter",
     "Tokens evicted from the radix cache to make room.")
-# Exported by the worker's /metrics once the server collector lists it (see WORKER_METRICS).
 KV_DOUBLE_FREES = MetricSpec(
     "radixpool_kv_double_frees_total", "counter",
     "KV pages freed while already free (an engine bug; the page is not handed out twice).")
@@ -97,8 +96,8 @@ WORKER_INFO = MetricSpec(
 
 WORKER_METRICS: tuple[MetricSpec, ...] = (
     PROMPT_TOKENS, CACHED_PROMPT_TOKENS, GENERATION_TOKENS, REQUESTS, RETRACTED_REQUESTS,
-    RADIX_EVICTED_TOKENS, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE,
-    KV_CACHE_CAPACITY, RADIX_CACHE_TOKENS, CACHE_HIT_RATE, TIME_TO_FIRST_TOKEN,
+    RADIX_EVICTED_TOKENS, KV_DOUBLE_FREES, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING,
+    KV_CACHE_USAGE, KV_CACHE_CAPACITY, RADIX_CACHE_TOKENS, CACHE_HIT_RATE, TIME_TO_FIRST_TOKEN,
     INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY, QUEUE_TIME, GRAMMAR_COMPILE_SECONDS,
     GRAMMAR_CACHE_HITS, WORKER_INFO,
 )
