@@ -119,10 +119,10 @@ def test_fleet_view_covers_what_operators_watch():
                  m.GW_CACHED_TOKENS, m.GENERATION_TOKENS, m.NUM_REQUESTS_WAITING,
                  m.KV_CACHE_USAGE, m.RETRACTED_REQUESTS, m.GW_WORKER_HEALTHY, m.GW_REQUESTS,
                  m.GW_RETRIES, m.GW_QUARANTINED, m.GW_UPSTREAM_TIMEOUTS, m.GW_WAIT_QUEUE,
-                 m.GW_TREE_CORRECTIONS):
+                 m.GW_TREE_CORRECTIONS, m.GW_BREAKER_STATE):
         assert spec.name in fleet, spec.name
     for word in ("latency", "throughput", "actual vs predicted", "health", "errors",
-                 "quarantines", "timeouts", "wait queue"):
+                 "quarantines", "timeouts", "wait queue", "circuit breakers"):
         assert word in titles, word
     errors = next(p for p in board["panels"] if p["title"] == "Gateway errors / s")
     assert 'code!~"2.."' in errors["targets"][0]["expr"]

@@ -180,6 +180,13 @@ def fleet_dashboard() -> dict[str, Any]:
             {"expr": f"min by (worker) ({m.GW_WORKER_HEALTHY.name}{{{POOL}}})",
              "legendFormat": "{{worker}}"}], "bool_yes_no",
             "1: the gateway sends this worker traffic.", kind="stat"),
+        _panel("Circuit breakers not closed", [
+            # Each gateway replica has its own breakers: a worker shows if any replica's is.
+            {"expr": f'max by (worker, state) ({m.GW_BREAKER_STATE.name}{{{POOL}, '
+                     f'state!="closed"}}) > 0',
+             "legendFormat": "{{state}} {{worker}}"}], "short",
+            "Workers some gateway sends no traffic (open) or one probe at a time (half_open), "
+            "after consecutive failed requests; empty when every breaker is closed."),
         _panel("Workers up", [
             {"expr": f"count({m.WORKER_INFO.series[0]}{{{POOL}}})", "legendFormat": "workers"},
             # Every gateway replica reports every worker: one per worker, healthy if any
