@@ -1,12 +1,15 @@
 """The README documents every metric the code exports (names are a contract), with the type and
-labels the specs give it."""
+labels the specs give it; docs/worker.md and docs/gateway.md list their component's."""
 
 import re
 from pathlib import Path
 
-from radixpool.protocol.metrics import ALL_METRICS
+import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+from radixpool.protocol.metrics import ALL_METRICS, GATEWAY_METRICS, WORKER_METRICS
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
 ROW = re.compile(r"^\| `(radixpool_\w+)` \| (\w+) \| ([\w, ]*) \|", re.MULTILINE)
 
 
@@ -30,3 +33,12 @@ def test_readme_table_gives_each_metric_its_exposed_name_type_and_labels():
         f"in the specs only: {sorted(set(specs) - set(rows))}")
     for name, (kind, labels) in rows.items():
         assert (kind, labels) == (specs[name].kind, specs[name].labels), name
+
+
+@pytest.mark.parametrize(("doc", "specs"), [("docs/worker.md", WORKER_METRICS),
+                                            ("docs/gateway.md", GATEWAY_METRICS)])
+def test_component_docs_list_their_metrics(doc, specs):
+    text = (REPO / doc).read_text()
+    missing = [s.name for s in specs
+               if f"| `{s.series[0] if s.kind == 'info' else s.name}" not in text]
+    assert not missing, f"{doc} does not list: {missing}"
