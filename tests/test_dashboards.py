@@ -79,6 +79,9 @@ def test_every_query_parses_and_uses_exported_series_and_labels_as_their_kind_al
 def test_every_panel_has_the_unit_its_queries_are_in(name):
     for panel in boards()[name]["panels"]:
         unit = panel["fieldConfig"]["defaults"]["unit"]
+        if unit == "percentunit":
+            assert (panel["fieldConfig"]["defaults"]["min"],
+                    panel["fieldConfig"]["defaults"]["max"]) == (0, 1), panel["title"]
         for target in panel["targets"]:
             assert unit in fitting_units(target["expr"]), (
                 f"{panel['title']!r} is in {unit!r} but {target['expr']} is in "

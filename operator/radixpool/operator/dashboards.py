@@ -42,7 +42,9 @@ def _panel(title: str, targets: list[dict[str, str]], unit: str, description: st
     return {
         "type": kind, "title": title, "description": description,
         "datasource": {"type": "prometheus", "uid": "${datasource}"},
-        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+        # Ratios are 0-1 (`percentunit`): a fixed axis keeps 40% from looking like 100%.
+        "fieldConfig": {"defaults": {"unit": unit, **({"min": 0, "max": 1} if unit == "percentunit"
+                                                       else {})}, "overrides": []},
         "targets": [{**target, "refId": chr(ord("A") + i),
                      "datasource": {"type": "prometheus", "uid": "${datasource}"}}
                     for i, target in enumerate(targets)],
