@@ -1,4 +1,5 @@
-"""Dashboards query only series the worker and gateway export, and the chart ships the same."""
+"""Dashboards query only series the worker and gateway export, the way PromQL and an SRE need
+them (parsed by `promql_parser`, see `promql_check`), and the chart ships the same."""
 
 from __future__ import annotations
 
@@ -6,46 +7,56 @@ import json
 import re
 from pathlib import Path
 
+import promql_parser as pp
 import pytest
+from promql_check import SERIES, problems
 
 from radixpool.operator.dashboards import DASHBOARD_DIRS, dashboard_files
-from radixpool.protocol.metrics import ALL_METRICS
+from radixpool.protocol import metrics as m
 
 REPO = Path(__file__).resolve().parents[1]
-EXPORTED = {series for spec in ALL_METRICS for series in spec.series}
-LABELS = {label for spec in ALL_METRICS for label in spec.labels} | {
-    "le", "pod", "namespace", "instance", "job", "radixpool_io_pool",
-    "app_kubernetes_io_component"}
-PROMQL_WORDS = {
-    "sum", "min", "max", "avg", "count", "rate", "irate", "increase", "histogram_quantile",
-    "by", "without", "on", "ignoring", "label_values", "topk", "bottomk", "clamp_min",
-}
+# Counters whose rate is requests per second (the rest count tokens or events).
+REQUEST_COUNTERS = {s.name for s in (
+    m.REQUESTS, m.RETRACTED_REQUESTS, m.GW_REQUESTS, m.GW_ROUTE_DECISIONS, m.GW_RETRIES,
+    m.GW_QUARANTINED, m.GW_UPSTREAM_TIMEOUTS, m.GW_WAIT_QUEUE_OUTCOMES)}
 
 
-def series_in(expr: str) -> tuple[set[str], set[str]]:
-    """(metric names, grouping labels) a PromQL expression uses."""
-    grouped = set()
-    for group in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", expr):
-        grouped |= {label.strip() for label in group.split(",") if label.strip()}
-    stripped = re.sub(r"\b(?:by|without)\s*\([^)]*\)", " ", expr)
-    stripped = re.sub(r"\{[^}]*\}|\[[^\]]*\]|\"[^\"]*\"|\$\w+", " ", stripped)
-    if stripped.startswith("label_values("):  # label_values(metric, label)
-        stripped = stripped.rsplit(",", 1)[0]
-    names = set(re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", stripped)) - PROMQL_WORDS
-    return names, grouped
-
-
-def queries(board: dict) -> list[str]:
-    found = [t["expr"] for panel in board["panels"] for t in panel.get("targets", [])]
+def queries(board: dict) -> list[tuple[str, str]]:
+    """(expr, legend) of every panel target and query variable."""
+    found = [(t["expr"], t.get("legendFormat", ""))
+             for panel in board["panels"] for t in panel.get("targets", [])]
     for variable in board["templating"]["list"]:
         if variable["type"] == "query":
-            found.append(variable["query"]["query"])
+            found.append((variable["query"]["query"], ""))
     return found
 
 
 def boards() -> dict[str, dict]:
     return {name: json.loads((REPO / "dashboards" / name).read_text())
             for name in dashboard_files()}
+
+
+def series_names(expr: str) -> list[str]:
+    names: list[str] = []
+    pp.walk(pp.parse(expr.replace("$__rate_interval", "5m")),
+            lambda node: names.append(node.name) if isinstance(node, pp.VectorSelector) else None)
+    return names
+
+
+def fitting_units(expr: str) -> set[str]:
+    """Grafana units a query's values can be shown in."""
+    specs = [SERIES[name][0] for name in series_names(expr)]
+    if expr.startswith("histogram_quantile("):
+        return {"s"} if specs[0].name.endswith("_seconds") else {"short"}
+    if " / " in expr or specs[0].name.endswith(("_ratio", "_hit_rate")):
+        return {"percentunit"}
+    if expr.find("rate(") >= 0:
+        if specs[0].name in REQUEST_COUNTERS:
+            return {"reqps"}
+        return {"short"} if "tokens" in specs[0].name else {"ops"}
+    if specs[0] is m.GW_WORKER_HEALTHY and expr.startswith("min by"):
+        return {"bool_yes_no"}
+    return {"short"}
 
 
 def test_dashboard_files_in_repo_and_chart_are_current():
@@ -57,36 +68,70 @@ def test_dashboard_files_in_repo_and_chart_are_current():
 
 
 @pytest.mark.parametrize("name", sorted(dashboard_files()))
-def test_every_query_names_only_exported_series_and_labels(name):
-    board = boards()[name]
-    exprs = queries(board)
-    assert len(exprs) >= 10
-    for expr in exprs:
-        names, grouped = series_in(expr)
-        assert names, f"no metric in {expr!r}"
-        assert names <= EXPORTED, f"{name}: {sorted(names - EXPORTED)} not exported ({expr})"
-        assert grouped <= LABELS, f"{name}: unknown labels {sorted(grouped - LABELS)} ({expr})"
+def test_every_query_parses_and_uses_exported_series_and_labels_as_their_kind_allows(name):
+    found = queries(boards()[name])
+    assert len(found) >= 10
+    for expr, legend in found:
+        assert problems(expr, legend) == [], expr
 
 
-def test_the_checker_catches_a_metric_nobody_exports():
-    names, _ = series_in('sum(rate(radixpool_made_up_total{pod="x"}[5m])) / up')
-    assert names - EXPORTED == {"radixpool_made_up_total", "up"}
+@pytest.mark.parametrize("name", sorted(dashboard_files()))
+def test_every_panel_has_the_unit_its_queries_are_in(name):
+    for panel in boards()[name]["panels"]:
+        unit = panel["fieldConfig"]["defaults"]["unit"]
+        if unit == "percentunit":
+            assert (panel["fieldConfig"]["defaults"]["min"],
+                    panel["fieldConfig"]["defaults"]["max"]) == (0, 1), panel["title"]
+        for target in panel["targets"]:
+            assert unit in fitting_units(target["expr"]), (
+                f"{panel['title']!r} is in {unit!r} but {target['expr']} is in "
+                f"{fitting_units(target['expr'])}")
+
+
+@pytest.mark.parametrize(("expr", "legend", "complaint"), [
+    ('sum(rate(radixpool_made_up_total{pod="x"}[5m]))', "", "not a series any spec exports"),
+    ("up", "", "not a series any spec exports"),
+    ("radixpool_time_to_first_token_seconds", "", "not a series any spec exports"),
+    ("sum(rate(radixpool_requests_total[5m]", "", "does not parse"),
+    ("sum(rate(radixpool_num_requests_waiting[5m]))", "", "over the gauge"),
+    ("sum(radixpool_gateway_retries_total)", "", "plotted raw"),
+    ("sum by (worker) (rate(radixpool_retracted_requests_total[5m]))", "",
+     "label 'worker'"),
+    ('sum(rate(radixpool_gateway_retries_total{code="500"}[5m]))', "", "label 'code'"),
+    ("sum by (code) (rate(radixpool_gateway_requests_total[5m]))", "{{pod}}", "label 'pod'"),
+    ("histogram_quantile(0.9, sum(rate(radixpool_queue_time_seconds_bucket[5m])))", "",
+     "without `le`"),
+    ("sum(rate(radixpool_queue_time_seconds_bucket[5m]))", "", "outside histogram_quantile"),
+    ("label_values(radixpool_worker_info, worker)", "", "label 'worker'"),
+])
+def test_the_checker_catches_what_a_panel_gets_wrong(expr, legend, complaint):
+    assert any(complaint in problem for problem in problems(expr, legend)), problems(expr, legend)
+
+
+def test_the_checker_passes_a_well_formed_query():
+    assert problems('histogram_quantile(0.99, sum by (le, pod) (rate('
+                    'radixpool_time_to_first_token_seconds_bucket{pod=~"$pod"}'
+                    '[$__rate_interval])))', "p99 {{pod}}") == []
 
 
 def test_fleet_view_covers_what_operators_watch():
-    fleet = " ".join(queries(boards()["radixpool-fleet.json"]))
-    titles = " ".join(p["title"] for p in boards()["radixpool-fleet.json"]["panels"]).lower()
-    for needed in ("radixpool_time_to_first_token_seconds_bucket",
-                   "radixpool_inter_token_latency_seconds_bucket",
-                   "radixpool_gateway_predicted_cached_tokens_total",
-                   "radixpool_gateway_cached_tokens_total", "radixpool_generation_tokens_total",
-                   "radixpool_num_requests_waiting", "radixpool_kv_cache_usage_ratio",
-                   "radixpool_retracted_requests_total", "radixpool_gateway_worker_healthy"):
-        assert needed in fleet, needed
-    for word in ("latency", "throughput", "actual vs predicted", "health"):
+    board = boards()["radixpool-fleet.json"]
+    fleet = " ".join(expr for expr, _ in queries(board))
+    titles = " ".join(p["title"] for p in board["panels"]).lower()
+    for spec in (m.TIME_TO_FIRST_TOKEN, m.INTER_TOKEN_LATENCY, m.GW_PREDICTED_CACHED_TOKENS,
+                 m.GW_CACHED_TOKENS, m.GENERATION_TOKENS, m.NUM_REQUESTS_WAITING,
+                 m.KV_CACHE_USAGE, m.RETRACTED_REQUESTS, m.GW_WORKER_HEALTHY, m.GW_REQUESTS,
+                 m.GW_RETRIES, m.GW_QUARANTINED, m.GW_UPSTREAM_TIMEOUTS, m.GW_WAIT_QUEUE,
+                 m.GW_TREE_CORRECTIONS, m.GW_BREAKER_STATE):
+        assert spec.name in fleet, spec.name
+    for word in ("latency", "throughput", "actual vs predicted", "health", "errors",
+                 "quarantines", "timeouts", "wait queue", "circuit breakers"):
         assert word in titles, word
+    errors = next(p for p in board["panels"] if p["title"] == "Gateway errors / s")
+    assert 'code!~"2.."' in errors["targets"][0]["expr"]
     worker = boards()["radixpool-worker.json"]
     assert any(v["name"] == "pod" for v in worker["templating"]["list"])
+    assert m.KV_DOUBLE_FREES.name in " ".join(expr for expr, _ in queries(worker))
 
 
 def test_workers_up_counts_each_worker_once_whatever_the_gateway_replicas():

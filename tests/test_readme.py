@@ -1,13 +1,44 @@
-"""The README documents every metric the code exports (names are a contract)."""
+"""The README documents every metric the code exports (names are a contract), with the type and
+labels the specs give it; docs/worker.md and docs/gateway.md list their component's."""
 
+import re
 from pathlib import Path
 
-from radixpool.protocol.metrics import ALL_METRICS
+import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+from radixpool.protocol.metrics import ALL_METRICS, GATEWAY_METRICS, WORKER_METRICS
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+ROW = re.compile(r"^\| `(radixpool_\w+)` \| (\w+) \| ([\w, ]*) \|", re.MULTILINE)
+
+
+def metric_rows() -> dict[str, tuple[str, tuple[str, ...]]]:
+    """README metric table rows: exposed name -> (type, labels)."""
+    return {name: (kind, tuple(label.strip() for label in labels.split(",") if label.strip()))
+            for name, kind, labels in ROW.findall(README.read_text())}
 
 
 def test_readme_lists_every_metric():
     text = README.read_text()
     missing = [m.name for m in ALL_METRICS if m.name not in text]
     assert not missing, f"README.md does not document: {missing}"
+
+
+def test_readme_table_gives_each_metric_its_exposed_name_type_and_labels():
+    rows = metric_rows()
+    specs = {(s.series[0] if s.kind == "info" else s.name): s for s in ALL_METRICS}
+    assert set(rows) == set(specs), (
+        f"in the README only: {sorted(set(rows) - set(specs))}; "
+        f"in the specs only: {sorted(set(specs) - set(rows))}")
+    for name, (kind, labels) in rows.items():
+        assert (kind, labels) == (specs[name].kind, specs[name].labels), name
+
+
+@pytest.mark.parametrize(("doc", "specs"), [("docs/worker.md", WORKER_METRICS),
+                                            ("docs/gateway.md", GATEWAY_METRICS)])
+def test_component_docs_list_their_metrics(doc, specs):
+    text = (REPO / doc).read_text()
+    missing = [s.name for s in specs
+               if f"| `{s.series[0] if s.kind == 'info' else s.name}" not in text]
+    assert not missing, f"{doc} does not list: {missing}"

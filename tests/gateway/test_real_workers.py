@@ -1,5 +1,6 @@
 """End to end with real `radixpool worker` processes (tiny model, CPU) behind the gateway, driven
-by the official `openai` SDK: group affinity vs round robin, a flushed worker, a killed worker."""
+by the official `openai` SDK: group affinity vs round robin, a flushed worker, what both expose
+on `/metrics` against the metric specs, a killed worker."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ import time
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from radixpool.fleet.process import ChildProcess, free_port, radixpool_argv
 from radixpool.gateway.config import GatewayConfig
 from radixpool.gateway.server import GatewayServer
+from radixpool.protocol.metrics import GATEWAY_METRICS, WORKER_METRICS
 
 pytest.importorskip("torch", reason="the real worker needs the `worker` extra (torch)")
 pytestmark = pytest.mark.slow
@@ -170,6 +173,45 @@ def test_a_client_that_leaves_aborts_its_request_on_the_real_worker(gateway, rea
         time.sleep(0.1)
     assert any(aborted_on(u) == before[u] + 1 for u in urls)   # the worker stopped generating
     assert all(w.inflight == 0 for w in server.gateway.workers)
+
+
+def exposed(url: str) -> dict[str, tuple[str, set[tuple[str, ...]]]]:
+    """`/metrics` of one server: each radixpool family's name -> (type, label name sets), in
+    Prometheus' text format (counters named with `_total`; an info metric is a gauge there)."""
+    families: dict[str, tuple[str, set[tuple[str, ...]]]] = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        if not family.name.startswith("radixpool_"):
+            continue
+        name = family.name + "_total" if family.type == "counter" else family.name
+        families[name] = (family.type, {
+            tuple(sorted(set(sample.labels) - {"le"})) for sample in family.samples})
+    return families
+
+
+def spec_view(specs) -> dict[str, tuple[str, set[tuple[str, ...]]]]:
+    return {s.series[0] if s.kind == "info" else s.name:
+            ("gauge" if s.kind == "info" else s.kind, {tuple(sorted(s.labels))}) for s in specs}
+
+
+def test_what_real_workers_and_the_gateway_expose_is_what_the_specs_say(gateway, real_workers):
+    server = gateway(policy="round_robin")   # every worker serves, so every series has samples
+    sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x",
+                        max_retries=0)
+    for i in range(2):
+        ask(sdk, 5, i)
+        for _ in sdk.completions.create(model="tiny", prompt="the cache", max_tokens=4,
+                                        stream=True):
+            pass
+    for url in real_workers[1]:
+        assert exposed(url) == spec_view(WORKER_METRICS), url
+    # Labelled gateway counters nobody bumped yet (timeouts, corrections, wait queue outcomes)
+    # have a TYPE line and no sample: only their type can be compared.
+    gateway_families = exposed(f"http://127.0.0.1:{server.port}")
+    specs = spec_view(GATEWAY_METRICS)
+    assert set(gateway_families) == set(specs)
+    for name, (kind, label_sets) in gateway_families.items():
+        assert kind == specs[name][0] and label_sets <= specs[name][1], (name, label_sets)
+    assert sum(len(label_sets) for _, label_sets in gateway_families.values()) >= 14
 
 
 def test_killing_a_real_worker_mid_run_loses_no_request(gateway, real_workers):

@@ -72,6 +72,9 @@ def test_a_hung_worker_is_cut_by_the_first_byte_timeout(make_stack):
         stack.client.get("/metrics").text
     row = next(w for w in stack.client.get("/workers").json()["workers"] if w["url"] == url)
     assert row["circuit_breaker"] == "open"   # the breaker learned of it
+    metrics = stack.client.get("/metrics").text   # and so does an SRE's dashboard
+    assert f'radixpool_gateway_breaker_state{{state="open",worker="{url}"}} 1.0' in metrics
+    assert f'radixpool_gateway_breaker_state{{state="closed",worker="{url}"}} 0.0' in metrics
 
 
 def test_a_stream_past_the_whole_request_timeout_is_cut_with_an_error_event(make_stack):
@@ -147,8 +150,9 @@ def test_a_long_request_on_a_worker_that_answers_others_leaves_its_breaker_close
     assert short.status_code == 200 and long_one[0].status_code == 504
     row = next(w for w in stack.client.get("/workers").json()["workers"] if w["url"] == url)
     assert row["circuit_breaker"] == "closed"
-    assert f'radixpool_gateway_upstream_timeouts_total{{worker="{url}"}} 1.0' in \
-        stack.client.get("/metrics").text   # still counted
+    metrics = stack.client.get("/metrics").text
+    assert f'radixpool_gateway_upstream_timeouts_total{{worker="{url}"}} 1.0' in metrics
+    assert f'radixpool_gateway_breaker_state{{state="closed",worker="{url}"}} 1.0' in metrics
 
 
 def test_models_from_a_hung_worker_time_out(loop_thread):

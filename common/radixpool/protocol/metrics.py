@@ -58,7 +58,6 @@ RETRACTED_REQUESTS = MetricSpec(
 RADIX_EVICTED_TOKENS = MetricSpec(
     "radixpool_radix_evicted_tokens_total", "counter",
     "Tokens evicted from the radix cache to make room.")
-# Exported by the worker's /metrics once the server collector lists it (see WORKER_METRICS).
 KV_DOUBLE_FREES = MetricSpec(
     "radixpool_kv_double_frees_total", "counter",
     "KV pages freed while already free (an engine bug; the page is not handed out twice).")
@@ -97,8 +96,8 @@ WORKER_INFO = MetricSpec(
 
 WORKER_METRICS: tuple[MetricSpec, ...] = (
     PROMPT_TOKENS, CACHED_PROMPT_TOKENS, GENERATION_TOKENS, REQUESTS, RETRACTED_REQUESTS,
-    RADIX_EVICTED_TOKENS, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE,
-    KV_CACHE_CAPACITY, RADIX_CACHE_TOKENS, CACHE_HIT_RATE, TIME_TO_FIRST_TOKEN,
+    RADIX_EVICTED_TOKENS, KV_DOUBLE_FREES, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING,
+    KV_CACHE_USAGE, KV_CACHE_CAPACITY, RADIX_CACHE_TOKENS, CACHE_HIT_RATE, TIME_TO_FIRST_TOKEN,
     INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY, QUEUE_TIME, GRAMMAR_COMPILE_SECONDS,
     GRAMMAR_CACHE_HITS, WORKER_INFO,
 )
@@ -116,8 +115,13 @@ GW_ROUTE_DECISIONS = MetricSpec(
 GW_INFLIGHT = MetricSpec(
     "radixpool_gateway_inflight_requests", "gauge", "Requests in flight per worker.", ("worker",))
 GW_WORKER_HEALTHY = MetricSpec(
-    "radixpool_gateway_worker_healthy", "gauge", "1 when the worker is eligible for traffic.",
-    ("worker",))
+    "radixpool_gateway_worker_healthy", "gauge",
+    "1 when the worker passes its health checks and is not draining (its circuit breaker is "
+    "radixpool_gateway_breaker_state).", ("worker",))
+GW_BREAKER_STATE = MetricSpec(
+    "radixpool_gateway_breaker_state", "gauge",
+    "The worker's circuit breaker: 1 on its current state (closed, open, half_open), 0 on the "
+    "others. An open breaker sends the worker no traffic, healthy or not.", ("worker", "state"))
 GW_PROMPT_TOKENS = MetricSpec(
     "radixpool_gateway_prompt_tokens_total", "counter",
     "Prompt tokens of answered requests, as the workers reported them.", ("worker",))
@@ -168,7 +172,8 @@ GW_WAIT_QUEUE_SECONDS = MetricSpec(
     "Time requests spent held in the wait queue.")
 
 GATEWAY_METRICS: tuple[MetricSpec, ...] = (
-    GW_REQUESTS, GW_ROUTE_DECISIONS, GW_INFLIGHT, GW_WORKER_HEALTHY, GW_PROMPT_TOKENS,
+    GW_REQUESTS, GW_ROUTE_DECISIONS, GW_INFLIGHT, GW_WORKER_HEALTHY, GW_BREAKER_STATE,
+    GW_PROMPT_TOKENS,
     GW_CACHED_TOKENS, GW_PREDICTED_CACHED_TOKENS, GW_TREE_TOKENS, GW_RETRIES, GW_QUARANTINED,
     GW_REQUEST_DURATION, GW_TIME_TO_FIRST_TOKEN, GW_HIT_RATE, GW_TREE_CORRECTIONS,
     GW_UPSTREAM_TIMEOUTS, GW_WAIT_QUEUE, GW_WAIT_QUEUE_OUTCOMES, GW_WAIT_QUEUE_SECONDS,

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Literal
 
 BreakerState = Literal["closed", "open", "half_open"]
+BREAKER_STATES: tuple[BreakerState, ...] = ("closed", "open", "half_open")
 FailureKind = Literal["server_error", "timeout", "connect_error", "cut"]
 FAILURE_KINDS: tuple[FailureKind, ...] = ("server_error", "timeout", "connect_error", "cut")
 

@@ -14,6 +14,7 @@ from collections import defaultdict
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from radixpool.gateway.breaker import BREAKER_STATES
 from radixpool.gateway.prefix_index import PrefixIndex
 from radixpool.gateway.workers import WorkerSet
 from radixpool.protocol import metrics as spec
@@ -64,7 +65,7 @@ class GatewayMetrics:
         self.duration = _Histogram()
         self.ttft = _Histogram()
         self.registry = CollectorRegistry(auto_describe=False)
-        self._state: tuple[WorkerSet, PrefixIndex] | None = None
+        self._state: tuple[WorkerSet, PrefixIndex, float] | None = None
         self.registry.register(self)
 
     # --- the request path ---------------------------------------------------------------------
@@ -97,8 +98,8 @@ class GatewayMetrics:
         self.hold.observe(seconds)
 
     # --- the scrape ---------------------------------------------------------------------------
-    def render(self, workers: WorkerSet, index: PrefixIndex) -> bytes:
-        self._state = (workers, index)
+    def render(self, workers: WorkerSet, index: PrefixIndex, now: float) -> bytes:
+        self._state = (workers, index, now)
         return generate_latest(self.registry)
 
     def collect(self):
@@ -119,13 +120,15 @@ class GatewayMetrics:
         yield self.hold.family(spec.GW_WAIT_QUEUE_SECONDS)
         if self._state is None:
             return
-        workers, index = self._state
+        workers, index, now = self._state
         keys = workers.keys
         unit = keys.block_size if keys.tokenizer is not None else keys.text_block_bytes
         inflight = GaugeMetricFamily(spec.GW_INFLIGHT.name, spec.GW_INFLIGHT.help,
                                      labels=spec.GW_INFLIGHT.labels)
         healthy = GaugeMetricFamily(spec.GW_WORKER_HEALTHY.name, spec.GW_WORKER_HEALTHY.help,
                                     labels=spec.GW_WORKER_HEALTHY.labels)
+        breakers = GaugeMetricFamily(spec.GW_BREAKER_STATE.name, spec.GW_BREAKER_STATE.help,
+                                     labels=spec.GW_BREAKER_STATE.labels)
         tree = GaugeMetricFamily(spec.GW_TREE_TOKENS.name, spec.GW_TREE_TOKENS.help,
                                  labels=spec.GW_TREE_TOKENS.labels)
         rates = GaugeMetricFamily(spec.GW_HIT_RATE.name, spec.GW_HIT_RATE.help,
@@ -135,12 +138,15 @@ class GatewayMetrics:
             inflight.add_metric((w.url,), w.inflight)
             healthy.add_metric((w.url,), 1 if w.health.healthy and not w.draining else 0)
             tree.add_metric((w.url,), index.size(w.url) * unit)
+            state = w.breaker.state(now)
+            for each in BREAKER_STATES:
+                breakers.add_metric((w.url, each), 1 if each == state else 0)
             _rates(rates, w.url, w.prompt_tokens, w.cached_tokens, w.predicted_tokens)
             totals[0] += w.prompt_tokens
             totals[1] += w.cached_tokens
             totals[2] += w.predicted_tokens
         _rates(rates, "all", *totals)
-        yield from (inflight, healthy, tree, rates)
+        yield from (inflight, healthy, breakers, tree, rates)
 
 
 def _rates(family: GaugeMetricFamily, worker: str, prompt: int, cached: int,

@@ -143,7 +143,7 @@ class Gateway:
             ready = len(self.workers.eligible(self.clock()))
             await respond.send(*admin.health_body(ready, len(self.workers)))
         elif path == "/metrics":
-            body = self.metrics.render(self.workers, self.index)
+            body = self.metrics.render(self.workers, self.index, self.clock())
             await respond.send(200, [(b"content-type", b"text/plain; version=0.0.4")], body)
         elif path == "/v1/models" or path.startswith(MODEL_PATH):
             await self.forward_models(request, respond)

@@ -20,6 +20,7 @@ from .generated import write_copies
 
 POOL = 'namespace=~"$namespace", radixpool_io_pool=~"$pool"'
 WORKER = f'{POOL}, pod=~"$pod"'
+ERRORS = f'{POOL}, code!~"2.."'
 RATE = "[$__rate_interval]"
 DASHBOARD_DIRS = ("dashboards", "charts/radixpool/dashboards")
 
@@ -41,7 +42,9 @@ def _panel(title: str, targets: list[dict[str, str]], unit: str, description: st
     return {
         "type": kind, "title": title, "description": description,
         "datasource": {"type": "prometheus", "uid": "${datasource}"},
-        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+        # Ratios are 0-1 (`percentunit`): a fixed axis keeps 40% from looking like 100%.
+        "fieldConfig": {"defaults": {"unit": unit, **({"min": 0, "max": 1} if unit == "percentunit"
+                                                       else {})}, "overrides": []},
         "targets": [{**target, "refId": chr(ord("A") + i),
                      "datasource": {"type": "prometheus", "uid": "${datasource}"}}
                     for i, target in enumerate(targets)],
@@ -100,6 +103,19 @@ def fleet_dashboard() -> dict[str, Any]:
              "legendFormat": "{{code}}"},
             {"expr": f"sum({_rate(m.GW_RETRIES.name, POOL)})", "legendFormat": "retries"}],
             "reqps", "What clients see, by HTTP status; retries before the first byte."),
+        _panel("Gateway errors / s", [
+            {"expr": f"sum by (code) ({_rate(m.GW_REQUESTS.name, ERRORS)})",
+             "legendFormat": "{{code}}"}], "reqps",
+            "Responses other than 2xx, by HTTP status (worker=\"gateway\" series are the "
+            "gateway's own answers, e.g. 503 with no worker)."),
+        _panel("Retries, quarantines and upstream timeouts / s", [
+            {"expr": f"sum({_rate(m.GW_RETRIES.name, POOL)})", "legendFormat": "retried"},
+            {"expr": f"sum({_rate(m.GW_QUARANTINED.name, POOL)})",
+             "legendFormat": "quarantined (query of death)"},
+            {"expr": f"sum by (worker) ({_rate(m.GW_UPSTREAM_TIMEOUTS.name, POOL)})",
+             "legendFormat": "upstream timeout {{worker}}"}], "reqps",
+            "Requests retried on another worker before the first byte; requests refused "
+            "because two engines died holding them; requests cut at a worker's deadline."),
         _panel("Time to first token", [
             *_quantiles(m.TIME_TO_FIRST_TOKEN, POOL),
             {"expr": _quantiles(m.GW_TIME_TO_FIRST_TOKEN, POOL)[2]["expr"],
@@ -133,30 +149,46 @@ def fleet_dashboard() -> dict[str, Any]:
         _panel("KV cache usage per worker", [
             {"expr": f"max by (pod) ({m.KV_CACHE_USAGE.name}{{{POOL}}})",
              "legendFormat": "{{pod}}"}], "percentunit", "Share of KV slots in use."),
-        _panel("Retractions and evictions", [
+        _panel("Retractions / s", [
             {"expr": f"sum by (pod) ({_rate(m.RETRACTED_REQUESTS.name, POOL)})",
-             "legendFormat": "retracted {{pod}}"},
+             "legendFormat": "{{pod}}"}], "reqps",
+            "Running requests pushed back to the queue because KV memory ran out."),
+        _panel("Radix evictions (tokens / s)", [
             {"expr": f"sum by (pod) ({_rate(m.RADIX_EVICTED_TOKENS.name, POOL)})",
-             "legendFormat": "evicted tokens {{pod}}"}], "short",
-            "Requests pushed back for lack of KV; tokens evicted from the radix cache."),
+             "legendFormat": "{{pod}}"}], "short",
+            "Tokens evicted from the radix cache to make room: cache pressure."),
         _panel("Routing decisions / s", [
             {"expr": f"sum by (reason) ({_rate(m.GW_ROUTE_DECISIONS.name, POOL)})",
              "legendFormat": "{{reason}}"}], "reqps", "Why the gateway picked each worker."),
+        _panel("Routing tree corrections / s", [
+            {"expr": f"sum by (source) ({_rate(m.GW_TREE_CORRECTIONS.name, POOL)})",
+             "legendFormat": "{{source}}"}], "ops",
+            "Times the gateway fixed a worker's prefix tree from ground truth (cached_tokens, "
+            "a new instance_id, a KV-event resync): frequent ones mean stale routing."),
         _panel("In flight per worker (gateway)", [
             {"expr": f"sum by (worker) ({m.GW_INFLIGHT.name}{{{POOL}}})",
              "legendFormat": "{{worker}}"}], "short", "The gateway's view of worker load."),
         _panel("Gateway wait queue (late binding)", [
-            {"expr": f"sum({m.GW_WAIT_QUEUE.name}{{{POOL}}})", "legendFormat": "held now"},
+            {"expr": f"sum({m.GW_WAIT_QUEUE.name}{{{POOL}}})", "legendFormat": "held now"}],
+            "short", "Requests the gateways hold while their worker has prefill queued."),
+        _panel("Wait queue outcomes / s", [
             {"expr": f"sum by (outcome) ({_rate(m.GW_WAIT_QUEUE_OUTCOMES.name, POOL)})",
-             "legendFormat": "{{outcome}} / s"}], "short",
-            "Requests the gateways hold while their worker has prefill queued, and how they "
-            "leave: placed, overdue (sent at the deadline), left (client gone), rejected."),
+             "legendFormat": "{{outcome}}"}], "reqps",
+            "How held requests leave: placed, overdue (sent at the deadline), left (client "
+            "gone), rejected (503)."),
         _panel("Time held in the gateway", _quantiles(m.GW_WAIT_QUEUE_SECONDS, POOL), "s",
                "Arrival at the gateway to being sent to a worker, for held requests."),
         _panel("Worker health", [
             {"expr": f"min by (worker) ({m.GW_WORKER_HEALTHY.name}{{{POOL}}})",
              "legendFormat": "{{worker}}"}], "bool_yes_no",
             "1: the gateway sends this worker traffic.", kind="stat"),
+        _panel("Circuit breakers not closed", [
+            # Each gateway replica has its own breakers: a worker shows if any replica's is.
+            {"expr": f'max by (worker, state) ({m.GW_BREAKER_STATE.name}{{{POOL}, '
+                     f'state!="closed"}}) > 0',
+             "legendFormat": "{{state}} {{worker}}"}], "short",
+            "Workers some gateway sends no traffic (open) or one probe at a time (half_open), "
+            "after consecutive failed requests; empty when every breaker is closed."),
         _panel("Workers up", [
             {"expr": f"count({m.WORKER_INFO.series[0]}{{{POOL}}})", "legendFormat": "workers"},
             # Every gateway replica reports every worker: one per worker, healthy if any
@@ -203,11 +235,17 @@ def worker_dashboard() -> dict[str, Any]:
              "legendFormat": "cached {{pod}}"},
             {"expr": f"sum by (pod) ({_rate(m.GENERATION_TOKENS.name, WORKER)})",
              "legendFormat": "generated {{pod}}"}], "short", "Per worker throughput."),
-        _panel("Retractions and evictions", [
+        _panel("Retractions / s", [
             {"expr": f"sum by (pod) ({_rate(m.RETRACTED_REQUESTS.name, WORKER)})",
-             "legendFormat": "retracted {{pod}}"},
+             "legendFormat": "{{pod}}"}], "reqps", "KV pressure: running requests requeued."),
+        _panel("Radix evictions (tokens / s)", [
             {"expr": f"sum by (pod) ({_rate(m.RADIX_EVICTED_TOKENS.name, WORKER)})",
-             "legendFormat": "evicted tokens {{pod}}"}], "short", "KV pressure."),
+             "legendFormat": "{{pod}}"}], "short", "Cache pressure: tokens evicted."),
+        _panel("KV double frees / s", [
+            {"expr": f"sum by (pod) ({_rate(m.KV_DOUBLE_FREES.name, WORKER)})",
+             "legendFormat": "{{pod}}"}], "ops",
+            "KV pages freed while already free: an engine bug (counted and ignored). "
+            "Anything above zero deserves a bug report."),
         _panel("Finished requests / s", [
             {"expr": f"sum by (pod, finish_reason) ({_rate(m.REQUESTS.name, WORKER)})",
              "legendFormat": "{{finish_reason}} {{pod}}"}], "reqps", "By finish reason."),

@@ -3,8 +3,9 @@
 Two sources, one registry per server:
 - per-request series (tokens, finished requests, latencies, hit rate) are recorded by the server
   as each request finishes (`WorkerMetrics.record_*`);
-- engine state (queue sizes, KV usage, radix size, retractions, evictions) and the info metric are
-  read from the engine's latest stats at scrape time by `EngineCollector`.
+- engine state (queue sizes, KV usage, radix size, retractions, evictions, KV double frees)
+  and the info metric are read from the engine's latest stats at scrape time by
+  `EngineCollector`.
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ class EngineCollector(Collector):
             yield family
         for s, value in ((spec.RETRACTED_REQUESTS, stats.retracted_total),
                          (spec.RADIX_EVICTED_TOKENS, stats.evicted_tokens_total),
+                         (spec.KV_DOUBLE_FREES, stats.kv_double_frees_total),
                          (spec.GRAMMAR_CACHE_HITS, stats.grammar_cache_hits_total)):
             family = CounterMetricFamily(s.name, s.help)
             family.add_metric([], value)
