@@ -136,6 +136,22 @@ def test_logprobs(client):
     assert lp.text_offset == sorted(lp.text_offset)
 
 
+def test_chat_logprobs_cover_the_message_not_the_end_of_turn(client):
+    # OpenAI's logprobs.content lists the message's tokens; the end-of-turn token that ended the
+    # output (no part of the message) was listed too, so the entries did not spell the message
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    kw = {"max_tokens": 40, "temperature": 0, "logprobs": True, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "r", "schema": schema}}}
+    r = chat(client, "answer", **kw)   # the schema ends the output with the end of turn
+    assert r.choices[0].finish_reason == "stop"
+    content = r.choices[0].logprobs.content
+    assert b"".join(bytes(e.bytes) for e in content).decode() == r.choices[0].message.content
+    streamed = [e.token for c in chat(client, "answer", stream=True, **kw)
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert streamed == [e.token for e in content]
+
+
 def test_repeated_prompt_reports_cached_tokens(client):
     text, salt = fresh_text(), uuid.uuid4().hex   # a namespace of its own: nothing cached yet
     kw = {"max_tokens": 4, "temperature": 0, "extra_body": {"cache_salt": salt}}

@@ -83,7 +83,11 @@ def _finite(value: float) -> float:
 
 
 def chat_logprobs(token_text: TokenText, token_ids: Sequence[int], logprobs: Sequence[float],
-                  top: TopLogprobs | None) -> dict:
+                  top: TopLogprobs | None, stopped_on: int | str | None = None) -> dict:
+    """`content`: one entry per token of the message. A special token that ended the output
+    (`stopped_on`, the end of the turn) is no part of it and gets none, as in OpenAI's answers."""
+    if token_ids and token_ids[-1] == stopped_on and stopped_on in token_text.tokenizer.special_ids:
+        token_ids = token_ids[:-1]
     content = []
     for i, (token_id, logprob) in enumerate(zip(token_ids, logprobs, strict=False)):
         text, raw = token_text(token_id)

@@ -124,7 +124,7 @@ def router(state: WorkerState) -> APIRouter:
                 "index": fork.index,
                 "message": message,
                 "logprobs": (chat_logprobs(state.token_text, fork.token_ids, fork.logprobs,
-                                           fork.top_logprobs)
+                                           fork.top_logprobs, fork.matched_stop)
                              if params.logprobs is not None else None),
                 "finish_reason": finish_reason,
             })
@@ -241,7 +241,8 @@ def _chat_events(state: WorkerState, run: EngineRun, body: ChatCompletionRequest
                 if chunk.finished:
                     deltas += parser.finish()
             logprobs = (chat_logprobs(state.token_text, chunk.token_ids, chunk.logprobs or [],
-                                      chunk.top_logprobs) if want_logprobs else None)
+                                      chunk.top_logprobs, chunk.matched_stop)
+                        if want_logprobs else None)
             for i, delta in enumerate(deltas[:-1]):
                 yield {"index": chunk.index, "delta": delta,
                        "logprobs": logprobs if i == 0 else None, "finish_reason": None}
