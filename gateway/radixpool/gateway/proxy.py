@@ -75,6 +75,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.pools: dict[str, UpstreamPool] = {}
         self.clock = time.monotonic
+        self.draining = False  # shutting down: in-flight requests finish, new ones are refused
         self.access = AccessPolicy(config.api_key, config.admin_api_key)
         self.quarantine = Quarantine(ttl_s=config.quarantine_seconds) \
             if config.quarantine_seconds > 0 else None
@@ -141,7 +142,7 @@ class Gateway:
             await respond.send(200, [(b"content-type", b"application/json")], b'{"status":"ok"}')
         elif path == "/health":
             ready = len(self.workers.eligible(self.clock()))
-            await respond.send(*admin.health_body(ready, len(self.workers)))
+            await respond.send(*admin.health_body(ready, len(self.workers), self.draining))
         elif path == "/metrics":
             body = self.metrics.render(self.workers, self.index)
             await respond.send(200, [(b"content-type", b"text/plain; version=0.0.4")], body)
@@ -182,6 +183,10 @@ class Gateway:
     # --- the routed proxy ---------------------------------------------------------------------
     async def proxy(self, request: Request, respond: Responder) -> None:
         started = time.perf_counter()
+        if self.draining:
+            await self._refuse(respond, started, 503, "the gateway is shutting down; retry",
+                               "draining", headers=[(b"retry-after", b"1")])
+            return
         try:
             parsed = await self.bodies.parse(request.path, request.body)
         except BadRequest as exc:
