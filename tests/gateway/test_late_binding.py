@@ -78,6 +78,7 @@ def test_a_client_that_leaves_while_held_is_removed_and_counted(make_stack, loop
     assert wait_until(loop_thread, lambda: not stack.gateway.holding)
     outcomes = held_outcomes(stack)
     assert outcomes.get("left") == 1 and outcomes["now"] == 0 and "placed" not in outcomes
+    assert stack.gateway.metrics.requests["gateway", "499"] == 1  # answered by no worker
     slow.join(10)
     assert stack.gateway.workers.get(stack.fleet.urls[0]).inflight == 0
     fresh = stack.client.post("/v1/chat/completions", json={**body, "max_tokens": 1})

@@ -336,6 +336,23 @@ def test_with_lru_workers_a_cold_prompt_just_goes_to_the_least_loaded():
     assert picks == {"a": 5, "b": 5}  # ties rotate, as without capacity awareness
 
 
+def test_sessions_of_a_question_and_a_follow_up_spread_over_an_even_number_of_workers():
+    """Sequential sessions on idle workers, each a new prompt then a follow-up that hits the
+    cache. Only true ties may advance the rotation: when the follow-up (one owner, no tie) moved
+    it too, every new session on 2 workers landed on the same one, a restarted worker got none."""
+    for workers in (("a", "b"), ("a", "b", "c", "d")):
+        policy = cache_aware(workers)
+        firsts = Counter()
+        for session in range(12):
+            prompt = tokens(20_000 + 1000 * session, 8 * BLOCK)
+            first = policy.select(idle(*workers), key_of(prompt))
+            follow = policy.select(idle(*workers), key_of(prompt + tokens(900, BLOCK)))
+            assert (follow.worker, follow.reason) == (first.worker, "cache_hit")
+            firsts[first.worker] += 1
+        assert set(firsts) == set(workers) and max(firsts.values()) - min(firsts.values()) <= 1, \
+            firsts
+
+
 def test_new_sessions_that_fit_anywhere_spread_whatever_the_room():
     """Short cold prompts (new conversations) fit in every probation worker's room: nothing
     reused is at stake, so ties rotate as with lru workers. Preferring the worker with the most

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -393,3 +394,24 @@ def test_cli_startup_errors_are_one_clear_line_and_exit_2(tmp_path):
                              capture_output=True, text=True, env=env, timeout=60)
         assert run.returncode == 2 and message in run.stderr, run.stderr
         assert "Traceback" not in run.stderr
+
+
+def test_a_stopping_gateway_refuses_new_requests_and_finishes_its_streams(make_stack):
+    # 150 tokens at 20 ms each: a 3 s stream. The old gateway kept taking new requests while
+    # it drained, so steady traffic held it up for the whole drain and was then cut.
+    stack = make_stack(1, sim=SimConfig(decode_ms_per_token=20.0))
+    client = sdk(stack)
+    stream = client.completions.create(model="sim-model", prompt=words(0, 10), max_tokens=150,
+                                       stream=True)
+    first = next(iter(stream))
+    stopping = asyncio.run_coroutine_threadsafe(stack.server.stop(drain_seconds=30.0),
+                                                stack.loop.loop)
+    with pytest.raises(openai.InternalServerError) as refused:
+        client.completions.create(model="sim-model", prompt=words(50, 10), max_tokens=2)
+    assert refused.value.status_code == 503 and refused.value.code == "draining"
+    assert refused.value.response.headers["retry-after"] == "1"
+    health = stack.client.get("/health")
+    assert health.status_code == 503 and health.json()["status"] == "draining"
+    rest = list(stream)
+    assert first.choices and rest[-1].choices[0].finish_reason == "length"
+    stopping.result(timeout=30)  # closed once its stream was done

@@ -55,6 +55,8 @@ def test_a_client_that_leaves_cancels_the_workers_request(make_stack, stream):
     # the gateway closed its connection to the worker (which aborts there) and let go
     assert wait_for(lambda: stack.gateway.workers.get(worker.url).inflight == 0, 3)
     assert wait_for(lambda: len(worker.connections) < in_flight_connections, 3)
+    # counted once, as a client that left (a non-streamed one leaves before any header came)
+    assert dict(stack.gateway.metrics.requests) == {(worker.url, "499"): 1}
 
 
 def test_a_hung_worker_is_cut_by_the_first_byte_timeout(make_stack):

@@ -105,7 +105,8 @@ WORKER_METRICS: tuple[MetricSpec, ...] = (
 # --- gateway ----------------------------------------------------------------------------------
 GW_REQUESTS = MetricSpec(
     "radixpool_gateway_requests_total", "counter",
-    "Routed requests by worker and status code (worker=\"gateway\": answered by the gateway).",
+    "Routed requests by worker and status code (worker=\"gateway\": answered by the gateway; "
+    "code 499: the client left before its answer was whole).",
     ("worker", "code"))
 GW_ROUTE_DECISIONS = MetricSpec(
     "radixpool_gateway_route_decisions_total", "counter",

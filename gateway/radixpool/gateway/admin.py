@@ -17,9 +17,10 @@ from radixpool.gateway.http_edge import Headers, Request, error_body, json_body
 from radixpool.gateway.workers import Worker, WorkerSet
 
 
-def health_body(eligible: int, total: int) -> tuple[int, Headers, bytes]:
-    status = "ok" if eligible else "no_healthy_workers"
-    return json_body(200 if eligible else 503,
+def health_body(eligible: int, total: int, draining: bool = False
+                ) -> tuple[int, Headers, bytes]:
+    status = "draining" if draining else "ok" if eligible else "no_healthy_workers"
+    return json_body(200 if eligible and not draining else 503,
                      {"status": status, "eligible_workers": eligible, "workers": total})
 
 

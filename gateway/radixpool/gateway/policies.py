@@ -324,6 +324,8 @@ class CacheAware(Policy):
             room = [self.index.room(candidates[i].name) for i in ties]
             most = max(room)
             ties = [i for i, r in zip(ties, room) if r == most]
+        if len(ties) == 1:  # only a true tie turns the rotation (else its parity pins a worker)
+            return ties[0]
         self._turn += 1
         return ties[self._turn % len(ties)]
 

@@ -75,6 +75,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.pools: dict[str, UpstreamPool] = {}
         self.clock = time.monotonic
+        self.draining = False  # shutting down: in-flight requests finish, new ones are refused
         self.access = AccessPolicy(config.api_key, config.admin_api_key)
         self.quarantine = Quarantine(ttl_s=config.quarantine_seconds) \
             if config.quarantine_seconds > 0 else None
@@ -141,7 +142,7 @@ class Gateway:
             await respond.send(200, [(b"content-type", b"application/json")], b'{"status":"ok"}')
         elif path == "/health":
             ready = len(self.workers.eligible(self.clock()))
-            await respond.send(*admin.health_body(ready, len(self.workers)))
+            await respond.send(*admin.health_body(ready, len(self.workers), self.draining))
         elif path == "/metrics":
             body = self.metrics.render(self.workers, self.index, self.clock())
             await respond.send(200, [(b"content-type", b"text/plain; version=0.0.4")], body)
@@ -182,6 +183,10 @@ class Gateway:
     # --- the routed proxy ---------------------------------------------------------------------
     async def proxy(self, request: Request, respond: Responder) -> None:
         started = time.perf_counter()
+        if self.draining:
+            await self._refuse(respond, started, 503, "the gateway is shutting down; retry",
+                               "draining", headers=[(b"retry-after", b"1")])
+            return
         try:
             parsed = await self.bodies.parse(request.path, request.body)
         except BadRequest as exc:
@@ -195,7 +200,7 @@ class Gateway:
             await self._quarantined(respond, started)
             return
         headers = self.forwarded_headers(request)
-        picked = await self._dispatch(request.path, headers, parsed.body, key)
+        picked = await self._dispatch(request.path, headers, parsed.body, key, started)
         if picked is QUARANTINED:
             await self._quarantined(respond, started)
             return
@@ -227,12 +232,14 @@ class Gateway:
         await respond.send(status, [*headers, *error_headers], doc)
         self.metrics.answered("gateway", status, time.perf_counter() - started, None)
 
-    async def _dispatch(self, path: str, headers: Headers, body: bytes, key: RouteKey
+    async def _dispatch(self, path: str, headers: Headers, body: bytes, key: RouteKey,
+                        started: float
                         ) -> tuple[Worker, Decision, UpstreamResponse] | tuple[int, str] | object:
         """Pick a worker and get its response headers, retrying connect errors and 503s on
         others. Returns the worker (its in-flight count taken), or the status and reason to
         answer with: 502 when a worker failed, 503 when none was available or all were busy;
-        or QUARANTINED when the request was in a second engine that died."""
+        or QUARANTINED when the request was in a second engine that died. A client that leaves
+        meanwhile is counted as a 499 here (a non-streamed request leaves before any header)."""
         tried: set[str] = set()
         errors: list[str] = []
         busy = 0
@@ -248,7 +255,11 @@ class Gateway:
             if (not attempt and self.holding is not None
                     and self.holding.holds(worker.queued(key.tokens))):
                 self.policy.failed(decision, key)
-                held = await self.holding.wait(key)
+                try:
+                    held = await self.holding.wait(key)
+                except asyncio.CancelledError:
+                    self._left("gateway", started)
+                    raise
                 if held is None:
                     break
                 worker, decision = held.worker, held.decision
@@ -272,8 +283,10 @@ class Gateway:
                 self._release(worker, wait)
                 worker.breaker.record_failure("connect_error", self.clock())
                 errors.append(f"{worker.url}: {exc}")
-            except BaseException:  # the client left while the worker was being asked
+            except BaseException as exc:
                 self._release(worker, wait)
+                if isinstance(exc, asyncio.CancelledError):  # the client left meanwhile
+                    self._left(worker.url, started)
                 raise
             else:
                 if upstream.status != 503 or attempt == self.config.max_retries:
@@ -332,10 +345,13 @@ class Gateway:
             self.metrics.answered(worker.url, code, time.perf_counter() - started, ttfb)
             return
         except asyncio.CancelledError:  # the client left: the worker connection closes below
-            self.metrics.answered(worker.url, 499, time.perf_counter() - started, ttfb)
+            self._left(worker.url, started, ttfb)
             raise
         finally:
             upstream.release()
+        if respond.disconnected:  # noticed by a failed write rather than by cancellation
+            self._left(worker.url, started, ttfb)
+            return
         if status < 500:
             worker.breaker.record_success(self.clock())
             worker.answered_at = self.clock()
@@ -373,6 +389,10 @@ class Gateway:
         if pending and not respond.disconnected:
             await respond.write(pending)
         return usage, ttfb
+
+    def _left(self, worker_url: str, started: float, ttfb: float | None = None) -> None:
+        """Count a request whose client went away before its answer was whole."""
+        self.metrics.answered(worker_url, 499, time.perf_counter() - started, ttfb)
 
     def _release(self, worker: Worker, wait: tuple[int, float] | None) -> None:
         """A dispatched request is over at `worker` (answered, failed or given up)."""

@@ -52,6 +52,9 @@ class GatewayServer:
         await self.server.start()
 
     async def stop(self, drain_seconds: float = 0.0) -> None:
+        """Refuse new requests (503 `draining`, `/health` 503), let those in flight finish for
+        up to `drain_seconds`, then close."""
+        self.gateway.draining = True
         if self._discovery_stop is not None:
             self._discovery_stop.set()
         deadline = asyncio.get_running_loop().time() + drain_seconds
