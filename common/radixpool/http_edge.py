@@ -80,6 +80,7 @@ class EdgeProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)
         self._in_head = True      # the next bytes belong to a request head
+        self._head_started = False   # ... and some of them have arrived
         self._head_bytes = 0      # of the head being read, counted from the read it began in
         self._heads_read = 0
         self._head_timer: asyncio.TimerHandle | None = None
@@ -112,8 +113,16 @@ class EdgeProtocol(HttpToolsProtocol):
                                  "request_header_fields_too_large")
                     return
         # A head that begins inside this (bounded) read is capped from the next read on.
-        if data:
-            self._feed(data)
+        if data and not self._feed(data):
+            return
+        # Deadlines only for what this read left unfinished: a request that arrives whole in
+        # one read (the common case) costs no timer.
+        if self._in_head:
+            if self._head_started and self._head_timer is None:
+                self._arm_head_timer()
+        elif self._body_timer is None:
+            self._body_timer = self.loop.call_later(self.limits.body_read_timeout,
+                                                    self._body_timed_out)
 
     def _feed(self, data: bytes) -> bool:
         self._unset_keepalive_if_required()
@@ -132,18 +141,14 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._in_head = True
-        if self._head_timer is None:
-            self._arm_head_timer()
+        self._in_head = self._head_started = True
 
     def on_headers_complete(self) -> None:
-        self._in_head = False
+        self._in_head = self._head_started = False
         self._head_bytes = 0
         self._heads_read += 1
         self._cancel_head_timer()
         super().on_headers_complete()
-        self._body_timer = self.loop.call_later(self.limits.body_read_timeout,
-                                                self._body_timed_out)
 
     def on_message_complete(self) -> None:
         self._cancel_body_timer()
