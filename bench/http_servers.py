@@ -1,19 +1,23 @@
-"""HTTP servers alone, side by side: the numbers behind the gateway's choice of Granian.
+"""HTTP servers alone, side by side: the numbers behind the gateway's choice of server.
 
     python bench/http_servers.py                       # all candidates
-    python bench/http_servers.py granian uvicorn       # some
+    python bench/http_servers.py edge granian          # some
 
 Each candidate serves the same answers in its own process (a 68-byte JSON body, and a 10-event
 SSE stream at /s); one client process measures the p50 of 2,000 sequential requests, the p50 time
 to a stream's first byte, and throughput at concurrency 32 with the server's CPU per request.
-`handwritten` is the asyncio+httptools server the gateway ran on before (now the simulated
-workers'); `granian-asgi` is Granian's ASGI interface (whose streams wait for slow clients, unlike
-RSGI's). aiohttp is not a dependency of the project: install it to include it.
-"""
+`edge` is what the gateway and the workers run (uvicorn's httptools protocol with the limits of
+`radixpool.http_edge`), `uvicorn` the same protocol bare; `handwritten` is the asyncio+httptools
+server the gateway ran on first (now the simulated workers'); `granian` is Granian's RSGI
+interface (the gateway's server before `edge`), `granian-asgi` its ASGI one. Granian and aiohttp
+are not dependencies of the project: those not installed are skipped (`pip install granian`).
+A server alone is only part of the story: `bench/gateway_floor.py` and `bench/routing.py
+overhead` measure the gateway itself."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import statistics
 import subprocess
 import sys
@@ -22,7 +26,8 @@ import time
 from fleet_procs import cpu_seconds, free_port, stop
 from loadgen import closed_loop
 
-KINDS = ("handwritten", "granian", "granian-asgi", "aiohttp", "uvicorn")
+KINDS = ("handwritten", "edge", "granian", "granian-asgi", "aiohttp", "uvicorn")
+NEEDS = {"granian": "granian", "aiohttp": "aiohttp"}   # not dependencies of the project
 
 BODY = b'{"id":"x","choices":[{"text":"hello"}],"usage":{"prompt_tokens":32}}'
 EVENTS = [b'data: {"choices":[{"text":"w"}]}\n\n'] * 10
@@ -106,11 +111,14 @@ async def serve_in_loop(kind: str, port: int) -> None:
 
 
 def serve(kind: str, port: int) -> None:
-    if kind == "uvicorn":
+    if kind in ("uvicorn", "edge"):
         import uvicorn
 
+        from radixpool.http_edge import EdgeLimits, edge_protocol
+
         print("ready", flush=True)
-        uvicorn.run(asgi_app, host="127.0.0.1", port=port, loop="uvloop", http="httptools",
+        uvicorn.run(asgi_app, host="127.0.0.1", port=port, loop="uvloop",
+                    http="httptools" if kind == "uvicorn" else edge_protocol(EdgeLimits()),
                     log_level="warning", access_log=False, lifespan="off")
     else:
         import uvloop
@@ -121,6 +129,10 @@ def serve(kind: str, port: int) -> None:
 def compare(kinds: list[str]) -> None:
     body = b'{"model":"m","prompt":"' + b"w " * 32 + b'","max_tokens":1}'
     for kind in kinds:
+        package = NEEDS.get(kind.split("-")[0])
+        if package and importlib.util.find_spec(package) is None:
+            print(f"{kind:12s} skipped: {package} is not installed (pip install {package})")
+            continue
         port = free_port()
         proc = subprocess.Popen([sys.executable, __file__, "--serve", kind, str(port)],
                                 stdout=subprocess.PIPE, text=True)

@@ -1,11 +1,11 @@
 """The simulated workers' HTTP/1.1 server (test and benchmark support), on asyncio + httptools.
 
-The gateway no longer runs on it: it is served by Granian (`http_edge`), which enforces the
-timeouts and limits this one lacks (no header timeout, no header cap, pipelined requests read
-ahead without bound). The simulated workers keep it because a test can cut every connection at
-once (`HttpProtocol.abort`: a crashed worker, as clients see it). It parses with httptools, keeps
-connections alive, sets TCP_NODELAY, answers requests on one connection in order, and hands the
-application a `Request` and a `Responder`:
+The gateway no longer runs on it: it is served by the hardened edge (`radixpool.http_edge`),
+which enforces the timeouts and limits this one lacks (no header timeout, no header cap,
+pipelined requests read ahead without bound). The simulated workers keep it because a test can
+cut every connection at once (`HttpProtocol.abort`: a crashed worker, as clients see it). It
+parses with httptools, keeps connections alive, sets TCP_NODELAY, answers requests on one
+connection in order, and hands the application a `Request` and a `Responder`:
 
     async def app(request: Request, respond: Responder) -> None
 

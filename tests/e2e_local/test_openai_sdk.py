@@ -63,6 +63,9 @@ def test_a_model_is_looked_up_by_its_id(fleet, sdk):
             client.models.retrieve("no-such-model")
         assert missing.value.body["code"] == "model_not_found"
         assert "no-such-model" in missing.value.body["message"]
+        with pytest.raises(openai.NotFoundError) as missing:   # passed on quoted, whole
+            client.models.retrieve("org/no such model")
+        assert "org/no such model" in missing.value.body["message"]
         with pytest.raises(openai.NotFoundError) as missing:
             client.chat.completions.create(model="no-such-model", messages=MESSAGES,
                                            max_tokens=2)

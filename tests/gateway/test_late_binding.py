@@ -80,7 +80,8 @@ def test_a_client_that_leaves_while_held_is_removed_and_counted(make_stack, loop
     assert outcomes.get("left") == 1 and outcomes["now"] == 0 and "placed" not in outcomes
     assert stack.gateway.metrics.requests["gateway", "499"] == 1  # answered by no worker
     slow.join(10)
-    assert stack.gateway.workers.get(stack.fleet.urls[0]).inflight == 0
+    only = stack.gateway.workers.get(stack.fleet.urls[0])
+    assert wait_until(loop_thread, lambda: only.inflight == 0)
     fresh = stack.client.post("/v1/chat/completions", json={**body, "max_tokens": 1})
     assert fresh.status_code == 200 and "placed" not in held_outcomes(stack)
 

@@ -410,8 +410,11 @@ def test_a_stopping_gateway_refuses_new_requests_and_finishes_its_streams(make_s
         client.completions.create(model="sim-model", prompt=words(50, 10), max_tokens=2)
     assert refused.value.status_code == 503 and refused.value.code == "draining"
     assert refused.value.response.headers["retry-after"] == "1"
+    # and to go elsewhere: a kept-alive connection to a gateway about to exit would fail later
+    assert refused.value.response.headers["connection"] == "close"
     health = stack.client.get("/health")
     assert health.status_code == 503 and health.json()["status"] == "draining"
+    assert health.headers["connection"] == "close"
     rest = list(stream)
     assert first.choices and rest[-1].choices[0].finish_reason == "length"
     stopping.result(timeout=30)  # closed once its stream was done

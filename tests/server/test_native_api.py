@@ -40,6 +40,25 @@ def test_generate_batch_and_n(http):
     assert all(1 <= len(r["output_ids"]) <= 3 for r in out)
 
 
+def test_every_choice_of_a_generate_answer_has_its_own_id(http):
+    # n > 1 gave every choice the request's id: a client matching answers to ids saw one
+    sp = {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}
+    cases = [({"input_ids": [5, 6, 7], "sampling_params": {**sp, "n": 3}, "rid": "r1"},
+              ["r1-0", "r1-1", "r1-2"]),
+             ({"input_ids": [[5, 6, 7], [8, 9]], "sampling_params": [{**sp, "n": 2}, sp],
+               "rid": "r2"}, ["r2-0", "r2-1", "r2-2"]),
+             ({"input_ids": [5, 6, 7], "sampling_params": sp, "rid": "r3"}, "r3")]
+    for body, want in cases:
+        listed = http.post("/generate", json=body).json()
+        got = [a["meta_info"]["id"] for a in listed] if isinstance(listed, list) \
+            else listed["meta_info"]["id"]
+        assert got == want
+        with http.stream("POST", "/generate", json={**body, "stream": True}) as r:
+            streamed = {e["index"]: e["meta_info"]["id"] for e in _stream_events(r)}
+        assert [streamed[i] for i in sorted(streamed)] == (want if isinstance(want, list)
+                                                           else [want])
+
+
 def test_a_streamed_batch_numbers_choices_as_the_answer_lists_them(http):
     # Prompts with different n: the event index was p * n_p + i, so prompt 0's second choice
     # and prompt 1's only one were both index 1.

@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import json
 import time
+from urllib.parse import quote
 
 from radixpool.gateway import admin
 from radixpool.gateway.access import AccessPolicy, presented_key
@@ -123,6 +124,8 @@ class Gateway:
     async def __call__(self, request: Request, respond: Responder) -> None:
         path, method = request.path, request.method
         headers = request.headers
+        if self.draining:  # a kept-alive client would find the connection gone mid-request later
+            respond.closing = True
         denied = self.access.check(path, method, presented_key(
             headers.get(b"authorization", b""), headers.get(b"x-api-key", b"")))
         if denied is not None:
@@ -167,7 +170,7 @@ class Gateway:
         sent = self.clock()
         try:
             upstream = await self.pool(worker).request(
-                "GET", request.path, self.forwarded_headers(request),
+                "GET", quote(request.path), self.forwarded_headers(request),
                 first_byte_timeout=self.config.upstream_first_byte_timeout,
                 total_timeout=self.config.upstream_timeout)
             body = await upstream.body()

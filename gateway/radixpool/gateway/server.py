@@ -1,4 +1,4 @@
-"""Assembling and running the gateway: the app, its HTTP edge (Granian), the monitors, discovery.
+"""Assembling and running the gateway: the app, its HTTP edge (uvicorn), the monitors, discovery.
 
 `GatewayServer` is used the same way by the CLI (`run`, blocking, uvloop, stops on SIGTERM/SIGINT
 after in-flight requests finish) and by tests and benchmarks (`await start()` / `await stop()`

@@ -10,6 +10,7 @@ import argparse
 import os
 from dataclasses import dataclass, field, fields
 
+from radixpool.http_edge import EdgeLimits
 from radixpool.keys import KeySource, read_key
 from radixpool.worker.config import (
     DEVICES,
@@ -24,24 +25,6 @@ from radixpool.worker.server.tool_format import TOOL_FORMAT_FLAGS, TOOL_FORMATS
 LOG_LEVELS = ("debug", "info", "warning", "error")
 API_KEY_ENV = "RADIXPOOL_API_KEY"
 CONTROL_KEY_ENV = "RADIXPOOL_CONTROL_API_KEY"
-
-
-@dataclass(frozen=True)
-class EdgeLimits:
-    """What the HTTP edge (`http_edge.py`) takes from a client before the app sees a request."""
-
-    header_read_timeout: float = 10.0   # seconds from a request head's first byte to its end
-    max_header_bytes: int = 65536       # request line + headers; larger heads get 431
-    body_read_timeout: float = 30.0     # seconds from a head's end to its body's end
-
-    def __post_init__(self) -> None:
-        if not self.header_read_timeout > 0:
-            raise ValueError("header_read_timeout must be > 0 seconds, "
-                             f"got {self.header_read_timeout}")
-        if not self.body_read_timeout > 0:
-            raise ValueError(f"body_read_timeout must be > 0 seconds, got {self.body_read_timeout}")
-        if self.max_header_bytes < 1024:
-            raise ValueError(f"max_header_bytes must be ≥ 1024, got {self.max_header_bytes}")
 
 
 @dataclass(frozen=True)

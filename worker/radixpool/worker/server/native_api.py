@@ -139,15 +139,18 @@ def router(state: WorkerState) -> APIRouter:
                 for i, (ids, p) in enumerate(zip(inputs, params, strict=True))]
         await start_all(request, runs)
         if body.stream:
-            return EventStream(_generate_events(runs, params, rids))
+            return EventStream(_generate_events(runs, params, _choice_ids(rid, batch, params)))
 
         async def collect_all() -> list[list[ForkOutput]]:
             return [await run.collect() for run in runs]
 
         results = await until_disconnect(request, collect_all(), runs)
+        ids = _choice_ids(rid, batch, params)
+        first = _first_choices(params)
         out = [
             {"text": fork.full_text, "output_ids": fork.token_ids,
-             "meta_info": _meta(fork, rids[i], params[i].logprobs is not None)}
+             "meta_info": _meta(fork, ids[first[i] + fork.index],
+                                params[i].logprobs is not None)}
             for i, forks in enumerate(results) for fork in forks
         ]
         return JSONResponse(out if batch or len(out) > 1 else out[0],
@@ -246,17 +249,31 @@ def router(state: WorkerState) -> APIRouter:
     return r
 
 
-async def _generate_events(runs: list[EngineRun], params: list, rids: list[str]
+def _first_choices(params: list) -> list[int]:
+    """Each prompt's first choice's place in the answer: prompts may ask for different n."""
+    return list(itertools.accumulate((p.n for p in params[:-1]), initial=0))
+
+
+def _choice_ids(rid: str, batch: bool, params: list) -> list[str]:
+    """`meta_info.id` of each choice, in answer order: the request's id when it is the only
+    choice, else the id and the choice's index (a batch of single choices keeps the prompt's
+    engine id, `rid-i`), so every choice of an answer has its own."""
+    choices = sum(p.n for p in params)
+    return [f"{rid}-{k}" for k in range(choices)] if batch or choices > 1 else [rid]
+
+
+async def _generate_events(runs: list[EngineRun], params: list, ids: list[str]
                            ) -> AsyncIterator[bytes]:
-    # a choice's index is its place in the non-streamed answer: prompts may ask for different n
-    first = list(itertools.accumulate((p.n for p in params[:-1]), initial=0))
+    # a choice's index is its place in the non-streamed answer
+    first = _first_choices(params)
     try:
         async for p, chunk in merge_streams(runs):
+            index = first[p] + chunk.index
             event = {
-                "index": first[p] + chunk.index,
+                "index": index,
                 "text": chunk.text,
                 "output_ids": list(chunk.token_ids),
-                "meta_info": _meta(chunk, rids[p], params[p].logprobs is not None),
+                "meta_info": _meta(chunk, ids[index], params[p].logprobs is not None),
             }
             if not chunk.finished:
                 event["meta_info"]["finish_reason"] = None

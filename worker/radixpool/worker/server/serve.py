@@ -17,9 +17,9 @@ from types import FrameType
 
 import uvicorn
 
+from radixpool.http_edge import edge_protocol
 from radixpool.worker.server.app import create_app
 from radixpool.worker.server.config import ServerConfig
-from radixpool.worker.server.http_edge import edge_protocol
 from radixpool.worker.server.state import WorkerState
 
 log = logging.getLogger("radixpool.worker.server")

@@ -1,36 +1,57 @@
-"""The worker's HTTP/1 edge: uvicorn's httptools protocol, with the limits it lacks.
+"""The HTTP/1 edge of the gateway and the workers: uvicorn's httptools protocol, with the limits
+it lacks.
 
-In a cluster any pod can reach a worker's Service, so the worker's edge holds the line the
-gateway's does (gateway/radixpool/gateway/http_edge.py). uvicorn's httptools protocol, left to
-itself, waits forever for a request head sent a byte at a time (its keep-alive timer restarts on
-every byte), takes request heads of any size (an 8 MiB header is buffered and answered 200), and
-answers a malformed request pipelined behind a valid one with an immediate 400 that closes the
-connection under the valid request's response (whose request is then aborted). `EdgeProtocol`:
+Both serve clients that may misbehave (in a cluster any pod can reach a worker's Service), so
+both run this one protocol class. uvicorn's httptools protocol, left to itself, waits forever for
+a request head sent a byte at a time (its keep-alive timer restarts on every byte), takes request
+heads of any size (an 8 MiB header is buffered and answered 200), and answers a malformed request
+pipelined behind a valid one with an immediate 400 that closes the connection under the valid
+request's response (whose request is then aborted). `EdgeProtocol`:
 
 - a request head must arrive whole within `header_read_timeout` of its first byte (of the
   connection's opening, for the first request): else 408 and the connection closes. While an
   earlier request on the connection is still being answered, the clock waits for it;
 - a head over `max_header_bytes` (request line and headers) is answered 431;
 - a request body must arrive whole within `body_read_timeout` of the head's end (time the
-  worker itself holds reading back, for flow control or a pipelined turn, does not count): else
+  server itself holds reading back, for flow control or a pipelined turn, does not count): else
   408 (or, once an answer has begun, a closed connection) and the request is aborted;
 - a malformed or oversized request pipelined behind others is answered, and the connection
   closed, only after the earlier requests' responses are complete.
 
-Errors have the worker's OpenAI-style body. Idle keep-alive connections still close after
-uvicorn's `timeout_keep_alive`.
+What uvicorn already does right is kept: pipelined requests answered in order, one at a time;
+`100 Continue` sent only when the application asks for the body; a response body written to a
+client that does not read waits for it (flow control), so a slow reader holds back its own
+answer instead of filling the server's memory; TCP_NODELAY (the event loop sets it). Errors have
+the OpenAI-style body both servers use. Idle keep-alive connections close after uvicorn's
+`timeout_keep_alive`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from radixpool.worker.server.config import EdgeLimits
-from radixpool.worker.server.errors import error_body
+
+@dataclass(frozen=True)
+class EdgeLimits:
+    """What the HTTP edge takes from a client before the application sees a request."""
+
+    header_read_timeout: float = 10.0   # seconds from a request head's first byte to its end
+    max_header_bytes: int = 65536       # request line + headers; larger heads get 431
+    body_read_timeout: float = 30.0     # seconds from a head's end to its body's end
+
+    def __post_init__(self) -> None:
+        if not self.header_read_timeout > 0:
+            raise ValueError("header_read_timeout must be > 0 seconds, "
+                             f"got {self.header_read_timeout}")
+        if not self.body_read_timeout > 0:
+            raise ValueError(f"body_read_timeout must be > 0 seconds, got {self.body_read_timeout}")
+        if self.max_header_bytes < 1024:
+            raise ValueError(f"max_header_bytes must be ≥ 1024, got {self.max_header_bytes}")
 
 
 def edge_protocol(limits: EdgeLimits) -> type[HttpToolsProtocol]:
@@ -38,8 +59,17 @@ def edge_protocol(limits: EdgeLimits) -> type[HttpToolsProtocol]:
     return type("EdgeProtocol", (EdgeProtocol,), {"limits": limits})
 
 
+def error_document(status: int, message: str, code: str | None = None,
+                   param: str | None = None) -> bytes:
+    """An OpenAI-style error body: `param` names the field at fault, `code` is a
+    machine-readable reason or null."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return json.dumps({"error": {"message": message, "type": kind, "param": param,
+                                 "code": code}}).encode()
+
+
 def _error_response(status: int, message: str, code: str) -> bytes:
-    body = json.dumps(error_body(message, code=code)).encode()
+    body = error_document(status, message, code)
     return b"".join([STATUS_LINE[status], b"content-type: application/json\r\n",
                      b"content-length: %d\r\n" % len(body), b"connection: close\r\n\r\n", body])
 
@@ -50,6 +80,7 @@ class EdgeProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)
         self._in_head = True      # the next bytes belong to a request head
+        self._head_started = False   # ... and some of them have arrived
         self._head_bytes = 0      # of the head being read, counted from the read it began in
         self._heads_read = 0
         self._head_timer: asyncio.TimerHandle | None = None
@@ -77,13 +108,21 @@ class EdgeProtocol(HttpToolsProtocol):
             if self._in_head and self._heads_read == heads_read:
                 self._head_bytes += len(piece)
                 if self._head_bytes > self.limits.max_header_bytes:
-                    self._refuse(431, f"the request head is over this worker's limit of "
+                    self._refuse(431, f"the request head is over the limit of "
                                       f"{self.limits.max_header_bytes} bytes",
                                  "request_header_fields_too_large")
                     return
         # A head that begins inside this (bounded) read is capped from the next read on.
-        if data:
-            self._feed(data)
+        if data and not self._feed(data):
+            return
+        # Deadlines only for what this read left unfinished: a request that arrives whole in
+        # one read (the common case) costs no timer.
+        if self._in_head:
+            if self._head_started and self._head_timer is None:
+                self._arm_head_timer()
+        elif self._body_timer is None:
+            self._body_timer = self.loop.call_later(self.limits.body_read_timeout,
+                                                    self._body_timed_out)
 
     def _feed(self, data: bytes) -> bool:
         self._unset_keepalive_if_required()
@@ -102,18 +141,14 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._in_head = True
-        if self._head_timer is None:
-            self._arm_head_timer()
+        self._in_head = self._head_started = True
 
     def on_headers_complete(self) -> None:
-        self._in_head = False
+        self._in_head = self._head_started = False
         self._head_bytes = 0
         self._heads_read += 1
         self._cancel_head_timer()
         super().on_headers_complete()
-        self._body_timer = self.loop.call_later(self.limits.body_read_timeout,
-                                                self._body_timed_out)
 
     def on_message_complete(self) -> None:
         self._cancel_body_timer()
@@ -165,7 +200,7 @@ class EdgeProtocol(HttpToolsProtocol):
         self._body_timer = None
         if self.transport.is_closing():
             return
-        if self.flow.read_paused:   # the worker holds the body back, not the client
+        if self.flow.read_paused:   # the server holds the body back, not the client
             self._body_timer = self.loop.call_later(self.limits.body_read_timeout,
                                                     self._body_timed_out)
             return
