@@ -67,7 +67,7 @@ class GatewayConfig:
     text_block_bytes: int = 64
     log_level: str = "info"
     # the HTTP edge: limits and deadlines (seconds)
-    header_read_timeout: float = 10.0   # also closes idle keep-alive connections (hyper's timer)
+    header_read_timeout: float = 10.0   # also closes idle keep-alive connections
     max_header_bytes: int = 64 * 1024
     body_read_timeout: float = 30.0
     upstream_first_byte_timeout: float = 300.0

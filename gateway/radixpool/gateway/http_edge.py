@@ -209,7 +209,7 @@ class EdgeServer:
             self._asgi, interface="asgi3", lifespan="off", http=edge_protocol(self.limits),
             ws="none", log_level="warning", access_log=False, proxy_headers=False,
             server_header=False, date_header=False,
-            timeout_keep_alive=max(1, round(self.limits.header_read_timeout)))
+            timeout_keep_alive=self.limits.header_read_timeout)
         config.load()
         protocol = config.http_protocol_class
         state = self._state
