@@ -43,7 +43,7 @@ import uvicorn
 from uvicorn.server import ServerState
 
 from radixpool.http_edge import EdgeLimits as ProtocolLimits
-from radixpool.http_edge import edge_protocol
+from radixpool.http_edge import edge_protocol, error_document
 
 log = logging.getLogger("radixpool.gateway")
 
@@ -72,11 +72,9 @@ def json_body(status: int, doc: object) -> tuple[int, Headers, bytes]:
 
 def error_body(status: int, message: str, code: str | None = None,
                param: str | None = None) -> tuple[int, Headers, bytes]:
-    """An OpenAI-style error document, shaped as the workers shape theirs: `param` names the
-    field at fault, `code` is a machine-readable reason or null."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return json_body(status, {"error": {"message": message, "type": kind, "param": param,
-                                        "code": code}})
+    """An OpenAI-style error answer, shaped as the workers shape theirs (`error_document`)."""
+    return status, [(b"content-type", b"application/json")], \
+        error_document(status, message, code, param)
 
 
 @dataclass(frozen=True)
