@@ -379,3 +379,46 @@ def test_a_chunked_body_whose_framing_breaks_after_a_whole_json_chunk_reaches_no
     time.sleep(0.2)
     assert stack.fleet.workers[0].requests == 0
     assert stack.client.post("/v1/completions", content=whole).status_code == 200
+
+
+def test_a_whole_answer_leaves_in_one_write_and_a_head_answer_has_no_body(loop_thread):
+    # uvicorn writes an answer's head and body apart; the edge joins them (one segment, one
+    # wake-up of the client): the recorded writes of a real answer, and a HEAD answer's
+    import asyncio
+
+    from radixpool.gateway import http_edge
+
+    writes: list[bytes] = []
+    real = http_edge._HeadHeld
+
+    class Recorded(real):
+        def __init__(self, transport) -> None:
+            class Recording:
+                def __getattr__(self, name):
+                    return getattr(transport, name)
+
+                def write(self, data: bytes) -> None:
+                    writes.append(data)
+                    transport.write(data)
+
+            super().__init__(Recording())
+
+    async def app(request, respond) -> None:
+        await asyncio.sleep(0)
+        await respond.send(200, [(b"content-type", b"text/plain")], b"whole answer")
+
+    http_edge._HeadHeld = Recorded
+    server = http_edge.EdgeServer(app, "127.0.0.1", 0, http_edge.EdgeLimits())
+    loop_thread.run(server.start())
+    try:
+        url = f"http://127.0.0.1:{server.port}/"
+        r = httpx.get(url, timeout=5)
+        assert (r.status_code, r.text) == (200, "whole answer")
+        assert len(writes) == 1 and writes[0].startswith(b"HTTP/1.1 200 ") \
+            and writes[0].endswith(b"\r\n\r\nwhole answer")
+        head = httpx.head(url, timeout=5)   # no body to join: the head goes out alone
+        assert head.status_code == 200 and head.headers["content-length"] == "12"
+        assert head.content == b"" and len(writes) == 1
+    finally:
+        http_edge._HeadHeld = real
+        loop_thread.run(server.stop())
