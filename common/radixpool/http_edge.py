@@ -87,6 +87,7 @@ class EdgeProtocol(HttpToolsProtocol):
         self._body_timer: asyncio.TimerHandle | None = None
         self._running = None   # the request being answered (uvicorn's `cycle` is the newest)
         self._refusal: bytes | None = None   # sent once the responses ahead of it are complete
+        self._joined: _HeadJoined | None = None   # the newest request's writer
         self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -149,6 +150,8 @@ class EdgeProtocol(HttpToolsProtocol):
         self._heads_read += 1
         self._cancel_head_timer()
         super().on_headers_complete()
+        cycle = self.cycle
+        self._joined = cycle.transport = _HeadJoined(cycle, self.transport, self.loop)
 
     def on_message_complete(self) -> None:
         self._cancel_body_timer()
@@ -178,6 +181,8 @@ class EdgeProtocol(HttpToolsProtocol):
             self._send_refusal()
 
     def _send_refusal(self) -> None:
+        if self._joined is not None:
+            self._joined.flush()   # a head answered before it goes first
         if not self.transport.is_closing():
             self.transport.write(self._refusal)
             self.transport.close()
@@ -229,3 +234,43 @@ class EdgeProtocol(HttpToolsProtocol):
             return
         self._refuse(408, f"the request head did not arrive within "
                           f"{self.limits.header_read_timeout:g} s", "request_timeout")
+
+
+class _HeadJoined:
+    """A request's transport as its response cycle sees it. uvicorn writes a response's head and
+    body apart: two segments, and two wake-ups of the client for every whole answer. Here the
+    head waits for the write after it in the same step of the event loop (the body, for a whole
+    answer, or a stream's first chunk) and both leave as one; a head with nothing after it (a
+    HEAD answer, a stream whose first chunk is not ready) goes out alone at the next step."""
+
+    __slots__ = ("_cycle", "_done", "_head", "_loop", "_transport")
+
+    def __init__(self, cycle, transport: asyncio.Transport,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self._cycle = cycle
+        self._transport = transport
+        self._loop = loop
+        self._head: bytes | None = None
+        self._done = False   # the head has been held once: later writes go straight out
+
+    def write(self, data: bytes) -> None:
+        if self._head is not None:
+            data, self._head = self._head + data, None
+        elif not self._done and self._cycle.response_started:
+            self._done = True   # (a `100 Continue` comes before the response starts)
+            self._head = data
+            self._loop.call_soon(self.flush)
+            return
+        self._transport.write(data)
+
+    def flush(self) -> None:
+        if self._head is not None:
+            head, self._head = self._head, None
+            self._transport.write(head)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)

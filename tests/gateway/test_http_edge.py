@@ -381,18 +381,20 @@ def test_a_chunked_body_whose_framing_breaks_after_a_whole_json_chunk_reaches_no
     assert stack.client.post("/v1/completions", content=whole).status_code == 200
 
 
-def test_a_whole_answer_leaves_in_one_write_and_a_head_answer_has_no_body(loop_thread):
-    # uvicorn writes an answer's head and body apart; the edge joins them (one segment, one
-    # wake-up of the client): the recorded writes of a real answer, and a HEAD answer's
+def test_an_answers_head_leaves_with_what_follows_it_in_the_same_step(loop_thread):
+    # uvicorn writes an answer's head and body apart (two segments, two wake-ups of the
+    # client); the edge joins a head with the write after it in the same step of the event
+    # loop, and sends a head with nothing after it alone at the next step
     import asyncio
 
-    from radixpool.gateway import http_edge
+    import radixpool.http_edge as edge
+    from radixpool.gateway.http_edge import EdgeLimits, EdgeServer
 
     writes: list[bytes] = []
-    real = http_edge._HeadHeld
+    real = edge._HeadJoined
 
-    class Recorded(real):
-        def __init__(self, transport) -> None:
+    class Recorded(real):   # records what reaches the connection's transport
+        def __init__(self, cycle, transport, loop) -> None:
             class Recording:
                 def __getattr__(self, name):
                     return getattr(transport, name)
@@ -401,24 +403,41 @@ def test_a_whole_answer_leaves_in_one_write_and_a_head_answer_has_no_body(loop_t
                     writes.append(data)
                     transport.write(data)
 
-            super().__init__(Recording())
+            super().__init__(cycle, Recording(), loop)
 
     async def app(request, respond) -> None:
         await asyncio.sleep(0)
-        await respond.send(200, [(b"content-type", b"text/plain")], b"whole answer")
+        if request.path == "/stream":
+            await respond.start(200, [(b"content-type", b"text/event-stream")])
+            await respond.write(b"data: 1\n\n")
+            await asyncio.sleep(0.05)
+            await respond.write(b"data: 2\n\n")
+        elif request.path == "/late":
+            await respond.start(200, [(b"content-type", b"text/event-stream")])
+            await asyncio.sleep(0.05)
+            await respond.write(b"data: 1\n\n")
+        else:
+            await respond.send(200, [(b"content-type", b"text/plain")], b"whole answer")
 
-    http_edge._HeadHeld = Recorded
-    server = http_edge.EdgeServer(app, "127.0.0.1", 0, http_edge.EdgeLimits())
+    edge._HeadJoined = Recorded
+    server = EdgeServer(app, "127.0.0.1", 0, EdgeLimits())
     loop_thread.run(server.start())
     try:
-        url = f"http://127.0.0.1:{server.port}/"
-        r = httpx.get(url, timeout=5)
+        url = f"http://127.0.0.1:{server.port}"
+        r = httpx.get(url + "/", timeout=5)
         assert (r.status_code, r.text) == (200, "whole answer")
         assert len(writes) == 1 and writes[0].startswith(b"HTTP/1.1 200 ") \
             and writes[0].endswith(b"\r\n\r\nwhole answer")
-        head = httpx.head(url, timeout=5)   # no body to join: the head goes out alone
+        writes.clear()
+        head = httpx.head(url + "/", timeout=5)   # no body: the head goes out alone
         assert head.status_code == 200 and head.headers["content-length"] == "12"
-        assert head.content == b"" and len(writes) == 1
+        assert head.content == b"" and len(writes) == 1 and writes[0].endswith(b"\r\n\r\n")
+        writes.clear()
+        assert httpx.get(url + "/stream", timeout=5).text == "data: 1\n\ndata: 2\n\n"
+        assert writes[0].startswith(b"HTTP/1.1 200 ") and writes[0].endswith(b"data: 1\n\n\r\n")
+        writes.clear()
+        assert httpx.get(url + "/late", timeout=5).text == "data: 1\n\n"
+        assert writes[0].startswith(b"HTTP/1.1 200 ") and writes[0].endswith(b"\r\n\r\n")
     finally:
-        http_edge._HeadHeld = real
+        edge._HeadJoined = real
         loop_thread.run(server.stop())

@@ -103,12 +103,11 @@ class Responder:
     one chunk per write, flushed at once). A stream ends when the handler returns. A write to a
     client that reads slowly waits until it has read enough (flow control)."""
 
-    __slots__ = ("_head_request", "_send", "closing", "disconnected", "finished", "request_id",
-                 "started", "streaming")
+    __slots__ = ("_send", "closing", "disconnected", "finished", "request_id", "started",
+                 "streaming")
 
-    def __init__(self, send, request_id: bytes, head_request: bool = False) -> None:
+    def __init__(self, send, request_id: bytes) -> None:
         self._send = send
-        self._head_request = head_request
         self.started = False
         self.streaming = False
         self.finished = False
@@ -120,21 +119,8 @@ class Responder:
         self.started = True
         wire = self._wire(headers)
         wire.append((b"content-length", b"%d" % len(body)))
-        start = {"type": "http.response.start", "status": status, "headers": wire}
-        # uvicorn writes a response's head and body apart: two segments, and two wake-ups of
-        # the client. Its cycle (the `send` method's owner) writes through `cycle.transport`:
-        # in its place while this answer is sent, `_HeadHeld` joins them into one write.
-        cycle = getattr(self._send, "__self__", None)
-        if cycle is None or self._head_request:   # a HEAD answer writes no body to join
-            await self._send(start)
-            await self._send({"type": "http.response.body", "body": body})
-        else:
-            held = cycle.transport = _HeadHeld(cycle.transport)
-            try:
-                await self._send(start)
-                await self._send({"type": "http.response.body", "body": body})
-            finally:
-                cycle.transport = held.release()
+        await self._send({"type": "http.response.start", "status": status, "headers": wire})
+        await self._send({"type": "http.response.body", "body": body})
         self.finished = True
 
     async def send_error(self, status: int, message: str, code: str | None = None,
@@ -163,37 +149,6 @@ class Responder:
         if self.closing:
             wire.append((b"connection", b"close"))
         return wire
-
-
-class _HeadHeld:
-    """A connection's transport, but the first write (a response head) waits for the second
-    (its body) and both leave as one."""
-
-    __slots__ = ("_head", "_held", "_transport")
-
-    def __init__(self, transport) -> None:
-        self._transport = transport
-        self._head: bytes | None = None
-        self._held = False
-
-    def write(self, data: bytes) -> None:
-        if not self._held:
-            self._held = True
-            self._head = data
-            return
-        if self._head is not None:
-            data, self._head = self._head + data, None
-        self._transport.write(data)
-
-    def release(self):
-        """The transport itself, once what is held is written."""
-        if self._head is not None:
-            self._transport.write(self._head)
-            self._head = None
-        return self._transport
-
-    def __getattr__(self, name: str):
-        return getattr(self._transport, name)
 
 
 class _Watch:
@@ -284,7 +239,7 @@ class EdgeServer:
             return
         headers = dict(scope["headers"])
         headers[REQUEST_ID] = request_id(headers)
-        respond = Responder(send, headers[REQUEST_ID], scope["method"] == "HEAD")
+        respond = Responder(send, headers[REQUEST_ID])
         body = await self._read_body(headers, receive, respond)
         if body is None:   # refused (413), or the client left (or was cut: 408) while sending
             return
