@@ -14,7 +14,9 @@ request's response (whose request is then aborted). `EdgeProtocol`:
 - a head over `max_header_bytes` (request line and headers) is answered 431;
 - a request body must arrive whole within `body_read_timeout` of the head's end (time the
   server itself holds reading back, for flow control or a pipelined turn, does not count): else
-  408 (or, once an answer has begun, a closed connection) and the request is aborted;
+  408 (or, once an answer has begun, a closed connection) and the request is aborted; a body
+  whose framing breaks (a bad chunk, a Transfer-Encoding that does not end in chunked) is
+  refused 400 the same way, at once;
 - a malformed or oversized request pipelined behind others is answered, and the connection
   closed, only after the earlier requests' responses are complete.
 
@@ -129,7 +131,11 @@ class EdgeProtocol(HttpToolsProtocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._refuse(400, f"malformed HTTP request: {exc}", "invalid_http_request")
+            message = f"malformed HTTP request: {exc}"
+            if self._in_head:
+                self._refuse(400, message, "invalid_http_request")
+            else:   # the framing of a body broke: its request, begun, can never be finished
+                self._abort_body(400, message, "invalid_http_request")
             return False
         except httptools.HttpParserUpgrade:   # as uvicorn does: the request is served as is
             if self._should_upgrade():
@@ -204,17 +210,21 @@ class EdgeProtocol(HttpToolsProtocol):
             self._body_timer = self.loop.call_later(self.limits.body_read_timeout,
                                                     self._body_timed_out)
             return
-        message = (f"the request body did not arrive within "
-                   f"{self.limits.body_read_timeout:g} s")
+        self._abort_body(408, f"the request body did not arrive within "
+                              f"{self.limits.body_read_timeout:g} s", "request_timeout")
+
+    def _abort_body(self, status: int, message: str, code: str) -> None:
+        """Refuse the request whose body is being read, which will never be whole."""
         cycle = self.cycle
         queued = next((entry for entry in self.pipeline if entry[0] is cycle), None)
         if queued is not None:   # never started: refused after the answers ahead of it
             self.pipeline.remove(queued)
-            self._refuse(408, message, "request_timeout")
+            self._refuse(status, message, code)
             return
         self.logger.warning("refused a request: %s", message)
+        self._cancel_head_timer()
         if not (cycle.response_started and not cycle.response_complete):
-            self.transport.write(_error_response(408, message, "request_timeout"))
+            self.transport.write(_error_response(status, message, code))
         self.transport.close()   # a handler waiting on the body sees a disconnect
 
     def _head_timed_out(self) -> None:
