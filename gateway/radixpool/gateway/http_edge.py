@@ -219,7 +219,7 @@ class EdgeServer:
 
     async def stop(self) -> None:
         """Stop listening, close idle connections, let those answering finish (up to
-        CLOSE_GRACE_S), then close the rest."""
+        CLOSE_GRACE_S), then close the rest; their handlers have ended when this returns."""
         if self._server is None:
             self._socket.close()
             return
@@ -232,8 +232,14 @@ class EdgeServer:
             await asyncio.sleep(0.02)
         for connection in list(self._state.connections):
             connection.transport.close()
-        for task in list(self._state.tasks):
-            task.cancel()
+        # A handler whose client is gone ends by itself, as for any client that leaves (through
+        # the watch, once it has started); cancelling it from here instead would be an error.
+        if tasks := list(self._state.tasks):
+            _, left = await asyncio.wait(tasks, timeout=self.limits.disconnect_watch_after + 0.2)
+            for task in left:
+                task.cancel()
+            if left:
+                await asyncio.wait(left, timeout=1.0)
         self._server = None
 
     async def _asgi(self, scope, receive, send) -> None:
