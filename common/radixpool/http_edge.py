@@ -11,7 +11,10 @@ request's response (whose request is then aborted). `EdgeProtocol`:
 - a request head must arrive whole within `header_read_timeout` of its first byte (of the
   connection's opening, for the first request): else 408 and the connection closes. While an
   earlier request on the connection is still being answered, the clock waits for it;
-- a head over `max_header_bytes` (request line and headers) is answered 431;
+- a head over `max_header_bytes` (request line and headers) is answered 431, and so is a body
+  that sends more than that between two pieces of its data (a chunked body's trailer section, a
+  chunk extension): uvicorn would keep every trailer field, without limit, until the body read
+  timeout. Trailer fields are dropped: uvicorn appended them to the request's headers;
 - a request body must arrive whole within `body_read_timeout` of the head's end (time the
   server itself holds reading back, for flow control or a pipelined turn, does not count): else
   408 (or, once an answer has begun, a closed connection) and the request is aborted; a body
@@ -85,6 +88,8 @@ class EdgeProtocol(HttpToolsProtocol):
         self._head_started = False   # ... and some of them have arrived
         self._head_bytes = 0      # of the head being read, counted from the read it began in
         self._heads_read = 0
+        self._body_pieces = 0     # of the body being read, as the parser hands them on
+        self._framing_bytes = 0   # read in the body since its last piece of data
         self._head_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
         self._running = None   # the request being answered (uvicorn's `cycle` is the newest)
@@ -115,8 +120,19 @@ class EdgeProtocol(HttpToolsProtocol):
                                  "request_header_fields_too_large")
                     return
         # A head that begins inside this (bounded) read is capped from the next read on.
-        if data and not self._feed(data):
-            return
+        if data:
+            body_pieces = self._body_pieces
+            if not self._feed(data):
+                return
+            if not self._in_head:   # framing is counted over whole reads: bounded, not exact
+                self._framing_bytes = (self._framing_bytes + len(data)
+                                       if self._body_pieces == body_pieces else 0)
+                if self._framing_bytes > self.limits.max_header_bytes:
+                    self._abort_body(431, f"the request body sent over "
+                                          f"{self.limits.max_header_bytes} bytes of chunk "
+                                          f"extensions or trailer fields",
+                                     "request_header_fields_too_large")
+                    return
         # Deadlines only for what this read left unfinished: a request that arrives whole in
         # one read (the common case) costs no timer.
         if self._in_head:
@@ -149,12 +165,20 @@ class EdgeProtocol(HttpToolsProtocol):
         super().on_message_begin()
         self._in_head = self._head_started = True
 
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._in_head:   # not a trailer field, which uvicorn would merge into the headers
+            super().on_header(name, value)
+
     def on_headers_complete(self) -> None:
         self._in_head = self._head_started = False
-        self._head_bytes = 0
+        self._head_bytes = self._framing_bytes = 0
         self._heads_read += 1
         self._cancel_head_timer()
         super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        self._body_pieces += 1
+        super().on_body(body)
 
     def on_message_complete(self) -> None:
         self._cancel_body_timer()

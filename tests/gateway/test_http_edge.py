@@ -469,3 +469,28 @@ def test_stop_finishes_answers_closes_idle_connections_and_ends_every_handler(
             sock.close()
     finally:
         uvicorn_log.removeHandler(handler)
+
+
+@pytest.mark.parametrize("framing", [
+    (b"2\r\n{}\r\n0\r\n", b"x-trailer: " + b"a" * 1000 + b"\r\n"),   # endless trailer fields
+    (b"2\r\n{}\r\n0\r\nx-trailer: ", b"a" * 1000),                   # one endless trailer
+    (b"2;ext=", b"a" * 1000),                                           # an endless extension
+], ids=["trailer-fields", "trailer-value", "chunk-extension"])
+def test_a_chunked_body_with_endless_framing_gets_431_before_the_body_timeout(
+        make_stack, framing):
+    # uvicorn kept every trailer field until the body read timeout: ~1 GB in a few seconds
+    stack = make_stack(1, body_read_timeout=30.0)
+    start, unit = framing
+    with connect(stack.url) as c:
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
+                  b"\r\ntransfer-encoding: chunked\r\n\r\n" + start)
+        started = time.monotonic()
+        with contextlib.suppress(OSError):
+            for _ in range(4096):   # 4 MiB at most
+                c.sendall(unit * 1024)
+        got = read_until_closed(c, 5.0)
+    assert time.monotonic() - started < 5
+    (status, body), = Responses(got).messages
+    assert status == 431 and b"trailer" in body
+    assert stack.fleet.workers[0].requests == 0
+    assert stack.client.get("/livez").status_code == 200

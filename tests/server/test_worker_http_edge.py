@@ -187,3 +187,14 @@ def test_a_body_whose_framing_breaks_gets_400_at_once_and_the_worker_keeps_servi
         (status, body), = split_responses(read_until_closed(sock))
         assert status == 400 and json.loads(body)["error"]["code"] == "invalid_http_request"
     assert httpx.get(f"{edge.url}/health").status_code == 200
+
+
+def test_an_endless_trailer_section_gets_431_not_kept_until_the_body_timeout(edge):
+    sock = connect(edge)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: w\r\nTransfer-Encoding: chunked\r\n\r\n"
+                 b"2\r\n{}\r\n0\r\n")
+    with contextlib.suppress(OSError):
+        sock.sendall((b"X-Trailer: " + b"a" * 1000 + b"\r\n") * 2048)   # 2 MiB of trailers
+    (status, body), = split_responses(read_until_closed(sock))
+    assert status == 431 and "trailer" in json.loads(body)["error"]["message"]
+    assert httpx.get(f"{edge.url}/health").status_code == 200
