@@ -494,3 +494,40 @@ def test_a_chunked_body_with_endless_framing_gets_431_before_the_body_timeout(
     assert status == 431 and b"trailer" in body
     assert stack.fleet.workers[0].requests == 0
     assert stack.client.get("/livez").status_code == 200
+
+
+def test_trailer_fields_are_not_merged_into_the_request_headers(loop_thread):
+    # the workers' handlers (FastAPI) read headers from the scope when they need them, which
+    # may be after the body: a trailer must not turn up there as a header the client never sent
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from radixpool.http_edge import EdgeLimits as ProtocolLimits
+    from radixpool.http_edge import edge_protocol
+
+    async def app(scope, receive, send) -> None:
+        while (await receive()).get("more_body"):
+            pass
+        names = b",".join(name for name, _ in scope["headers"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": names})
+
+    config = uvicorn.Config(app, lifespan="off", http=edge_protocol(ProtocolLimits()),
+                            log_level="warning")
+    config.load()
+    state = ServerState()
+
+    async def serve():
+        return await asyncio.get_running_loop().create_server(
+            lambda: config.http_protocol_class(config=config, server_state=state,
+                                               app_state={}), "127.0.0.1", 0)
+
+    server = loop_thread.run(serve())
+    try:
+        with connect(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}") as c:
+            c.sendall(b"POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n"
+                      b"connection: close\r\n\r\n2\r\n{}\r\n0\r\nauthorization: Bearer x\r\n\r\n")
+            (status, names), = Responses(read_until_closed(c)).messages
+        assert status == 200 and names == b"host,transfer-encoding,connection"
+    finally:
+        loop_thread.call(server.close)
