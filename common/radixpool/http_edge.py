@@ -245,6 +245,8 @@ class EdgeProtocol(HttpToolsProtocol):
             self.pipeline.remove(queued)
             self._refuse(status, message, code)
             return
+        if self.transport.is_closing():   # answered already (a 413), and closing
+            return
         self.logger.warning("refused a request: %s", message)
         self._cancel_head_timer()
         if not (cycle.response_started and not cycle.response_complete):
