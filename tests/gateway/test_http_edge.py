@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import socket
 import threading
 import time
@@ -270,7 +269,6 @@ def test_a_client_that_leaves_before_or_after_the_watch_starts_cancels_its_handl
     # the edge watches a client only once its handler has run `disconnect_watch_after` (0.4 s
     # here): one that left before is seen as soon as the watch starts, one that leaves later at
     # once; either way the handler (and with it the worker's request) is cancelled
-    import asyncio
 
     from radixpool.gateway.http_edge import EdgeLimits, EdgeServer
 
@@ -384,150 +382,3 @@ def test_a_chunked_body_whose_framing_breaks_after_a_whole_json_chunk_reaches_no
     time.sleep(0.2)
     assert stack.fleet.workers[0].requests == 0
     assert stack.client.post("/v1/completions", content=whole).status_code == 200
-
-
-@pytest.mark.parametrize("framing", [
-    b"transfer-encoding: gzip\r\n\r\n",           # a request's last coding must be chunked
-    b"transfer-encoding: xchunked\r\n\r\n",
-    b"transfer-encoding: chunked\r\n\r\n%x\n",    # a bare LF after the chunk size
-], ids=["gzip", "xchunked", "bare-lf-chunk"])
-def test_a_body_that_cannot_be_framed_gets_400_at_once_and_reaches_no_worker(make_stack, framing):
-    # the parser fails after the head: the request has begun, and its handler waits for a body
-    # that will never come unless the edge refuses it
-    stack = make_stack(1, body_read_timeout=30.0)
-    whole = json.dumps({"prompt": words(0, 8), "max_tokens": 3}).encode()
-    if b"%x" in framing:
-        framing %= len(whole)
-    with connect(stack.url) as c:
-        c.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
-                  b"\r\n" + framing + whole)
-        started = time.monotonic()
-        got = read_until_closed(c, 10.0)
-    assert time.monotonic() - started < 5
-    (status, body), = Responses(got).messages
-    assert status == 400 and json.loads(body)["error"]["code"] == "invalid_http_request"
-    assert stack.fleet.workers[0].requests == 0
-    assert stack.client.post("/v1/completions", content=whole).status_code == 200
-
-
-def test_stop_finishes_answers_closes_idle_connections_and_ends_every_handler(
-        loop_thread, monkeypatch):
-    from radixpool.gateway import http_edge
-
-    monkeypatch.setattr(http_edge, "CLOSE_GRACE_S", 1.0)
-
-    async def app(request, respond) -> None:
-        if request.path == "/slow":
-            await asyncio.sleep(0.5)
-            await respond.send(200, [], b"done")
-        else:   # a stream that would never end
-            await respond.start(200, [])
-            while True:
-                await asyncio.sleep(0.05)
-                await respond.write(b"x")
-
-    errors = []
-    uvicorn_log = logging.getLogger("uvicorn.error")
-    handler = logging.Handler(logging.ERROR)
-    handler.emit = errors.append
-    server = http_edge.EdgeServer(app, "127.0.0.1", 0, http_edge.EdgeLimits())
-    loop_thread.run(server.start())
-    uvicorn_log.addHandler(handler)   # after start: uvicorn's logging setup drops handlers
-    url = f"http://127.0.0.1:{server.port}"
-    try:
-        idle, slow, endless, half_body = (connect(url) for _ in range(4))
-        idle.sendall(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n")
-        idle.settimeout(5)
-        answer = b""
-        while not answer.endswith(b"done"):
-            answer += idle.recv(65536)   # now idle, kept alive
-        slow.sendall(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n")
-        endless.sendall(b"GET /endless HTTP/1.1\r\nhost: x\r\n\r\n")
-        half_body.sendall(b"POST /slow HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\n01234")
-        time.sleep(0.2)
-        stopped = {}
-
-        async def stop_and_count() -> int:
-            await server.stop()
-            return len(server._state.tasks)
-
-        def stop() -> None:
-            started = time.monotonic()
-            stopped["handlers"] = loop_thread.run(stop_and_count())
-            stopped["after"] = time.monotonic() - started
-
-        stopping = threading.Thread(target=stop)
-        stopping.start()
-        started = time.monotonic()
-        assert read_until_closed(idle, 5) == b"" and time.monotonic() - started < 0.5
-        assert Responses(read_until_closed(slow, 5)).messages == [(200, b"done")]
-        stopping.join(10)
-        assert stopped["after"] < 3.0   # the grace period, then the rest is cut
-        assert stopped["handlers"] == 0   # every handler ended before stop() returned
-        assert not errors, [record.getMessage() for record in errors]   # none cut as a failure
-        for sock in (idle, slow, endless, half_body):
-            sock.close()
-    finally:
-        uvicorn_log.removeHandler(handler)
-
-
-@pytest.mark.parametrize("framing", [
-    (b"2\r\n{}\r\n0\r\n", b"x-trailer: " + b"a" * 1000 + b"\r\n"),   # endless trailer fields
-    (b"2\r\n{}\r\n0\r\nx-trailer: ", b"a" * 1000),                   # one endless trailer
-    (b"2;ext=", b"a" * 1000),                                           # an endless extension
-], ids=["trailer-fields", "trailer-value", "chunk-extension"])
-def test_a_chunked_body_with_endless_framing_gets_431_before_the_body_timeout(
-        make_stack, framing):
-    # uvicorn kept every trailer field until the body read timeout: ~1 GB in a few seconds
-    stack = make_stack(1, body_read_timeout=30.0)
-    start, unit = framing
-    with connect(stack.url) as c:
-        c.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
-                  b"\r\ntransfer-encoding: chunked\r\n\r\n" + start)
-        started = time.monotonic()
-        with contextlib.suppress(OSError):
-            for _ in range(4096):   # 4 MiB at most
-                c.sendall(unit * 1024)
-        got = read_until_closed(c, 5.0)
-    assert time.monotonic() - started < 5
-    (status, body), = Responses(got).messages
-    assert status == 431 and b"trailer" in body
-    assert stack.fleet.workers[0].requests == 0
-    assert stack.client.get("/livez").status_code == 200
-
-
-def test_trailer_fields_are_not_merged_into_the_request_headers(loop_thread):
-    # the workers' handlers (FastAPI) read headers from the scope when they need them, which
-    # may be after the body: a trailer must not turn up there as a header the client never sent
-    import uvicorn
-    from uvicorn.server import ServerState
-
-    from radixpool.http_edge import EdgeLimits as ProtocolLimits
-    from radixpool.http_edge import edge_protocol
-
-    async def app(scope, receive, send) -> None:
-        while (await receive()).get("more_body"):
-            pass
-        names = b",".join(name for name, _ in scope["headers"])
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": names})
-
-    config = uvicorn.Config(app, lifespan="off", http=edge_protocol(ProtocolLimits()),
-                            log_level="warning")
-    config.load()
-    state = ServerState()
-
-    async def serve():
-        return await asyncio.get_running_loop().create_server(
-            lambda: config.http_protocol_class(config=config, server_state=state,
-                                               app_state={}), "127.0.0.1", 0)
-
-    server = loop_thread.run(serve())
-    try:
-        with connect(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}") as c:
-            c.sendall(b"POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n"
-                      b"connection: close\r\n\r\n2\r\n{}\r\n0\r\nauthorization: Bearer x\r\n\r\n")
-            (status, names), = Responses(read_until_closed(c)).messages
-        assert status == 200 and names == b"host,transfer-encoding,connection"
-    finally:
-        loop_thread.call(server.close)
