@@ -5,18 +5,20 @@ period ends is cut with every handler ended (none cancelled mid-flight as a fail
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
 
+import httpx
+
+from bench.simfleet import SimConfig
+from tests.gateway.conftest import words
 from tests.gateway.test_http_edge import Responses, connect, read_until_closed
 
 
-def test_stop_finishes_answers_closes_idle_connections_and_ends_every_handler(
-        loop_thread, monkeypatch):
+def test_stop_finishes_answers_closes_idle_connections_and_ends_every_handler(loop_thread):
     from radixpool.gateway import http_edge
-
-    monkeypatch.setattr(http_edge, "CLOSE_GRACE_S", 1.0)
 
     async def app(request, respond) -> None:
         if request.path == "/slow":
@@ -50,7 +52,7 @@ def test_stop_finishes_answers_closes_idle_connections_and_ends_every_handler(
         stopped = {}
 
         async def stop_and_count() -> int:
-            await server.stop()
+            await server.stop(grace=1.0)
             return len(server._state.tasks)
 
         def stop() -> None:
@@ -71,3 +73,22 @@ def test_stop_finishes_answers_closes_idle_connections_and_ends_every_handler(
             sock.close()
     finally:
         uvicorn_log.removeHandler(handler)
+
+
+def test_a_stopping_gateway_cuts_what_outlives_its_drain_at_the_drain_deadline(make_stack):
+    # the pod's grace period is sized for the drain plus a margin: the edge must not add its
+    # own grace period after the drain (before: a further 5 s, the whole margin)
+    stack = make_stack(1, sim=SimConfig(decode_ms_per_token=50.0))
+    stream = stack.client.stream("POST", "/v1/completions", json={
+        "prompt": words(0, 8), "max_tokens": 400, "stream": True})   # 20 s of tokens
+    with stream as answer:
+        assert answer.status_code == 200
+        pieces = answer.iter_bytes()
+        next(pieces)
+        started = time.monotonic()
+        stack.loop.run(stack.server.stop(drain_seconds=1.0))
+        took = time.monotonic() - started
+        with contextlib.suppress(httpx.HTTPError):
+            for _ in pieces:
+                pass
+    assert 0.9 < took < 3.0, took

@@ -55,7 +55,7 @@ _USABLE_REQUEST_ID = re.compile(rb"[\x21-\x7e]{1,256}")   # printable ASCII, no 
 _REQUEST_IDS = itertools.count()
 _ID_PREFIX = uuid.uuid4().hex[:12].encode()
 _FRAMING = (b"content-length", b"transfer-encoding")   # the edge frames what it sends
-CLOSE_GRACE_S = 5.0   # how long stop() waits for connections still answering to finish
+CLOSE_GRACE_S = 5.0   # how long stop() waits by default for connections still answering
 
 
 def request_id(headers: dict[bytes, bytes]) -> bytes:
@@ -217,9 +217,9 @@ class EdgeServer:
             lambda: protocol(config=config, server_state=state, app_state={}),
             sock=self._socket, backlog=1024)
 
-    async def stop(self) -> None:
-        """Stop listening, close idle connections, let those answering finish (up to
-        CLOSE_GRACE_S), then close the rest; their handlers have ended when this returns."""
+    async def stop(self, grace: float = CLOSE_GRACE_S) -> None:
+        """Stop listening, close idle connections, let those answering finish (up to `grace`
+        seconds), then close the rest; their handlers have ended when this returns."""
         if self._server is None:
             self._socket.close()
             return
@@ -227,7 +227,7 @@ class EdgeServer:
         for connection in list(self._state.connections):
             connection.shutdown()
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + CLOSE_GRACE_S
+        deadline = loop.time() + grace
         while self._state.connections and loop.time() < deadline:
             await asyncio.sleep(0.02)
         for connection in list(self._state.connections):
