@@ -55,7 +55,7 @@ _USABLE_REQUEST_ID = re.compile(rb"[\x21-\x7e]{1,256}")   # printable ASCII, no 
 _REQUEST_IDS = itertools.count()
 _ID_PREFIX = uuid.uuid4().hex[:12].encode()
 _FRAMING = (b"content-length", b"transfer-encoding")   # the edge frames what it sends
-CLOSE_GRACE_S = 5.0   # how long stop() waits for connections still answering to finish
+CLOSE_GRACE_S = 5.0   # how long stop() waits by default for connections still answering
 
 
 def request_id(headers: dict[bytes, bytes]) -> bytes:
@@ -215,9 +215,9 @@ class EdgeServer:
             lambda: protocol(config=config, server_state=state, app_state={}),
             sock=self._socket, backlog=1024)
 
-    async def stop(self) -> None:
-        """Stop listening, close idle connections, let those answering finish (up to
-        CLOSE_GRACE_S), then close the rest."""
+    async def stop(self, grace: float = CLOSE_GRACE_S) -> None:
+        """Stop listening, close idle connections, let those answering finish (up to `grace`
+        seconds), then close the rest; their handlers have ended when this returns."""
         if self._server is None:
             self._socket.close()
             return
@@ -225,13 +225,19 @@ class EdgeServer:
         for connection in list(self._state.connections):
             connection.shutdown()
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + CLOSE_GRACE_S
+        deadline = loop.time() + grace
         while self._state.connections and loop.time() < deadline:
             await asyncio.sleep(0.02)
         for connection in list(self._state.connections):
             connection.transport.close()
-        for task in list(self._state.tasks):
-            task.cancel()
+        # A handler whose client is gone ends by itself, as for any client that leaves (through
+        # the watch, once it has started); cancelling it from here instead would be an error.
+        if tasks := list(self._state.tasks):
+            _, left = await asyncio.wait(tasks, timeout=self.limits.disconnect_watch_after + 0.2)
+            for task in left:
+                task.cancel()
+            if left:
+                await asyncio.wait(left, timeout=1.0)
         self._server = None
 
     async def _asgi(self, scope, receive, send) -> None:

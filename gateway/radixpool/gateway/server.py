@@ -61,8 +61,8 @@ class GatewayServer:
         while (any(w.inflight for w in self.gateway.workers)
                and asyncio.get_running_loop().time() < deadline):
             await asyncio.sleep(0.05)
-        if self.server is not None:
-            await self.server.stop()
+        if self.server is not None:   # what is still answering has the rest of the drain
+            await self.server.stop(grace=max(0.0, deadline - asyncio.get_running_loop().time()))
         if self.monitor is not None:
             await self.monitor.stop()
         for pool in self.gateway.pools.values():
