@@ -1,16 +1,16 @@
 """The gateway's HTTP edge: uvicorn's httptools protocol, hardened (`radixpool.http_edge`, the
 workers run the same class), inside the gateway's own event loop.
 
-Why uvicorn. Measured side by side (bench/results/gateway_overhead_2cpu.txt; `python
-bench/gateway_ab.py`: the whole gateway on this edge against the same gateway on Granian, Rust
-and hyper over RSGI, what it ran on before; one client taking the direct path and both gateways
-in turn, 2-vCPU VM): 25-50 us less added latency per non-streamed request, 45-145 us less to a
-stream's first byte, ~10% more requests per second at concurrency 32 and ~10% less CPU per
-request. Granian hands every request and answer between hyper's thread and the event loop's;
-here parsing and the application share one thread. What made Granian the choice at first (a
-header read timeout, an exact header cap, pipelining done right) is now `EdgeProtocol`'s, tested
-on both servers; and a stream's writes wait for a client that reads slowly (uvicorn's flow
-control), which Granian's RSGI sends did not.
+Why uvicorn. Measured side by side (bench/results/gateway_overhead_2cpu.txt): the whole gateway
+on this edge against the same gateway on Granian (Rust and hyper over RSGI, what it ran on
+before), on the overhead benchmark at the same VM speed, added p50 334-348 us against 402-510 us
+per non-streamed request, and the floor under it (edge + worker client, no routing) 196-199 us
+against 313-407 us; interleaved with Granian (`bench/gateway_ab.py`), 416 against 459 us.
+Granian hands every request and answer between hyper's thread and the event loop's; here parsing
+and the application share one thread, and a response's head leaves in one write with its body.
+What made Granian the choice at first (a header read timeout, an exact header cap, pipelining
+done right) is now `EdgeProtocol`'s, tested on both servers; and a stream's writes wait for a
+client that reads slowly (uvicorn's flow control), which Granian's RSGI sends did not.
 
 This module adds what the application needs around the protocol: the body size limit (413 before
 the body is read when Content-Length says so, else while it arrives; the connection then closes),
