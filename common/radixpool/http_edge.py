@@ -154,13 +154,29 @@ class EdgeProtocol(HttpToolsProtocol):
             else:   # the framing of a body broke: its request, begun, can never be finished
                 self._abort_body(400, message, "invalid_http_request")
             return False
-        except httptools.HttpParserUpgrade:   # as uvicorn does: the request is served as is
+        except httptools.HttpParserUpgrade:
             if self._should_upgrade():
                 self.handle_websocket_upgrade()
-            else:
-                self._unsupported_upgrade_warning()
-            return False
+            elif self._declares_body():
+                # the parser took what follows the head for the new protocol: the request is
+                # complete to the application, with its body lost
+                self.cycle.disconnected = True
+                self._abort_body(400, "this server does not switch protocols: send the request "
+                                      "without `Upgrade`", "upgrade_not_supported")
+            return False   # otherwise served as is, over HTTP/1.1 (as uvicorn does)
         return True
+
+    def _declares_body(self) -> bool:
+        for name, value in self.headers:
+            if name == b"transfer-encoding" or (name == b"content-length"
+                                                and value.strip(b" \t0")):
+                return True
+        return False
+
+    def _unsupported_upgrade_warning(self) -> None:
+        # uvicorn warns twice per such request (once telling to install a WebSocket library):
+        # any client could fill the log with them
+        self.logger.debug("answered a request with an Upgrade header over HTTP/1.1")
 
     def on_message_begin(self) -> None:
         super().on_message_begin()

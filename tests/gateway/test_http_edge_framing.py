@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 
 import pytest
@@ -99,3 +100,33 @@ def test_trailer_fields_are_not_merged_into_the_request_headers(loop_thread):
         assert status == 200 and names == b"host,transfer-encoding,connection"
     finally:
         loop_thread.call(server.close)
+
+
+@pytest.mark.parametrize("upgrade", [b"h2c", b"websocket"])
+def test_a_request_asking_to_upgrade_is_served_over_http_1_1_or_refused_never_half_read(
+        make_stack, caplog, upgrade):
+    # Such a request's body was taken for the new protocol: the application got it empty (a
+    # gateway answered "not valid JSON" to a valid body), and uvicorn logged two warnings per
+    # request (one telling to install a WebSocket library): any client could fill the log
+    stack = make_stack(1)
+    whole = json.dumps({"prompt": words(0, 8), "max_tokens": 3}).encode()
+    asks = b"connection: upgrade, close\r\nupgrade: %s\r\n" % upgrade
+    uvicorn_log = logging.getLogger("uvicorn")   # the protocol's; it does not propagate
+    uvicorn_log.addHandler(caplog.handler)
+    try:
+        for _ in range(3):   # bodiless: served as is
+            with connect(stack.url) as c:
+                c.sendall(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n" + asks + b"\r\n")
+                (status, body), = Responses(read_until_closed(c, 10.0)).messages
+            assert status == 200 and json.loads(body)["data"], body
+    finally:
+        uvicorn_log.removeHandler(caplog.handler)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+    with connect(stack.url) as c:   # with a body: refused, whole, before any worker sees it
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n" + asks
+                  + b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                  % (len(whole), whole))
+        (status, body), = Responses(read_until_closed(c, 10.0)).messages
+    assert status == 400 and json.loads(body)["error"]["code"] == "upgrade_not_supported"
+    assert stack.fleet.workers[0].requests == 0
+    assert stack.client.post("/v1/completions", content=whole).status_code == 200
