@@ -11,10 +11,15 @@ request's response (whose request is then aborted). `EdgeProtocol`:
 - a request head must arrive whole within `header_read_timeout` of its first byte (of the
   connection's opening, for the first request): else 408 and the connection closes. While an
   earlier request on the connection is still being answered, the clock waits for it;
-- a head over `max_header_bytes` (request line and headers) is answered 431;
+- a head over `max_header_bytes` (request line and headers) is answered 431, and so is a body
+  that sends more than that between two pieces of its data (a chunked body's trailer section, a
+  chunk extension): uvicorn would keep every trailer field, without limit, until the body read
+  timeout. Trailer fields are dropped: uvicorn appended them to the request's headers;
 - a request body must arrive whole within `body_read_timeout` of the head's end (time the
   server itself holds reading back, for flow control or a pipelined turn, does not count): else
-  408 (or, once an answer has begun, a closed connection) and the request is aborted;
+  408 (or, once an answer has begun, a closed connection) and the request is aborted; a body
+  whose framing breaks (a bad chunk, a Transfer-Encoding that does not end in chunked) is
+  refused 400 the same way, at once;
 - a malformed or oversized request pipelined behind others is answered, and the connection
   closed, only after the earlier requests' responses are complete.
 
@@ -83,10 +88,13 @@ class EdgeProtocol(HttpToolsProtocol):
         self._head_started = False   # ... and some of them have arrived
         self._head_bytes = 0      # of the head being read, counted from the read it began in
         self._heads_read = 0
+        self._body_pieces = 0     # of the body being read, as the parser hands them on
+        self._framing_bytes = 0   # read in the body since its last piece of data
         self._head_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
         self._running = None   # the request being answered (uvicorn's `cycle` is the newest)
         self._refusal: bytes | None = None   # sent once the responses ahead of it are complete
+        self._joined: _HeadJoined | None = None   # the newest request's writer
         self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -113,8 +121,19 @@ class EdgeProtocol(HttpToolsProtocol):
                                  "request_header_fields_too_large")
                     return
         # A head that begins inside this (bounded) read is capped from the next read on.
-        if data and not self._feed(data):
-            return
+        if data:
+            body_pieces = self._body_pieces
+            if not self._feed(data):
+                return
+            if not self._in_head:   # framing is counted over whole reads: bounded, not exact
+                self._framing_bytes = (self._framing_bytes + len(data)
+                                       if self._body_pieces == body_pieces else 0)
+                if self._framing_bytes > self.limits.max_header_bytes:
+                    self._abort_body(431, f"the request body sent over "
+                                          f"{self.limits.max_header_bytes} bytes of chunk "
+                                          f"extensions or trailer fields",
+                                     "request_header_fields_too_large")
+                    return
         # Deadlines only for what this read left unfinished: a request that arrives whole in
         # one read (the common case) costs no timer.
         if self._in_head:
@@ -129,26 +148,56 @@ class EdgeProtocol(HttpToolsProtocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._refuse(400, f"malformed HTTP request: {exc}", "invalid_http_request")
+            message = f"malformed HTTP request: {exc}"
+            if self._in_head:
+                self._refuse(400, message, "invalid_http_request")
+            else:   # the framing of a body broke: its request, begun, can never be finished
+                self._abort_body(400, message, "invalid_http_request")
             return False
-        except httptools.HttpParserUpgrade:   # as uvicorn does: the request is served as is
+        except httptools.HttpParserUpgrade:
             if self._should_upgrade():
                 self.handle_websocket_upgrade()
-            else:
-                self._unsupported_upgrade_warning()
-            return False
+            elif self._declares_body():
+                # the parser took what follows the head for the new protocol: the request is
+                # complete to the application, with its body lost
+                self.cycle.disconnected = True
+                self._abort_body(400, "this server does not switch protocols: send the request "
+                                      "without `Upgrade`", "upgrade_not_supported")
+            return False   # otherwise served as is, over HTTP/1.1 (as uvicorn does)
         return True
+
+    def _declares_body(self) -> bool:
+        for name, value in self.headers:
+            if name == b"transfer-encoding" or (name == b"content-length"
+                                                and value.strip(b" \t0")):
+                return True
+        return False
+
+    def _unsupported_upgrade_warning(self) -> None:
+        # uvicorn warns twice per such request (once telling to install a WebSocket library):
+        # any client could fill the log with them
+        self.logger.debug("answered a request with an Upgrade header over HTTP/1.1")
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._in_head = self._head_started = True
 
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._in_head:   # not a trailer field, which uvicorn would merge into the headers
+            super().on_header(name, value)
+
     def on_headers_complete(self) -> None:
         self._in_head = self._head_started = False
-        self._head_bytes = 0
+        self._head_bytes = self._framing_bytes = 0
         self._heads_read += 1
         self._cancel_head_timer()
         super().on_headers_complete()
+        cycle = self.cycle
+        self._joined = cycle.transport = _HeadJoined(cycle, self.transport, self.loop)
+
+    def on_body(self, body: bytes) -> None:
+        self._body_pieces += 1
+        super().on_body(body)
 
     def on_message_complete(self) -> None:
         self._cancel_body_timer()
@@ -178,6 +227,8 @@ class EdgeProtocol(HttpToolsProtocol):
             self._send_refusal()
 
     def _send_refusal(self) -> None:
+        if self._joined is not None:
+            self._joined.flush()   # a head answered before it goes first
         if not self.transport.is_closing():
             self.transport.write(self._refusal)
             self.transport.close()
@@ -204,17 +255,23 @@ class EdgeProtocol(HttpToolsProtocol):
             self._body_timer = self.loop.call_later(self.limits.body_read_timeout,
                                                     self._body_timed_out)
             return
-        message = (f"the request body did not arrive within "
-                   f"{self.limits.body_read_timeout:g} s")
+        self._abort_body(408, f"the request body did not arrive within "
+                              f"{self.limits.body_read_timeout:g} s", "request_timeout")
+
+    def _abort_body(self, status: int, message: str, code: str) -> None:
+        """Refuse the request whose body is being read, which will never be whole."""
         cycle = self.cycle
         queued = next((entry for entry in self.pipeline if entry[0] is cycle), None)
         if queued is not None:   # never started: refused after the answers ahead of it
             self.pipeline.remove(queued)
-            self._refuse(408, message, "request_timeout")
+            self._refuse(status, message, code)
+            return
+        if self.transport.is_closing():   # answered already (a 413), and closing
             return
         self.logger.warning("refused a request: %s", message)
+        self._cancel_head_timer()
         if not (cycle.response_started and not cycle.response_complete):
-            self.transport.write(_error_response(408, message, "request_timeout"))
+            self.transport.write(_error_response(status, message, code))
         self.transport.close()   # a handler waiting on the body sees a disconnect
 
     def _head_timed_out(self) -> None:
@@ -229,3 +286,43 @@ class EdgeProtocol(HttpToolsProtocol):
             return
         self._refuse(408, f"the request head did not arrive within "
                           f"{self.limits.header_read_timeout:g} s", "request_timeout")
+
+
+class _HeadJoined:
+    """A request's transport as its response cycle sees it. uvicorn writes a response's head and
+    body apart: two segments, and two wake-ups of the client for every whole answer. Here the
+    head waits for the write after it in the same step of the event loop (the body, for a whole
+    answer, or a stream's first chunk) and both leave as one; a head with nothing after it (a
+    HEAD answer, a stream whose first chunk is not ready) goes out alone at the next step."""
+
+    __slots__ = ("_cycle", "_done", "_head", "_loop", "_transport")
+
+    def __init__(self, cycle, transport: asyncio.Transport,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self._cycle = cycle
+        self._transport = transport
+        self._loop = loop
+        self._head: bytes | None = None
+        self._done = False   # the head has been held once: later writes go straight out
+
+    def write(self, data: bytes) -> None:
+        if self._head is not None:
+            data, self._head = self._head + data, None
+        elif not self._done and self._cycle.response_started:
+            self._done = True   # (a `100 Continue` comes before the response starts)
+            self._head = data
+            self._loop.call_soon(self.flush)
+            return
+        self._transport.write(data)
+
+    def flush(self) -> None:
+        if self._head is not None:
+            head, self._head = self._head, None
+            self._transport.write(head)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)

@@ -4,6 +4,7 @@ real gateway, with simulated workers where a worker matters."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import socket
@@ -269,7 +270,6 @@ def test_a_client_that_leaves_before_or_after_the_watch_starts_cancels_its_handl
     # the edge watches a client only once its handler has run `disconnect_watch_after` (0.4 s
     # here): one that left before is seen as soon as the watch starts, one that leaves later at
     # once; either way the handler (and with it the worker's request) is cancelled
-    import asyncio
 
     from radixpool.gateway.http_edge import EdgeLimits, EdgeServer
 
@@ -372,10 +372,76 @@ def test_a_chunked_body_whose_framing_breaks_after_a_whole_json_chunk_reaches_no
         c.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
                   b"\r\ntransfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n%s" % (len(whole), whole,
                                                                           broken))
-        if broken.startswith(b"5"):
+        cut_short = broken.startswith(b"5")
+        if cut_short:
             c.shutdown(socket.SHUT_WR)   # the client goes before the last chunk
+        started = time.monotonic()
         got = read_until_closed(c)
-    assert got == b"" or got.startswith(b"HTTP/1.1 400"), got[:200]
+    # a broken chunk is answered at once, not left waiting for a body that cannot end
+    assert (cut_short and got == b"") or got.startswith(b"HTTP/1.1 400"), got[:200]
+    assert time.monotonic() - started < 5
     time.sleep(0.2)
     assert stack.fleet.workers[0].requests == 0
     assert stack.client.post("/v1/completions", content=whole).status_code == 200
+
+
+def test_an_answers_head_leaves_with_what_follows_it_in_the_same_step(loop_thread):
+    # uvicorn writes an answer's head and body apart (two segments, two wake-ups of the
+    # client); the edge joins a head with the write after it in the same step of the event
+    # loop, and sends a head with nothing after it alone at the next step
+    import asyncio
+
+    import radixpool.http_edge as edge
+    from radixpool.gateway.http_edge import EdgeLimits, EdgeServer
+
+    writes: list[bytes] = []
+    real = edge._HeadJoined
+
+    class Recorded(real):   # records what reaches the connection's transport
+        def __init__(self, cycle, transport, loop) -> None:
+            class Recording:
+                def __getattr__(self, name):
+                    return getattr(transport, name)
+
+                def write(self, data: bytes) -> None:
+                    writes.append(data)
+                    transport.write(data)
+
+            super().__init__(cycle, Recording(), loop)
+
+    async def app(request, respond) -> None:
+        await asyncio.sleep(0)
+        if request.path == "/stream":
+            await respond.start(200, [(b"content-type", b"text/event-stream")])
+            await respond.write(b"data: 1\n\n")
+            await asyncio.sleep(0.05)
+            await respond.write(b"data: 2\n\n")
+        elif request.path == "/late":
+            await respond.start(200, [(b"content-type", b"text/event-stream")])
+            await asyncio.sleep(0.05)
+            await respond.write(b"data: 1\n\n")
+        else:
+            await respond.send(200, [(b"content-type", b"text/plain")], b"whole answer")
+
+    edge._HeadJoined = Recorded
+    server = EdgeServer(app, "127.0.0.1", 0, EdgeLimits())
+    loop_thread.run(server.start())
+    try:
+        url = f"http://127.0.0.1:{server.port}"
+        r = httpx.get(url + "/", timeout=5)
+        assert (r.status_code, r.text) == (200, "whole answer")
+        assert len(writes) == 1 and writes[0].startswith(b"HTTP/1.1 200 ") \
+            and writes[0].endswith(b"\r\n\r\nwhole answer")
+        writes.clear()
+        head = httpx.head(url + "/", timeout=5)   # no body: the head goes out alone
+        assert head.status_code == 200 and head.headers["content-length"] == "12"
+        assert head.content == b"" and len(writes) == 1 and writes[0].endswith(b"\r\n\r\n")
+        writes.clear()
+        assert httpx.get(url + "/stream", timeout=5).text == "data: 1\n\ndata: 2\n\n"
+        assert writes[0].startswith(b"HTTP/1.1 200 ") and writes[0].endswith(b"data: 1\n\n\r\n")
+        writes.clear()
+        assert httpx.get(url + "/late", timeout=5).text == "data: 1\n\n"
+        assert writes[0].startswith(b"HTTP/1.1 200 ") and writes[0].endswith(b"\r\n\r\n")
+    finally:
+        edge._HeadJoined = real
+        loop_thread.run(server.stop())

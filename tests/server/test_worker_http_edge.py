@@ -174,3 +174,27 @@ def test_pipelined_heads_and_bodies_held_back_by_the_worker_are_not_timed_out(ed
         answers = split_responses(read_until_closed(sock))
         assert [status for status, _ in answers] == [200, 200, 200]
         assert json.loads(answers[1][1])["usage"]["completion_tokens"] == 3
+
+
+def test_a_body_whose_framing_breaks_gets_400_at_once_and_the_worker_keeps_serving(edge):
+    # the head is whole, so the request has begun and its handler waits for the body; the
+    # parser then fails on it: waiting for the body read timeout would hold the connection
+    for framing in (b"Transfer-Encoding: gzip\r\n\r\n{}",
+                    b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n"):
+        sock = connect(edge)
+        sock.settimeout(0.4)   # under the 0.5 s body read timeout
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: w\r\n" + framing)
+        (status, body), = split_responses(read_until_closed(sock))
+        assert status == 400 and json.loads(body)["error"]["code"] == "invalid_http_request"
+    assert httpx.get(f"{edge.url}/health").status_code == 200
+
+
+def test_an_endless_trailer_section_gets_431_not_kept_until_the_body_timeout(edge):
+    sock = connect(edge)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: w\r\nTransfer-Encoding: chunked\r\n\r\n"
+                 b"2\r\n{}\r\n0\r\n")
+    with contextlib.suppress(OSError):
+        sock.sendall((b"X-Trailer: " + b"a" * 1000 + b"\r\n") * 2048)   # 2 MiB of trailers
+    (status, body), = split_responses(read_until_closed(sock))
+    assert status == 431 and "trailer" in json.loads(body)["error"]["message"]
+    assert httpx.get(f"{edge.url}/health").status_code == 200

@@ -90,6 +90,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help=f"deprecated, visible in the process list: use ${WORKER_KEY_ENV}")
     s.add_argument("--max-body-bytes", type=int, default=D.max_body_bytes,
                    help="request bodies above this get 413")
+    s.add_argument("--large-body-budget-bytes", type=int, default=D.large_body_budget_bytes,
+                   help="request bodies over 1 MiB the gateway holds at once, all clients "
+                        "together; past it, such a body gets 503 with Retry-After")
     s.add_argument("--health-interval", type=float, default=D.health_interval, help="seconds")
     s.add_argument("--health-timeout", type=float, default=D.health_timeout, help="seconds")
     s.add_argument("--health-failures", type=int, default=D.health_failures,
@@ -150,6 +153,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.e
         prefix_hash_load_factor=args.prefix_hash_load_factor, tokenizer=args.tokenizer,
         host=args.host, port=args.port, api_key=keys["client"], worker_api_key=keys["worker"],
         admin_api_key=keys["admin"], max_body_bytes=args.max_body_bytes,
+        large_body_budget_bytes=args.large_body_budget_bytes,
         health_interval=args.health_interval, health_timeout=args.health_timeout,
         health_failures=args.health_failures, health_successes=args.health_successes,
         breaker_failures=args.breaker_failures, breaker_open_seconds=args.breaker_open_seconds,

@@ -47,6 +47,7 @@ class GatewayConfig:
     worker_api_key: str | None = None   # the key presented to workers (their control key)
     admin_api_key: str | None = None    # the key that may change the worker set
     max_body_bytes: int = 32 * 1024 * 1024
+    large_body_budget_bytes: int = 256 * 1024 * 1024   # http_edge: bodies over 1 MiB, all at once
     health_interval: float = 2.0
     health_timeout: float = 1.0
     health_failures: int = 3
@@ -98,6 +99,8 @@ class GatewayConfig:
         _check(self.admin_api_key is None or self.admin_api_key != self.api_key,
                "admin_api_key", "different from the client api_key")
         _check(self.max_body_bytes > 0, "max_body_bytes", "> 0")
+        _check(self.large_body_budget_bytes >= self.max_body_bytes, "large_body_budget_bytes",
+               ">= max_body_bytes (else the largest body allowed could never be taken)")
         _check(self.health_interval > 0, "health_interval", "> 0")
         _check(self.health_timeout > 0, "health_timeout", "> 0")
         _check(self.health_failures >= 1, "health_failures", ">= 1")

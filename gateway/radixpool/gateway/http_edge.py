@@ -1,16 +1,16 @@
 """The gateway's HTTP edge: uvicorn's httptools protocol, hardened (`radixpool.http_edge`, the
 workers run the same class), inside the gateway's own event loop.
 
-Why uvicorn. Measured side by side (bench/results/gateway_overhead_2cpu.txt; `python
-bench/gateway_ab.py`: the whole gateway on this edge against the same gateway on Granian, Rust
-and hyper over RSGI, what it ran on before; one client taking the direct path and both gateways
-in turn, 2-vCPU VM): 25-50 us less added latency per non-streamed request, 45-145 us less to a
-stream's first byte, ~10% more requests per second at concurrency 32 and ~10% less CPU per
-request. Granian hands every request and answer between hyper's thread and the event loop's;
-here parsing and the application share one thread. What made Granian the choice at first (a
-header read timeout, an exact header cap, pipelining done right) is now `EdgeProtocol`'s, tested
-on both servers; and a stream's writes wait for a client that reads slowly (uvicorn's flow
-control), which Granian's RSGI sends did not.
+Why uvicorn. Measured side by side (bench/results/gateway_overhead_2cpu.txt): the whole gateway
+on this edge against the same gateway on Granian (Rust and hyper over RSGI, what it ran on
+before), on the overhead benchmark at the same VM speed, added p50 334-348 us against 402-510 us
+per non-streamed request, and the floor under it (edge + worker client, no routing) 196-199 us
+against 313-407 us; interleaved with Granian (`bench/gateway_ab.py`), 416 against 459 us.
+Granian hands every request and answer between hyper's thread and the event loop's; here parsing
+and the application share one thread, and a response's head leaves in one write with its body.
+What made Granian the choice at first (a header read timeout, an exact header cap, pipelining
+done right) is now `EdgeProtocol`'s, tested on both servers; and a stream's writes wait for a
+client that reads slowly (uvicorn's flow control), which Granian's RSGI sends did not.
 
 This module adds what the application needs around the protocol: the body size limit (413 before
 the body is read when Content-Length says so, else while it arrives; the connection then closes),
@@ -55,7 +55,8 @@ _USABLE_REQUEST_ID = re.compile(rb"[\x21-\x7e]{1,256}")   # printable ASCII, no 
 _REQUEST_IDS = itertools.count()
 _ID_PREFIX = uuid.uuid4().hex[:12].encode()
 _FRAMING = (b"content-length", b"transfer-encoding")   # the edge frames what it sends
-CLOSE_GRACE_S = 5.0   # how long stop() waits for connections still answering to finish
+LARGE_BODY_BYTES = 1 << 20   # bodies up to this size never count against the budget
+CLOSE_GRACE_S = 5.0   # how long stop() waits by default for connections still answering
 
 
 def request_id(headers: dict[bytes, bytes]) -> bytes:
@@ -84,6 +85,7 @@ class EdgeLimits(ProtocolLimits):
 
     max_body_bytes: int = 32 << 20
     disconnect_watch_after: float = 0.05  # seconds a handler runs before its client is watched
+    large_body_budget_bytes: int = 256 << 20   # bodies over LARGE_BODY_BYTES held at once
 
 
 class Request:
@@ -200,6 +202,7 @@ class EdgeServer:
             raise
         self.port: int = self._socket.getsockname()[1]
         self._state = ServerState()
+        self.large_bodies_held = 0   # bytes of bodies over LARGE_BODY_BYTES, all requests
         self._server: asyncio.Server | None = None
 
     async def start(self) -> None:
@@ -215,9 +218,9 @@ class EdgeServer:
             lambda: protocol(config=config, server_state=state, app_state={}),
             sock=self._socket, backlog=1024)
 
-    async def stop(self) -> None:
-        """Stop listening, close idle connections, let those answering finish (up to
-        CLOSE_GRACE_S), then close the rest."""
+    async def stop(self, grace: float = CLOSE_GRACE_S) -> None:
+        """Stop listening, close idle connections, let those answering finish (up to `grace`
+        seconds), then close the rest; their handlers have ended when this returns."""
         if self._server is None:
             self._socket.close()
             return
@@ -225,13 +228,19 @@ class EdgeServer:
         for connection in list(self._state.connections):
             connection.shutdown()
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + CLOSE_GRACE_S
+        deadline = loop.time() + grace
         while self._state.connections and loop.time() < deadline:
             await asyncio.sleep(0.02)
         for connection in list(self._state.connections):
             connection.transport.close()
-        for task in list(self._state.tasks):
-            task.cancel()
+        # A handler whose client is gone ends by itself, as for any client that leaves (through
+        # the watch, once it has started); cancelling it from here instead would be an error.
+        if tasks := list(self._state.tasks):
+            _, left = await asyncio.wait(tasks, timeout=self.limits.disconnect_watch_after + 0.2)
+            for task in left:
+                task.cancel()
+            if left:
+                await asyncio.wait(left, timeout=1.0)
         self._server = None
 
     async def _asgi(self, scope, receive, send) -> None:
@@ -240,9 +249,16 @@ class EdgeServer:
         headers = dict(scope["headers"])
         headers[REQUEST_ID] = request_id(headers)
         respond = Responder(send, headers[REQUEST_ID])
-        body = await self._read_body(headers, receive, respond)
-        if body is None:   # refused (413), or the client left (or was cut: 408) while sending
-            return
+        budget = _BodyBudget(self)
+        try:
+            body = await self._read_body(headers, receive, respond, budget)
+            if body is not None:   # else refused (413, 503), or the client left or was cut
+                await self._answer(scope, receive, respond, headers, body)
+        finally:
+            budget.release()
+
+    async def _answer(self, scope, receive, respond: Responder, headers: dict[bytes, bytes],
+                      body: bytes) -> None:
         task = asyncio.current_task()
         watch = _Watch(receive, respond, task, self.limits.disconnect_watch_after)
         request = Request(scope["method"], scope["path"],
@@ -269,15 +285,20 @@ class EdgeServer:
         finally:
             watch.close()
 
-    async def _read_body(self, headers: dict[bytes, bytes], receive,
-                         respond: Responder) -> bytes | None:
-        """The whole body, or None once a 413 has been answered or the client has gone."""
+    async def _read_body(self, headers: dict[bytes, bytes], receive, respond: Responder,
+                         budget: _BodyBudget) -> bytes | None:
+        """The whole body, or None once a 413 or 503 has been answered or the client has
+        gone. A body over LARGE_BODY_BYTES takes its size from the budget first."""
         limit = self.limits.max_body_bytes
         length = headers.get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
+        declared = int(length) if length is not None and length.isdigit() else None
+        if declared is not None and declared > limit:
             respond.closing = True   # the body is not read: the connection cannot go on
-            await respond.send_error(413, f"request body of {int(length)} bytes exceeds the "
+            await respond.send_error(413, f"request body of {declared} bytes exceeds the "
                                           f"limit of {limit} bytes", "request_too_large")
+            return None
+        if declared is not None and declared > LARGE_BODY_BYTES and not budget.take(declared):
+            await self._over_budget(respond)
             return None
         parts, size = [], 0
         while True:
@@ -291,6 +312,40 @@ class EdgeServer:
                 await respond.send_error(413, f"request body exceeds the limit of {limit} "
                                               "bytes", "request_too_large")
                 return None
+            if declared is None and size > LARGE_BODY_BYTES \
+                    and not budget.take(size - budget.taken):
+                await self._over_budget(respond)
+                return None
             parts.append(chunk)
             if not message.get("more_body"):
                 return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def _over_budget(self, respond: Responder) -> None:
+        respond.closing = True   # the rest of the body is not read
+        status, headers, doc = error_body(
+            503, f"the gateway holds its limit of {self.limits.large_body_budget_bytes} bytes "
+                 f"of request bodies over {LARGE_BODY_BYTES} bytes; retry", "bodies_over_budget")
+        await respond.send(status, [(b"retry-after", b"1"), *headers], doc)
+
+
+class _BodyBudget:
+    """One request's share of the edge's budget for large bodies: what it took is given back
+    when the request ends (its body is held until then)."""
+
+    __slots__ = ("_edge", "taken")
+
+    def __init__(self, edge: EdgeServer) -> None:
+        self._edge = edge
+        self.taken = 0
+
+    def take(self, size: int) -> bool:
+        edge = self._edge
+        if edge.large_bodies_held + size > edge.limits.large_body_budget_bytes:
+            return False
+        edge.large_bodies_held += size
+        self.taken += size
+        return True
+
+    def release(self) -> None:
+        self._edge.large_bodies_held -= self.taken
+        self.taken = 0

@@ -48,7 +48,8 @@ class GatewayServer:
         cfg = self.config
         self.server = EdgeServer(self.gateway, cfg.host, cfg.port, EdgeLimits(
             header_read_timeout=cfg.header_read_timeout, max_header_bytes=cfg.max_header_bytes,
-            max_body_bytes=cfg.max_body_bytes, body_read_timeout=cfg.body_read_timeout))
+            max_body_bytes=cfg.max_body_bytes, body_read_timeout=cfg.body_read_timeout,
+            large_body_budget_bytes=cfg.large_body_budget_bytes))
         await self.server.start()
 
     async def stop(self, drain_seconds: float = 0.0) -> None:
@@ -61,8 +62,8 @@ class GatewayServer:
         while (any(w.inflight for w in self.gateway.workers)
                and asyncio.get_running_loop().time() < deadline):
             await asyncio.sleep(0.05)
-        if self.server is not None:
-            await self.server.stop()
+        if self.server is not None:   # what is still answering has the rest of the drain
+            await self.server.stop(grace=max(0.0, deadline - asyncio.get_running_loop().time()))
         if self.monitor is not None:
             await self.monitor.stop()
         for pool in self.gateway.pools.values():

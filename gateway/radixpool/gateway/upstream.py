@@ -2,9 +2,12 @@
 
 `UpstreamPool.request` sends one request and returns as soon as the response *headers* are in;
 the body is then read as the worker sends it (`read`: all that has arrived, never waiting for
-more), so streams pass through with no buffering. A connection goes back to the pool only after
-its response ended cleanly and the worker allowed keep-alive; anything else closes it.
-TCP_NODELAY is set on every connection.
+more), so streams pass through with no buffering. What arrived and is not yet read is capped
+(`BUFFER_HIGH_WATER`): past it the connection stops reading from the worker until the proxy
+takes it, so a client that reads slowly holds back its worker instead of filling the gateway's
+memory (the edge's writes already wait for such a client). A connection goes back to the pool
+only after its response ended cleanly and the worker allowed keep-alive; anything else closes
+it. TCP_NODELAY is set on every connection.
 
 Every failure to talk to the worker is an `UpstreamError`; before the response headers it is
 safe for the proxy to retry elsewhere. A pooled connection the worker closed while idle is
@@ -28,6 +31,7 @@ from collections import deque
 import httptools
 
 Headers = list[tuple[bytes, bytes]]
+BUFFER_HIGH_WATER = 256 << 10   # bytes of a response held unread before reading pauses
 
 # Not forwarded in either direction: hop-by-hop headers, framing the proxy redoes itself, and
 # `expect` (the gateway already answered the client's 100-continue and sends the body at once).
@@ -57,6 +61,8 @@ class _Connection(asyncio.Protocol):
         self.status = 0
         self.headers: Headers = []
         self.chunks: deque[bytes] = deque()
+        self._buffered = 0   # bytes in `chunks`
+        self._paused = False   # reading from the worker, until `chunks` is taken
         self.done = False
         self.keep_alive = False
         self.got_bytes = False
@@ -96,6 +102,10 @@ class _Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         self.chunks.append(body)
+        self._buffered += len(body)
+        if self._buffered > BUFFER_HIGH_WATER and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
         self._wake()
 
     def on_message_complete(self) -> None:
@@ -120,7 +130,7 @@ class _Connection(asyncio.Protocol):
               total_timeout: float | None) -> asyncio.Future:
         self.status, self.headers, self.done, self.got_bytes = 0, [], False, False
         self.keep_alive = False
-        self.chunks.clear()
+        self._take()
         self._error = None
         loop = asyncio.get_running_loop()
         self._headers_ready = loop.create_future()
@@ -171,11 +181,18 @@ class _Connection(asyncio.Protocol):
                 raise UpstreamError(f"worker connection broke mid-response: {self._error}")
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
+        return self._take()
+
+    def _take(self) -> bytes:
+        """What arrived, all together (one write onwards); reading resumes."""
         chunks = self.chunks
-        if len(chunks) == 1:
-            return chunks.popleft()
-        data = b"".join(chunks)  # whatever arrived together leaves together: one write onwards
+        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
         chunks.clear()
+        self._buffered = 0
+        if self._paused:
+            self._paused = False
+            if not self.closed:
+                self.transport.resume_reading()
         return data
 
     @property
