@@ -10,18 +10,13 @@ import uuid
 import pytest
 
 from .fleet_probes import eventually, gateway_view, long_text, server_info
-from .test_faults import JOIN_TIMEOUT_S, StreamOutcome, _ask, _long_stream
+from .test_faults import JOIN_TIMEOUT_S, _ask, _streams_flowing
 
 pytestmark = pytest.mark.slow
 
 
 def test_a_worker_restarted_under_streams_drains_then_is_routed_to_afresh(fleet, sdk):
-    streams = [StreamOutcome(first_token=threading.Event()) for _ in range(6)]
-    threads = [threading.Thread(target=_long_stream, args=(sdk, s, 120)) for s in streams]
-    for t in threads:
-        t.start()
-    for s in streams:
-        assert s.first_token.wait(60)
+    streams, threads = _streams_flowing(sdk, 6, 120)
     victim = streams[0].worker
     index = fleet.worker_urls.index(victim)
     old_id = server_info(victim)["instance_id"]

@@ -47,6 +47,18 @@ def _long_stream(sdk: openai.OpenAI, outcome: StreamOutcome, max_tokens: int) ->
         outcome.first_token.set()
 
 
+def _streams_flowing(sdk: openai.OpenAI, count: int, max_tokens: int
+                     ) -> tuple[list[StreamOutcome], list[threading.Thread]]:
+    """`count` long streams in threads, returned once each has its first token."""
+    streams = [StreamOutcome(first_token=threading.Event()) for _ in range(count)]
+    threads = [threading.Thread(target=_long_stream, args=(sdk, s, max_tokens)) for s in streams]
+    for t in threads:
+        t.start()
+    for s in streams:
+        assert s.first_token.wait(60)
+    return streams, threads
+
+
 def _ask(sdk: openai.OpenAI, prompt: str, max_tokens: int = 2):
     return sdk.chat.completions.with_raw_response.create(
         model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
@@ -54,12 +66,7 @@ def _ask(sdk: openai.OpenAI, prompt: str, max_tokens: int = 2):
 
 
 def test_a_worker_killed_mid_run(fleet, sdk):
-    streams = [StreamOutcome(first_token=threading.Event()) for _ in range(6)]
-    threads = [threading.Thread(target=_long_stream, args=(sdk, s, 1900)) for s in streams]
-    for t in threads:
-        t.start()
-    for s in streams:
-        assert s.first_token.wait(60)
+    streams, threads = _streams_flowing(sdk, 6, 1900)
     assert all(s.error is None and s.worker for s in streams), [s.error for s in streams]
 
     # Non-streamed requests still being computed when the worker dies have sent no byte yet:
