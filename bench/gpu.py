@@ -2,6 +2,7 @@
 radix-cache speed-up, host vs device time per step.
 
     python bench/gpu.py                    # on a GPU: Llama-3.1-8B and Qwen3-0.6B, real sizes
+    python bench/gpu.py --preset gpu-quick # real sizes, fewer requests: fits a short GPU lease
     python bench/gpu.py --preset cpu       # the same table on CPU with scaled-down models
     python bench/gpu.py --profile          # also a profiler summary of one decode step
 
@@ -52,6 +53,13 @@ PRESETS = {
                 decode_steps=64, prefill_tokens=8192, serve_requests=1000, serve_input=1024,
                 serve_output=256, prefix_groups=4, prefix_len=2048, prefix_requests=512,
                 prefix_suffix=128, prefix_output=64, small_batches=[1, 256]),
+    # The same models and batch sizes with a quarter of the serving and shared-prefix requests
+    # and half the decode steps: the same figures, measured over less work.
+    "gpu-quick": dict(scale="full", copy_mib=2048, matmul_n=8192, context=1024,
+                      decode_batches=[64, 256], decode_steps=32, prefill_tokens=8192,
+                      serve_requests=256, serve_input=1024, serve_output=256, prefix_groups=4,
+                      prefix_len=2048, prefix_requests=128, prefix_suffix=128, prefix_output=64,
+                      small_batches=[1, 256]),
     "cpu": dict(scale="tiny", copy_mib=256, matmul_n=1024, context=256, decode_batches=[8, 32],
                 decode_steps=16, prefill_tokens=2048, serve_requests=64, serve_input=128,
                 serve_output=32, prefix_groups=2, prefix_len=512, prefix_requests=32,
