@@ -53,10 +53,10 @@ PRESETS = {
                 decode_steps=64, prefill_tokens=8192, serve_requests=1000, serve_input=1024,
                 serve_output=256, prefix_groups=4, prefix_len=2048, prefix_requests=512,
                 prefix_suffix=128, prefix_output=64, small_batches=[1, 256]),
-    # The same models and batch sizes with a quarter of the serving and shared-prefix requests
-    # and half the decode steps: the same figures, measured over less work.
+    # The same models, batch sizes and decode steps with a quarter of the serving and
+    # shared-prefix requests: the same figures, measured over less work.
     "gpu-quick": dict(scale="full", copy_mib=2048, matmul_n=8192, context=1024,
-                      decode_batches=[64, 256], decode_steps=32, prefill_tokens=8192,
+                      decode_batches=[64, 256], decode_steps=64, prefill_tokens=8192,
                       serve_requests=256, serve_input=1024, serve_output=256, prefix_groups=4,
                       prefix_len=2048, prefix_requests=128, prefix_suffix=128, prefix_output=64,
                       small_batches=[1, 256]),
@@ -220,6 +220,11 @@ def decode_phase(core, log, run: Run, batch: int) -> tuple[float, float, float]:
     """Medians over the steps that decoded the full batch: wall, device forward, host."""
     steps = [(w, log.seconds(e), h) for w, e, h in run.steps
              if e is not None and e[0] == "decode" and e[1] == batch]
+    if not steps:
+        # Prefill admits prefill_tokens / context requests per step while the first ones
+        # decode (mixed batches): they finish before the last join unless decode_steps is larger.
+        raise SystemExit(f"no decode step ran the whole batch of {batch}: raise --decode-steps "
+                         f"above {batch} x context / --prefill-tokens steps")
     steps = steps[2:] or steps   # the first full-batch steps warm up
     return tuple(statistics.median(s[i] for s in steps) for i in range(3))
 
