@@ -16,7 +16,8 @@ match each other. Keys are page-aligned when `page_size > 1`.
 
 Eviction frees unlocked leaves in the order a policy gives (`radixpool.worker.mem.eviction`:
 LRU by default, LFU with ageing, probation for never-reused leaves); the policy never changes
-which nodes may go, only which go first.
+which nodes may go, only which go first. Of the last leaf it takes, eviction frees only the tail
+it still needs: the head stays cached.
 
 Slot runs are int64 tensors on the pool's device in the engine; `SlotRuns` is the seam that lets
 the simulated workers of the routing benchmark run this same class over plain `range`s, without
@@ -309,7 +310,12 @@ class RadixCache:
         """Free at least `num_tokens` cached slots if possible: unlocked leaves, in the eviction
         policy's order (a parent whose last child goes becomes a candidate at once).
 
-        May free more than asked (whole leaves). Returns what was freed.
+        The last leaf taken loses only the tail that is still needed, rounded up to whole
+        pages; its head stays cached (and first in line next time). Freeing the whole leaf
+        would drop tokens nobody needed the room of yet: a 512-token question would cost a
+        whole 8,192-token system prompt, which the next request of that group computes again.
+        A policy with `trims_leaves` False (SGLang's orders, for comparison) frees whole
+        leaves. Returns what was freed (more than asked only to finish a page or a leaf).
         """
         now = next(self._tick)
         policy = self.policy
@@ -318,12 +324,34 @@ class RadixCache:
         freed = 0
         while freed < num_tokens and heap:
             _, _, leaf = heapq.heappop(heap)
+            keep = self._aligned(len(leaf.key) - (num_tokens - freed))
+            if keep > 0 and policy.trims_leaves:
+                freed += self._trim_leaf(leaf, keep)
+                break
             parent = leaf.parent
             freed += self._remove_leaf(leaf)
             if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                 self._leaves.add(parent)
                 heapq.heappush(heap, (policy.key(parent, now), id(parent), parent))
         self.evicted_tokens_total += freed
+        return freed
+
+    def _trim_leaf(self, leaf: TreeNode, keep: int) -> int:
+        """Free the edge of `leaf` past its first `keep` tokens (page-aligned); the leaf stays.
+        Costs only the freed part: a full pool during decode trims a page per step."""
+        num_kept_blocks = (leaf.start + keep) // self.block_size - leaf.start // self.block_size
+        self.policy.evicted(leaf)
+        self.pool.free(leaf.value[keep:])
+        freed = len(leaf.key) - keep
+        gone = leaf.states[num_kept_blocks:]
+        leaf.key, leaf.value = leaf.key[:keep], leaf.value[:keep]
+        leaf.states = leaf.states[:num_kept_blocks]
+        self.evictable_size -= freed
+        if len(gone):
+            hashes = publish(gone).tolist()
+            for h in hashes:
+                self.block_hashes.pop(h, None)
+            self._emit("removed", tuple(hashes))
         return freed
 
     def _remove_leaf(self, leaf: TreeNode) -> int:
