@@ -28,14 +28,15 @@ Workloads (token counts exact: the simulated tokenizer is one token per word):
   capacity-bound the fleet's KV cache is the limit (issue 18): 64 groups, each an 8,192-token
                  system prompt + one of 64 distinct 512-token questions (never repeated in a
                  run), 32 output tokens, Poisson arrivals at 6 req/s per worker, 131,072 tokens
-                 of KV per worker (about 15 system prompts). Played in virtual time
+                 of KV per worker (16 system prompts). Played in virtual time
                  (`bench.simfleet.virtual`: the gateway's own policy, index and feedback, the
                  engine's own radix cache, no HTTP), so the figures are deterministic. Beside
                  each policy: the capacity reference (one unbounded cache, no load: the best any
                  routing could do), the fleet bound (N workers hold at most N x 16 of the 64
-                 system prompts at once and a request's group is uniform: no router, however
-                 clairvoyant, reuses more) and the partition reference (group g always on worker
-                 g mod N, ignoring load), for every `--eviction-policies` entry. idle-q:
+                 system prompts at once and the next request's group is uniform: no router
+                 that cannot see the future reuses more) and the partition reference (group g
+                 always on worker g mod N, ignoring load), for every `--eviction-policies`
+                 entry. idle-q:
                  share of busy time some worker had nothing to do while another had a prefill
                  queued; idle-av: the part of it when some queued request would have got its
                  first token sooner on an idle worker (its prefill there, cold or not, ends
