@@ -201,6 +201,20 @@ def test_a_trimmed_tail_is_whole_pages():
     client.check()
 
 
+def test_each_eviction_frees_at_least_a_share_of_the_pool():
+    """Eviction orders every leaf: a full pool in decode asks for a page per step, and paying
+    that scan at every step would cost milliseconds each. It frees 1/256 of the pool at least."""
+    pool = KVPool(4096, 1, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32,
+                  device="cpu")
+    cache = RadixCache(pool, page_size=1, block_size=4)
+    client = Client(cache)
+    client.run([3] * 100, hold=False)
+    assert cache.evict(1) == cache.evict_floor == 16
+    assert cache.probe([3] * 100) == 84
+    assert cache.evict(0) == 0
+    client.check()
+
+
 def test_a_shared_prompt_loses_only_the_room_a_full_pool_needs():
     """The issue-18 shape in miniature: the pool holds exactly four 64-token system prompts; a
     question of 8 new tokens used to cost a whole prompt, now it costs 8 tokens of one."""

@@ -54,6 +54,10 @@ if TYPE_CHECKING:
     import torch
 
 _EMPTY_STATES = np.empty(0, dtype=np.uint64)
+# An eviction orders every unlocked leaf (O(leaves)), so each one frees at least this share of
+# the pool: a full pool in decode, where every step needs a few pages, then pays for that once
+# in many steps instead of at every step (5,000 leaves: ~12 ms on a slow CPU core).
+EVICT_AT_LEAST = 1 / 256
 
 
 class SlotRuns(Protocol):
@@ -143,6 +147,7 @@ class RadixCache:
         self.events: list[KVEvent] = []
         self.block_hashes: dict[int, TreeNode] = {}
         self.evicted_tokens_total = 0
+        self.evict_floor = self._aligned(int(pool.capacity * EVICT_AT_LEAST))
         self.reset(emit=False)
 
     # ------------------------------------------------------------------ accounting
@@ -315,8 +320,12 @@ class RadixCache:
         would drop tokens nobody needed the room of yet: a 512-token question would cost a
         whole 8,192-token system prompt, which the next request of that group computes again.
         A policy with `trims_leaves` False (SGLang's orders, for comparison) frees whole
-        leaves. Returns what was freed (more than asked only to finish a page or a leaf).
+        leaves. Asked for any, it frees at least `evict_floor` tokens (1/256 of the pool).
+        Returns what was freed.
         """
+        if num_tokens <= 0:
+            return 0
+        num_tokens = max(num_tokens, self.evict_floor)
         now = next(self._tick)
         policy = self.policy
         heap = [(policy.key(n, now), id(n), n) for n in self._leaves]
