@@ -28,12 +28,15 @@ Workloads (token counts exact: the simulated tokenizer is one token per word):
   capacity-bound the fleet's KV cache is the limit (issue 18): 64 groups, each an 8,192-token
                  system prompt + one of 64 distinct 512-token questions (never repeated in a
                  run), 32 output tokens, Poisson arrivals at 6 req/s per worker, 131,072 tokens
-                 of KV per worker (about 15 system prompts). Played in virtual time
+                 of KV per worker (16 system prompts). Played in virtual time
                  (`bench.simfleet.virtual`: the gateway's own policy, index and feedback, the
                  engine's own radix cache, no HTTP), so the figures are deterministic. Beside
                  each policy: the capacity reference (one unbounded cache, no load: the best any
-                 routing could do) and the partition reference (group g always on worker
-                 g mod N, ignoring load), for every `--eviction-policies` entry. idle-q:
+                 routing could do), the fleet bound (N workers hold at most N x 16 of the 64
+                 system prompts at once and the next request's group is uniform: no router
+                 that cannot see the future reuses more) and the partition reference (group g
+                 always on worker g mod N, ignoring load), for every `--eviction-policies`
+                 entry. idle-q:
                  share of busy time some worker had nothing to do while another had a prefill
                  queued; idle-av: the part of it when some queued request would have got its
                  first token sooner on an idle worker (its prefill there, cold or not, ends
@@ -141,6 +144,14 @@ def capacity_workload(workers: int, count: int, seed: int) -> list[Request]:
     return out
 
 
+def capacity_bound(workers: int, kv_tokens: int) -> float:
+    """The most any routing can reuse on `capacity_workload`: the fleet holds at most
+    `workers x (kv_tokens // 8,192)` of the 64 system prompts at once, the next request's group is
+    uniform, and a request that finds its system prompt reuses 8,192 of its 8,704 tokens."""
+    held = min(64, workers * (kv_tokens // 8192))
+    return held / 64 * 8192 / (8192 + 512)
+
+
 def capacity(args: argparse.Namespace) -> None:
     print(f"# capacity-bound, virtual time (deterministic, seed {args.seed}): "
           f"{args.capacity_requests} requests, prefill {args.capacity_prefill_us} us/uncached "
@@ -172,6 +183,9 @@ def capacity(args: argparse.Namespace) -> None:
                 print(f"{n:>3} {eviction:<9} {name:<15} {o.hit_rate:6.3f} {lat_cols} "
                       f"{idle:6.1%} {avoidable:7.1%}  "
                       f"{min(o.per_worker):>6}/{max(o.per_worker):<6}        {reasons}", flush=True)
+                if name == "ref:capacity" and n * (args.capacity_kv_tokens // 8192) < 64:
+                    print(f"{n:>3} {eviction:<9} {'ref:bound':<15} "
+                          f"{capacity_bound(n, args.capacity_kv_tokens):6.3f}")
 
 
 def bindings(args: argparse.Namespace) -> list[tuple[str, GatewayConfig]]:

@@ -26,6 +26,7 @@ SLRU_PROTECTED_HITS = 2
 
 class SGLangLFU(EvictionPolicy):
     name = "lfu"
+    trims_leaves = False  # SGLang frees whole nodes
 
     def key(self, node: EvictableNode, now: int) -> tuple:
         return (node.hits, node.last_access)
@@ -33,6 +34,7 @@ class SGLangLFU(EvictionPolicy):
 
 class SGLangSLRU(EvictionPolicy):
     name = "slru"
+    trims_leaves = False
 
     def key(self, node: EvictableNode, now: int) -> tuple:
         return (node.hits >= SLRU_PROTECTED_HITS, node.last_access)

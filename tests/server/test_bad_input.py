@@ -73,6 +73,11 @@ BAD = [
      "sampling_params.temprature"),
     ("/generate", {"input_ids": []}, 400, "input_ids"),
     ("/prefix_probe", {"text": "x", "input_ids": [1]}, 400, None),
+    # a lone UTF-16 surrogate is valid JSON syntax but no text: named, as the gateway names it
+    ("/v1/completions", b'{"prompt": "w1 \\ud800 w2"}', 400, "prompt"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a \\udc80"}]}', 400,
+     "messages[0].content"),
+    ("/generate", b'{"text": ["w1", "w2 \\udc80"]}', 400, "text[1]"),
 ]
 
 

@@ -102,3 +102,20 @@ def test_a_shared_system_prompt_is_computed_once(tiny_model):
     # Sent together: one computes the system prompt, the others are held and then hit it.
     assert sorted(cached)[1:] == [128] * 7
     assert sorted(cached)[0] == 0
+
+
+def test_a_full_pool_gives_up_only_the_room_a_new_prompt_needs(tiny_model):
+    """Page size 16, a pool that holds one 384-token system prompt and little else: an unrelated
+    prompt takes only the room it needs from the end of the cached prefix, and the next request
+    of that system prompt still reuses the rest, with the tokens a cold engine gives."""
+    system = list(range(100, 484))
+    after = system + [600, 601, 602]
+    model = str(tiny_model)
+    core = EngineCore(EngineConfig(model, device="cpu", kv_cache_tokens=512, page_size=16))
+    run(core, [system + [500, 501]], "a")
+    run(core, [list(range(700, 900))], "b")  # 200 tokens: more than the pool has free
+    assert core.scheduler.kv.cache.evicted_tokens_total > 0
+    got, cached = run(core, [after], "c")
+    assert 256 <= cached[0] <= 384  # before: 0, the whole prefix went for ~100 tokens of room
+    cold = EngineCore(EngineConfig(model, device="cpu", kv_cache_tokens=512, page_size=16))
+    assert got == run(cold, [after], "d")[0]

@@ -169,11 +169,67 @@ def test_locked_prefix_survives_eviction_and_lru_goes_first():
     client.run([2] * 10, hold=False)
     client.run([3] * 10, hold=False)
     cache.match_prefix([2] * 10)  # touch: [3]* is now least recently used
-    assert cache.evict(1) == 10
+    assert cache.evict(10) == 10
     assert cache.probe([3] * 10) == 0 and cache.probe([2] * 10) == 10
     cache.evict(CAPACITY)
     assert cache.probe([1] * 10) == 10  # locked
     client.check()
+
+
+def test_eviction_frees_only_the_tail_it_needs_and_keeps_the_head_cached():
+    cache = make_cache(block_size=4)
+    client = Client(cache)
+    client.run([1] * 40, hold=False)
+    seen = len(cache.events)
+    assert cache.evict(10) == 10
+    assert cache.probe([1] * 41) == 30  # before: the whole leaf went, and 30 tokens with it
+    removed = cache.events[seen:]
+    assert [e.type for e in removed] == ["removed"]
+    assert set(removed[0].blocks) == (set(prefix_block_hashes([1] * 40, 4).tolist())
+                                     - set(prefix_block_hashes([1] * 30, 4).tolist()))
+    assert set(cache.block_hashes) == expected_blocks(cache)
+    assert cache.match_prefix([1] * 41).length == 30  # the next request reuses the head
+    client.check()
+
+
+def test_a_trimmed_tail_is_whole_pages():
+    cache = make_cache(page_size=4, block_size=4)
+    client = Client(cache)
+    client.run([2] * 40, hold=False)
+    assert cache.evict(5) == 8
+    assert cache.probe([2] * 40) == 32
+    client.check()
+
+
+def test_each_eviction_frees_at_least_a_share_of_the_pool():
+    """Eviction orders every leaf: a full pool in decode asks for a page per step, and paying
+    that scan at every step would cost milliseconds each. It frees 1/256 of the pool at least."""
+    pool = KVPool(4096, 1, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32,
+                  device="cpu")
+    cache = RadixCache(pool, page_size=1, block_size=4)
+    client = Client(cache)
+    client.run([3] * 100, hold=False)
+    assert cache.evict(1) == cache.evict_floor == 16
+    assert cache.probe([3] * 100) == 84
+    assert cache.evict(0) == 0
+    client.check()
+
+
+def test_a_shared_prompt_loses_only_the_room_a_full_pool_needs():
+    """The issue-18 shape in miniature: the pool holds exactly four 64-token system prompts; a
+    question of 8 new tokens used to cost a whole prompt, now it costs 8 tokens of one."""
+    for policy in ("lru", "lfu", "probation"):
+        cache = make_cache(policy=policy)
+        client = Client(cache)
+        prompts = [[10 + g] * 64 for g in range(4)]
+        for prompt in prompts:
+            client.run(prompt, hold=False)
+            cache.match_prefix(prompt)  # each reused once
+        assert cache.pool.available_size() == 0
+        assert client.run(prompts[3] + [99] * 8, hold=False)
+        held = sorted(cache.probe(p + [0]) for p in prompts)
+        assert held == [56, 64, 64, 64], policy
+        client.check()
 
 
 def test_namespaces_never_share():
@@ -235,9 +291,9 @@ def test_probation_evicts_never_reused_leaves_oldest_first():
     client.run([2] * 10, hold=False)
     client.run([3] * 10, hold=False)
     cache.match_prefix([1] * 10)  # [1]* was reused: it leaves probation
-    assert cache.evict(1) == 10
+    assert cache.evict(10) == 10
     assert cache.probe([2] * 10) == 0  # the oldest leaf on probation went first
-    assert cache.evict(1) == 10
+    assert cache.evict(10) == 10
     assert cache.probe([3] * 10) == 0 and cache.probe([1] * 10) == 10
     client.check()
 

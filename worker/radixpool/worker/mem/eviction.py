@@ -44,6 +44,8 @@ class EvictionPolicy:
     """Orders eviction candidates: the leaf with the smallest `key` goes first."""
 
     name = "lru"
+    # Eviction may free only the tail of the last leaf it takes (`RadixCache.evict`).
+    trims_leaves = True
 
     def key(self, node: EvictableNode, now: int) -> tuple:
         return (node.last_access,)
@@ -55,7 +57,7 @@ class EvictionPolicy:
         """`node.hits` was just incremented by a match."""
 
     def evicted(self, node: EvictableNode) -> None:
-        """`node` is leaving the tree."""
+        """`node` (or the tail of its edge) is leaving the tree."""
 
 
 class LFUWithAgeing(EvictionPolicy):

@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from radixpool.child_pool import ChildPool, TooBig
-from radixpool.worker.server.errors import APIError, validation_error
+from radixpool.worker.server.errors import APIError, lone_surrogate, validation_error
 
 log = logging.getLogger("radixpool.worker.server")
 MAX_BODY_BYTES = 64 << 20   # a prompt at any context length fits many times over
@@ -96,8 +96,13 @@ def validated(model: type[BaseModel], body: bytes) -> BaseModel:
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:   # the same locations FastAPI would report
+        errors = exc.errors()
+        if errors[0]["type"] == "json_invalid":
+            error = lone_surrogate(body)
+            if error is not None:
+                raise error from None
         raise validation_error(RequestValidationError(
-            [{**err, "loc": ("body", *err["loc"])} for err in exc.errors()])) from None
+            [{**err, "loc": ("body", *err["loc"])} for err in errors])) from None
 
 
 async def _read_body(receive) -> bytes:
