@@ -2,6 +2,7 @@
 radix-cache speed-up, host vs device time per step.
 
     python bench/gpu.py                    # on a GPU: Llama-3.1-8B and Qwen3-0.6B, real sizes
+    python bench/gpu.py --preset gpu-quick # real sizes, fewer requests: fits a short GPU lease
     python bench/gpu.py --preset cpu       # the same table on CPU with scaled-down models
     python bench/gpu.py --profile          # also a profiler summary of one decode step
 
@@ -52,6 +53,13 @@ PRESETS = {
                 decode_steps=64, prefill_tokens=8192, serve_requests=1000, serve_input=1024,
                 serve_output=256, prefix_groups=4, prefix_len=2048, prefix_requests=512,
                 prefix_suffix=128, prefix_output=64, small_batches=[1, 256]),
+    # The same models, batch sizes and decode steps with a quarter of the serving and
+    # shared-prefix requests: the same figures, measured over less work.
+    "gpu-quick": dict(scale="full", copy_mib=2048, matmul_n=8192, context=1024,
+                      decode_batches=[64, 256], decode_steps=64, prefill_tokens=8192,
+                      serve_requests=256, serve_input=1024, serve_output=256, prefix_groups=4,
+                      prefix_len=2048, prefix_requests=128, prefix_suffix=128, prefix_output=64,
+                      small_batches=[1, 256]),
     "cpu": dict(scale="tiny", copy_mib=256, matmul_n=1024, context=256, decode_batches=[8, 32],
                 decode_steps=16, prefill_tokens=2048, serve_requests=64, serve_input=128,
                 serve_output=32, prefix_groups=2, prefix_len=512, prefix_requests=32,
@@ -212,6 +220,11 @@ def decode_phase(core, log, run: Run, batch: int) -> tuple[float, float, float]:
     """Medians over the steps that decoded the full batch: wall, device forward, host."""
     steps = [(w, log.seconds(e), h) for w, e, h in run.steps
              if e is not None and e[0] == "decode" and e[1] == batch]
+    if not steps:
+        # Prefill admits prefill_tokens / context requests per step while the first ones
+        # decode (mixed batches): they finish before the last join unless decode_steps is larger.
+        raise SystemExit(f"no decode step ran the whole batch of {batch}: raise --decode-steps "
+                         f"above {batch} x context / --prefill-tokens steps")
     steps = steps[2:] or steps   # the first full-batch steps warm up
     return tuple(statistics.median(s[i] for s in steps) for i in range(3))
 

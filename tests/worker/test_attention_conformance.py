@@ -44,6 +44,12 @@ CASES = {
                                                   Request(17, 1), Request(32, 12, shares=0)]),
     "decode": (ForwardMode.DECODE, [Request(0, 1), Request(15, 1), Request(16, 1),
                                     Request(99, 1), Request(64, 1, shares=3)]),
+    # Past one kernel tile (128 queries or keys): causal masks that cross tile boundaries.
+    "long_fresh_prefill": (ForwardMode.EXTEND, [Request(0, 300), Request(0, 150)]),
+    "long_cached_prefix": (ForwardMode.EXTEND, [Request(160, 200), Request(144, 130, shares=0),
+                                                Request(300, 1)]),
+    "long_decode": (ForwardMode.DECODE, [Request(450, 1), Request(129, 1),
+                                         Request(400, 1, shares=0)]),
 }
 
 
@@ -69,7 +75,7 @@ class Step:
         pool = KVPool(2048, page_size, 1, kv_heads, HEAD_DIM, dtype, device)
         pool._free_pages = pool._free_pages[torch.randperm(pool.num_pages, generator=gen)
                                             .to(device)]
-        table = torch.zeros(len(reqs) + 2, 256, dtype=torch.int64, device=device)
+        table = torch.zeros(len(reqs) + 2, 512, dtype=torch.int64, device=device)
         slots = []
         for row, r in enumerate(reqs):
             if r.shares is not None:

@@ -25,6 +25,7 @@ import torch
 
 from radixpool.protocol.kv_blocks import DEFAULT_BLOCK_SIZE
 from radixpool.worker.config import EngineConfig
+from radixpool.worker.device_copy import to_device
 from radixpool.worker.forward_batch import ForwardBatch
 from radixpool.worker.grammar.compiler import GrammarCompiler
 from radixpool.worker.grammar.mask import GrammarMasks
@@ -215,11 +216,11 @@ class EngineCore:
             mask = self._grammar_masks().build(grammars, drafts) if grammars else None
             result = self.sampler.sample(logits, rows, vocab_mask=mask, logits_owned=True,
                                          to_host=not self.overlap, mask_rows=mask_rows)
-            index = torch.tensor([r.row for r, _ in sampled], device=last_tokens.device)
+            index = to_device([r.row for r, _ in sampled], torch.int64, last_tokens.device)
             # (a verified draft's request gets its real last token when it is processed)
             last_tokens[index] = (result.tensor if len(rows) == len(sampled)
-                                  else result.tensor[torch.tensor(last_rows,
-                                                                  device=last_tokens.device)])
+                                  else result.tensor[to_device(last_rows, torch.int64,
+                                                               last_tokens.device)])
         times.schedule += t1 - t0
         times.forward += t2 - t1
         times.sample += time.perf_counter() - t2

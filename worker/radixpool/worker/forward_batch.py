@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from radixpool.worker.device_copy import to_device
+
 
 class ForwardMode(enum.Enum):
     EXTEND = "extend"
@@ -77,7 +79,7 @@ class ForwardBatch:
         drafts = draft_lens or [0] * len(token_ids)
         logits_indices = [i for end, want, k in zip(ends, logits_rows, drafts) if want
                           for i in range(end - k, end + 1)]
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+        as_tensor = lambda xs: to_device(xs, torch.int64, device)  # noqa: E731
         input_ids = as_tensor(flat)
         num_known = sum(ids is not None for ids in token_ids)
         if num_known < len(token_ids):

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from radixpool.worker.device_copy import to_device
+
 
 @dataclass
 class _Slot:
@@ -63,8 +65,8 @@ class PenaltyState:
         `factors` is a float32 [n, 3] tensor on the device: repetition, frequency, presence.
         """
         slots = self._update(keys, prompts, outputs)
-        slot_t = torch.tensor(slots, dtype=torch.long, device=self.device)
-        rows_t = torch.tensor(row_index, dtype=torch.long, device=self.device)
+        slot_t = to_device(slots, torch.long, self.device)
+        rows_t = to_device(row_index, torch.long, self.device)
         x = logits[rows_t]
         counts = self._counts[slot_t]
         generated = counts > 0
@@ -106,16 +108,16 @@ class PenaltyState:
             slot.counted = len(output)
             slots.append(slot.index)
         if fresh:
-            fresh_t = torch.tensor(fresh, dtype=torch.long, device=self.device)
+            fresh_t = to_device(fresh, torch.long, self.device)
             self._counts.index_fill_(0, fresh_t, 0.0)
             self._in_prompt.index_fill_(0, fresh_t, False)
         if prompt_token:
-            index = (torch.tensor(prompt_slot, dtype=torch.long, device=self.device),
-                     torch.tensor(prompt_token, dtype=torch.long, device=self.device))
+            index = (to_device(prompt_slot, torch.long, self.device),
+                     to_device(prompt_token, torch.long, self.device))
             self._in_prompt.index_put_(index, self._true)
         if count_token:
-            index = (torch.tensor(count_slot, dtype=torch.long, device=self.device),
-                     torch.tensor(count_token, dtype=torch.long, device=self.device))
+            index = (to_device(count_slot, torch.long, self.device),
+                     to_device(count_token, torch.long, self.device))
             ones = torch.ones(len(count_token), dtype=torch.float32, device=self.device)
             self._counts.index_put_(index, ones, accumulate=True)
         return slots

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixpool.worker.device_copy import to_device
 from radixpool.worker.penalties import PenaltyState, one_call_key
 from radixpool.worker.sampling_params import SamplingParams
 
@@ -174,8 +175,8 @@ class Sampler:
             self._apply_penalties(work, rows, penalised)
         if bias_rows:
             index = (self._long(bias_rows), self._long(bias_tokens))
-            work.index_put_(index, torch.tensor(bias_values, dtype=torch.float32,
-                                                device=self.device), accumulate=True)
+            work.index_put_(index, to_device(bias_values, torch.float32, self.device),
+                            accumulate=True)
         if ban_rows:
             work.index_put_((self._long(ban_rows), self._long(ban_tokens)), self._minus_inf)
         if vocab_mask is not None:
@@ -207,7 +208,7 @@ class Sampler:
         return result
 
     def _long(self, values: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+        return to_device(values, torch.long, self.device)
 
     def _take(self, x: torch.Tensor, index: list[int], n: int) -> torch.Tensor:
         return x if len(index) == n else x[self._long(index)]  # (faster than index_select on CPU)
@@ -215,9 +216,9 @@ class Sampler:
     def _apply_penalties(self, work: torch.Tensor, rows: Sequence[SamplingRow],
                          index: list[int]) -> None:
         chosen = [rows[i] for i in index]
-        factors = torch.tensor(
+        factors = to_device(
             [(r.params.repetition_penalty, r.params.frequency_penalty, r.params.presence_penalty)
-             for r in chosen], dtype=torch.float32, device=self.device)
+             for r in chosen], torch.float32, self.device)
         keys = [one_call_key() if r.key is None else r.key for r in chosen]
         self._penalties.apply(work, index, keys, [r.prompt_ids for r in chosen],
                               [r.output_ids for r in chosen], factors)
@@ -239,8 +240,8 @@ class Sampler:
             ints.append((k, r.seed & _MASK32, (r.seed >> 32) & _MASK32,
                          r.step & _MASK32))
             (truncated if k < vocab or p.top_p < 1 else whole).append(j)
-        floats_t = torch.tensor(floats, dtype=torch.float32, device=self.device)
-        ints_t = torch.tensor(ints, dtype=torch.long, device=self.device)
+        floats_t = to_device(floats, torch.float32, self.device)
+        ints_t = to_device(ints, torch.long, self.device)
         x = x / floats_t[:, 0:1]
         keys = _hash32(ints_t[:, 3] ^ 0x9E3779B9)
         keys = _hash32(keys ^ ints_t[:, 2])

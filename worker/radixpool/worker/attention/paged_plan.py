@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixpool.worker.device_copy import to_device
 from radixpool.worker.forward_batch import ForwardBatch, ForwardMode
 
 
@@ -71,11 +72,11 @@ def paged_kv(req_to_token: torch.Tensor, req_rows: torch.Tensor, kv_lens: list[i
     last = _host_int32([(n - 1) % page_size + 1 for n in kv_lens])
     device = req_to_token.device
     total = int(indptr[-1])
-    counts = torch.tensor(pages, dtype=torch.int64, device=device)
+    counts = to_device(pages, torch.int64, device)
     # Entry k of `indices` is page j of request r: r repeats once per page, j counts within r.
     owner = torch.repeat_interleave(torch.arange(len(pages), device=device), counts,
                                     output_size=total)
-    starts = torch.repeat_interleave(indptr[:-1].to(device=device, dtype=torch.int64), counts,
+    starts = torch.repeat_interleave(to_device(indptr[:-1], torch.int64, device), counts,
                                      output_size=total)
     page_no = torch.arange(total, device=device) - starts
     first_slots = req_to_token[req_rows[owner], page_no * page_size]

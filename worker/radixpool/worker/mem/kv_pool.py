@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from radixpool.worker.device_copy import to_device
+
 
 class KVDoubleFree(RuntimeError):
     """A KV page was freed while already free (an ownership bug in the caller)."""
@@ -75,7 +77,8 @@ class KVPool:
             return None
         self._num_free -= n
         pages = self._free_pages[self._num_free:self._num_free + n].clone()
-        self._is_free[pages] = False
+        # (index_fill_: a Python value assigned through an index is first copied, a device sync)
+        self._is_free.index_fill_(0, pages, False)
         return pages
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
@@ -133,9 +136,9 @@ class KVPool:
         if pages is None:
             return None
         out = last_slots + 1
-        if pages.numel():
-            mask = torch.tensor(need_page, dtype=torch.bool, device=self.device)
-            out[mask] = pages * self.page_size
+        if pages.numel():   # positions as integers: a boolean mask index would sync
+            lanes = [i for i, need in enumerate(need_page) if need]
+            out[to_device(lanes, torch.int64, self.device)] = pages * self.page_size
         return out
 
     def free(self, slots: torch.Tensor) -> None:
@@ -155,7 +158,7 @@ class KVPool:
             unique = unique[~already]
         n = unique.numel()
         self._free_pages[self._num_free:self._num_free + n] = unique
-        self._is_free[unique] = True
+        self._is_free.index_fill_(0, unique, True)
         self._num_free += n
 
     def free_slots_set(self) -> set[int]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from radixpool.worker.device_copy import to_device
 from radixpool.worker.mem.kv_pool import KVPool, ReqToTokenPool, pages_for, tokens_within
 from radixpool.worker.mem.radix_cache import MatchResult, RadixCache
 from radixpool.worker.request import Req, Status
@@ -93,9 +94,9 @@ class KVManager:
                 cursor += take
             parts.append(slots)
         if decode:
-            rows = torch.tensor([r.row for r in decode], device=table.device)
+            rows = to_device([r.row for r in decode], torch.int64, table.device)
             lens_host = [r.kv_len for r in decode]
-            lens = torch.tensor(lens_host, device=table.device)
+            lens = to_device(lens_host, torch.int64, table.device)
             # the previous slot matters only with pages (the new token may share its page)
             last = table[rows, lens - 1] if self.page_size > 1 else lens
             slots = self.pool.alloc_decode(lens_host, last)
