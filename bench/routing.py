@@ -41,6 +41,8 @@ Workloads (token counts exact: the simulated tokenizer is one token per word):
                  queued; idle-av: the part of it when some queued request would have got its
                  first token sooner on an idle worker (its prefill there, cold or not, ends
                  before its turn and prefill where it waits): the idleness routing could avoid.
+                 `--capacity-hot-share S` gives one group S of the requests (a group too hot
+                 for one worker when S x rate x N x its cached prefill time > 1).
 
 `overhead` measures, with zero-service-time workers: p50 added latency of a non-streamed request
 (via gateway minus direct; one request at a time, the two paths taken in turn so a drift in
@@ -130,16 +132,23 @@ def quality(args: argparse.Namespace) -> None:
 
 
 # --- capacity-bound (virtual time) ---------------------------------------------------------------
-def capacity_workload(workers: int, count: int, seed: int) -> list[Request]:
-    """Issue 18's workload: `count` requests over 64 groups x 64 distinct questions."""
+def capacity_workload(workers: int, count: int, seed: int, hot_share: float = 0.0,
+                      rate: float = 6.0) -> list[Request]:
+    """Issue 18's workload: `count` requests over 64 groups x 64 distinct questions, `rate`
+    per second per worker. With `hot_share`, group 0 takes that share of the requests (each
+    with a question of its own) and the other 63 groups the rest."""
     rng = random.Random(seed)
     systems = [random.Random(1000 + g).choices(range(32000), k=8192) for g in range(64)]
     pairs = [(g, q) for g in range(64) for q in range(64)]
     rng.shuffle(pairs)
+    if hot_share:
+        cold, hot = iter([p for p in pairs if p[0]]), itertools.count()
+        pairs = [(0, next(hot)) if rng.random() < hot_share else next(cold)
+                 for _ in range(count)]
     t, out = 0.0, []
     for g, q in pairs[:count]:
-        t += rng.expovariate(6.0 * workers)
-        question = random.Random(g * 64 + q).choices(range(32000), k=512)
+        t += rng.expovariate(rate * workers)
+        question = random.Random(g * 64 + q if q < 64 else f"hot{q}").choices(range(32000), k=512)
         out.append(Request(t, systems[g] + question, g, 32))
     return out
 
@@ -156,11 +165,14 @@ def capacity(args: argparse.Namespace) -> None:
     print(f"# capacity-bound, virtual time (deterministic, seed {args.seed}): "
           f"{args.capacity_requests} requests, prefill {args.capacity_prefill_us} us/uncached "
           f"token (FIFO, one at a time), decode {args.capacity_decode_ms} ms/token x 32, "
-          f"KV {args.capacity_kv_tokens} tokens/worker")
+          f"KV {args.capacity_kv_tokens} tokens/worker, {args.capacity_rate} req/s per worker"
+          + (f", group 0 takes {args.capacity_hot_share:.0%} of the requests"
+             if args.capacity_hot_share else ""))
     print("  N evict     routing            hit  lat50ms  lat99  ttft50  ttft99 idle-q idle-av  "
           "min/max per worker  decisions")
     for n in args.workers:
-        requests = capacity_workload(n, args.capacity_requests, args.seed)
+        requests = capacity_workload(n, args.capacity_requests, args.seed,
+                                     args.capacity_hot_share, args.capacity_rate)
         for eviction in args.eviction_policies:
             model = FleetModel(n, args.capacity_kv_tokens, eviction,
                                prefill_us_per_token=args.capacity_prefill_us,
@@ -183,7 +195,8 @@ def capacity(args: argparse.Namespace) -> None:
                 print(f"{n:>3} {eviction:<9} {name:<15} {o.hit_rate:6.3f} {lat_cols} "
                       f"{idle:6.1%} {avoidable:7.1%}  "
                       f"{min(o.per_worker):>6}/{max(o.per_worker):<6}        {reasons}", flush=True)
-                if name == "ref:capacity" and n * (args.capacity_kv_tokens // 8192) < 64:
+                if (name == "ref:capacity" and n * (args.capacity_kv_tokens // 8192) < 64
+                        and not args.capacity_hot_share):
                     print(f"{n:>3} {eviction:<9} {'ref:bound':<15} "
                           f"{capacity_bound(n, args.capacity_kv_tokens):6.3f}")
 
@@ -314,6 +327,9 @@ def main() -> None:
     q.add_argument("--eviction-policies", nargs="+", default=list(BENCH_EVICTION_POLICIES),
                    choices=BENCH_EVICTION_POLICIES, help="capacity-bound: one table per policy")
     q.add_argument("--capacity-requests", type=int, default=4096, help="at most 4096")
+    q.add_argument("--capacity-rate", type=float, default=6.0, help="requests/s per worker")
+    q.add_argument("--capacity-hot-share", type=float, default=0.0,
+                   help="share of the requests that go to one hot group (0: uniform)")
     q.add_argument("--capacity-kv-tokens", type=int, default=131072)
     q.add_argument("--capacity-prefill-us", type=float, default=20.0)
     q.add_argument("--capacity-decode-ms", type=float, default=5.0)
