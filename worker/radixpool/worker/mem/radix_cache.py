@@ -347,7 +347,7 @@ class RadixCache:
 
     def _trim_leaf(self, leaf: TreeNode, keep: int) -> int:
         """Free the edge of `leaf` past its first `keep` tokens (page-aligned); the leaf stays.
-        Costs only the freed part: a full pool during decode trims a page per step."""
+        Costs only the freed part (no new node, no rehashing of the kept blocks)."""
         num_kept_blocks = (leaf.start + keep) // self.block_size - leaf.start // self.block_size
         self.policy.evicted(leaf)
         self.pool.free(leaf.value[keep:])
