@@ -78,6 +78,9 @@ BAD = [
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a \\udc80"}]}', 400,
      "messages[0].content"),
     ("/generate", b'{"text": ["w1", "w2 \\udc80"]}', 400, "text[1]"),
+    # ... and one that Python's parser cannot read again (nested past its stack): a 500 before
+    ("/v1/completions", b'{"prompt": "\\ud800", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400,
+     None),
 ]
 
 

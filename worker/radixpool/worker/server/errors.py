@@ -90,7 +90,7 @@ def lone_surrogate(body: bytes) -> APIError | None:
     has none. For bodies the strict parser refused: Python's `json` accepts such escapes."""
     try:
         doc = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):   # (nesting deeper than Python's stack)
         return None
     stack: list[tuple[Any, tuple[Any, ...]]] = [(doc, ())]
     while stack:

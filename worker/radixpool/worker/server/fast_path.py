@@ -97,7 +97,8 @@ def validated(model: type[BaseModel], body: bytes) -> BaseModel:
         return model.model_validate_json(body)
     except ValidationError as exc:   # the same locations FastAPI would report
         errors = exc.errors()
-        if errors[0]["type"] == "json_invalid":
+        # pydantic calls a lone surrogate an error in a "hex escape": only then parse again
+        if errors[0]["type"] == "json_invalid" and "escape" in str(errors[0].get("ctx")):
             error = lone_surrogate(body)
             if error is not None:
                 raise error from None
