@@ -132,14 +132,18 @@ def quality(args: argparse.Namespace) -> None:
 
 
 # --- capacity-bound (virtual time) ---------------------------------------------------------------
+GROUPS, SYSTEM_TOKENS, QUESTION_TOKENS = 64, 8192, 512
+
+
 def capacity_workload(workers: int, count: int, seed: int, hot_share: float = 0.0,
                       rate: float = 6.0) -> list[Request]:
     """Issue 18's workload: `count` requests over 64 groups x 64 distinct questions, `rate`
     per second per worker. With `hot_share`, group 0 takes that share of the requests (each
     with a question of its own) and the other 63 groups the rest."""
     rng = random.Random(seed)
-    systems = [random.Random(1000 + g).choices(range(32000), k=8192) for g in range(64)]
-    pairs = [(g, q) for g in range(64) for q in range(64)]
+    systems = [random.Random(1000 + g).choices(range(32000), k=SYSTEM_TOKENS)
+               for g in range(GROUPS)]
+    pairs = [(g, q) for g in range(GROUPS) for q in range(64)]
     rng.shuffle(pairs)
     if hot_share:
         cold, hot = iter([p for p in pairs if p[0]]), itertools.count()
@@ -148,17 +152,21 @@ def capacity_workload(workers: int, count: int, seed: int, hot_share: float = 0.
     t, out = 0.0, []
     for g, q in pairs[:count]:
         t += rng.expovariate(rate * workers)
-        question = random.Random(g * 64 + q if q < 64 else f"hot{q}").choices(range(32000), k=512)
+        question = random.Random(g * 64 + q if q < 64 else f"hot{q}").choices(
+            range(32000), k=QUESTION_TOKENS)
         out.append(Request(t, systems[g] + question, g, 32))
     return out
 
 
-def capacity_bound(workers: int, kv_tokens: int) -> float:
-    """The most any routing can reuse on `capacity_workload`: the fleet holds at most
+def capacity_bound(workers: int, kv_tokens: int) -> float | None:
+    """The most any routing can reuse on the uniform `capacity_workload`: the fleet holds at most
     `workers x (kv_tokens // 8,192)` of the 64 system prompts at once, the next request's group is
-    uniform, and a request that finds its system prompt reuses 8,192 of its 8,704 tokens."""
-    held = min(64, workers * (kv_tokens // 8192))
-    return held / 64 * 8192 / (8192 + 512)
+    uniform, and a request that finds its system prompt reuses 8,192 of its 8,704 tokens. None
+    when every system prompt fits (the capacity reference is the bound then)."""
+    held = workers * (kv_tokens // SYSTEM_TOKENS)
+    if held >= GROUPS:
+        return None
+    return held / GROUPS * SYSTEM_TOKENS / (SYSTEM_TOKENS + QUESTION_TOKENS)
 
 
 def capacity(args: argparse.Namespace) -> None:
@@ -195,10 +203,9 @@ def capacity(args: argparse.Namespace) -> None:
                 print(f"{n:>3} {eviction:<9} {name:<15} {o.hit_rate:6.3f} {lat_cols} "
                       f"{idle:6.1%} {avoidable:7.1%}  "
                       f"{min(o.per_worker):>6}/{max(o.per_worker):<6}        {reasons}", flush=True)
-                if (name == "ref:capacity" and n * (args.capacity_kv_tokens // 8192) < 64
-                        and not args.capacity_hot_share):
-                    print(f"{n:>3} {eviction:<9} {'ref:bound':<15} "
-                          f"{capacity_bound(n, args.capacity_kv_tokens):6.3f}")
+                bound = capacity_bound(n, args.capacity_kv_tokens)
+                if name == "ref:capacity" and bound is not None and not args.capacity_hot_share:
+                    print(f"{n:>3} {eviction:<9} {'ref:bound':<15} {bound:6.3f}")
 
 
 def bindings(args: argparse.Namespace) -> list[tuple[str, GatewayConfig]]:

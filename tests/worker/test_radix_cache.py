@@ -16,9 +16,10 @@ from radixpool.worker.mem.radix_cache import RadixCache
 CAPACITY = 256
 
 
-def make_cache(page_size: int = 1, block_size: int = 4, policy: str = "lru") -> RadixCache:
+def make_cache(page_size: int = 1, block_size: int = 4, policy: str = "lru",
+               capacity: int = CAPACITY) -> RadixCache:
     """`policy`: a worker's `--eviction-policy`, or one of the benchmark's SGLang orders."""
-    pool = KVPool(CAPACITY, page_size, num_layers=1, num_kv_heads=1, head_dim=1,
+    pool = KVPool(capacity, page_size, num_layers=1, num_kv_heads=1, head_dim=1,
                   dtype=torch.float32, device="cpu")
     return RadixCache(pool, page_size=page_size, block_size=block_size,
                       eviction_policy=bench_eviction(policy))
@@ -204,9 +205,7 @@ def test_a_trimmed_tail_is_whole_pages():
 def test_each_eviction_frees_at_least_a_share_of_the_pool():
     """Eviction orders every leaf: a full pool in decode asks for a page per step, and paying
     that scan at every step would cost milliseconds each. It frees 1/256 of the pool at least."""
-    pool = KVPool(4096, 1, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32,
-                  device="cpu")
-    cache = RadixCache(pool, page_size=1, block_size=4)
+    cache = make_cache(capacity=4096)
     client = Client(cache)
     client.run([3] * 100, hold=False)
     assert cache.evict(1) == cache.evict_floor == 16
