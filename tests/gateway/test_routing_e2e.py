@@ -120,6 +120,41 @@ def test_kv_events_keep_the_tree_exact_under_worker_eviction(make_stack):
     assert stack.gateway.workers.get(worker_url).predicted_tokens == before  # no false hit
 
 
+def test_a_flush_the_kv_events_saw_first_keeps_what_the_new_instance_stored(make_stack):
+    """After a flush the KV stream resyncs to the new instance at once and follows it; the
+    next health round, seeing the new instance id too, must not empty the tree again (it once
+    did: prompts cached right after a flush were invisible to routing for good)."""
+    stack = make_stack(1)
+    url = stack.fleet.urls[0]
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+    index, worker = stack.gateway.index, stack.gateway.workers.get(url)
+
+    def wait_for(condition, what: str) -> None:
+        for _ in range(200):
+            if condition():
+                return
+            stack.loop.run(asyncio.sleep(0.02))
+        raise AssertionError(f"never happened: {what}")
+
+    wait_for(lambda: worker.kv_events_live, "the KV events followed")
+    old_id = worker.instance_id
+    new_id = stack.client.post(url + "/flush_cache").json()["instance_id"]
+    wait_for(lambda: worker.corrections, "the KV stream resynced to the new instance")
+    chat(client, words(0, 300), words(3000, 5))
+    held = len(stack.fleet.workers[0].cache.blocks)
+    wait_for(lambda: index.size(url) == held > 0, "the stored prompt's KV event")
+
+    stack.check_all()   # the health round's identity check sees the new instance id too
+    assert old_id != worker.instance_id == new_id
+    assert index.size(url) == held, "the tree forgot what the new instance holds"
+    assert worker.corrections == {"instance_id": 1}
+    predicted = worker.predicted_tokens
+    again = chat(client, words(0, 300), words(3100, 5))
+    assert again.parse().usage.prompt_tokens_details.cached_tokens >= 288
+    stack.settle()
+    assert worker.predicted_tokens - predicted >= 288   # the gateway expected that hit
+
+
 def test_multi_turn_sessions_stick_to_their_worker(make_stack):
     stack = make_stack(3)
     client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)

@@ -11,7 +11,9 @@ capacity, the model's tokenizer, and the KV-event stream. All of them feed the p
   the trees switch from text to token ids (and are emptied, their hashes meant bytes).
 - KV events (token mode, when the worker serves them and `--kv-events` is on): a long poll on
   `GET /kv_events?since=S` applies exact stores and evictions; a 409 or a new instance id resyncs
-  from `/kv_events/snapshot`. While the stream is followed, `Worker.kv_events_live` is set.
+  from `/kv_events/snapshot`. While the stream is followed, `Worker.kv_events_live` is set. A
+  snapshot of a new instance is that instance's tree: it takes the new id, so the identity check
+  does not empty the tree a second time (losing what the new instance stored meanwhile).
 """
 
 from __future__ import annotations
@@ -212,7 +214,14 @@ class Monitor:
         if status != 200 or not isinstance(doc, dict):
             raise ValueError(f"snapshot answered {status}")
         self.index.load_snapshot(worker.url, from_hex(doc["blocks"]))
-        if count:
+        instance = str(doc["instance_id"])
+        if worker.instance_id is not None and instance != worker.instance_id:
+            # The tree now follows the new instance (restart or flush) from its snapshot on:
+            # the identity check must not empty it again when it sees the same new id.
+            worker.instance_id = instance
+            worker.corrected("instance_id")
+            self.metrics.corrected(worker.url, "instance_id")
+        elif count:
             worker.corrected("kv_resync")
             self.metrics.corrected(worker.url, "kv_resync")
-        return int(doc["seq"]), str(doc["instance_id"])
+        return int(doc["seq"]), instance
