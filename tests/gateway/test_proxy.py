@@ -63,6 +63,23 @@ def test_non_streamed_endpoints_and_models(make_stack):
     assert [m.id for m in sdk(stack).models.list()] == ["sim-model"]
 
 
+def test_the_model_list_names_every_model_the_fleet_serves(make_stack):
+    """Workers serving different models: the gateway routes requests for each, so its model
+    list names each (it once showed one worker's list, whichever was least loaded)."""
+    stack = make_stack(3)
+    stack.fleet.workers[2].config = SimConfig(model="other-model")
+    stack.check_all()   # the next health round learns what each serves
+    client = sdk(stack)
+    for _ in range(3):
+        assert sorted(m.id for m in client.models.list()) == ["other-model", "sim-model"]
+    answer = client.completions.with_raw_response.create(model="other-model",
+                                                         prompt=words(0, 10), max_tokens=2)
+    assert answer.headers["x-radixpool-worker"] == stack.fleet.urls[2]
+    stack.gateway.workers.get(stack.fleet.urls[2]).draining = True
+    # no eligible worker serves it any more: it is not listed
+    assert [m.id for m in client.models.list()] == ["sim-model"]
+
+
 def test_bad_input_gets_a_4xx_without_reaching_a_worker(make_stack):
     stack = make_stack(2, max_body_bytes=10_000)
     c = stack.client

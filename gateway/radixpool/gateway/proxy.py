@@ -36,6 +36,7 @@ from radixpool.gateway.feedback import is_usage_only_event, learn, prefill_wait,
 from radixpool.gateway.holding import Holding
 from radixpool.gateway.http_edge import Headers, Request, Responder, error_body
 from radixpool.gateway.metrics import GatewayMetrics
+from radixpool.gateway.model_list import merge_model_lists, one_per_model
 from radixpool.gateway.policies import CacheAware, Decision, make_policy
 from radixpool.gateway.prefix_index import PrefixIndex
 from radixpool.gateway.quarantine import Quarantine, engine_died
@@ -159,14 +160,24 @@ class Gateway:
                                           "/health, /metrics")
 
     async def forward_models(self, request: Request, respond: Responder) -> None:
-        """`/v1/models` from the least loaded worker; `/v1/models/{id}` from one serving `id`
-        if any does (the others answer 404 naming it)."""
+        """`/v1/models/{id}` from a worker serving `id` if any does (the others answer 404
+        naming it); `/v1/models` from one worker per model served, their lists merged."""
         model = request.path[len(MODEL_PATH):] or None
         ready = self.workers.eligible(self.clock(), model)
         if not ready:
             await respond.send_error(503, "no healthy worker available")
             return
-        worker = min(ready, key=lambda w: w.inflight)
+        asked = one_per_model(ready) if model is None else [min(ready, key=lambda w: w.inflight)]
+        answers = await asyncio.gather(*(self._get_models(w, request) for w in asked))
+        if len(answers) > 1:
+            merged = merge_model_lists([body for status, _, body in answers if status == 200])
+            if merged is not None:
+                await respond.send(200, [(b"content-type", b"application/json")], merged)
+                return
+        await respond.send(*answers[0])
+
+    async def _get_models(self, worker: Worker, request: Request) -> tuple[int, Headers, bytes]:
+        """A worker's answer to the client's models request, or the gateway's error for it."""
         sent = self.clock()
         try:
             upstream = await self.pool(worker).request(
@@ -176,12 +187,10 @@ class Gateway:
             body = await upstream.body()
         except UpstreamTimeout as exc:
             self._timed_out(worker, sent)
-            await respond.send_error(504, f"worker {worker.url} timed out: {exc}")
-            return
+            return error_body(504, f"worker {worker.url} timed out: {exc}")
         except UpstreamError as exc:
-            await respond.send_error(502, f"worker {worker.url} failed: {exc}")
-            return
-        await respond.send(upstream.status, _response_headers(upstream, worker), body)
+            return error_body(502, f"worker {worker.url} failed: {exc}")
+        return upstream.status, _response_headers(upstream, worker), body
 
     # --- the routed proxy ---------------------------------------------------------------------
     async def proxy(self, request: Request, respond: Responder) -> None:
