@@ -319,6 +319,50 @@ def test_metrics_carry_the_contract_names(make_stack):
     assert 'radixpool_gateway_hit_rate{kind="actual",worker="all"}' in text
 
 
+def test_hit_rates_keep_the_history_of_removed_and_readded_workers(make_stack):
+    """The hit-rate gauges are "since start", as the token counters beside them: a worker
+    removed (a scale-down, an endpoint briefly not ready) takes no history out of the fleet's
+    rate, and one added back on the same address continues its own (both once restarted at 0)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    stack = make_stack(2, admin_api_key="admin")
+    admin = {"authorization": "Bearer admin"}
+    client = sdk(stack)
+    for i in range(4):
+        client.chat.completions.create(model="sim-model", max_tokens=1, messages=[
+            {"role": "user", "content": words(0 if i else 500, 64) + f" w{3000 + i}"}])
+    stack.settle()
+
+    def scrape() -> tuple[dict, dict]:
+        totals, rates = {}, {}
+        for family in text_string_to_metric_families(stack.client.get("/metrics").text):
+            for s in family.samples:
+                if s.name in ("radixpool_gateway_prompt_tokens_total",
+                              "radixpool_gateway_cached_tokens_total"):
+                    totals[s.name] = totals.get(s.name, 0) + s.value
+                    totals[s.name, s.labels["worker"]] = s.value
+                elif s.name == "radixpool_gateway_hit_rate" and s.labels["kind"] == "actual":
+                    rates[s.labels["worker"]] = s.value
+        return totals, rates
+
+    def rate(totals: dict, worker: str | None = None) -> float:
+        return (totals["radixpool_gateway_cached_tokens_total", worker]
+                / totals["radixpool_gateway_prompt_tokens_total", worker]) if worker else \
+            (totals["radixpool_gateway_cached_tokens_total"]
+             / totals["radixpool_gateway_prompt_tokens_total"])
+
+    totals, rates = scrape()
+    assert rates["all"] == pytest.approx(rate(totals)) and rates["all"] > 0.3
+    gone = max(stack.fleet.workers, key=lambda w: w.cached_tokens).url   # one that hit
+    assert stack.client.delete("/workers", params={"url": gone}, headers=admin).status_code == 200
+    totals, rates = scrape()
+    assert gone not in rates   # only workers in the fleet have a gauge of their own
+    assert rates["all"] == pytest.approx(rate(totals)), "the fleet's rate lost history"
+    assert stack.client.post("/workers", json={"url": gone}, headers=admin).status_code == 200
+    totals, rates = scrape()
+    assert rates[gone] == pytest.approx(rate(totals, gone)) and rates[gone] > 0.3
+
+
 def test_gateway_never_imports_torch():
     code = ("import sys, radixpool.gateway.server, radixpool.gateway.cli, "
             "bench.simfleet; assert 'torch' not in sys.modules, 'torch imported'")
