@@ -32,7 +32,13 @@ from radixpool.gateway import admin
 from radixpool.gateway.access import AccessPolicy, presented_key
 from radixpool.gateway.body_parsing import BodyParser, BodyTooComplex
 from radixpool.gateway.config import GatewayConfig
-from radixpool.gateway.feedback import is_usage_only_event, learn, prefill_wait, usage_in
+from radixpool.gateway.feedback import (
+    answer_usage,
+    is_usage_only_event,
+    learn,
+    prefill_wait,
+    usage_in,
+)
 from radixpool.gateway.holding import Holding
 from radixpool.gateway.http_edge import Headers, Request, Responder, error_body
 from radixpool.gateway.metrics import GatewayMetrics
@@ -333,7 +339,7 @@ class Gateway:
                 data = await upstream.body()
                 ttfb = time.perf_counter() - started
                 await respond.send(status, headers, data)
-                usage = usage_in(data) if status == 200 else None
+                usage = answer_usage(data) if status == 200 else None
                 if status == 503:
                     self._engine_died(data, body)
             else:
@@ -374,12 +380,15 @@ class Gateway:
         worker.requests += 1
         self.metrics.answered(worker.url, status, time.perf_counter() - started, ttfb)
         if usage is not None:
-            self._learn(worker, decision, key, *usage)
+            prompt, cached, other_prompts, other_cached = usage
+            learn(worker, self.index, self.metrics, decision, key, prompt, cached, self.predicts,
+                  (other_prompts, other_cached))
 
     async def _relay_events(self, upstream: UpstreamResponse, respond: Responder,
                             strip_usage: bool, started: float
-                            ) -> tuple[tuple[int, int | None] | None, float | None]:
-        """Forward whole SSE events the moment they arrive; note the last usage report."""
+                            ) -> tuple[tuple[int, int | None, int, int] | None, float | None]:
+        """Forward whole SSE events the moment they arrive; note the last usage report (as
+        `answer_usage` gives it: a stream is one answer)."""
         usage, ttfb, pending = None, None, b""
         while (chunk := await upstream.read()) is not None:
             if respond.disconnected:
@@ -400,7 +409,7 @@ class Gateway:
             await respond.write(ready)
         if pending and not respond.disconnected:
             await respond.write(pending)
-        return usage, ttfb
+        return (None if usage is None else (*usage, 0, 0)), ttfb
 
     def _left(self, worker_url: str, started: float, ttfb: float | None = None) -> None:
         """Count a request whose client went away before its answer was whole."""
@@ -433,10 +442,6 @@ class Gateway:
         self.metrics.upstream_timeout(worker.url)
         if worker.answered_at <= sent_at:
             worker.breaker.record_failure("timeout", self.clock())
-
-    def _learn(self, worker: Worker, decision: Decision, key: RouteKey, prompt: int,
-               cached: int | None) -> None:
-        learn(worker, self.index, self.metrics, decision, key, prompt, cached, self.predicts)
 
 
 def _cut_stream_event(worker_url: str, exc: UpstreamError) -> bytes:
