@@ -239,6 +239,37 @@ def test_admin_adds_and_removes_workers_and_removal_lets_streams_finish(make_sta
         stack.loop.run(extra.stop())
 
 
+def test_a_worker_added_back_while_its_streams_run_is_not_taken_for_idle(make_stack):
+    """Removed and added back (an endpoint briefly not ready, an admin's undo) while streams
+    still run on it: the gateway keeps counting them (it once saw an idle worker, routed the
+    next requests there, and showed in-flight 0 while they were relayed)."""
+    stack = make_stack(2, sim=SimConfig(decode_ms_per_token=40.0), admin_api_key="admin")
+    admin = {"authorization": "Bearer admin"}
+    busy, other = stack.fleet.urls
+    stack.gateway.workers.get(other).draining = True   # both streams go to `busy`
+    streams = [stack.client.stream("POST", "/v1/completions", json={
+        "prompt": words(100 * i, 10), "max_tokens": 25, "stream": True}) for i in range(2)]
+    lines = [s.__enter__().iter_lines() for s in streams]
+    assert [next(each).startswith("data:") for each in lines] == [True, True]
+    stack.gateway.workers.get(other).draining = False
+    assert stack.client.delete("/workers", params={"url": busy}, headers=admin).json() == \
+        {"removed": busy, "inflight_finishing": 2}
+    assert stack.client.post("/workers", json={"url": busy}, headers=admin).status_code == 200
+    stack.check_all()
+
+    def inflight() -> dict[str, int]:
+        return {w["url"]: w["inflight"] for w in stack.client.get("/workers").json()["workers"]}
+
+    assert inflight() == {busy: 2, other: 0}
+    cold = stack.client.post("/v1/completions", json={"prompt": words(900, 10), "max_tokens": 1})
+    assert cold.headers["x-radixpool-worker"] == other   # the least loaded, not the re-added
+    for stream, each in zip(streams, lines):
+        assert [line for line in each if line.startswith("data:")][-1] == "data: [DONE]"
+        stream.__exit__(None, None, None)
+    stack.settle()
+    assert inflight() == {busy: 0, other: 0}
+
+
 def test_api_key_guards_everything_but_health_and_metrics(make_stack):
     stack = make_stack(1, api_key="s3cret")
     r = stack.client.post("/generate", json={"text": "w1"})
