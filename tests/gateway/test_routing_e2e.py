@@ -155,6 +155,42 @@ def test_a_flush_the_kv_events_saw_first_keeps_what_the_new_instance_stored(make
     assert worker.predicted_tokens - predicted >= 288   # the gateway expected that hit
 
 
+def test_a_kv_event_stream_that_keeps_failing_is_retried_calmly_not_in_a_spin(make_stack):
+    """`/kv_events` answers 500 while `/kv_events/snapshot` works: the gateway once resynced
+    and polled again at once, forever (thousands of snapshots a second, each a walk of the
+    worker's whole cache, and its own loop busy). It now waits between tries, and does not
+    claim to follow the events meanwhile."""
+    import time
+
+    from bench.simfleet.http_server import error_body
+
+    stack = make_stack(1)
+    sim = stack.fleet.workers[0]
+    worker = stack.gateway.workers.get(sim.url)
+    polls = []
+
+    async def broken(request, respond) -> None:
+        polls.append(request)
+        await respond.send(*error_body(500, "event log unavailable"))
+
+    for _ in range(200):
+        if worker.kv_events_live:
+            break
+        time.sleep(0.02)
+    assert worker.kv_events_live
+    sim.kv_events = broken
+    stack.client.post("/generate", json={"text": words(0, 40), "max_tokens": 1})  # ends the poll
+    time.sleep(1.5)
+    assert 1 <= len(polls) <= 6, f"{len(polls)} polls in 1.5 s"
+    assert worker.tree_source != "kv_events"
+    del sim.kv_events
+    for _ in range(100):
+        if worker.kv_events_live:
+            break
+        time.sleep(0.02)
+    assert worker.kv_events_live   # back to following the events once they work again
+
+
 def test_multi_turn_sessions_stick_to_their_worker(make_stack):
     stack = make_stack(3)
     client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)

@@ -11,9 +11,11 @@ capacity, the model's tokenizer, and the KV-event stream. All of them feed the p
   the trees switch from text to token ids (and are emptied, their hashes meant bytes).
 - KV events (token mode, when the worker serves them and `--kv-events` is on): a long poll on
   `GET /kv_events?since=S` applies exact stores and evictions; a 409 or a new instance id resyncs
-  from `/kv_events/snapshot`. While the stream is followed, `Worker.kv_events_live` is set. A
-  snapshot of a new instance is that instance's tree: it takes the new id, so the identity check
-  does not empty the tree a second time (losing what the new instance stored meanwhile).
+  from `/kv_events/snapshot` (a stream that fails again right after one waits before the next:
+  a spin would walk the worker's cache thousands of times a second). While the stream is
+  followed, `Worker.kv_events_live` is set. A snapshot of a new instance is that instance's
+  tree: it takes the new id, so the identity check does not empty the tree a second time
+  (losing what the new instance stored meanwhile).
 """
 
 from __future__ import annotations
@@ -171,6 +173,7 @@ class Monitor:
         since: int | None = None
         instance: str | None = None
         synced = False
+        polled = False   # a poll succeeded since the last resync
         while not worker.removed:
             usable = self._kv_usable(worker)
             worker.kv_events_live = usable and since is not None
@@ -181,7 +184,7 @@ class Monitor:
             try:
                 if since is None:
                     since, instance = await self._resync(worker, count=synced)
-                    synced = True
+                    synced, polled = True, False
                     continue
                 status, doc = await self._get_json(
                     worker, f"/kv_events?since={since}&timeout={KV_POLL_SECONDS}",
@@ -191,8 +194,11 @@ class Monitor:
                     worker.kv_events_live = False
                     return
                 if status != 200 or not isinstance(doc, dict) or doc["instance_id"] != instance:
+                    if not polled:   # failing right after a snapshot: resyncing at once spins
+                        raise ValueError(f"/kv_events answered {status} after a resync")
                     since = None
                     continue
+                polled = True
                 stored = False
                 for event in doc["events"]:
                     kv_event = KVEvent.from_json(event)
@@ -206,6 +212,7 @@ class Monitor:
             except (asyncio.TimeoutError, OSError, KeyError, ValueError, TypeError) as exc:
                 log.debug("kv events from %s: %r", worker.url, exc)
                 since = None
+                worker.kv_events_live = False
                 await asyncio.sleep(min(self.config.health_interval, KV_RETRY_SECONDS))
 
     async def _resync(self, worker: Worker, count: bool) -> tuple[int, str]:
