@@ -191,6 +191,45 @@ def test_a_kv_event_stream_that_keeps_failing_is_retried_calmly_not_in_a_spin(ma
     assert worker.kv_events_live   # back to following the events once they work again
 
 
+def test_a_tree_no_longer_fed_by_kv_events_is_trimmed_by_cached_tokens_again(make_stack):
+    """A worker that stops serving KV events (restarted without them, an older version at the
+    same address): its tree is kept by cached_tokens again, as `tree_source` says (it was not:
+    trimming stayed off for good, and evicted prefixes were predicted as hits)."""
+    import time
+    from dataclasses import replace
+
+    stack = make_stack(1, sim=SimConfig(kv_capacity_tokens=1024))
+    sim = stack.fleet.workers[0]
+    worker = stack.gateway.workers.get(sim.url)
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+    for _ in range(200):
+        if worker.kv_events_live:
+            break
+        time.sleep(0.02)
+    assert worker.kv_events_live
+    sim.config = replace(sim.config, kv_events=False)
+    stack.check_all()   # its /server_info says so now
+    stack.client.post(sim.url + "/generate", json={"text": words(2500, 40)})  # ends the poll
+    for _ in range(200):
+        if not worker.kv_events_live:
+            break
+        time.sleep(0.02)
+    assert worker.tree_source != "kv_events"
+    chat(client, words(0, 300), words(3000, 5))      # prefix A, then B
+    chat(client, words(500, 300), words(3100, 5))
+    for i in range(8):   # traffic around the gateway evicts both on the worker
+        stack.client.post(sim.url + "/generate", json={"text": words(1000 + i * 200, 200)})
+    assert chat(client, words(500, 300), words(3200, 5)).parse().usage \
+        .prompt_tokens_details.cached_tokens < 16
+    stack.settle()
+    assert worker.tree_source == "cached_tokens"
+    predicted = worker.predicted_tokens
+    assert chat(client, words(0, 300), words(3300, 5)).parse().usage \
+        .prompt_tokens_details.cached_tokens < 16
+    stack.settle()
+    assert worker.predicted_tokens == predicted   # B's miss trimmed A, older: no false hit
+
+
 def test_multi_turn_sessions_stick_to_their_worker(make_stack):
     stack = make_stack(3)
     client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)

@@ -179,6 +179,7 @@ class Monitor:
             worker.kv_events_live = usable and since is not None
             if not usable:
                 since = None
+                self.index.stop_following(worker.url)
                 await asyncio.sleep(min(self.config.health_interval, KV_RETRY_SECONDS))
                 continue
             try:
@@ -192,6 +193,7 @@ class Monitor:
                 if status == 404:
                     log.info("worker %s serves no /kv_events; relying on cached_tokens", worker.url)
                     worker.kv_events_live = False
+                    self.index.stop_following(worker.url)
                     return
                 if status != 200 or not isinstance(doc, dict) or doc["instance_id"] != instance:
                     if not polled:   # failing right after a snapshot: resyncing at once spins
@@ -213,6 +215,7 @@ class Monitor:
                 log.debug("kv events from %s: %r", worker.url, exc)
                 since = None
                 worker.kv_events_live = False
+                self.index.stop_following(worker.url)
                 await asyncio.sleep(min(self.config.health_interval, KV_RETRY_SECONDS))
 
     async def _resync(self, worker: Worker, count: bool) -> tuple[int, str]:
