@@ -5,8 +5,9 @@ pick one. Pure: no I/O, no clock; the proxy owns the loop around them.
 1. Match the prompt's block hashes against every worker's tree (`PrefixIndex`). The part that
    counts is the match *beyond a base*: the prefix every eligible worker already holds, or a hot
    prefix every worker can cheaply hold — one carrying at least `hot_prefix_factor` workers' share
-   of the recent traffic for its model (a common system prompt). Without that, whoever first cached the system
-   prompt would "match" every new session and the rest of the fleet would sit idle.
+   of the recent traffic for its model (a common system prompt). Without that, whoever first
+   cached the system prompt would "match" every new session and the rest of the fleet would sit
+   idle.
 2. If the best effective match covers more than `cache_threshold` of the prompt beyond the base,
    the owner of that match is the candidate (several owners → the least loaded of them).
 3. Imbalance: if that owner's in-flight load exceeds the least-loaded worker's by more than
