@@ -228,6 +228,8 @@ class Monitor:
         if worker.instance_id is not None and instance != worker.instance_id:
             # The tree now follows the new instance (restart or flush) from its snapshot on:
             # the identity check must not empty it again when it sees the same new id.
+            log.info("worker %s has a new instance id (restart or flush): its tree is now its "
+                     "snapshot", worker.url)
             worker.instance_id = instance
             worker.corrected("instance_id")
             self.metrics.corrected(worker.url, "instance_id")
