@@ -165,6 +165,31 @@ def test_models_from_a_hung_worker_time_out(loop_thread):
         assert r.status_code == 504 and time.monotonic() - started < 5
 
 
+def test_a_hung_worker_does_not_hold_up_the_other_models_list(make_stack, loop_thread):
+    """A worker of another model hangs before its health checks notice: the model list still
+    comes within the listing's own deadline, with the models of those that answered."""
+    from radixpool.gateway.model_list import MODEL_LIST_TIMEOUT_S
+    from radixpool.protocol.server_info import ServerInfo
+
+    stack = make_stack(1, upstream_first_byte_timeout=60.0)
+    listener = loop_thread.run(_listen())
+    hung_url = f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}"
+    try:
+        hung = loop_thread.call(stack.gateway.workers.add, hung_url)
+        hung.info = ServerInfo("other", "other-model", 4096, 4096, 1, 16, "i-1", "test")
+        started = time.monotonic()
+        r = stack.client.get("/v1/models")
+        took = time.monotonic() - started
+        assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == ["sim-model"]
+        assert took < MODEL_LIST_TIMEOUT_S + 3, took
+    finally:
+        loop_thread.call(listener.close)
+
+
+async def _listen():
+    return await asyncio.get_running_loop().create_server(StallingWorker, "127.0.0.1", 0)
+
+
 class DroppingWorker(asyncio.Protocol):
     """Answers 200 while `dropping` is off; then closes each connection a request comes on."""
 

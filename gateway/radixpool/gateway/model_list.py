@@ -3,7 +3,8 @@
 The gateway routes a request naming a model to the workers serving it, so its model list is the
 union of theirs: one eligible worker is asked per model it serves (the least loaded; a worker
 whose model is not known yet is asked on its own), and their lists are merged, first answer
-first, each model id once. Pure: the proxy does the asking.
+first, each model id once; a worker that does not answer within `MODEL_LIST_TIMEOUT_S` is left
+out. Pure: the proxy does the asking.
 """
 
 from __future__ import annotations
@@ -12,6 +13,10 @@ import json
 from collections.abc import Sequence
 
 from radixpool.gateway.workers import Worker
+
+# A worker answers its model list from memory: one silent this long is hung, and must not hold up
+# the other models' answers for the whole `upstream_first_byte_timeout`.
+MODEL_LIST_TIMEOUT_S = 5.0
 
 
 def one_per_model(workers: Sequence[Worker]) -> list[Worker]:

@@ -42,7 +42,7 @@ from radixpool.gateway.feedback import (
 from radixpool.gateway.holding import Holding
 from radixpool.gateway.http_edge import Headers, Request, Responder, error_body
 from radixpool.gateway.metrics import GatewayMetrics
-from radixpool.gateway.model_list import merge_model_lists, one_per_model
+from radixpool.gateway.model_list import MODEL_LIST_TIMEOUT_S, merge_model_lists, one_per_model
 from radixpool.gateway.policies import CacheAware, Decision, make_policy
 from radixpool.gateway.prefix_index import PrefixIndex
 from radixpool.gateway.quarantine import Quarantine, engine_died
@@ -185,11 +185,11 @@ class Gateway:
     async def _get_models(self, worker: Worker, request: Request) -> tuple[int, Headers, bytes]:
         """A worker's answer to the client's models request, or the gateway's error for it."""
         sent = self.clock()
+        deadline = min(self.config.upstream_first_byte_timeout, MODEL_LIST_TIMEOUT_S)
         try:
             upstream = await self.pool(worker).request(
                 "GET", quote(request.path), self.forwarded_headers(request),
-                first_byte_timeout=self.config.upstream_first_byte_timeout,
-                total_timeout=self.config.upstream_timeout)
+                first_byte_timeout=deadline, total_timeout=deadline)
             body = await upstream.body()
         except UpstreamTimeout as exc:
             self._timed_out(worker, sent)
