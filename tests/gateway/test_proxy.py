@@ -80,6 +80,27 @@ def test_the_model_list_names_every_model_the_fleet_serves(make_stack):
     assert [m.id for m in client.models.list()] == ["sim-model"]
 
 
+def test_a_model_whose_workers_are_all_down_gets_503_not_another_models_404(make_stack):
+    """While every worker of a model restarts, its requests get a retryable 503 (the SDK
+    retries it), not a worker of another model answering 404 model_not_found (not retried:
+    the client is told the model does not exist). A model nobody serves still gets the 404."""
+    stack = make_stack(2)
+    stack.fleet.workers[1].config = SimConfig(model="other-model")
+    stack.check_all()
+    stack.gateway.workers.get(stack.fleet.urls[1]).draining = True   # its only worker
+    client = sdk(stack)
+    with pytest.raises(openai.InternalServerError) as down:
+        client.completions.create(model="other-model", prompt=words(0, 10), max_tokens=2)
+    assert down.value.status_code == 503 and "other-model" in down.value.body["message"]
+    assert down.value.response.headers["retry-after"] == "1"
+    with pytest.raises(openai.InternalServerError):
+        client.models.retrieve("other-model")
+    assert stack.fleet.workers[0].requests == 0   # sim-model's worker never saw them
+    stack.gateway.workers.get(stack.fleet.urls[1]).draining = False   # back: served again
+    assert client.completions.create(model="other-model", prompt=words(0, 10),
+                                     max_tokens=2).model == "other-model"
+
+
 def test_bad_input_gets_a_4xx_without_reaching_a_worker(make_stack):
     stack = make_stack(2, max_body_bytes=10_000)
     c = stack.client

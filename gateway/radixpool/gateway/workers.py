@@ -215,11 +215,17 @@ class WorkerSet:
                 self.remove(worker.url)
 
     def eligible(self, now: float, model: str | None = None) -> list[Worker]:
+        """The workers a new request may go to: for `model`, those serving it; when none of
+        them is eligible but some worker is known to serve it, only workers whose model is not
+        known yet (so the request waits or gets 503, not another model's 404); when no worker
+        is known to serve it, all (one answers 404 naming it)."""
         ready = [w for w in self.workers.values() if w.eligible(now)]
         if model is not None:
             serving = [w for w in ready if w.model == model]
             if serving:
                 return serving
+            if any(w.model == model for w in self.workers.values()):
+                return [w for w in ready if w.model is None]
         return ready
 
     def set_info(self, worker: Worker, info: ServerInfo) -> None:
