@@ -93,8 +93,9 @@ def test_a_model_whose_workers_are_all_down_gets_503_not_another_models_404(make
         client.completions.create(model="other-model", prompt=words(0, 10), max_tokens=2)
     assert down.value.status_code == 503 and "other-model" in down.value.body["message"]
     assert down.value.response.headers["retry-after"] == "1"
-    with pytest.raises(openai.InternalServerError):
+    with pytest.raises(openai.InternalServerError) as down:
         client.models.retrieve("other-model")
+    assert down.value.response.headers["retry-after"] == "1"
     assert stack.fleet.workers[0].requests == 0   # sim-model's worker never saw them
     stack.gateway.workers.get(stack.fleet.urls[1]).draining = False   # back: served again
     assert client.completions.create(model="other-model", prompt=words(0, 10),

@@ -171,7 +171,9 @@ class Gateway:
         model = request.path[len(MODEL_PATH):] or None
         ready = self.workers.eligible(self.clock(), model)
         if not ready:
-            await respond.send_error(503, "no healthy worker available")
+            _, headers, doc = error_body(503, "no healthy worker available" + (
+                f" for model {model!r}" if model else ""))
+            await respond.send(503, [(b"retry-after", b"1"), *headers], doc)
             return
         asked = one_per_model(ready) if model is None else [min(ready, key=lambda w: w.inflight)]
         answers = await asyncio.gather(*(self._get_models(w, request) for w in asked))
