@@ -102,6 +102,19 @@ def test_a_model_whose_workers_are_all_down_gets_503_not_another_models_404(make
                                      max_tokens=2).model == "other-model"
 
 
+def test_model_names_nobody_serves_cost_the_router_no_memory_each(make_stack):
+    """The router keeps prefix demand per model; names no worker serves share one count, so a
+    client inventing model names cannot grow the gateway's memory with them."""
+    stack = make_stack(2)
+    for i in range(20):
+        r = stack.client.post("/v1/completions", json={
+            "model": f"made-up-{i}", "prompt": words(100 * i, 40), "max_tokens": 1})
+        assert r.status_code == 200   # the simulated workers serve any name
+    stack.client.post("/v1/completions", json={"model": "sim-model", "prompt": words(0, 40),
+                                               "max_tokens": 1})
+    assert set(stack.gateway.policy._demand) <= {None, "sim-model"}
+
+
 def test_bad_input_gets_a_4xx_without_reaching_a_worker(make_stack):
     stack = make_stack(2, max_body_bytes=10_000)
     c = stack.client

@@ -216,6 +216,10 @@ class Gateway:
             await self._refuse(respond, started, 413, str(exc), "request_too_large")
             return
         key = parsed.key
+        if key.model is not None and not self.workers.serves(key.model):
+            # routed as if it named none (any worker; one answers 404): the policy keeps demand
+            # by model, and names nobody serves must not each get some
+            key.model = None
         if self.quarantine is not None and self.quarantine.refuses(parsed.body, self.clock()):
             await self._quarantined(respond, started)
             return

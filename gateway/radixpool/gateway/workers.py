@@ -224,9 +224,13 @@ class WorkerSet:
             serving = [w for w in ready if w.model == model]
             if serving:
                 return serving
-            if any(w.model == model for w in self.workers.values()):
+            if self.serves(model):
                 return [w for w in ready if w.model is None]
         return ready
+
+    def serves(self, model: str) -> bool:
+        """Whether some worker (eligible or not) is known to serve `model`."""
+        return any(w.model == model for w in self.workers.values())
 
     def set_info(self, worker: Worker, info: ServerInfo) -> None:
         worker.info = info
