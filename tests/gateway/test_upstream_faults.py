@@ -176,7 +176,8 @@ def test_a_hung_worker_does_not_hold_up_the_other_models_list(make_stack, loop_t
     hung_url = f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}"
     try:
         hung = loop_thread.call(stack.gateway.workers.add, hung_url)
-        hung.info = ServerInfo("other", "other-model", 4096, 4096, 1, 16, "i-1", "test")
+        loop_thread.call(stack.gateway.workers.set_info, hung,
+                         ServerInfo("other", "other-model", 4096, 4096, 1, 16, "i-1", "test"))
         started = time.monotonic()
         r = stack.client.get("/v1/models")
         took = time.monotonic() - started

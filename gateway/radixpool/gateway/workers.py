@@ -149,6 +149,7 @@ class WorkerSet:
         # removed workers whose requests still run: one added back is the same worker (its
         # in-flight count, breaker and figures go on) rather than a new, seemingly idle one
         self._departed: dict[str, Worker] = {}
+        self._models: set[str | None] | None = None   # the models served, when counted
         self.membership_hooks: list[MembershipHook] = []
         self.drain_hooks: list[DrainHook] = []   # some worker's queued prefill went down
 
@@ -182,6 +183,7 @@ class WorkerSet:
             worker = Worker(url, HealthHysteresis(cfg.health_failures, cfg.health_successes),
                             CircuitBreaker(cfg.breaker_failures, cfg.breaker_open_seconds))
         self.workers[url] = worker
+        self._models = None
         self.index.add_worker(url, self.tree_capacity(None))
         if worker.info is not None:
             self.set_info(worker, worker.info)
@@ -193,6 +195,7 @@ class WorkerSet:
         worker = self.workers.pop(normalize_worker_url(url), None)
         if worker is not None:
             worker.removed = True
+            self._models = None
             self._departed = {u: w for u, w in self._departed.items() if w.inflight}
             if worker.inflight:
                 self._departed[worker.url] = worker
@@ -230,9 +233,13 @@ class WorkerSet:
 
     def serves(self, model: str) -> bool:
         """Whether some worker (eligible or not) is known to serve `model`."""
-        return any(w.model == model for w in self.workers.values())
+        if self._models is None:   # recounted only after the membership or a model changed
+            self._models = {w.model for w in self.workers.values()}
+        return model in self._models
 
     def set_info(self, worker: Worker, info: ServerInfo) -> None:
+        if worker.model != info.served_model_name:
+            self._models = None
         worker.info = info
         if worker.url in self.index:
             self.index.set_capacity(worker.url, self.tree_capacity(info.kv_capacity_tokens))
