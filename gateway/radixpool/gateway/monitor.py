@@ -3,7 +3,9 @@ capacity, the model's tokenizer, and the KV-event stream. All of them feed the p
 
 - Health: every `health_interval`, `GET /health`; results go through the hysteresis (N failures
   down, M successes up). A 503 marks the worker draining at once (no new requests); a 200 clears
-  it. Coming back up closes the circuit breaker.
+  it. Coming back up closes the circuit breaker. Going down because the checks went unanswered
+  (a hung worker, not a draining one) calls `hung`: the proxy retries elsewhere the requests
+  still waiting there for their response headers.
 - Identity: `GET /server_info` each round (`/get_server_info` for SGLang workers). A new
   `instance_id` (restart or `/flush_cache`) empties that worker's tree at once;
   `kv_capacity_tokens` (SGLang: `max_total_num_tokens`) sizes it.
@@ -44,9 +46,11 @@ Fetch = Callable[[Worker, str], Awaitable[tuple[int, bytes]]]
 class Monitor:
     """Watches the workers of a `WorkerSet`, reaching them only through `fetch`."""
 
-    def __init__(self, workers: WorkerSet, fetch: Fetch, metrics: GatewayMetrics) -> None:
+    def __init__(self, workers: WorkerSet, fetch: Fetch, metrics: GatewayMetrics,
+                 hung: Callable[[Worker], None] | None = None) -> None:
         self.workers = workers
         self.fetch = fetch
+        self.hung = hung   # a worker whose checks went unanswered until it was taken down
         self.metrics = metrics
         self.config = workers.config
         self.index = workers.index
@@ -104,6 +108,8 @@ class Monitor:
             log.warning("worker %s is now %s", worker.url, "healthy" if ok else "down")
             if ok:
                 worker.breaker.reset()
+            elif not status and self.hung is not None:   # unanswered, not draining (503)
+                self.hung(worker)
         if not ok:
             return
         info = await self._server_info(worker, timeout)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from urllib.parse import quote
 
@@ -62,6 +63,8 @@ from radixpool.gateway.upstream import (
 from radixpool.gateway.wait_queue import LateBinding
 from radixpool.gateway.workers import Worker, WorkerSet, candidates
 from radixpool.tokenization import PromptTokenizer
+
+log = logging.getLogger("radixpool.gateway")
 
 READ_ONLY_PATHS = ("/livez", "/health", "/metrics", "/v1/models")
 QUARANTINED = object()   # _dispatch's answer for a request a second dying engine held
@@ -121,6 +124,16 @@ class Gateway:
         pool = self.pools.pop(url, None)
         if pool is not None:
             pool.close()
+
+    def hung(self, worker: Worker) -> None:
+        """The health checks found `worker` hung: the requests still waiting there for their
+        response headers fail now (`WorkerHung`) and are retried on other workers, instead of
+        waiting out `upstream_first_byte_timeout`."""
+        pool = self.pools.get(worker.url)
+        if pool is not None and pool.give_up_waiting(f"worker {worker.url} stopped answering "
+                                                     "its health checks"):
+            log.warning("worker %s is hung: retrying elsewhere the requests it has not "
+                        "answered yet", worker.url)
 
     async def fetch(self, worker: Worker, path: str) -> tuple[int, bytes]:
         """`GET path` from a worker with the gateway's worker key: the health monitor's way out."""
