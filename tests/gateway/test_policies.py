@@ -200,6 +200,27 @@ def test_at_low_traffic_new_sessions_spread_instead_of_following_the_system_prom
     assert min(firsts.values()) >= 8, firsts
 
 
+def test_a_prefix_is_hot_by_the_traffic_of_its_own_model():
+    """Two models behind one gateway share a system prompt (an A/B test): only model a's own
+    traffic decides whether the prompt is hot on a's workers. Model b's requests once counted
+    too, so a's sessions on it were spread over a's workers as a common prompt, and missed."""
+    policy = cache_aware(("a1", "a2", "a3", "a4", "b1"))
+    system = tokens(0, 40 * BLOCK)
+
+    def key(model: str, prompt: list[int]):
+        return KeyBuilder(64, 256).build("/generate", {"input_ids": prompt, "model": model})
+
+    for q in range(40):   # all of b's traffic is on the prompt
+        policy.select(idle("b1"), key("b", system + tokens(10_000 + 100 * q, BLOCK)))
+    a_workers = idle("a1", "a2", "a3", "a4")
+    for q in range(12):   # a quarter of a's traffic is: below the hot share for 4 workers
+        prompt = system if q % 4 == 0 else tokens(50_000 + 1000 * q, 40 * BLOCK)
+        policy.select(a_workers, key("a", prompt + tokens(20_000 + 100 * q, BLOCK)))
+    follow = key("a", system + tokens(30_000, BLOCK))
+    assert policy.hot_blocks(follow.hashes, 4, "a") == 0
+    assert policy.select(a_workers, follow).reason == "cache_hit"
+
+
 def test_failed_dispatch_removes_the_phantom_affinity():
     policy = cache_aware(("a", "b"))
     prompt = tokens(0, 10 * BLOCK)

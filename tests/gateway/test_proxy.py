@@ -63,6 +63,58 @@ def test_non_streamed_endpoints_and_models(make_stack):
     assert [m.id for m in sdk(stack).models.list()] == ["sim-model"]
 
 
+def test_the_model_list_names_every_model_the_fleet_serves(make_stack):
+    """Workers serving different models: the gateway routes requests for each, so its model
+    list names each (it once showed one worker's list, whichever was least loaded)."""
+    stack = make_stack(3)
+    stack.fleet.workers[2].config = SimConfig(model="other-model")
+    stack.check_all()   # the next health round learns what each serves
+    client = sdk(stack)
+    for _ in range(3):
+        assert sorted(m.id for m in client.models.list()) == ["other-model", "sim-model"]
+    answer = client.completions.with_raw_response.create(model="other-model",
+                                                         prompt=words(0, 10), max_tokens=2)
+    assert answer.headers["x-radixpool-worker"] == stack.fleet.urls[2]
+    stack.gateway.workers.get(stack.fleet.urls[2]).draining = True
+    # no eligible worker serves it any more: it is not listed
+    assert [m.id for m in client.models.list()] == ["sim-model"]
+
+
+def test_a_model_whose_workers_are_all_down_gets_503_not_another_models_404(make_stack):
+    """While every worker of a model restarts, its requests get a retryable 503 (the SDK
+    retries it), not a worker of another model answering 404 model_not_found (not retried:
+    the client is told the model does not exist). A model nobody serves still gets the 404."""
+    stack = make_stack(2)
+    stack.fleet.workers[1].config = SimConfig(model="other-model")
+    stack.check_all()
+    stack.gateway.workers.get(stack.fleet.urls[1]).draining = True   # its only worker
+    client = sdk(stack)
+    with pytest.raises(openai.InternalServerError) as down:
+        client.completions.create(model="other-model", prompt=words(0, 10), max_tokens=2)
+    assert down.value.status_code == 503 and "other-model" in down.value.body["message"]
+    assert down.value.response.headers["retry-after"] == "1"
+    with pytest.raises(openai.InternalServerError) as down:
+        client.models.retrieve("other-model")
+    assert down.value.response.headers["retry-after"] == "1"
+    assert stack.fleet.workers[0].requests == 0   # sim-model's worker never saw them
+    stack.gateway.workers.get(stack.fleet.urls[1]).draining = False   # back: served again
+    assert client.completions.create(model="other-model", prompt=words(0, 10),
+                                     max_tokens=2).model == "other-model"
+
+
+def test_model_names_nobody_serves_cost_the_router_no_memory_each(make_stack):
+    """The router keeps prefix demand per model; names no worker serves share one count, so a
+    client inventing model names cannot grow the gateway's memory with them."""
+    stack = make_stack(2)
+    for i in range(20):
+        r = stack.client.post("/v1/completions", json={
+            "model": f"made-up-{i}", "prompt": words(100 * i, 40), "max_tokens": 1})
+        assert r.status_code == 200   # the simulated workers serve any name
+    stack.client.post("/v1/completions", json={"model": "sim-model", "prompt": words(0, 40),
+                                               "max_tokens": 1})
+    assert set(stack.gateway.policy._demand) <= {None, "sim-model"}
+
+
 def test_bad_input_gets_a_4xx_without_reaching_a_worker(make_stack):
     stack = make_stack(2, max_body_bytes=10_000)
     c = stack.client
@@ -222,6 +274,37 @@ def test_admin_adds_and_removes_workers_and_removal_lets_streams_finish(make_sta
         stack.loop.run(extra.stop())
 
 
+def test_a_worker_added_back_while_its_streams_run_is_not_taken_for_idle(make_stack):
+    """Removed and added back (an endpoint briefly not ready, an admin's undo) while streams
+    still run on it: the gateway keeps counting them (it once saw an idle worker, routed the
+    next requests there, and showed in-flight 0 while they were relayed)."""
+    stack = make_stack(2, sim=SimConfig(decode_ms_per_token=40.0), admin_api_key="admin")
+    admin = {"authorization": "Bearer admin"}
+    busy, other = stack.fleet.urls
+    stack.gateway.workers.get(other).draining = True   # both streams go to `busy`
+    streams = [stack.client.stream("POST", "/v1/completions", json={
+        "prompt": words(100 * i, 10), "max_tokens": 25, "stream": True}) for i in range(2)]
+    lines = [s.__enter__().iter_lines() for s in streams]
+    assert [next(each).startswith("data:") for each in lines] == [True, True]
+    stack.gateway.workers.get(other).draining = False
+    assert stack.client.delete("/workers", params={"url": busy}, headers=admin).json() == \
+        {"removed": busy, "inflight_finishing": 2}
+    assert stack.client.post("/workers", json={"url": busy}, headers=admin).status_code == 200
+    stack.check_all()
+
+    def inflight() -> dict[str, int]:
+        return {w["url"]: w["inflight"] for w in stack.client.get("/workers").json()["workers"]}
+
+    assert inflight() == {busy: 2, other: 0}
+    cold = stack.client.post("/v1/completions", json={"prompt": words(900, 10), "max_tokens": 1})
+    assert cold.headers["x-radixpool-worker"] == other   # the least loaded, not the re-added
+    for stream, each in zip(streams, lines):
+        assert [line for line in each if line.startswith("data:")][-1] == "data: [DONE]"
+        stream.__exit__(None, None, None)
+    stack.settle()
+    assert inflight() == {busy: 0, other: 0}
+
+
 def test_api_key_guards_everything_but_health_and_metrics(make_stack):
     stack = make_stack(1, api_key="s3cret")
     r = stack.client.post("/generate", json={"text": "w1"})
@@ -300,6 +383,50 @@ def test_metrics_carry_the_contract_names(make_stack):
             assert spec.series[0] in text, spec.name
     assert 'reason="cache_hit"' in text and 'reason="cache_miss"' in text
     assert 'radixpool_gateway_hit_rate{kind="actual",worker="all"}' in text
+
+
+def test_hit_rates_keep_the_history_of_removed_and_readded_workers(make_stack):
+    """The hit-rate gauges are "since start", as the token counters beside them: a worker
+    removed (a scale-down, an endpoint briefly not ready) takes no history out of the fleet's
+    rate, and one added back on the same address continues its own (both once restarted at 0)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    stack = make_stack(2, admin_api_key="admin")
+    admin = {"authorization": "Bearer admin"}
+    client = sdk(stack)
+    for i in range(4):
+        client.chat.completions.create(model="sim-model", max_tokens=1, messages=[
+            {"role": "user", "content": words(0 if i else 500, 64) + f" w{3000 + i}"}])
+    stack.settle()
+
+    def scrape() -> tuple[dict, dict]:
+        totals, rates = {}, {}
+        for family in text_string_to_metric_families(stack.client.get("/metrics").text):
+            for s in family.samples:
+                if s.name in ("radixpool_gateway_prompt_tokens_total",
+                              "radixpool_gateway_cached_tokens_total"):
+                    totals[s.name] = totals.get(s.name, 0) + s.value
+                    totals[s.name, s.labels["worker"]] = s.value
+                elif s.name == "radixpool_gateway_hit_rate" and s.labels["kind"] == "actual":
+                    rates[s.labels["worker"]] = s.value
+        return totals, rates
+
+    def rate(totals: dict, worker: str | None = None) -> float:
+        return (totals["radixpool_gateway_cached_tokens_total", worker]
+                / totals["radixpool_gateway_prompt_tokens_total", worker]) if worker else \
+            (totals["radixpool_gateway_cached_tokens_total"]
+             / totals["radixpool_gateway_prompt_tokens_total"])
+
+    totals, rates = scrape()
+    assert rates["all"] == pytest.approx(rate(totals)) and rates["all"] > 0.3
+    gone = max(stack.fleet.workers, key=lambda w: w.cached_tokens).url   # one that hit
+    assert stack.client.delete("/workers", params={"url": gone}, headers=admin).status_code == 200
+    totals, rates = scrape()
+    assert gone not in rates   # only workers in the fleet have a gauge of their own
+    assert rates["all"] == pytest.approx(rate(totals)), "the fleet's rate lost history"
+    assert stack.client.post("/workers", json={"url": gone}, headers=admin).status_code == 200
+    totals, rates = scrape()
+    assert rates[gone] == pytest.approx(rate(totals, gone)) and rates[gone] > 0.3
 
 
 def test_gateway_never_imports_torch():

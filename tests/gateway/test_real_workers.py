@@ -214,6 +214,31 @@ def test_what_real_workers_and_the_gateway_expose_is_what_the_specs_say(gateway,
     assert sum(len(label_sets) for _, label_sets in gateway_families.values()) >= 14
 
 
+def test_a_generate_batch_is_counted_whole_and_checked_on_its_first_prompt(gateway, loop_thread):
+    """A `/generate` batch routes on its first prompt and is answered with one result per
+    prompt: the gateway counts every result's tokens (as the worker does), and checks its
+    prediction against the first result (it once took the last result for both: a third of
+    the tokens counted, and a warm first prompt "missed" when the last one was cold)."""
+    server = gateway(kv_events=False)   # predictions are checked against cached_tokens alone
+    url = f"http://127.0.0.1:{server.port}"
+    warm = group_prompt(7)
+    first = httpx.post(url + "/generate", json={
+        "text": warm, "sampling_params": {"max_new_tokens": 1}}, timeout=60)
+    owner = server.gateway.workers.get(first.headers["x-radixpool-worker"])
+    loop_thread.run(asyncio.sleep(0))  # let the gateway finish its bookkeeping
+    before = (owner.prompt_tokens, owner.cached_tokens)
+    batch = httpx.post(url + "/generate", json={
+        "text": [warm + " again", group_prompt(8), group_prompt(9)],
+        "sampling_params": {"max_new_tokens": 1}}, timeout=60)
+    assert batch.status_code == 200 and batch.headers["x-radixpool-worker"] == owner.url
+    reports = [result["meta_info"] for result in batch.json()]
+    loop_thread.run(asyncio.sleep(0))  # let the gateway finish its bookkeeping
+    assert reports[0]["cached_tokens"] > 100 and reports[-1]["cached_tokens"] < 20
+    assert (owner.prompt_tokens - before[0], owner.cached_tokens - before[1]) == (
+        sum(r["prompt_tokens"] for r in reports), sum(r["cached_tokens"] for r in reports))
+    assert owner.corrections.get("cached_tokens", 0) == 0   # the first prompt did hit
+
+
 def test_killing_a_real_worker_mid_run_loses_no_request(gateway, real_workers):
     server = gateway()
     procs, urls = real_workers

@@ -120,6 +120,116 @@ def test_kv_events_keep_the_tree_exact_under_worker_eviction(make_stack):
     assert stack.gateway.workers.get(worker_url).predicted_tokens == before  # no false hit
 
 
+def test_a_flush_the_kv_events_saw_first_keeps_what_the_new_instance_stored(make_stack):
+    """After a flush the KV stream resyncs to the new instance at once and follows it; the
+    next health round, seeing the new instance id too, must not empty the tree again (it once
+    did: prompts cached right after a flush were invisible to routing for good)."""
+    stack = make_stack(1)
+    url = stack.fleet.urls[0]
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+    index, worker = stack.gateway.index, stack.gateway.workers.get(url)
+
+    def wait_for(condition, what: str) -> None:
+        for _ in range(200):
+            if condition():
+                return
+            stack.loop.run(asyncio.sleep(0.02))
+        raise AssertionError(f"never happened: {what}")
+
+    wait_for(lambda: worker.kv_events_live, "the KV events followed")
+    old_id = worker.instance_id
+    new_id = stack.client.post(url + "/flush_cache").json()["instance_id"]
+    wait_for(lambda: worker.corrections, "the KV stream resynced to the new instance")
+    chat(client, words(0, 300), words(3000, 5))
+    held = len(stack.fleet.workers[0].cache.blocks)
+    wait_for(lambda: index.size(url) == held > 0, "the stored prompt's KV event")
+
+    stack.check_all()   # the health round's identity check sees the new instance id too
+    assert old_id != worker.instance_id == new_id
+    assert index.size(url) == held, "the tree forgot what the new instance holds"
+    assert worker.corrections == {"instance_id": 1}
+    predicted = worker.predicted_tokens
+    again = chat(client, words(0, 300), words(3100, 5))
+    assert again.parse().usage.prompt_tokens_details.cached_tokens >= 288
+    stack.settle()
+    assert worker.predicted_tokens - predicted >= 288   # the gateway expected that hit
+
+
+def test_a_kv_event_stream_that_keeps_failing_is_retried_calmly_not_in_a_spin(make_stack):
+    """`/kv_events` answers 500 while `/kv_events/snapshot` works: the gateway once resynced
+    and polled again at once, forever (thousands of snapshots a second, each a walk of the
+    worker's whole cache, and its own loop busy). It now waits between tries, and does not
+    claim to follow the events meanwhile."""
+    import time
+
+    from bench.simfleet.http_server import error_body
+
+    stack = make_stack(1)
+    sim = stack.fleet.workers[0]
+    worker = stack.gateway.workers.get(sim.url)
+    polls = []
+
+    async def broken(request, respond) -> None:
+        polls.append(request)
+        await respond.send(*error_body(500, "event log unavailable"))
+
+    for _ in range(200):
+        if worker.kv_events_live:
+            break
+        time.sleep(0.02)
+    assert worker.kv_events_live
+    sim.kv_events = broken
+    stack.client.post("/generate", json={"text": words(0, 40), "max_tokens": 1})  # ends the poll
+    time.sleep(1.5)
+    assert 1 <= len(polls) <= 6, f"{len(polls)} polls in 1.5 s"
+    assert worker.tree_source != "kv_events"
+    del sim.kv_events
+    for _ in range(100):
+        if worker.kv_events_live:
+            break
+        time.sleep(0.02)
+    assert worker.kv_events_live   # back to following the events once they work again
+
+
+def test_a_tree_no_longer_fed_by_kv_events_is_trimmed_by_cached_tokens_again(make_stack):
+    """A worker that stops serving KV events (restarted without them, an older version at the
+    same address): its tree is kept by cached_tokens again, as `tree_source` says (it was not:
+    trimming stayed off for good, and evicted prefixes were predicted as hits)."""
+    import time
+    from dataclasses import replace
+
+    stack = make_stack(1, sim=SimConfig(kv_capacity_tokens=1024))
+    sim = stack.fleet.workers[0]
+    worker = stack.gateway.workers.get(sim.url)
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+    for _ in range(200):
+        if worker.kv_events_live:
+            break
+        time.sleep(0.02)
+    assert worker.kv_events_live
+    sim.config = replace(sim.config, kv_events=False)
+    stack.check_all()   # its /server_info says so now
+    stack.client.post(sim.url + "/generate", json={"text": words(2500, 40)})  # ends the poll
+    for _ in range(200):
+        if not worker.kv_events_live:
+            break
+        time.sleep(0.02)
+    assert worker.tree_source != "kv_events"
+    chat(client, words(0, 300), words(3000, 5))      # prefix A, then B
+    chat(client, words(500, 300), words(3100, 5))
+    for i in range(8):   # traffic around the gateway evicts both on the worker
+        stack.client.post(sim.url + "/generate", json={"text": words(1000 + i * 200, 200)})
+    assert chat(client, words(500, 300), words(3200, 5)).parse().usage \
+        .prompt_tokens_details.cached_tokens < 16
+    stack.settle()
+    assert worker.tree_source == "cached_tokens"
+    predicted = worker.predicted_tokens
+    assert chat(client, words(0, 300), words(3300, 5)).parse().usage \
+        .prompt_tokens_details.cached_tokens < 16
+    stack.settle()
+    assert worker.predicted_tokens == predicted   # B's miss trimmed A, older: no false hit
+
+
 def test_multi_turn_sessions_stick_to_their_worker(make_stack):
     stack = make_stack(3)
     client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)

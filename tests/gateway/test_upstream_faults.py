@@ -165,6 +165,90 @@ def test_models_from_a_hung_worker_time_out(loop_thread):
         assert r.status_code == 504 and time.monotonic() - started < 5
 
 
+def test_a_hung_worker_does_not_hold_up_the_other_models_list(make_stack, loop_thread):
+    """A worker of another model hangs before its health checks notice: the model list still
+    comes within the listing's own deadline, with the models of those that answered."""
+    from radixpool.gateway.model_list import MODEL_LIST_TIMEOUT_S
+    from radixpool.protocol.server_info import ServerInfo
+
+    stack = make_stack(1, upstream_first_byte_timeout=60.0)
+    listener = loop_thread.run(_listen())
+    hung_url = f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}"
+    try:
+        hung = loop_thread.call(stack.gateway.workers.add, hung_url)
+        loop_thread.call(stack.gateway.workers.set_info, hung,
+                         ServerInfo("other", "other-model", 4096, 4096, 1, 16, "i-1", "test"))
+        started = time.monotonic()
+        r = stack.client.get("/v1/models")
+        took = time.monotonic() - started
+        assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == ["sim-model"]
+        assert took < MODEL_LIST_TIMEOUT_S + 3, took
+    finally:
+        loop_thread.call(listener.close)
+
+
+class SilentWorker(asyncio.Protocol):
+    """Takes every request and answers nothing, health checks included (a SIGSTOPped
+    worker, as the gateway sees it)."""
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        pass
+
+
+def test_a_request_waiting_on_a_worker_found_hung_is_retried_at_once(make_stack, loop_thread):
+    """A worker hangs with a request sent to it before its checks noticed: once they take it
+    down (unanswered, not draining), that request goes to another worker at once instead of
+    waiting out the 300 s first-byte deadline (the client has had nothing from the hung one)."""
+    stack = make_stack(1, health_failures=2, health_timeout=0.2)
+    good = stack.gateway.workers.get(stack.fleet.urls[0])
+    listener = loop_thread.run(_listen(SilentWorker))
+    hung_url = f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}"
+    try:
+        hung = loop_thread.call(stack.gateway.workers.add, hung_url)
+        assert wait_for(lambda: hung.health._run == 1, 5)   # its first check went unanswered
+        good.draining = True   # the request can only go to the hung worker
+        answer: list[httpx.Response] = []
+        client = threading.Thread(target=lambda: answer.append(stack.client.post(
+            "/v1/completions", json={"prompt": words(0, 10), "max_tokens": 2})))
+        client.start()
+        assert wait_for(lambda: hung.inflight == 1, 5)
+        good.draining = False
+        started = time.monotonic()
+        loop_thread.run(stack.server.monitor.check(hung))   # the second unanswered check
+        client.join(10)
+        assert answer and answer[0].status_code == 200, answer
+        assert answer[0].headers["x-radixpool-worker"] == good.url
+        assert time.monotonic() - started < 3
+        assert hung.inflight == 0 and not hung.health.healthy
+    finally:
+        loop_thread.call(listener.close)
+
+
+def test_a_draining_worker_finishes_the_requests_it_holds(make_stack):
+    """A worker whose checks answer 503 (draining) is taken down too, but it is answering: the
+    requests it holds are not given up on, they finish there."""
+    stack = make_stack(1, sim=SimConfig(decode_ms_per_token=300.0), health_failures=1)
+    worker = stack.gateway.workers.get(stack.fleet.urls[0])
+    answer: list[httpx.Response] = []
+    client = threading.Thread(target=lambda: answer.append(stack.client.post(
+        "/v1/completions", json={"prompt": words(0, 10), "max_tokens": 4})))
+    client.start()
+    assert wait_for(lambda: worker.inflight == 1, 5)
+    stack.fleet.workers[0].fail_health = True
+    stack.check_all()
+    assert not worker.health.healthy
+    client.join(10)
+    assert answer and answer[0].status_code == 200
+    assert answer[0].headers["x-radixpool-worker"] == worker.url
+
+
+async def _listen(protocol: type[asyncio.Protocol] = StallingWorker):
+    return await asyncio.get_running_loop().create_server(protocol, "127.0.0.1", 0)
+
+
 class DroppingWorker(asyncio.Protocol):
     """Answers 200 while `dropping` is off; then closes each connection a request comes on."""
 

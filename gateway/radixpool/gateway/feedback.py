@@ -37,6 +37,22 @@ def usage_in(data: bytes) -> tuple[int, int | None] | None:
     return int(prompts[-1]), int(cached[-1]) if cached else None
 
 
+def answer_usage(data: bytes) -> tuple[int, int | None, int, int] | None:
+    """A non-streamed answer's report: (prompt_tokens, cached_tokens) of the prompt it was
+    routed on, then the prompt and cached tokens of the other results of a `/generate` batch
+    (a JSON array of results, in the order of its prompts; the route key is its first)."""
+    if not data.lstrip().startswith(b"["):
+        usage = usage_in(data)
+        return None if usage is None else (*usage, 0, 0)
+    prompts = [int(p) for p in _PROMPT.findall(data)]
+    if not prompts:
+        return None
+    cached = [int(c) for c in _CACHED.findall(data)]
+    if len(cached) != len(prompts):   # some result does not say: unknown, never zero
+        return prompts[0], None, sum(prompts[1:]), 0
+    return prompts[0], cached[0], sum(prompts[1:]), sum(cached[1:])
+
+
 def is_usage_only_event(event: bytes) -> bool:
     """The final `stream_options.include_usage` event: no choices, only usage."""
     return b'"usage"' in event and _USAGE_ONLY.search(event) is not None
@@ -81,19 +97,22 @@ def first_missing_block(decision: Decision, key: RouteKey, prompt_tokens: int,
 
 
 def learn(worker: Worker, index: PrefixIndex, metrics: GatewayMetrics, decision: Decision,
-          key: RouteKey, prompt: int, cached: int | None, predicts: bool) -> None:
+          key: RouteKey, prompt: int, cached: int | None, predicts: bool,
+          others: tuple[int, int] = (0, 0)) -> None:
     """Take in one answer's report: the hit-rate counters, the worker's load estimate and, when
-    the tree predicted more than the worker had, the trim of that worker's tree."""
+    the tree predicted more than the worker had, the trim of that worker's tree. `prompt` and
+    `cached` are the routed prompt's; `others` the (prompt, cached) tokens of the rest of a
+    batch, which only the counters and the load estimate take in."""
     predicted = predicted_tokens(decision, key, prompt) if predicts else None
     if cached is None:
         worker.reports_cached = False
         worker.unreported_answers += 1
-        worker.observe_uncached(prompt - (predicted or 0))
+        worker.observe_uncached(prompt + others[0] - (predicted or 0))
         return
     worker.reports_cached = True
-    worker.prompt_tokens += prompt
-    worker.cached_tokens += cached
-    worker.observe_uncached(prompt - cached)
+    worker.prompt_tokens += prompt + others[0]
+    worker.cached_tokens += cached + others[1]
+    worker.observe_uncached(prompt + others[0] - cached - others[1])
     if predicted is not None:
         worker.predicted_tokens += predicted
         missing = first_missing_block(decision, key, prompt, cached)
@@ -101,4 +120,4 @@ def learn(worker: Worker, index: PrefixIndex, metrics: GatewayMetrics, decision:
             index.trim_through(worker.url, decision.prior_epochs[missing])
             worker.corrected("cached_tokens")
             metrics.corrected(worker.url, "cached_tokens")
-    metrics.usage(worker.url, prompt, cached, predicted)
+    metrics.usage(worker.url, prompt + others[0], cached + others[1], predicted)

@@ -133,7 +133,10 @@ class GatewayMetrics:
                                  labels=spec.GW_TREE_TOKENS.labels)
         rates = GaugeMetricFamily(spec.GW_HIT_RATE.name, spec.GW_HIT_RATE.help,
                                   labels=spec.GW_HIT_RATE.labels)
-        totals = [0, 0, 0]
+        # hit rates come from the token counters (by address, since start), not from the
+        # `Worker` objects: a worker removed and added back starts a new object, and the fleet's
+        # rate must keep what removed workers answered, as the counters do
+        prompt, cached, predicted = self.prompt, self.cached, self.predicted
         for w in workers:
             inflight.add_metric((w.url,), w.inflight)
             healthy.add_metric((w.url,), 1 if w.health.healthy and not w.draining else 0)
@@ -141,11 +144,10 @@ class GatewayMetrics:
             state = w.breaker.state(now)
             for each in BREAKER_STATES:
                 breakers.add_metric((w.url, each), 1 if each == state else 0)
-            _rates(rates, w.url, w.prompt_tokens, w.cached_tokens, w.predicted_tokens)
-            totals[0] += w.prompt_tokens
-            totals[1] += w.cached_tokens
-            totals[2] += w.predicted_tokens
-        _rates(rates, "all", *totals)
+            url = (w.url,)
+            _rates(rates, w.url, prompt.get(url, 0), cached.get(url, 0), predicted.get(url, 0))
+        _rates(rates, "all", sum(prompt.values()), sum(cached.values()),
+               sum(predicted.values()))
         yield from (inflight, healthy, breakers, tree, rates)
 
 

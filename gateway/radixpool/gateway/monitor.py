@@ -3,7 +3,9 @@ capacity, the model's tokenizer, and the KV-event stream. All of them feed the p
 
 - Health: every `health_interval`, `GET /health`; results go through the hysteresis (N failures
   down, M successes up). A 503 marks the worker draining at once (no new requests); a 200 clears
-  it. Coming back up closes the circuit breaker.
+  it. Coming back up closes the circuit breaker. Going down because the checks went unanswered
+  (a hung worker, not a draining one) calls `hung`: the proxy retries elsewhere the requests
+  still waiting there for their response headers.
 - Identity: `GET /server_info` each round (`/get_server_info` for SGLang workers). A new
   `instance_id` (restart or `/flush_cache`) empties that worker's tree at once;
   `kv_capacity_tokens` (SGLang: `max_total_num_tokens`) sizes it.
@@ -11,7 +13,11 @@ capacity, the model's tokenizer, and the KV-event stream. All of them feed the p
   the trees switch from text to token ids (and are emptied, their hashes meant bytes).
 - KV events (token mode, when the worker serves them and `--kv-events` is on): a long poll on
   `GET /kv_events?since=S` applies exact stores and evictions; a 409 or a new instance id resyncs
-  from `/kv_events/snapshot`. While the stream is followed, `Worker.kv_events_live` is set.
+  from `/kv_events/snapshot` (a stream that fails again right after one waits before the next:
+  a spin would walk the worker's cache thousands of times a second). While the stream is
+  followed, `Worker.kv_events_live` is set. A snapshot of a new instance is that instance's
+  tree: it takes the new id, so the identity check does not empty the tree a second time
+  (losing what the new instance stored meanwhile).
 """
 
 from __future__ import annotations
@@ -40,9 +46,11 @@ Fetch = Callable[[Worker, str], Awaitable[tuple[int, bytes]]]
 class Monitor:
     """Watches the workers of a `WorkerSet`, reaching them only through `fetch`."""
 
-    def __init__(self, workers: WorkerSet, fetch: Fetch, metrics: GatewayMetrics) -> None:
+    def __init__(self, workers: WorkerSet, fetch: Fetch, metrics: GatewayMetrics,
+                 hung: Callable[[Worker], None] | None = None) -> None:
         self.workers = workers
         self.fetch = fetch
+        self.hung = hung   # a worker whose checks went unanswered until it was taken down
         self.metrics = metrics
         self.config = workers.config
         self.index = workers.index
@@ -100,6 +108,8 @@ class Monitor:
             log.warning("worker %s is now %s", worker.url, "healthy" if ok else "down")
             if ok:
                 worker.breaker.reset()
+            elif not status and self.hung is not None:   # unanswered, not draining (503)
+                self.hung(worker)
         if not ok:
             return
         info = await self._server_info(worker, timeout)
@@ -169,17 +179,19 @@ class Monitor:
         since: int | None = None
         instance: str | None = None
         synced = False
+        polled = False   # a poll succeeded since the last resync
         while not worker.removed:
             usable = self._kv_usable(worker)
             worker.kv_events_live = usable and since is not None
             if not usable:
                 since = None
+                self.index.stop_following(worker.url)
                 await asyncio.sleep(min(self.config.health_interval, KV_RETRY_SECONDS))
                 continue
             try:
                 if since is None:
                     since, instance = await self._resync(worker, count=synced)
-                    synced = True
+                    synced, polled = True, False
                     continue
                 status, doc = await self._get_json(
                     worker, f"/kv_events?since={since}&timeout={KV_POLL_SECONDS}",
@@ -187,10 +199,14 @@ class Monitor:
                 if status == 404:
                     log.info("worker %s serves no /kv_events; relying on cached_tokens", worker.url)
                     worker.kv_events_live = False
+                    self.index.stop_following(worker.url)
                     return
                 if status != 200 or not isinstance(doc, dict) or doc["instance_id"] != instance:
+                    if not polled:   # failing right after a snapshot: resyncing at once spins
+                        raise ValueError(f"/kv_events answered {status} after a resync")
                     since = None
                     continue
+                polled = True
                 stored = False
                 for event in doc["events"]:
                     kv_event = KVEvent.from_json(event)
@@ -204,6 +220,8 @@ class Monitor:
             except (asyncio.TimeoutError, OSError, KeyError, ValueError, TypeError) as exc:
                 log.debug("kv events from %s: %r", worker.url, exc)
                 since = None
+                worker.kv_events_live = False
+                self.index.stop_following(worker.url)
                 await asyncio.sleep(min(self.config.health_interval, KV_RETRY_SECONDS))
 
     async def _resync(self, worker: Worker, count: bool) -> tuple[int, str]:
@@ -212,7 +230,16 @@ class Monitor:
         if status != 200 or not isinstance(doc, dict):
             raise ValueError(f"snapshot answered {status}")
         self.index.load_snapshot(worker.url, from_hex(doc["blocks"]))
-        if count:
+        instance = str(doc["instance_id"])
+        if worker.instance_id is not None and instance != worker.instance_id:
+            # The tree now follows the new instance (restart or flush) from its snapshot on:
+            # the identity check must not empty it again when it sees the same new id.
+            log.info("worker %s has a new instance id (restart or flush): its tree is now its "
+                     "snapshot", worker.url)
+            worker.instance_id = instance
+            worker.corrected("instance_id")
+            self.metrics.corrected(worker.url, "instance_id")
+        elif count:
             worker.corrected("kv_resync")
             self.metrics.corrected(worker.url, "kv_resync")
-        return int(doc["seq"]), str(doc["instance_id"])
+        return int(doc["seq"]), instance

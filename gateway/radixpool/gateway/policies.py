@@ -5,8 +5,9 @@ pick one. Pure: no I/O, no clock; the proxy owns the loop around them.
 1. Match the prompt's block hashes against every worker's tree (`PrefixIndex`). The part that
    counts is the match *beyond a base*: the prefix every eligible worker already holds, or a hot
    prefix every worker can cheaply hold — one carrying at least `hot_prefix_factor` workers' share
-   of recent traffic (a common system prompt). Without that, whoever first cached the system
-   prompt would "match" every new session and the rest of the fleet would sit idle.
+   of the recent traffic for its model (a common system prompt). Without that, whoever first
+   cached the system prompt would "match" every new session and the rest of the fleet would sit
+   idle.
 2. If the best effective match covers more than `cache_threshold` of the prompt beyond the base,
    the owner of that match is the candidate (several owners → the least loaded of them).
 3. Imbalance: if that owner's in-flight load exceeds the least-loaded worker's by more than
@@ -197,10 +198,7 @@ class CacheAware(Policy):
         self.rel_gap = config.balance_rel_threshold
         self.hot_factor = config.hot_prefix_factor
         self._turn = 0
-        self._demand: dict[int, int] = {}
-        self._old_demand: dict[int, int] = {}
-        self._requests = 0
-        self._old_requests = 0
+        self._demand: dict[str | None, _Demand] = {}   # by model: its own traffic decides
 
     def _standing(self, candidates: Sequence[Candidate], key: RouteKey
                   ) -> tuple[list[int], list[int], bool]:
@@ -208,7 +206,7 @@ class CacheAware(Policy):
         and whether the best of them is an owner: a match beyond the base above the threshold."""
         depth = self.index.match(key.hashes) if key.hashes else {}
         matched = [depth.get(c.name, 0) for c in candidates]
-        base = max(min(matched), self.hot_blocks(key.hashes, len(candidates)))
+        base = max(min(matched), self.hot_blocks(key.hashes, len(candidates), key.model))
         beyond = [max(0, m - base) for m in matched]
         rest = key.blocks - base
         return matched, beyond, rest > 0 and max(beyond) / rest > self.threshold
@@ -228,7 +226,7 @@ class CacheAware(Policy):
                 pick, reason = self._spill(candidates, matched, key, pick)
         else:
             pick, reason = self._least_damage(candidates, matched, key, beyond), "cache_miss"
-        self._count_demand(key.hashes)
+        self._count_demand(key.hashes, key.model)
         worker = candidates[pick].name
         prior = self.index.insert(worker, key.hashes, matched[pick])
         return Decision(worker, reason, matched[pick], prior)
@@ -329,13 +327,18 @@ class CacheAware(Policy):
         self._turn += 1
         return ties[self._turn % len(ties)]
 
-    def hot_blocks(self, hashes: Sequence[int], workers: int) -> int:
-        """Leading blocks requested by at least `hot_factor` workers' share of recent traffic."""
-        total = self._requests + self._old_requests
+    def hot_blocks(self, hashes: Sequence[int], workers: int, model: str | None = None) -> int:
+        """Leading blocks requested by at least `hot_factor` workers' share of the recent
+        traffic for `model` (the workers serving it are the candidates; other models' requests
+        for the same text go elsewhere)."""
+        demand = self._demand.get(model)
+        if demand is None:
+            return 0
+        total = demand.requests + demand.old_requests
         if workers < 2 or total < 2 * workers or not hashes:
             return 0
         need = self.hot_factor * total / workers
-        new, old = self._demand, self._old_demand
+        new, old = demand.new, demand.old
         # A block's demand never exceeds its parent's (every request for it also asks for the
         # parent), so demand is non-increasing along the chain: binary search for the first cold.
         lo, hi = 0, len(hashes)
@@ -348,14 +351,27 @@ class CacheAware(Policy):
                 hi = mid
         return lo
 
-    def _count_demand(self, hashes: Sequence[int]) -> None:
-        demand = self._demand
+    def _count_demand(self, hashes: Sequence[int], model: str | None) -> None:
+        demand = self._demand.get(model)
+        if demand is None:
+            demand = self._demand[model] = _Demand()
+        counts = demand.new
         for h in hashes:
-            demand[h] = demand.get(h, 0) + 1
-        self._requests += 1
-        if self._requests >= DEMAND_WINDOW:
-            self._old_demand, self._old_requests = demand, self._requests
-            self._demand, self._requests = {}, 0
+            counts[h] = counts.get(h, 0) + 1
+        demand.requests += 1
+        if demand.requests >= DEMAND_WINDOW:
+            demand.old, demand.old_requests = counts, demand.requests
+            demand.new, demand.requests = {}, 0
+
+
+@dataclass(slots=True)
+class _Demand:
+    """Requests per block over the current and the previous demand window, for one model."""
+
+    new: dict[int, int] = field(default_factory=dict)
+    old: dict[int, int] = field(default_factory=dict)
+    requests: int = 0
+    old_requests: int = 0
 
 
 def make_policy(config: GatewayConfig, index: PrefixIndex) -> Policy:

@@ -16,8 +16,8 @@ Self-correction hooks, all O(blocks changed):
   reports fewer cached tokens than predicted, the first missing block was evicted by the worker; by
   LRU, so was everything we touched no later than it: `trim_through(worker, epoch)` drops those.
 - `remove` undoes an optimistic insert for a request that never reached the worker (retry).
-- `apply_event` / `load_snapshot` replay the worker's KV events; `reset` forgets a worker whose
-  instance id changed (restart or flush).
+- `apply_event` / `load_snapshot` replay the worker's KV events (`stop_following` when they stop);
+  `reset` forgets a worker whose instance id changed (restart or flush).
 
 Once a worker's events arrive, they are the ground truth of what it evicts, whatever its eviction
 policy: the tree then keeps what the events say (bounded at `EVENT_FED_SLACK` x capacity, for
@@ -221,6 +221,14 @@ class PrefixIndex:
             self.remove(worker, event.blocks)
         else:
             self.insert(worker, event.blocks)
+
+    def stop_following(self, worker: str) -> None:
+        """The worker's KV events no longer arrive: its tree is kept by its LRU bound and the
+        cached_tokens trims again, until events feed it anew."""
+        tree = self._trees.get(worker)
+        if tree is not None and tree.event_fed:
+            tree.event_fed = False
+            self._evict(tree)
 
     def load_snapshot(self, worker: str, blocks: Sequence[int]) -> None:
         self.reset(worker)

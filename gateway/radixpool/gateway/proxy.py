@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from urllib.parse import quote
 
@@ -32,10 +33,17 @@ from radixpool.gateway import admin
 from radixpool.gateway.access import AccessPolicy, presented_key
 from radixpool.gateway.body_parsing import BodyParser, BodyTooComplex
 from radixpool.gateway.config import GatewayConfig
-from radixpool.gateway.feedback import is_usage_only_event, learn, prefill_wait, usage_in
+from radixpool.gateway.feedback import (
+    answer_usage,
+    is_usage_only_event,
+    learn,
+    prefill_wait,
+    usage_in,
+)
 from radixpool.gateway.holding import Holding
 from radixpool.gateway.http_edge import Headers, Request, Responder, error_body
 from radixpool.gateway.metrics import GatewayMetrics
+from radixpool.gateway.model_list import MODEL_LIST_TIMEOUT_S, merge_model_lists, one_per_model
 from radixpool.gateway.policies import CacheAware, Decision, make_policy
 from radixpool.gateway.prefix_index import PrefixIndex
 from radixpool.gateway.quarantine import Quarantine, engine_died
@@ -55,6 +63,8 @@ from radixpool.gateway.upstream import (
 from radixpool.gateway.wait_queue import LateBinding
 from radixpool.gateway.workers import Worker, WorkerSet, candidates
 from radixpool.tokenization import PromptTokenizer
+
+log = logging.getLogger("radixpool.gateway")
 
 READ_ONLY_PATHS = ("/livez", "/health", "/metrics", "/v1/models")
 QUARANTINED = object()   # _dispatch's answer for a request a second dying engine held
@@ -115,6 +125,16 @@ class Gateway:
         if pool is not None:
             pool.close()
 
+    def hung(self, worker: Worker) -> None:
+        """The health checks found `worker` hung: the requests still waiting there for their
+        response headers fail now (`WorkerHung`) and are retried on other workers, instead of
+        waiting out `upstream_first_byte_timeout`."""
+        pool = self.pools.get(worker.url)
+        if pool is not None and pool.give_up_waiting(f"worker {worker.url} stopped answering "
+                                                     "its health checks"):
+            log.warning("worker %s is hung: retrying elsewhere the requests it has not "
+                        "answered yet", worker.url)
+
     async def fetch(self, worker: Worker, path: str) -> tuple[int, bytes]:
         """`GET path` from a worker with the gateway's worker key: the health monitor's way out."""
         upstream = await self.pool(worker).request("GET", path, self.upstream_auth)
@@ -159,29 +179,39 @@ class Gateway:
                                           "/health, /metrics")
 
     async def forward_models(self, request: Request, respond: Responder) -> None:
-        """`/v1/models` from the least loaded worker; `/v1/models/{id}` from one serving `id`
-        if any does (the others answer 404 naming it)."""
+        """`/v1/models/{id}` from a worker serving `id` if any does (the others answer 404
+        naming it); `/v1/models` from one worker per model served, their lists merged."""
         model = request.path[len(MODEL_PATH):] or None
         ready = self.workers.eligible(self.clock(), model)
         if not ready:
-            await respond.send_error(503, "no healthy worker available")
+            _, headers, doc = error_body(503, "no healthy worker available" + (
+                f" for model {model!r}" if model else ""))
+            await respond.send(503, [(b"retry-after", b"1"), *headers], doc)
             return
-        worker = min(ready, key=lambda w: w.inflight)
+        asked = one_per_model(ready) if model is None else [min(ready, key=lambda w: w.inflight)]
+        answers = await asyncio.gather(*(self._get_models(w, request) for w in asked))
+        if len(answers) > 1:
+            merged = merge_model_lists([body for status, _, body in answers if status == 200])
+            if merged is not None:
+                await respond.send(200, [(b"content-type", b"application/json")], merged)
+                return
+        await respond.send(*answers[0])
+
+    async def _get_models(self, worker: Worker, request: Request) -> tuple[int, Headers, bytes]:
+        """A worker's answer to the client's models request, or the gateway's error for it."""
         sent = self.clock()
+        deadline = min(self.config.upstream_first_byte_timeout, MODEL_LIST_TIMEOUT_S)
         try:
             upstream = await self.pool(worker).request(
                 "GET", quote(request.path), self.forwarded_headers(request),
-                first_byte_timeout=self.config.upstream_first_byte_timeout,
-                total_timeout=self.config.upstream_timeout)
+                first_byte_timeout=deadline, total_timeout=deadline)
             body = await upstream.body()
         except UpstreamTimeout as exc:
             self._timed_out(worker, sent)
-            await respond.send_error(504, f"worker {worker.url} timed out: {exc}")
-            return
+            return error_body(504, f"worker {worker.url} timed out: {exc}")
         except UpstreamError as exc:
-            await respond.send_error(502, f"worker {worker.url} failed: {exc}")
-            return
-        await respond.send(upstream.status, _response_headers(upstream, worker), body)
+            return error_body(502, f"worker {worker.url} failed: {exc}")
+        return upstream.status, _response_headers(upstream, worker), body
 
     # --- the routed proxy ---------------------------------------------------------------------
     async def proxy(self, request: Request, respond: Responder) -> None:
@@ -199,6 +229,10 @@ class Gateway:
             await self._refuse(respond, started, 413, str(exc), "request_too_large")
             return
         key = parsed.key
+        if key.model is not None and not self.workers.serves(key.model):
+            # routed as if it named none (any worker; one answers 404): the policy keeps demand
+            # by model, and names nobody serves must not each get some
+            key.model = None
         if self.quarantine is not None and self.quarantine.refuses(parsed.body, self.clock()):
             await self._quarantined(respond, started)
             return
@@ -324,7 +358,7 @@ class Gateway:
                 data = await upstream.body()
                 ttfb = time.perf_counter() - started
                 await respond.send(status, headers, data)
-                usage = usage_in(data) if status == 200 else None
+                usage = answer_usage(data) if status == 200 else None
                 if status == 503:
                     self._engine_died(data, body)
             else:
@@ -365,12 +399,15 @@ class Gateway:
         worker.requests += 1
         self.metrics.answered(worker.url, status, time.perf_counter() - started, ttfb)
         if usage is not None:
-            self._learn(worker, decision, key, *usage)
+            prompt, cached, other_prompts, other_cached = usage
+            learn(worker, self.index, self.metrics, decision, key, prompt, cached, self.predicts,
+                  (other_prompts, other_cached))
 
     async def _relay_events(self, upstream: UpstreamResponse, respond: Responder,
                             strip_usage: bool, started: float
-                            ) -> tuple[tuple[int, int | None] | None, float | None]:
-        """Forward whole SSE events the moment they arrive; note the last usage report."""
+                            ) -> tuple[tuple[int, int | None, int, int] | None, float | None]:
+        """Forward whole SSE events the moment they arrive; note the last usage report (as
+        `answer_usage` gives it: a stream is one answer)."""
         usage, ttfb, pending = None, None, b""
         while (chunk := await upstream.read()) is not None:
             if respond.disconnected:
@@ -391,7 +428,7 @@ class Gateway:
             await respond.write(ready)
         if pending and not respond.disconnected:
             await respond.write(pending)
-        return usage, ttfb
+        return (None if usage is None else (*usage, 0, 0)), ttfb
 
     def _left(self, worker_url: str, started: float, ttfb: float | None = None) -> None:
         """Count a request whose client went away before its answer was whole."""
@@ -424,10 +461,6 @@ class Gateway:
         self.metrics.upstream_timeout(worker.url)
         if worker.answered_at <= sent_at:
             worker.breaker.record_failure("timeout", self.clock())
-
-    def _learn(self, worker: Worker, decision: Decision, key: RouteKey, prompt: int,
-               cached: int | None) -> None:
-        learn(worker, self.index, self.metrics, decision, key, prompt, cached, self.predicts)
 
 
 def _cut_stream_event(worker_url: str, exc: UpstreamError) -> bytes:

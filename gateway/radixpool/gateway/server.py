@@ -37,7 +37,8 @@ class GatewayServer:
         return self.server.port
 
     async def start(self) -> None:
-        self.monitor = Monitor(self.gateway.workers, self.gateway.fetch, self.gateway.metrics)
+        self.monitor = Monitor(self.gateway.workers, self.gateway.fetch, self.gateway.metrics,
+                               self.gateway.hung)
         self.monitor.start()
         if self.config.k8s_service:
             from radixpool.gateway.kubernetes_watch import start_watch

@@ -10,7 +10,9 @@ only after its response ended cleanly and the worker allowed keep-alive; anythin
 it. TCP_NODELAY is set on every connection.
 
 Every failure to talk to the worker is an `UpstreamError`; before the response headers it is
-safe for the proxy to retry elsewhere. A pooled connection the worker closed while idle is
+safe for the proxy to retry elsewhere. `give_up_waiting` fails the requests still waiting for
+headers from a worker the health checks found hung (`WorkerHung`), so they are retried at once
+instead of waiting out `first_byte_timeout`. A pooled connection the worker closed while idle is
 retried on a fresh one (that race is the ordinary end of a keep-alive, not a worker failure).
 
 Deadlines are one timer on the connection, not a task per request: `first_byte_timeout` until
@@ -45,6 +47,11 @@ class UpstreamError(ConnectionError):
 
 class UpstreamTimeout(UpstreamError):
     """The worker sent no response headers, or did not finish, within its deadline."""
+
+
+class WorkerHung(UpstreamError):
+    """The health checks found the worker hung while a request still waited for its response
+    headers: given up, and safe to retry elsewhere (the client has had nothing from it)."""
 
 
 def set_nodelay(transport: asyncio.BaseTransport) -> None:
@@ -166,6 +173,11 @@ class _Connection(asyncio.Protocol):
         self._fail(UpstreamTimeout(message))
         self.close()
 
+    def abandon(self, exc: UpstreamError) -> None:
+        """Fail the pending call with `exc` and close the connection."""
+        self._fail(exc)
+        self.close()
+
     def _disarm(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
@@ -261,6 +273,7 @@ class UpstreamPool:
         self.connect_timeout = connect_timeout
         self.max_idle = max_idle
         self._idle: list[_Connection] = []
+        self._awaiting_headers: set[_Connection] = set()
         self._host_header = f"{host}:{port}".encode()
 
     async def _connect(self) -> _Connection:
@@ -283,6 +296,14 @@ class UpstreamPool:
         while self._idle:
             self._idle.pop().close()
 
+    def give_up_waiting(self, reason: str) -> int:
+        """Fail every request still waiting for its response headers (`WorkerHung`); returns
+        how many. Answers already streaming are left to finish or to time out."""
+        waiting = [conn for conn in self._awaiting_headers if not conn.status]
+        for conn in waiting:
+            conn.abandon(WorkerHung(reason))
+        return len(waiting)
+
     def encode(self, method: str, path: str, headers: Headers, body: bytes) -> bytes:
         lines = [b"%s %s HTTP/1.1\r\nhost: %s\r\ncontent-length: %d\r\n"
                  % (method.encode(), path.encode(), self._host_header, len(body))]
@@ -302,7 +323,7 @@ class UpstreamPool:
                 continue
             try:
                 return await self._exchange(conn, data, *deadlines)
-            except UpstreamTimeout:
+            except (UpstreamTimeout, WorkerHung):
                 raise
             except UpstreamError as exc:
                 if conn.got_bytes:  # the worker answered garbage: not an idle-close race
@@ -315,11 +336,12 @@ class UpstreamPool:
 
     async def _exchange(self, conn: _Connection, data: bytes, first_byte_timeout: float | None,
                         total_timeout: float | None) -> UpstreamResponse:
+        self._awaiting_headers.add(conn)
         try:
             if conn.closed:
                 raise ConnectionResetError("connection already closed")
             await conn.begin(data, first_byte_timeout, total_timeout)
-        except UpstreamTimeout:
+        except (UpstreamTimeout, WorkerHung):
             conn.close()
             raise
         except (OSError, httptools.HttpParserError) as exc:
@@ -328,4 +350,6 @@ class UpstreamPool:
         except BaseException:  # cancelled while waiting: the connection must not linger
             conn.close()
             raise
+        finally:
+            self._awaiting_headers.discard(conn)
         return UpstreamResponse(self, conn)

@@ -6,7 +6,8 @@ step. The admin API and the monitor reach the gateway's state only through a `Wo
 A worker is *eligible* for a new request when its active checks say healthy, it is not draining
 (it answered 503) or terminating (discovery says so), it has not been removed,
 and its circuit breaker lets traffic through. Removal or draining never touches requests already
-in flight: their connections and this object live until their streams end.
+in flight: their connections and this object live until their streams end; a worker added back
+meanwhile is that same object again.
 """
 
 from __future__ import annotations
@@ -145,6 +146,10 @@ class WorkerSet:
         self.index = index
         self.keys = keys
         self.workers: dict[str, Worker] = {}
+        # removed workers whose requests still run: one added back is the same worker (its
+        # in-flight count, breaker and figures go on) rather than a new, seemingly idle one
+        self._departed: dict[str, Worker] = {}
+        self._models: set[str | None] | None = None   # the models served, when counted
         self.membership_hooks: list[MembershipHook] = []
         self.drain_hooks: list[DrainHook] = []   # some worker's queued prefill went down
 
@@ -169,11 +174,19 @@ class WorkerSet:
         if worker is not None:
             worker.terminating = False
             return worker
-        cfg = self.config
-        worker = Worker(url, HealthHysteresis(cfg.health_failures, cfg.health_successes),
-                        CircuitBreaker(cfg.breaker_failures, cfg.breaker_open_seconds))
+        self._departed = {u: w for u, w in self._departed.items() if w.inflight}
+        worker = self._departed.pop(url, None)
+        if worker is not None:
+            worker.removed = worker.terminating = False
+        else:
+            cfg = self.config
+            worker = Worker(url, HealthHysteresis(cfg.health_failures, cfg.health_successes),
+                            CircuitBreaker(cfg.breaker_failures, cfg.breaker_open_seconds))
         self.workers[url] = worker
+        self._models = None
         self.index.add_worker(url, self.tree_capacity(None))
+        if worker.info is not None:
+            self.set_info(worker, worker.info)
         for hook in self.membership_hooks:
             hook(worker, True)
         return worker
@@ -182,6 +195,10 @@ class WorkerSet:
         worker = self.workers.pop(normalize_worker_url(url), None)
         if worker is not None:
             worker.removed = True
+            self._models = None
+            self._departed = {u: w for u, w in self._departed.items() if w.inflight}
+            if worker.inflight:
+                self._departed[worker.url] = worker
             self.index.remove_worker(worker.url)
             for hook in self.membership_hooks:
                 hook(worker, False)
@@ -201,14 +218,28 @@ class WorkerSet:
                 self.remove(worker.url)
 
     def eligible(self, now: float, model: str | None = None) -> list[Worker]:
+        """The workers a new request may go to: for `model`, those serving it; when none of
+        them is eligible but some worker is known to serve it, only workers whose model is not
+        known yet (so the request waits or gets 503, not another model's 404); when no worker
+        is known to serve it, all (one answers 404 naming it)."""
         ready = [w for w in self.workers.values() if w.eligible(now)]
         if model is not None:
             serving = [w for w in ready if w.model == model]
             if serving:
                 return serving
+            if self.serves(model):
+                return [w for w in ready if w.model is None]
         return ready
 
+    def serves(self, model: str) -> bool:
+        """Whether some worker (eligible or not) is known to serve `model`."""
+        if self._models is None:   # recounted only after the membership or a model changed
+            self._models = {w.model for w in self.workers.values()}
+        return model in self._models
+
     def set_info(self, worker: Worker, info: ServerInfo) -> None:
+        if worker.model != info.served_model_name:
+            self._models = None
         worker.info = info
         if worker.url in self.index:
             self.index.set_capacity(worker.url, self.tree_capacity(info.kv_capacity_tokens))
