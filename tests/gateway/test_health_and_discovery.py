@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from radixpool.gateway.config import GatewayConfig
 from radixpool.gateway.discovery import EndpointSliceState, slice_endpoints
 from radixpool.gateway.health import HealthHysteresis
@@ -283,3 +285,74 @@ def test_the_monitor_needs_only_a_worker_set_and_a_way_to_fetch():
         assert worker.info_path == "/get_server_info"
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("field,value", [("kv_capacity_tokens", "65536"), ("kv_capacity_tokens", 0),
+                                         ("kv_block_size", True), ("instance_id", 7),
+                                         ("page_size", None), ("kv_events", "yes")])
+def test_a_server_info_field_of_the_wrong_type_leaves_the_worker_checked(field, value):
+    """A worker whose /server_info has a field of the wrong type is not sized from it, and its
+    health is still checked every round (before, the first bad answer ended its checks)."""
+    import asyncio
+    import json
+
+    from radixpool.gateway.metrics import GatewayMetrics
+    from radixpool.gateway.monitor import Monitor
+    from radixpool.gateway.prefix_index import PrefixIndex
+    from radixpool.gateway.route_key import KeyBuilder
+    from radixpool.gateway.workers import WorkerSet
+
+    config = GatewayConfig(health_failures=1, health_successes=1, health_interval=0.01)
+    fleet = WorkerSet(config, PrefixIndex(), KeyBuilder(config.text_block_bytes, 256))
+    info = {"model": "m", "served_model_name": "m", "context_length": 4096,
+            "kv_capacity_tokens": 65536, "page_size": 1, "kv_block_size": 16,
+            "instance_id": "i-1", "version": "test", field: value}
+    answers = {"/health": (200, b""), "/server_info": (200, json.dumps(info).encode()),
+               "/get_server_info": (404, b"")}
+    health_checks = []
+
+    async def fetch(worker, path):
+        if path == "/health":
+            health_checks.append(path)
+        if path not in answers:
+            raise ConnectionRefusedError(path)
+        return answers[path]
+
+    async def scenario():
+        worker = fleet.add("http://10.0.0.9:8000")
+        monitor = Monitor(fleet, fetch, GatewayMetrics())
+        monitor.start()
+        try:
+            for _ in range(500):
+                await asyncio.sleep(0.01)
+                if len(health_checks) >= 3:
+                    break
+            assert len(health_checks) >= 3, "the health checks stopped after a bad /server_info"
+            assert worker.info is None          # nothing was sized from the bad document
+            answers["/health"] = (503, b"{}")   # and a later answer is still seen
+            count = len(health_checks)
+            for _ in range(500):
+                await asyncio.sleep(0.01)
+                if worker.draining and len(health_checks) > count:
+                    break
+            assert worker.draining
+        finally:
+            await monitor.stop()
+
+    asyncio.run(scenario())
+
+
+def test_server_info_names_the_field_it_refuses():
+    from radixpool.protocol.server_info import ServerInfo
+
+    good = {"model": "m", "served_model_name": "m", "context_length": 4096,
+            "kv_capacity_tokens": 65536, "page_size": 1, "kv_block_size": 16,
+            "instance_id": "i-1", "version": "test", "extra": "ignored"}
+    assert ServerInfo.from_json(good).kv_capacity_tokens == 65536
+    for field, value, says in (("kv_capacity_tokens", "65536", "must be int, not str"),
+                               ("page_size", 0, "must be > 0"),
+                               ("kv_events", 1, "must be bool, not int")):
+        with pytest.raises(ValueError, match=f"{field} {says}"):
+            ServerInfo.from_json({**good, field: value})
+    with pytest.raises(ValueError, match="instance_id is missing"):
+        ServerInfo.from_json({k: v for k, v in good.items() if k != "instance_id"})

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 
 
 @dataclass(frozen=True)
@@ -23,5 +23,23 @@ class ServerInfo:
 
     @classmethod
     def from_json(cls, doc: dict) -> ServerInfo:
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in doc.items() if k in known})
+        """Parse a worker's document; ValueError naming the field when one is missing or of the
+        wrong type, or a size is not positive (a gateway must not size a tree from garbage)."""
+        values = {}
+        for f in fields(cls):
+            if f.name not in doc:
+                if f.default is MISSING:
+                    raise ValueError(f"server_info: {f.name} is missing")
+                continue
+            value, kind = doc[f.name], _TYPES[f.type]
+            if type(value) is not kind:   # exact: a bool is not a size, a number not a name
+                raise ValueError(f"server_info: {f.name} must be {kind.__name__}, "
+                                 f"not {type(value).__name__}")
+            if f.name in _POSITIVE and value <= 0:
+                raise ValueError(f"server_info: {f.name} must be > 0, not {value}")
+            values[f.name] = value
+        return cls(**values)
+
+
+_TYPES = {"str": str, "int": int, "bool": bool}
+_POSITIVE = {"context_length", "kv_capacity_tokens", "page_size", "kv_block_size"}

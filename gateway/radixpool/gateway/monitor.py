@@ -92,7 +92,10 @@ class Monitor:
     # --- health, identity, tokenizer ----------------------------------------------------------
     async def _watch(self, worker: Worker) -> None:
         while not worker.removed:
-            await self.check(worker)
+            try:
+                await self.check(worker)
+            except Exception:   # whatever a worker answers, its checks go on next round
+                log.exception("health check of %s failed", worker.url)
             await asyncio.sleep(self.config.health_interval)
 
     async def check(self, worker: Worker) -> None:
