@@ -134,6 +134,31 @@ def test_logprob_tokens_spell_their_own_bytes(tiny_model_factory, tokenizer):
                if not token.startswith("bytes:"))
 
 
+def test_text_offset_of_a_token_after_a_character_that_never_completes(tiny_model):
+    """A lone lead byte followed by a token that cannot continue it reads as U+FFFD: the next
+    token starts after that character, not at it (it was given the broken character's offset)."""
+    from radixpool.tokenization import PromptTokenizer
+
+    words = PromptTokenizer.from_dir(tiny_model)
+    spell = TokenText(words)
+    lead = next(i for i in range(words.tokenizer.get_vocab_size()) if spell(i)[1] == b"\xdb")
+    ids = [lead, *words.encode("15 ok", add_special_tokens=False),
+           lead, lead, *words.encode(" é", add_special_tokens=False)]
+    text = words.decode(ids)
+    assert text == "\ufffd15 ok\ufffd\ufffd é"
+    whole, _ = completion_logprobs(spell, ids, [0.0] * len(ids), None)
+    offset = None
+    pieces = []
+    for k in range(len(ids)):   # streamed one token a chunk: the same offsets
+        piece, offset = completion_logprobs(spell, ids[k:k + 1], [0.0], None, offset)
+        pieces += piece["text_offset"]
+    assert pieces == whole["text_offset"]
+    spelled = list(zip(whole["tokens"], whole["text_offset"], strict=True))
+    assert [at for token, at in spelled if token.startswith("bytes:")] == [0, 6, 7]
+    assert all(text.startswith(token, at) for token, at in spelled
+               if not token.startswith("bytes:"))
+
+
 def test_hit_rate_window_forgets_old_requests():
     window = HitRateWindow(size=2)
     assert window.rate == 0.0

@@ -116,9 +116,23 @@ class TextOffset:
 
     def advance(self, raw: bytes) -> int:
         """This token's offset; the offset moves past the characters it completes."""
+        pending = self.decoder.getstate()[0]
+        if pending and raw and not _continues(pending, raw[:1]):
+            # the character begun before this token never completes: it reads U+FFFD there
+            self.chars += len(self.decoder.decode(b"", final=True))
+            self.decoder.reset()
         at = self.chars
         self.chars += len(self.decoder.decode(raw))
         return at
+
+
+def _continues(pending: bytes, byte: bytes) -> bool:
+    """Whether `byte` may follow `pending`, the unfinished start of a UTF-8 character."""
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(pending + byte)
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def completion_logprobs(token_text: TokenText, token_ids: Sequence[int],
