@@ -231,3 +231,50 @@ def test_livez_fails_only_once_the_engine_is_gone_for_good(tmp_path):
 
     assert asyncio.run(scenario()) == [(200, 503), (200, 200), (200, 503), (503, 503),
                                        (503, 503)]
+
+
+class _StreamingEngine:
+    """Streams one token per request, then waits for an abort: the requests of an engine."""
+
+    alive = True
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    def stream(self, input_ids, sampling_params, namespace, rid):
+        from radixpool.worker.request_output import StreamChunk
+
+        async def chunks():
+            yield StreamChunk(rid, 0, "a", [5], prompt_tokens=len(input_ids))
+            yield StreamChunk(rid, 0, "", [], finished=True, finish_reason="length",
+                              completion_tokens=1)
+        return chunks()
+
+    def abort(self, rid: str) -> None:
+        self.aborted.append(rid)
+
+
+def test_a_drain_aborts_a_request_whose_rid_a_closing_one_had_too(tmp_path):
+    """The engine frees a finished request's rid before its handler has read the last chunk; a
+    newcomer taking the rid then was not counted as holding it (the first still did), and lost
+    it when the first closed: a drain's abort_all left it running."""
+    from radixpool.worker.sampling_params import SamplingParams
+    from radixpool.worker.server.generation import EngineRun
+    from radixpool.worker.server.state import WorkerState
+
+    (tmp_path / "m").mkdir()
+    state = WorkerState(config_from_args(build_parser().parse_args(
+        ["worker", "--model", str(tmp_path / "m")])))
+    state.engine = engine = _StreamingEngine()
+
+    async def scenario() -> None:
+        first = EngineRun(state, [1, 2], SamplingParams(), None, "r")
+        await first.first()   # the engine has finished it; its handler has yet to read that
+        second = EngineRun(state, [1, 2], SamplingParams(), None, "r")
+        await second.first()
+        await first.close()
+        assert state.abort_all() == 1 and engine.aborted == ["r"]
+        await second.close()
+        assert state.abort_all() == 0
+
+    asyncio.run(scenario())
