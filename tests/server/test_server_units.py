@@ -278,3 +278,40 @@ def test_a_drain_aborts_a_request_whose_rid_a_closing_one_had_too(tmp_path):
         assert state.abort_all() == 0
 
     asyncio.run(scenario())
+
+
+def test_a_request_refused_after_its_first_tokens_is_a_400_naming_the_field(tmp_path):
+    """The engine may end a request with an error after its first tokens (its grammar library
+    failed on it): a non-streamed answer was then a 500, though the README promises a 400
+    naming the constraint."""
+    from radixpool.worker.request_output import StreamChunk
+    from radixpool.worker.sampling_params import SamplingParams
+    from radixpool.worker.server.errors import APIError
+    from radixpool.worker.server.generation import EngineRun
+    from radixpool.worker.server.openai_api import CHAT_RENAMES
+    from radixpool.worker.server.state import WorkerState
+
+    class FailingGrammar(_StreamingEngine):
+        def stream(self, input_ids, sampling_params, namespace, rid):
+            async def chunks():
+                yield StreamChunk(rid, 0, "{", [5], prompt_tokens=len(input_ids))
+                raise ValueError("json_schema could not be followed: the grammar library "
+                                 "failed on it (RuntimeError: boom)")
+            return chunks()
+
+    (tmp_path / "m").mkdir()
+    state = WorkerState(config_from_args(build_parser().parse_args(
+        ["worker", "--model", str(tmp_path / "m")])))
+    state.engine = FailingGrammar()
+
+    async def scenario() -> APIError:
+        run = EngineRun(state, [1, 2], SamplingParams(), None, "g", CHAT_RENAMES, "messages")
+        await run.first()
+        with pytest.raises(APIError) as refused:
+            await run.collect()
+        assert not state.active_rids
+        return refused.value
+
+    err = asyncio.run(scenario())
+    assert err.status == 400 and err.param == "response_format"
+    assert err.message.startswith("response_format could not be followed")

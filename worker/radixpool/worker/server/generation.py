@@ -177,6 +177,8 @@ class EngineRun:
                 async for chunk in self._stream:
                     self._observe(chunk)
                     yield chunk
+        except ValueError as exc:   # refused after its first tokens (its grammar failed on it)
+            raise engine_error(exc, self._renames, self._prompt_param) from None
         except RuntimeError:
             if self._engine.alive:
                 raise
