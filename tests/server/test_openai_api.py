@@ -152,6 +152,35 @@ def test_chat_logprobs_cover_the_message_not_the_end_of_turn(client):
     assert streamed == [e.token for e in content]
 
 
+def test_logprobs_of_special_tokens_the_text_skips(client):
+    # A special token inside the output (here <s>, made likely by a logit bias) is skipped by
+    # the text: completions still counted its characters in every later text_offset, and chat
+    # listed it, so the entries' bytes no longer spelled the message.
+    kw = {"max_tokens": 16, "temperature": 1.0, "logit_bias": {"1": 6}}
+    for seed in range(8):
+        r = client.completions.create(model="tiny", prompt="the cat", seed=seed, logprobs=0,
+                                      **kw)
+        lp, text = r.choices[0].logprobs, r.choices[0].text
+        if "<s>" in lp.tokens[:-1]:
+            break
+    else:
+        pytest.fail("no seed put <s> inside the output")
+    assert "<s>" not in text and max(lp.text_offset) <= len(text)
+    for token, at in zip(lp.tokens, lp.text_offset, strict=True):
+        if token != "<s>" and not token.startswith("bytes:"):
+            assert text.startswith(token, at), (token, at, text)
+    streamed = client.completions.create(model="tiny", prompt="the cat", seed=seed, logprobs=0,
+                                         stream=True, **kw)
+    assert [at for c in streamed for at in c.choices[0].logprobs.text_offset] == lp.text_offset
+
+    for skip in (True, False):
+        r = chat(client, "the cat", seed=seed, logprobs=True,
+                 extra_body={"skip_special_tokens": skip}, **kw)
+        content, entries = r.choices[0].message.content, r.choices[0].logprobs.content
+        assert ("<s>" in content) is not skip
+        assert b"".join(bytes(e.bytes) for e in entries).decode(errors="replace") == content
+
+
 def test_repeated_prompt_reports_cached_tokens(client):
     text, salt = fresh_text(), uuid.uuid4().hex   # a namespace of its own: nothing cached yet
     kw = {"max_tokens": 4, "temperature": 0, "extra_body": {"cache_salt": salt}}

@@ -134,6 +134,31 @@ def test_logprob_tokens_spell_their_own_bytes(tiny_model_factory, tokenizer):
                if not token.startswith("bytes:"))
 
 
+def test_text_offset_of_a_token_after_a_character_that_never_completes(tiny_model):
+    """A lone lead byte followed by a token that cannot continue it reads as U+FFFD: the next
+    token starts after that character, not at it (it was given the broken character's offset)."""
+    from radixpool.tokenization import PromptTokenizer
+
+    words = PromptTokenizer.from_dir(tiny_model)
+    spell = TokenText(words)
+    lead = next(i for i in range(words.tokenizer.get_vocab_size()) if spell(i)[1] == b"\xdb")
+    ids = [lead, *words.encode("15 ok", add_special_tokens=False),
+           lead, lead, *words.encode(" é", add_special_tokens=False)]
+    text = words.decode(ids)
+    assert text == "\ufffd15 ok\ufffd\ufffd é"
+    whole, _ = completion_logprobs(spell, ids, [0.0] * len(ids), None)
+    offset = None
+    pieces = []
+    for k in range(len(ids)):   # streamed one token a chunk: the same offsets
+        piece, offset = completion_logprobs(spell, ids[k:k + 1], [0.0], None, offset)
+        pieces += piece["text_offset"]
+    assert pieces == whole["text_offset"]
+    spelled = list(zip(whole["tokens"], whole["text_offset"], strict=True))
+    assert [at for token, at in spelled if token.startswith("bytes:")] == [0, 6, 7]
+    assert all(text.startswith(token, at) for token, at in spelled
+               if not token.startswith("bytes:"))
+
+
 def test_hit_rate_window_forgets_old_requests():
     window = HitRateWindow(size=2)
     assert window.rate == 0.0
@@ -206,3 +231,87 @@ def test_livez_fails_only_once_the_engine_is_gone_for_good(tmp_path):
 
     assert asyncio.run(scenario()) == [(200, 503), (200, 200), (200, 503), (503, 503),
                                        (503, 503)]
+
+
+class _StreamingEngine:
+    """Streams one token per request, then waits for an abort: the requests of an engine."""
+
+    alive = True
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    def stream(self, input_ids, sampling_params, namespace, rid):
+        from radixpool.worker.request_output import StreamChunk
+
+        async def chunks():
+            yield StreamChunk(rid, 0, "a", [5], prompt_tokens=len(input_ids))
+            yield StreamChunk(rid, 0, "", [], finished=True, finish_reason="length",
+                              completion_tokens=1)
+        return chunks()
+
+    def abort(self, rid: str) -> None:
+        self.aborted.append(rid)
+
+
+def test_a_drain_aborts_a_request_whose_rid_a_closing_one_had_too(tmp_path):
+    """The engine frees a finished request's rid before its handler has read the last chunk; a
+    newcomer taking the rid then was not counted as holding it (the first still did), and lost
+    it when the first closed: a drain's abort_all left it running."""
+    from radixpool.worker.sampling_params import SamplingParams
+    from radixpool.worker.server.generation import EngineRun
+    from radixpool.worker.server.state import WorkerState
+
+    (tmp_path / "m").mkdir()
+    state = WorkerState(config_from_args(build_parser().parse_args(
+        ["worker", "--model", str(tmp_path / "m")])))
+    state.engine = engine = _StreamingEngine()
+
+    async def scenario() -> None:
+        first = EngineRun(state, [1, 2], SamplingParams(), None, "r")
+        await first.first()   # the engine has finished it; its handler has yet to read that
+        second = EngineRun(state, [1, 2], SamplingParams(), None, "r")
+        await second.first()
+        await first.close()
+        assert state.abort_all() == 1 and engine.aborted == ["r"]
+        await second.close()
+        assert state.abort_all() == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_request_refused_after_its_first_tokens_is_a_400_naming_the_field(tmp_path):
+    """The engine may end a request with an error after its first tokens (its grammar library
+    failed on it): a non-streamed answer was then a 500, though the README promises a 400
+    naming the constraint."""
+    from radixpool.worker.request_output import StreamChunk
+    from radixpool.worker.sampling_params import SamplingParams
+    from radixpool.worker.server.errors import APIError
+    from radixpool.worker.server.generation import EngineRun
+    from radixpool.worker.server.openai_api import CHAT_RENAMES
+    from radixpool.worker.server.state import WorkerState
+
+    class FailingGrammar(_StreamingEngine):
+        def stream(self, input_ids, sampling_params, namespace, rid):
+            async def chunks():
+                yield StreamChunk(rid, 0, "{", [5], prompt_tokens=len(input_ids))
+                raise ValueError("json_schema could not be followed: the grammar library "
+                                 "failed on it (RuntimeError: boom)")
+            return chunks()
+
+    (tmp_path / "m").mkdir()
+    state = WorkerState(config_from_args(build_parser().parse_args(
+        ["worker", "--model", str(tmp_path / "m")])))
+    state.engine = FailingGrammar()
+
+    async def scenario() -> APIError:
+        run = EngineRun(state, [1, 2], SamplingParams(), None, "g", CHAT_RENAMES, "messages")
+        await run.first()
+        with pytest.raises(APIError) as refused:
+            await run.collect()
+        assert not state.active_rids
+        return refused.value
+
+    err = asyncio.run(scenario())
+    assert err.status == 400 and err.param == "response_format"
+    assert err.message.startswith("response_format could not be followed")

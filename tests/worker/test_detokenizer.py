@@ -159,6 +159,22 @@ def test_streaming_equals_the_decode_with_prompt_context(each_tokenizer, words, 
     assert "".join(chunked) == "".join(single) == full[len(before):]
 
 
+@pytest.mark.parametrize("prompt_text", ["Reply 🎉", "🎉🎉", "Reply to this 😀🎉", "naïve 数据 ✓"])
+def test_a_prompt_ending_in_byte_tokens_keeps_the_completions_leading_space(each_tokenizer,
+                                                                            prompt_text):
+    """A SentencePiece prompt ending in byte-fallback tokens (an emoji) left no usable context in
+    front of the output, whose first word then lost its space (the decoder strips the text's
+    first one): " cache token" came out as "cache token"."""
+    tok = each_tokenizer
+    prompt = tok.encode(prompt_text)
+    out = tok.encode("cache token 🚀 ok", add_special_tokens=False)
+    expected = tok.decode(prompt + out)[len(tok.decode(prompt)):]
+    for cuts in ([], list(range(len(out)))):
+        assert "".join(stream(IncrementalDetokenizer(tok, True, prompt), out, cuts)) == expected
+    if tok.byte_fallback_ids:
+        assert expected.startswith(" cache token")
+
+
 def test_special_tokens_shown_or_skipped(tokenizer):
     ids = [*tokenizer.encode("hi"), tokenizer.eos_token_id]
     shown = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)

@@ -289,6 +289,33 @@ def test_a_rid_reused_right_after_a_stop_string_gets_its_own_tokens(engine):
     engine.check_invariants()   # no slot leaked (the engine runs with debug invariants)
 
 
+def test_a_rid_is_free_again_as_soon_as_its_request_is_aborted(engine):
+    # A client that disconnects and retries at once with the same rid got RidInUse until the
+    # core had acknowledged the abort (a step later), though its request was already gone.
+    prompt = [1, *range(662, 680)]
+    params = {"max_new_tokens": 300, "ignore_eos": True, "temperature": 0}
+    short = {**params, "max_new_tokens": 12}
+    expected = engine.generate(input_ids=prompt, sampling_params=short)["output_ids"]
+
+    async def scenario() -> list[dict]:
+        answers = []
+        for trial in range(5):
+            stream = engine.stream(input_ids=prompt, sampling_params=params, rid=f"gone-{trial}")
+            await stream.__anext__()
+            await stream.aclose()   # what a disconnect does: the request is aborted
+            answers.append(await engine.generate_async(
+                input_ids=prompt, sampling_params=short, rid=f"gone-{trial}"))
+        return answers
+
+    for again in asyncio.run(asyncio.wait_for(scenario(), 120)):
+        assert again["meta_info"]["finish_reason"] == "length"
+        assert again["output_ids"] == expected
+    deadline = time.monotonic() + 30
+    while engine.stats().running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    engine.check_invariants()
+
+
 def test_min_new_tokens_holds_back_stop_strings(engine):
     base = {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True}
 

@@ -167,3 +167,30 @@ def test_page_size_16_in_a_tight_pool_on_the_tiny_model(tiny_model):
     roomy, _ = run(kv_cache_tokens=8192)
     tight, retracted = run(kv_cache_tokens=96, page_size=16)
     assert tight == roomy and retracted > 0
+
+
+@pytest.mark.parametrize("jump_forward", ["exact", "retokenize"])
+def test_forced_text_that_outgrows_the_pool_ends_with_length(tiny_model, jump_forward):
+    """A request alone whose text forced by its grammar (jump-forward) no longer fits the KV pool
+    ended with "the request needs more KV than this worker has" (a 500 on the HTTP API), where
+    decoding token by token it ends with "length" once it outgrows the pool."""
+    from radixpool.tokenization import PromptTokenizer
+    from radixpool.worker.config import EngineConfig
+    from radixpool.worker.engine_core import EngineCore
+    from radixpool.worker.messages import GenerateRequest
+
+    literal = "the quick brown fox jumps over the lazy dog " * 8
+    prompt = [5 + (i * 13) % 900 for i in range(200)]
+    params = SamplingParams(max_new_tokens=150, temperature=0, ebnf=f'root ::= "{literal}"')
+    core = EngineCore(EngineConfig(str(tiny_model), device="cpu", kv_cache_tokens=320,
+                                   page_size=16, chunked_prefill_size=17, max_prefill_tokens=40,
+                                   jump_forward=jump_forward, debug_invariants=True))
+    assert core.add_request(GenerateRequest("r", prompt, params, 0)) is None
+    tokens, last = [], None
+    while core.has_work:
+        for delta in core.step().deltas:
+            tokens += delta.token_ids
+            last = delta
+    assert last.error is None and last.finish_reason == "length" and tokens
+    assert literal.startswith(PromptTokenizer.from_dir(tiny_model).decode(tokens))
+    core.check_invariants()

@@ -47,11 +47,18 @@ class IncrementalDetokenizer:
         # tokens a byte run reaches across: skipped special tokens vanish before decoding
         self._in_run = self._bytes | tokenizer.special_ids if skip_special_tokens else self._bytes
         context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
+        ends_in_bytes = bool(context) and context[-1] in self._bytes
         while context and context[-1] in self._bytes:  # an open run would merge with the output
             context.pop()
         context_text = self._decode(context)
         if not context_text or context_text.endswith(REPLACEMENT):
-            context, context_text = [], ""   # nothing usable in front: decode from scratch
+            # Nothing usable in front: decode from scratch, unless the prompt's text ends in
+            # byte tokens. The output is then not the text's start (whose leading space a
+            # SentencePiece decoder strips): a plain token stands in for the prompt.
+            context = tokenizer.encode("a", add_special_tokens=False)[-1:] if ends_in_bytes else []
+            context_text = self._decode(context)
+            if not context_text or context_text.endswith(REPLACEMENT):
+                context, context_text = [], ""
         self.ids: list[int] = context   # the context, then the output
         self._start = 0          # window start: ids before it are never decoded again
         self._read = len(context)  # ids before it are emitted; ids[start:read] is context

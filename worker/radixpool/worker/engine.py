@@ -74,7 +74,9 @@ class Engine:
         self.kv_events = KVEventLog()
         self.instance_id = uuid.uuid4().hex
         self._forks: dict[str, RequestOutput] = {}   # by core rid, until finished
-        self._open_rids: dict[str, int] = {}   # caller's rid -> its forks in `_forks`
+        # caller's rid -> the core rids of its request's forks still in `_forks`; an aborted
+        # request gives its rid up at once (its forks' late output is keyed by core rid)
+        self._open_rids: dict[str, set[str]] = {}
         # Core rids are the caller's plus a submission number: a rid reused as soon as its
         # request finished here (a stop string ends it before the core hears of the abort)
         # never meets the old request's late output, nor the old request itself, in the core.
@@ -334,13 +336,16 @@ class Engine:
             _deliver(fork, fork.fail(reason, error, internal))
 
     def _drop(self, fork: RequestOutput) -> None:
-        if self._forks.pop(fork.core_rid, None) is None:
-            return
-        left = self._open_rids[fork.rid] - 1
-        if left:
-            self._open_rids[fork.rid] = left
-        else:
-            del self._open_rids[fork.rid]
+        self._forks.pop(fork.core_rid, None)
+        self._release_rid(fork)
+
+    def _release_rid(self, fork: RequestOutput) -> None:
+        """The fork no longer holds its rid; the rid is free once none of its request's do."""
+        live = self._open_rids.get(fork.rid)
+        if live is not None and fork.core_rid in live:   # else a request with the rid since
+            live.discard(fork.core_rid)
+            if not live:
+                self._open_rids.pop(fork.rid, None)
 
     # ------------------------------------------------------------------ validation
     def _prepare(self, prompt: Any, input_ids: Any) -> list[list[int]]:
@@ -396,7 +401,7 @@ class Engine:
         if self._closed:
             raise RuntimeError("the engine is shut down")
         rid = rid or uuid.uuid4().hex
-        if rid in self._open_rids:   # abort() stops every open request of a rid
+        if rid in self._open_rids:
             raise RidInUse(rid)
         # unique: the number after the last "#" is this submission's alone
         tag = f"{rid}#{next(self._submissions)}"
@@ -414,14 +419,22 @@ class Engine:
                                             namespace, now))
         # Fork 0 goes first; the others follow once its prompt is in the radix cache (its first
         # token), so every fork reuses the prompt's KV whatever its length.
-        self._open_rids[rid] = len(forks)
+        self._open_rids[rid] = set(core_rids)
         forks[0].deferred = requests[1:]
         self._send(requests[0])
         return forks
 
     def abort(self, rid: str) -> None:
-        """Stop a request (all its choices); its KV is freed at once."""
-        forks = [f for f in list(self._forks.values()) if f.rid == rid]
+        """Stop a request (all its choices); its KV is freed at once, and its rid may be reused
+        at once."""
+        live = list(self._open_rids.get(rid, ()))
+        self._abort_forks([fork for core_rid in live
+                           if (fork := self._forks.get(core_rid)) is not None])
+
+    def _abort_forks(self, forks: list[RequestOutput]) -> None:
+        forks = [fork for fork in forks if fork.core_rid in self._forks]   # not finished yet
+        for fork in forks:   # their late output is keyed by core rid: none reaches a newcomer
+            self._release_rid(fork)
         with self._deferred_lock:
             held = {r.rid for f in forks for r in f.deferred}
             for fork in forks:
@@ -502,7 +515,7 @@ class Engine:
                 yield chunk
         finally:
             if any(not fork.finished for fork in forks):
-                self.abort(forks[0].rid)
+                self._abort_forks(forks)   # its own forks: the rid may name a newer request
 
     async def generate_async(self, prompt: str | None = None,
                              sampling_params: dict | SamplingParams | None = None,

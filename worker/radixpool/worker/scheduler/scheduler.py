@@ -195,11 +195,14 @@ class Scheduler:
         return adder
 
     def _unstick(self) -> None:
-        """Every running request is a prompt mid-prefill and none has room: retract the
-        youngest (alone, it can never fit: refuse it)."""
+        """Every running request extends (a prompt mid-prefill, forced or draft tokens) and none
+        has room: retract the youngest. Alone with output, it has outgrown this worker's KV as a
+        decoding request does ("length"); alone without, its prompt can never fit: refuse it."""
         victim = self.run_set.youngest()
         if len(self.running) > 1:
             self._retract(victim)
+        elif victim.output_ids:
+            self._finish_now(victim, "length")
         else:
             self._finish_now(victim, "abort", error=f"the request needs more KV than this "
                                                     f"worker has ({self.pool.capacity} tokens)")

@@ -122,9 +122,8 @@ class EngineRun:
         self._engine = state.engine
         self._metrics = state.metrics
         self._active = state.active_rids
-        # a duplicate rid is refused by the engine: its run must not unlist the first one's
-        self._owns_rid = rid not in self._active
-        self._active.add(rid)
+        self._active[rid] += 1
+        self._holds_rid = True
         self._renames = renames or {}
         self._prompt_param = prompt_param
         self._last: dict[int, float] = {}
@@ -178,6 +177,8 @@ class EngineRun:
                 async for chunk in self._stream:
                     self._observe(chunk)
                     yield chunk
+        except ValueError as exc:   # refused after its first tokens (its grammar failed on it)
+            raise engine_error(exc, self._renames, self._prompt_param) from None
         except RuntimeError:
             if self._engine.alive:
                 raise
@@ -186,9 +187,11 @@ class EngineRun:
             await self.close()
 
     async def close(self) -> None:
-        if self._owns_rid:
-            self._active.discard(self.rid)
-            self._owns_rid = False
+        if self._holds_rid:
+            self._holds_rid = False
+            self._active[self.rid] -= 1
+            if not self._active[self.rid]:
+                del self._active[self.rid]
         await self._stream.aclose()
         now = time.time()
         for index in self._open:

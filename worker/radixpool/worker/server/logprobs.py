@@ -47,6 +47,10 @@ class TokenText:
         self._anchor = tokenizer.encode("a", add_special_tokens=False)[-1:]
         self._anchor_text = tokenizer.decode(self._anchor, skip_special_tokens=False)
 
+    def skipped(self, skip_special_tokens: bool) -> frozenset[int]:
+        """The token ids a request's text leaves out."""
+        return self.tokenizer.special_ids if skip_special_tokens else frozenset()
+
     def __call__(self, token_id: int) -> tuple[str, bytes]:
         known = self._cache.get(token_id)
         if known is None:
@@ -83,13 +87,14 @@ def _finite(value: float) -> float:
 
 
 def chat_logprobs(token_text: TokenText, token_ids: Sequence[int], logprobs: Sequence[float],
-                  top: TopLogprobs | None, stopped_on: int | str | None = None) -> dict:
-    """`content`: one entry per token of the message. A special token that ended the output
-    (`stopped_on`, the end of the turn) is no part of it and gets none, as in OpenAI's answers."""
-    if token_ids and token_ids[-1] == stopped_on and stopped_on in token_text.tokenizer.special_ids:
-        token_ids = token_ids[:-1]
+                  top: TopLogprobs | None, skipped: frozenset[int] = frozenset()) -> dict:
+    """`content`: one entry per token of the message. A token the text leaves out (`skipped`:
+    the special tokens, unless the request shows them), such as the end-of-turn token that ended
+    the output, is no part of it and gets none, as in OpenAI's answers."""
     content = []
     for i, (token_id, logprob) in enumerate(zip(token_ids, logprobs, strict=False)):
+        if token_id in skipped:
+            continue
         text, raw = token_text(token_id)
         alternatives = top[i] if top and i < len(top) else ()
         content.append({
@@ -116,21 +121,37 @@ class TextOffset:
 
     def advance(self, raw: bytes) -> int:
         """This token's offset; the offset moves past the characters it completes."""
+        pending = self.decoder.getstate()[0]
+        if pending and raw and not _continues(pending, raw[:1]):
+            # the character begun before this token never completes: it reads U+FFFD there
+            self.chars += len(self.decoder.decode(b"", final=True))
+            self.decoder.reset()
         at = self.chars
         self.chars += len(self.decoder.decode(raw))
         return at
 
 
+def _continues(pending: bytes, byte: bytes) -> bool:
+    """Whether `byte` may follow `pending`, the unfinished start of a UTF-8 character."""
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(pending + byte)
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def completion_logprobs(token_text: TokenText, token_ids: Sequence[int],
                         logprobs: Sequence[float], top: TopLogprobs | None,
-                        offset: TextOffset | None = None) -> tuple[dict, TextOffset]:
-    """The legacy shape, and the text offset just after these tokens (for the next chunk)."""
+                        offset: TextOffset | None = None,
+                        skipped: frozenset[int] = frozenset()) -> tuple[dict, TextOffset]:
+    """The legacy shape, and the text offset just after these tokens (for the next chunk). A
+    token the text leaves out (`skipped`) is listed where the text goes on, taking no room."""
     offset = offset or TextOffset()
     tokens, offsets = [], []
     for token_id in token_ids[: len(logprobs)]:
         text, raw = token_text(token_id)
         tokens.append(text)
-        offsets.append(offset.advance(raw))
+        offsets.append(offset.chars if token_id in skipped else offset.advance(raw))
     top_maps = None
     if top is not None:
         top_maps = [{token_text(alt)[0]: _finite(lp) for alt, lp in alternatives}

@@ -107,6 +107,7 @@ def router(state: WorkerState) -> APIRouter:
         if tools.grammar is not None:
             sampling["ebnf"] = tools.grammar
         params = build_params(sampling, state.vocab_size, CHAT_RENAMES)
+        skipped = state.token_text.skipped(params.skip_special_tokens)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         run = EngineRun(state, input_ids, params, body.cache_salt, rid, CHAT_RENAMES, "messages")
         await start_all(request, [run])
@@ -124,7 +125,7 @@ def router(state: WorkerState) -> APIRouter:
                 "index": fork.index,
                 "message": message,
                 "logprobs": (chat_logprobs(state.token_text, fork.token_ids, fork.logprobs,
-                                           fork.top_logprobs, fork.matched_stop)
+                                           fork.top_logprobs, skipped)
                              if params.logprobs is not None else None),
                 "finish_reason": finish_reason,
             })
@@ -179,8 +180,9 @@ def router(state: WorkerState) -> APIRouter:
                 text = fork.full_text
                 logprobs = None
                 if params.logprobs is not None:
-                    logprobs, _ = completion_logprobs(state.token_text, fork.token_ids,
-                                                      fork.logprobs, fork.top_logprobs)
+                    logprobs, _ = completion_logprobs(
+                        state.token_text, fork.token_ids, fork.logprobs, fork.top_logprobs,
+                        skipped=state.token_text.skipped(params.skip_special_tokens))
                 choices.append({
                     "index": p * params.n + fork.index,
                     "text": echo[p] + text if body.echo else text,
@@ -222,6 +224,7 @@ def _chat_events(state: WorkerState, run: EngineRun, body: ChatCompletionRequest
                  head: dict, prompt_len: int, tools: ToolUse) -> AsyncIterator[bytes]:
     chunk_head = {**head, "object": "chat.completion.chunk", "system_fingerprint": None}
     want_logprobs = body.logprobs_k is not None
+    skipped = state.token_text.skipped(body.skip_special_tokens)
     tally = UsageTally([prompt_len])
     preamble = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                  "finish_reason": None} for i in range(body.n)]
@@ -241,13 +244,13 @@ def _chat_events(state: WorkerState, run: EngineRun, body: ChatCompletionRequest
                 if chunk.finished:
                     deltas += parser.finish()
             logprobs = (chat_logprobs(state.token_text, chunk.token_ids, chunk.logprobs or [],
-                                      chunk.top_logprobs, chunk.matched_stop)
+                                      chunk.top_logprobs, skipped)
                         if want_logprobs else None)
             for i, delta in enumerate(deltas[:-1]):
                 yield {"index": chunk.index, "delta": delta,
                        "logprobs": logprobs if i == 0 else None, "finish_reason": None}
-            if not (deltas or chunk.finished or logprobs):
-                continue
+            if not (deltas or chunk.finished or (logprobs and logprobs["content"])):
+                continue   # (a skipped special token: no text, no entry)
             yield {
                 "index": chunk.index,
                 "delta": deltas[-1] if deltas else {},
@@ -264,6 +267,7 @@ def _completion_events(state: WorkerState, runs: list[EngineRun], body: Completi
                        echo: list[str]) -> AsyncIterator[bytes]:
     chunk_head = {**head, "object": "text_completion"}
     want_logprobs = body.logprobs is not None
+    skipped = state.token_text.skipped(body.skip_special_tokens)
     tally = UsageTally([len(ids) for ids in inputs])
     n = body.n
     preamble = [{"index": p * n + i, "text": text, "logprobs": None, "finish_reason": None}
@@ -280,7 +284,7 @@ def _completion_events(state: WorkerState, runs: list[EngineRun], body: Completi
             if want_logprobs:
                 logprobs, offsets[index] = completion_logprobs(
                     state.token_text, chunk.token_ids, chunk.logprobs or [], chunk.top_logprobs,
-                    offsets.get(index))
+                    offsets.get(index), skipped)
             yield {"index": index, "text": chunk.text, "logprobs": logprobs,
                    "finish_reason": chunk.finish_reason if chunk.finished else None}
 

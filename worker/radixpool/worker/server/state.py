@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +41,9 @@ class WorkerState:
     token_text: TokenText | None = None
     tool_format: ToolFormat = "hermes"   # the model's tool-call syntax, set when it loads
     started_at: int = field(default_factory=lambda: int(time.time()))
-    active_rids: set[str] = field(default_factory=set)   # engine requests not yet closed
+    # engine requests not yet closed, by rid: a finished request's rid may be taken again before
+    # its run closes, so a rid may have two holders
+    active_rids: Counter[str] = field(default_factory=Counter)
     # where large bodies are validated (fast_path.py), started on the first
     bodies: ChildPool = field(
         default_factory=lambda: ChildPool(BODY_PROCESSES, BODY_MEMORY_BYTES, BODY_MODULES))
