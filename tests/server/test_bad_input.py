@@ -53,6 +53,12 @@ BAD = [
     ("/v1/chat/completions", {"messages": MSG, "logit_bias": {"99999999": 1}}, 400,
      "logit_bias"),
     ("/v1/chat/completions", {"messages": MSG, "stop": [""]}, 400, "stop"),
+    # a limit below the request's own min_tokens (it was cut to the limit without a word)
+    ("/v1/chat/completions", {"messages": MSG, "min_tokens": 8, "max_tokens": 4}, 400,
+     "max_tokens"),
+    ("/v1/chat/completions", {"messages": MSG, "min_tokens": 8, "max_completion_tokens": 4}, 400,
+     "max_completion_tokens"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 8, "max_tokens": 4}, 400, "max_tokens"),
     ("/v1/chat/completions", {"messages": MSG, "tools": [{"type": "function"}]}, 400,
      "tools[0].function"),
     ("/v1/chat/completions", {"messages": MSG, "bogus_field": 1}, 400, "bogus_field"),

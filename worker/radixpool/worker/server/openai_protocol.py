@@ -121,6 +121,16 @@ class SamplingFields(BaseModel):
             raise ValueError("only allowed when stream is true")
         return value
 
+    @field_validator("max_tokens", "max_completion_tokens", check_fields=False)
+    @classmethod
+    def _room_for_min_tokens(cls, value: int | None, info: Any) -> int | None:
+        """A limit the request sets below its own `min_tokens` contradicts it (a default limit
+        only caps `min_tokens`, see `sampling_dict`)."""
+        least = info.data.get("min_tokens") or 0
+        if value is not None and value < least:
+            raise ValueError(f"must be at least min_tokens ({least})")
+        return value
+
     @field_validator("logit_bias")
     @classmethod
     def _token_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
