@@ -335,6 +335,34 @@ def test_deleting_a_pool_with_the_operator_running_removes_everything(kube, name
     wait_for("owned objects garbage-collected", lambda: not owned(kube, namespace, "quota"))
 
 
+def test_a_pool_deleted_and_made_again_at_once_gets_all_its_objects_back(kube, namespaces,
+                                                                       operator):
+    namespace = namespaces[1]
+
+    def control_key_owner() -> str:
+        secret = kube.core.read_namespaced_secret("again-control-key", namespace)
+        return secret.metadata.owner_references[0].uid
+
+    create_pool(kube, namespace, "again")
+    wait_for("objects", lambda: owned(kube, namespace, "again") >= everything("again"))
+    first = wait_for("the control key", control_key_owner)
+    kube.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "again")
+    wait_for("the pool gone", lambda: not any(
+        p["metadata"]["name"] == "again" for p in kube.custom.list_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL)["items"]))
+    uid = create_pool(kube, namespace, "again")["metadata"]["uid"]  # garbage collection running
+
+    def owners() -> set[str]:
+        found = {kube.apps.read_namespaced_deployment(name, namespace).metadata.owner_references[
+            0].uid for name in ("again-worker", "again-gateway")}
+        return found | {control_key_owner()}
+    wait_for("every object, the control key too, owned by the new pool", lambda: owners() == {
+        uid}, timeout=150)
+    assert uid != first
+    assert owned(kube, namespace, "again") == everything("again")
+    kube.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "again")
+
+
 def test_without_a_running_operator_pools_and_their_namespace_still_go(kube, namespaces,
                                                                       operator):
     operator.stop()

@@ -76,7 +76,8 @@ class Cluster(Protocol):
 
     def create_once(self, obj: dict[str, Any]) -> None:
         """Create `obj` unless it exists; never update it (the pool's generated control key).
-        Needs no read permission: an existing object is a 409 from the API server."""
+        Needs no read permission: an existing object is a 409 from the API server. Asked again
+        now and then, and at once for a new owner, so a deleted object comes back."""
 
     def delete(self, ref: ObjectRef) -> None:
         """Delete the object if it exists."""
