@@ -278,3 +278,48 @@ def test_a_refused_pool_gets_no_control_key(cluster, pool_body):
     reconcile_pool(pool_body(engine={"tolerations": [{"key": "k", "operator": "X"}]}), cluster,
                    CONFIG)
     assert cluster.objects == {}
+
+
+def test_an_object_of_the_same_name_it_does_not_own_is_left_alone(cluster, pool_body):
+    theirs = {"apiVersion": "v1", "kind": "Service",
+              "metadata": {"name": "llama-gateway", "namespace": "ml",
+                           "labels": {"app": "billing"}},
+              "spec": {"selector": {"app": "billing"}, "ports": [{"port": 80}]}}
+    cluster.add("Service", "ml", "llama-gateway", theirs)
+    outcome = reconcile_pool(pool_body(), cluster, CONFIG, now=T0)
+    assert cluster.stored("Service", "ml", "llama-gateway") == theirs  # not taken over
+    assert cluster.writes == []  # and nothing else half-made
+    accepted = conditions(outcome.status)["Accepted"]
+    assert (accepted["status"], accepted["reason"]) == ("False", "NameConflict")
+    assert "Service ml/llama-gateway" in accepted["message"]
+    assert [(e.type, e.reason) for e in outcome.events] == [("Warning", "NameConflict")]
+
+    cluster.objects.pop(("Service", "ml", "llama-gateway"))  # its owner renames it
+    outcome = reconcile_pool(with_status(pool_body(), outcome.status), cluster, CONFIG, now=T1)
+    assert conditions(outcome.status)["Accepted"]["status"] == "True"
+    assert cluster.stored("Service", "ml", "llama-gateway")["spec"]["selector"] == {
+        "radixpool.io/pool": "llama", "app.kubernetes.io/component": "gateway"}
+
+
+def test_a_pdb_it_does_not_own_survives_turning_the_pools_off(cluster, pool_body):
+    mine = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": {"name": "llama-worker", "namespace": "ml"},
+            "spec": {"minAvailable": 1}}
+    cluster.add("PodDisruptionBudget", "ml", "llama-worker", mine)
+    outcome = reconcile_pool(pool_body(lifecycle={"podDisruptionBudget": {"enabled": False}}),
+                             cluster, CONFIG)
+    assert conditions(outcome.status)["Accepted"]["status"] == "True"
+    assert cluster.stored("PodDisruptionBudget", "ml", "llama-worker") == mine
+    assert ("delete", "PodDisruptionBudget", "llama-worker") not in cluster.writes
+
+
+def test_objects_of_an_earlier_pool_of_the_same_name_are_taken_over(cluster, pool_body):
+    reconcile_pool(pool_body(), cluster, CONFIG)
+    again = pool_body()
+    again["metadata"]["uid"] = "uid-llama-2"  # deleted and made again before GC cleared up
+    cluster.stored("Service", "ml", "llama-workers")["metadata"].pop("ownerReferences")
+    outcome = reconcile_pool(again, cluster, CONFIG)
+    assert conditions(outcome.status)["Accepted"]["status"] == "True"
+    for kind, name in (("Deployment", "llama-worker"), ("Service", "llama-workers")):
+        owner = cluster.stored(kind, "ml", name)["metadata"]["ownerReferences"][0]
+        assert owner["uid"] == "uid-llama-2"
