@@ -333,6 +333,16 @@ def test_deleting_a_pool_with_the_operator_running_removes_everything(kube, name
     namespace = namespaces[1]
     kube.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "quota")
     wait_for("owned objects garbage-collected", lambda: not owned(kube, namespace, "quota"))
+    # and they stay gone: the operator's periodic check of a deleted pool does not make them again
+    # (garbage collection would remove them at once, so watch for them being made at all)
+    from kubernetes import watch
+
+    since = kube.apps.list_namespaced_deployment(namespace).metadata.resource_version
+    made = [event["object"].metadata.name for event in watch.Watch().stream(
+        kube.apps.list_namespaced_deployment, namespace, resource_version=since,
+        label_selector="radixpool.io/pool=quota", timeout_seconds=RESYNC * 5)
+        if event["type"] == "ADDED"]
+    assert made == []
 
 
 def test_a_pool_deleted_and_made_again_at_once_gets_all_its_objects_back(kube, namespaces,
@@ -361,6 +371,32 @@ def test_a_pool_deleted_and_made_again_at_once_gets_all_its_objects_back(kube, n
     assert uid != first
     assert owned(kube, namespace, "again") == everything("again")
     kube.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "again")
+
+
+def test_what_a_pool_stops_setting_leaves_its_objects(kube, namespaces, operator):
+    namespace = namespaces[1]
+    create_pool(kube, namespace, "trim", engine={
+        "device": "cpu", "nodeSelector": {"pool": "gpu"},
+        "resources": {"gpus": 1, "cpu": "100m", "memory": "512Mi"}},
+        gateway={"service": {"annotations": {"lb": "internal"}}})
+
+    def worker() -> Any:
+        return kube.apps.read_namespaced_deployment("trim-worker", namespace).spec.template.spec
+
+    def annotations() -> dict[str, str]:
+        return kube.core.read_namespaced_service("trim-gateway", namespace).metadata.annotations
+    wait_for("the node selector, GPU limit and annotation", lambda: worker().node_selector and (
+        "nvidia.com/gpu" in worker().containers[0].resources.limits) and annotations())
+    kube.custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "trim", {
+        "spec": {"engine": {"nodeSelector": None, "resources": {"gpus": 0}},
+                 "gateway": {"service": {"annotations": None}}}})
+    wait_for("all three gone from the pool's objects", lambda: not worker().node_selector and (
+        "nvidia.com/gpu" not in worker().containers[0].resources.limits) and not annotations())
+    time.sleep(RESYNC * 2)
+    applies = apply_requests()
+    time.sleep(RESYNC * 3)
+    assert apply_requests() == applies  # converged: not applied again and again
+    kube.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "trim")
 
 
 def test_without_a_running_operator_pools_and_their_namespace_still_go(kube, namespaces,

@@ -323,3 +323,23 @@ def test_objects_of_an_earlier_pool_of_the_same_name_are_taken_over(cluster, poo
     for kind, name in (("Deployment", "llama-worker"), ("Service", "llama-workers")):
         owner = cluster.stored(kind, "ml", name)["metadata"]["ownerReferences"][0]
         assert owner["uid"] == "uid-llama-2"
+
+
+def test_what_the_pool_stops_setting_is_removed_from_its_objects(pool_body, make_cluster):
+    cluster = make_cluster(service_monitors=True)
+    before = pool_body(engine={"nodeSelector": {"gpu": "a100"}, "resources": {"gpus": 1}},
+                       gateway={"service": {"annotations": {"lb": "internal"}}})
+    reconcile_pool(before, cluster, CONFIG, now=T0)
+    after = pool_body(generation=2, engine={"resources": {"gpus": 0}},
+                      monitoring={"serviceMonitor": {"enabled": False}})
+    reconcile_pool(after, cluster, CONFIG, now=T1)
+    pod = cluster.stored("Deployment", "ml", "llama-worker")["spec"]["template"]["spec"]
+    assert "nodeSelector" not in pod
+    assert "nvidia.com/gpu" not in pod["containers"][0]["resources"].get("limits", {})
+    service = cluster.stored("Service", "ml", "llama-gateway")["metadata"]
+    assert "lb" not in service.get("annotations", {})
+    # its own ServiceMonitor gone, the fleet-wide one must scrape the pool again
+    assert "radixpool.io/own-service-monitor" not in service["labels"]
+    cluster.writes.clear()
+    reconcile_pool(after, cluster, CONFIG, now=T1)
+    assert cluster.writes == []  # and then nothing more to do

@@ -26,7 +26,7 @@ from .desired import (
     owned_by,
     ref_of,
 )
-from .drift import holds, stray_env_patch
+from .drift import holds, sets_no_more_than, stray_env_patch
 from .openapi import FieldError
 from .spec import InvalidPool, Pool, parse_pool
 from .spec_paths import in_spec_terms
@@ -194,7 +194,7 @@ def _apply(pool: Pool, cluster: Cluster, config: OperatorConfig,
 
 
 def _holds(obj: dict[str, Any], current: dict[str, Any] | None) -> bool:
-    return current is not None and holds(obj, current)
+    return current is not None and holds(obj, current) and sets_no_more_than(obj, current)
 
 
 def _apply_all(objects: list[dict[str, Any]], cluster: Cluster, pool: Pool,
