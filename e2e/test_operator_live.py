@@ -197,6 +197,11 @@ def test_invalid_pools_are_rejected_by_the_api_server_or_the_operator(kube, name
     assert rejected.value.status == 422
     assert "exactly one of spec.model.path or spec.model.uri" in rejected.value.body
 
+    negative = pool_manifest("negative", engine={"resources": {"cpu": "-1"}})
+    with pytest.raises(kube.errors.ApiException) as rejected:
+        kube.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, negative)
+    assert rejected.value.status == 422 and "spec.engine.resources.cpu" in rejected.value.body
+
     missing = pool_manifest("nokey", apiKeySecret={"name": "does-not-exist"})
     kube.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, missing)
     pool = wait_for("Accepted=False", lambda: condition(
