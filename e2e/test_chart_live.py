@@ -399,6 +399,30 @@ def test_what_a_pool_stops_setting_leaves_its_objects(kube, namespaces, operator
     kube.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "trim")
 
 
+def test_a_pool_too_big_for_two_copies_in_its_annotations_is_handled_quietly(kube, namespaces,
+                                                                           operator):
+    import json
+
+    namespace = namespaces[1]
+    manifest = pool_manifest("big", engine={
+        "device": "cpu", "args": ["--chat-template", "x" * 150_000],
+        "resources": {"gpus": 0, "cpu": "100m", "memory": "512Mi"}})
+    # as `kubectl apply` makes it: its own copy of the manifest in an annotation (limit 256 KiB)
+    manifest["metadata"]["annotations"] = {
+        "kubectl.kubernetes.io/last-applied-configuration": json.dumps(manifest)}
+    kube.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, manifest)
+    wait_for("objects", lambda: owned(kube, namespace, "big") >= everything("big"))
+    kube.custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "big",
+                                               {"spec": {"replicas": 2}})
+    wait_for("scaled", lambda: kube.apps.read_namespaced_deployment(
+        "big-worker", namespace).spec.replicas == 2)
+    record = get_pool(kube, namespace, "big")["metadata"]["annotations"][
+        "radixpool.io/last-handled-configuration"]
+    assert len(record) < 200
+    assert "Too long" not in operator.log.read_text()
+    kube.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "big")
+
+
 def test_without_a_running_operator_pools_and_their_namespace_still_go(kube, namespaces,
                                                                       operator):
     operator.stop()

@@ -22,6 +22,7 @@ import kopf
 
 from . import api
 from .desired import ObjectRef
+from .diffbase import DigestDiffBaseStorage
 from .gate import PoolGate
 from .reconcile import ApiFailure, reconcile_pool
 
@@ -32,7 +33,7 @@ MAX_BACKOFF_SECONDS = 300.0
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=api.GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=api.GROUP)
+    settings.persistence.diffbase_storage = DigestDiffBaseStorage(prefix=api.GROUP)
     settings.persistence.finalizer = f"{api.GROUP}/finalizer"  # only ever removed now
     settings.posting.level = logging.WARNING
     # Watches reconnect regularly, so a silently dropped connection never stalls the operator.
