@@ -356,11 +356,26 @@ def test_a_pool_deleted_and_made_again_at_once_gets_all_its_objects_back(kube, n
     create_pool(kube, namespace, "again")
     wait_for("objects", lambda: owned(kube, namespace, "again") >= everything("again"))
     first = wait_for("the control key", control_key_owner)
+    # Garbage collection of the old pool's worker Deployment held up, as a slow one would be.
+    hold = {"metadata": {"finalizers": ["radixpool.io/e2e-hold"]}}
+    kube.apps.patch_namespaced_deployment("again-worker", namespace, hold)
     kube.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "again")
     wait_for("the pool gone", lambda: not any(
         p["metadata"]["name"] == "again" for p in kube.custom.list_namespaced_custom_object(
             GROUP, VERSION, namespace, PLURAL)["items"]))
-    uid = create_pool(kube, namespace, "again")["metadata"]["uid"]  # garbage collection running
+    try:
+        uid = create_pool(kube, namespace, "again")["metadata"]["uid"]
+        wait_for("the new pool's status", lambda: condition(get_pool(kube, namespace, "again"),
+                                                            "Degraded"))
+        time.sleep(RESYNC * 3)
+        pool = get_pool(kube, namespace, "again")
+        assert condition(pool, "Degraded")["status"] == "False", condition(pool, "Degraded")
+        assert condition(pool, "Accepted")["status"] == "True"
+        assert kube.apps.read_namespaced_deployment(
+            "again-worker", namespace).metadata.owner_references[0].uid == first  # left alone
+    finally:
+        kube.apps.patch_namespaced_deployment("again-worker", namespace,
+                                              {"metadata": {"finalizers": None}})
 
     def owners() -> set[str]:
         found = {kube.apps.read_namespaced_deployment(name, namespace).metadata.owner_references[
@@ -370,6 +385,10 @@ def test_a_pool_deleted_and_made_again_at_once_gets_all_its_objects_back(kube, n
         uid}, timeout=150)
     assert uid != first
     assert owned(kube, namespace, "again") == everything("again")
+    # Taking the old pool's objects over needs delete permission on them (a 403 and a warning
+    # under OwnerReferencesPermissionEnforcement): they were left to garbage collection.
+    assert [e.message for e in events_about(kube, namespace, "again")
+            if e.type == "Warning" and e.involved_object.uid == uid] == []
     kube.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "again")
 
 

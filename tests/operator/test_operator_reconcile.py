@@ -313,16 +313,34 @@ def test_a_pdb_it_does_not_own_survives_turning_the_pools_off(cluster, pool_body
     assert ("delete", "PodDisruptionBudget", "llama-worker") not in cluster.writes
 
 
-def test_objects_of_an_earlier_pool_of_the_same_name_are_taken_over(cluster, pool_body):
+def test_a_pool_made_again_waits_for_garbage_collection_of_its_predecessors_objects(
+        cluster, pool_body):
     reconcile_pool(pool_body(), cluster, CONFIG)
     again = pool_body()
     again["metadata"]["uid"] = "uid-llama-2"  # deleted and made again before GC cleared up
-    cluster.stored("Service", "ml", "llama-workers")["metadata"].pop("ownerReferences")
-    outcome = reconcile_pool(again, cluster, CONFIG)
-    assert conditions(outcome.status)["Accepted"]["status"] == "True"
-    for kind, name in (("Deployment", "llama-worker"), ("Service", "llama-workers")):
+    cluster.writes.clear()
+    outcome = reconcile_pool(again, cluster, CONFIG, now=T0)
+    assert cluster.writes == []  # nothing taken over: that needs delete permission on them
+    cond = conditions(outcome.status)
+    assert cond["Accepted"]["status"] == "True" and cond["Degraded"]["status"] == "False"
+    assert cond["WorkersReady"]["reason"] == "NotCreated"
+    assert [e.type for e in outcome.events] == ["Normal"]
+
+    cluster.objects.clear()  # garbage collection
+    reconcile_pool(again, cluster, CONFIG, now=T1)
+    for kind, name in (("Deployment", "llama-worker"), ("Service", "llama-workers"),
+                       ("Secret", "llama-control-key")):
         owner = cluster.stored(kind, "ml", name)["metadata"]["ownerReferences"][0]
         assert owner["uid"] == "uid-llama-2"
+
+
+def test_an_object_whose_owner_reference_was_removed_by_hand_is_healed(cluster, pool_body):
+    reconcile_pool(pool_body(), cluster, CONFIG)
+    cluster.stored("Service", "ml", "llama-workers")["metadata"].pop("ownerReferences")
+    outcome = reconcile_pool(pool_body(), cluster, CONFIG)
+    assert conditions(outcome.status)["Accepted"]["status"] == "True"
+    owner = cluster.stored("Service", "ml", "llama-workers")["metadata"]["ownerReferences"][0]
+    assert owner["uid"] == "uid-llama"
 
 
 def test_what_the_pool_stops_setting_is_removed_from_its_objects(pool_body, make_cluster):

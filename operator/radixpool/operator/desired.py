@@ -156,6 +156,14 @@ def owned_by(obj: dict[str, Any], pool: Pool) -> bool:
             and labels.get("app.kubernetes.io/managed-by") == api.FIELD_MANAGER)
 
 
+def left_by_earlier_pool(obj: dict[str, Any], pool: Pool) -> bool:
+    """Whether a live object's controller is an earlier pool of this name: deleted (two pools
+    cannot share a name), so garbage collection is about to remove the object."""
+    return any(ref.get("controller") and ref.get("kind") == api.KIND
+               and ref.get("name") == pool.name and ref.get("uid") != pool.uid
+               for ref in (obj.get("metadata") or {}).get("ownerReferences") or [])
+
+
 def owned(pool: Pool, obj: dict[str, Any]) -> dict[str, Any]:
     obj = copy.deepcopy(obj)
     obj["metadata"]["ownerReferences"] = [owner_reference(pool)]

@@ -22,6 +22,7 @@ from .desired import (
     OperatorConfig,
     control_key_secret,
     desired_objects,
+    left_by_earlier_pool,
     obsolete_objects,
     owned_by,
     ref_of,
@@ -171,6 +172,14 @@ def _apply(pool: Pool, cluster: Cluster, config: OperatorConfig,
         return Verdict(False, "NameConflict",
                        f"not owned by this pool, so left alone: {names} (rename the pool, or "
                        "remove what holds the name)")
+    leftovers = [ref for ref, current in live.items()
+                 if current is not None and left_by_earlier_pool(current, pool)]
+    if leftovers:
+        # Taking them over would need delete permission on them (a new owner reference, under
+        # OwnerReferencesPermissionEnforcement): wait; a later pass makes them anew.
+        for ref in leftovers:
+            live[ref] = None
+        return None
     changed = [obj for obj in objects if not _holds(obj, live[ref_of(obj)])]
     checked = [obj for obj in changed if obj["kind"] not in NOT_DRY_RUN]
     rejection = _apply_all(checked, cluster, pool, live, dry_run=True)
