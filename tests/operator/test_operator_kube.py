@@ -178,7 +178,9 @@ def test_the_control_key_comes_back_for_a_pool_made_again_and_after_a_hand_delet
 
     # `kubectl delete` and `apply` of the same pool at once: garbage collection removes the old
     # pool's key, and the new pool (same name, new uid) needs its own.
-    del store.objects[secret]
+    for key in [key for key, obj in store.objects.items() if obj["metadata"].get(
+            "ownerReferences", [{}])[0].get("uid") == "uid-llama"]:
+        del store.objects[key]  # garbage collection, the control key among them
     again = pool_body()
     again["metadata"]["uid"] = "uid-llama-2"
     reconcile_pool(again, kube_cluster, OperatorConfig())
