@@ -140,3 +140,14 @@ def test_the_timer_of_a_deleted_pool_makes_nothing(cluster, pool_body):
     assert [kind for kind in cluster.kinds()] == ["InferencePool"] and dict(patch) == {}
     handlers.check_pool(body=kopf.Body(successor), patch=patch, memo=memo)
     assert cluster.stored("Deployment", "ml", "llama-worker") is not None
+
+    class Counting(type(cluster)):
+        reads = 0
+
+        def get(self, ref):
+            Counting.reads += 1
+            return super().get(ref)
+    memo = memo_for(Counting())
+    for _ in range(3):  # gone once, gone for good: no more requests for it
+        handlers.check_pool(body=kopf.Body(pool_body()), patch=kopf.Patch(), memo=memo)
+    assert Counting.reads == 1

@@ -71,7 +71,7 @@ def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logg
     with gate.turn(key, wait=not periodic) as mine:
         if not mine or (periodic and not gate.due(key)):
             return
-        if periodic and _gone(meta, memo.cluster, logger):
+        if periodic and _gone(meta, memo, logger):
             return
         outcome = reconcile_pool(dict(body), memo.cluster, memo.config,
                                  retry_in=gate.next_delay(key))
@@ -93,15 +93,22 @@ def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logg
                 logger.warning("could not post event %s: %s", event.reason, error)
 
 
-def _gone(meta: dict[str, Any], cluster: Any, logger: logging.Logger) -> bool:
-    """Whether the pool no longer exists (or another of the same name replaced it)."""
+def _gone(meta: dict[str, Any], memo: kopf.Memo, logger: logging.Logger) -> bool:
+    """Whether the pool no longer exists (or another of the same name replaced it). Once gone,
+    always gone: its timer (which kopf never stops) then costs no request at all."""
+    gone: set[str] = memo.setdefault("gone", set())
+    if meta.get("uid") in gone:
+        return True
     ref = ObjectRef(api.API_VERSION, api.KIND, meta.get("namespace", "default"), meta["name"])
     try:
-        current = cluster.get(ref)
+        current = memo.cluster.get(ref)
     except ApiFailure as failure:  # cannot tell: reconcile, which reports the API's trouble
         logger.warning("could not read pool %s/%s: %s", ref.namespace, ref.name, failure)
         return False
-    return current is None or current["metadata"].get("uid") != meta.get("uid")
+    if current is None or current["metadata"].get("uid") != meta.get("uid"):
+        gone.add(meta.get("uid", ""))
+        return True
+    return False
 
 
 @kopf.on.resume(api.GROUP, api.VERSION, api.PLURAL)
