@@ -333,6 +333,113 @@ def test_deleting_a_pool_with_the_operator_running_removes_everything(kube, name
     namespace = namespaces[1]
     kube.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "quota")
     wait_for("owned objects garbage-collected", lambda: not owned(kube, namespace, "quota"))
+    # and they stay gone: the operator's periodic check of a deleted pool does not make them again
+    # (garbage collection would remove them at once, so watch for them being made at all)
+    from kubernetes import watch
+
+    since = kube.apps.list_namespaced_deployment(namespace).metadata.resource_version
+    made = [event["object"].metadata.name for event in watch.Watch().stream(
+        kube.apps.list_namespaced_deployment, namespace, resource_version=since,
+        label_selector="radixpool.io/pool=quota", timeout_seconds=RESYNC * 5)
+        if event["type"] == "ADDED"]
+    assert made == []
+
+
+def test_a_pool_deleted_and_made_again_at_once_gets_all_its_objects_back(kube, namespaces,
+                                                                       operator):
+    namespace = namespaces[1]
+
+    def control_key_owner() -> str:
+        secret = kube.core.read_namespaced_secret("again-control-key", namespace)
+        return secret.metadata.owner_references[0].uid
+
+    create_pool(kube, namespace, "again")
+    wait_for("objects", lambda: owned(kube, namespace, "again") >= everything("again"))
+    first = wait_for("the control key", control_key_owner)
+    # Garbage collection of the old pool's worker Deployment held up, as a slow one would be.
+    hold = {"metadata": {"finalizers": ["radixpool.io/e2e-hold"]}}
+    kube.apps.patch_namespaced_deployment("again-worker", namespace, hold)
+    kube.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "again")
+    wait_for("the pool gone", lambda: not any(
+        p["metadata"]["name"] == "again" for p in kube.custom.list_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL)["items"]))
+    try:
+        uid = create_pool(kube, namespace, "again")["metadata"]["uid"]
+        wait_for("the new pool's status", lambda: condition(get_pool(kube, namespace, "again"),
+                                                            "Degraded"))
+        time.sleep(RESYNC * 3)
+        pool = get_pool(kube, namespace, "again")
+        assert condition(pool, "Degraded")["status"] == "False", condition(pool, "Degraded")
+        assert condition(pool, "Accepted")["status"] == "True"
+        assert kube.apps.read_namespaced_deployment(
+            "again-worker", namespace).metadata.owner_references[0].uid == first  # left alone
+    finally:
+        kube.apps.patch_namespaced_deployment("again-worker", namespace,
+                                              {"metadata": {"finalizers": None}})
+
+    def owners() -> set[str]:
+        found = {kube.apps.read_namespaced_deployment(name, namespace).metadata.owner_references[
+            0].uid for name in ("again-worker", "again-gateway")}
+        return found | {control_key_owner()}
+    wait_for("every object, the control key too, owned by the new pool", lambda: owners() == {
+        uid}, timeout=150)
+    assert uid != first
+    assert owned(kube, namespace, "again") == everything("again")
+    # Taking the old pool's objects over needs delete permission on them (a 403 and a warning
+    # under OwnerReferencesPermissionEnforcement): they were left to garbage collection.
+    assert [e.message for e in events_about(kube, namespace, "again")
+            if e.type == "Warning" and e.involved_object.uid == uid] == []
+    kube.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "again")
+
+
+def test_what_a_pool_stops_setting_leaves_its_objects(kube, namespaces, operator):
+    namespace = namespaces[1]
+    create_pool(kube, namespace, "trim", engine={
+        "device": "cpu", "nodeSelector": {"pool": "gpu"},
+        "resources": {"gpus": 1, "cpu": "100m", "memory": "512Mi"}},
+        gateway={"service": {"annotations": {"lb": "internal"}}})
+
+    def worker() -> Any:
+        return kube.apps.read_namespaced_deployment("trim-worker", namespace).spec.template.spec
+
+    def annotations() -> dict[str, str]:
+        return kube.core.read_namespaced_service("trim-gateway", namespace).metadata.annotations
+    wait_for("the node selector, GPU limit and annotation", lambda: worker().node_selector and (
+        "nvidia.com/gpu" in worker().containers[0].resources.limits) and annotations())
+    kube.custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "trim", {
+        "spec": {"engine": {"nodeSelector": None, "resources": {"gpus": 0}},
+                 "gateway": {"service": {"annotations": None}}}})
+    wait_for("all three gone from the pool's objects", lambda: not worker().node_selector and (
+        "nvidia.com/gpu" not in worker().containers[0].resources.limits) and not annotations())
+    time.sleep(RESYNC * 2)
+    applies = apply_requests()
+    time.sleep(RESYNC * 3)
+    assert apply_requests() == applies  # converged: not applied again and again
+    kube.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "trim")
+
+
+def test_a_pool_too_big_for_two_copies_in_its_annotations_is_handled_quietly(kube, namespaces,
+                                                                           operator):
+    import json
+
+    namespace = namespaces[1]
+    manifest = pool_manifest("big", engine={
+        "device": "cpu", "args": ["--chat-template", "x" * 150_000],
+        "resources": {"gpus": 0, "cpu": "100m", "memory": "512Mi"}})
+    # as `kubectl apply` makes it: its own copy of the manifest in an annotation (limit 256 KiB)
+    manifest["metadata"]["annotations"] = {
+        "kubectl.kubernetes.io/last-applied-configuration": json.dumps(manifest)}
+    kube.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, manifest)
+    wait_for("objects", lambda: owned(kube, namespace, "big") >= everything("big"))
+    kube.custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "big",
+                                               {"spec": {"replicas": 2}})
+    wait_for("scaled", lambda: kube.apps.read_namespaced_deployment(
+        "big-worker", namespace).spec.replicas == 2)
+    record = get_pool(kube, namespace, "big")["metadata"]["annotations"][
+        "radixpool.io/last-handled-configuration"]
+    assert len(record) < 200
+    assert "Too long" not in operator.log.read_text()
+    kube.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "big")
 
 
 def test_without_a_running_operator_pools_and_their_namespace_still_go(kube, namespaces,

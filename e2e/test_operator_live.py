@@ -197,6 +197,11 @@ def test_invalid_pools_are_rejected_by_the_api_server_or_the_operator(kube, name
     assert rejected.value.status == 422
     assert "exactly one of spec.model.path or spec.model.uri" in rejected.value.body
 
+    negative = pool_manifest("negative", engine={"resources": {"cpu": "-1"}})
+    with pytest.raises(kube.errors.ApiException) as rejected:
+        kube.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, negative)
+    assert rejected.value.status == 422 and "spec.engine.resources.cpu" in rejected.value.body
+
     missing = pool_manifest("nokey", apiKeySecret={"name": "does-not-exist"})
     kube.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, missing)
     pool = wait_for("Accepted=False", lambda: condition(
@@ -213,3 +218,27 @@ def test_invalid_pools_are_rejected_by_the_api_server_or_the_operator(kube, name
                                                 pool_manifest("fine"))
     wait_for("the other pool's Deployment", lambda: kube.apps.read_namespaced_deployment(
         "fine-worker", namespace))
+
+
+def test_an_object_already_holding_a_pools_name_is_left_alone(kube, namespace, operator):
+    # Someone else's Service happens to have the name the pool's gateway Service needs.
+    kube.core.create_namespaced_service(namespace, {
+        "metadata": {"name": "taken-gateway", "labels": {"app": "billing"}},
+        "spec": {"selector": {"app": "billing"}, "ports": [{"name": "http", "port": 8080}]}})
+    kube.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+                                                pool_manifest("taken"))
+    pool = wait_for("Accepted=False", lambda: condition(
+        p := get_pool(kube, namespace, "taken"), "Accepted").get("status") == "False" and p)
+    accepted = condition(pool, "Accepted")
+    assert accepted["reason"] == "NameConflict"
+    assert f"Service {namespace}/taken-gateway" in accepted["message"]
+    theirs = kube.core.read_namespaced_service("taken-gateway", namespace)
+    assert theirs.spec.selector == {"app": "billing"} and not theirs.metadata.owner_references
+    assert owned_names(kube, namespace, "taken") == set()
+
+    kube.core.delete_namespaced_service("taken-gateway", namespace)  # the name is free now
+    wait_for("Accepted=True", lambda: condition(get_pool(kube, namespace, "taken"),
+                                                "Accepted").get("status") == "True")
+    wait_for("the pool's own gateway Service", lambda: kube.core.read_namespaced_service(
+        "taken-gateway", namespace).spec.selector.get("radixpool.io/pool") == "taken")
+    kube.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "taken")

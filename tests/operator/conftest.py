@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import pytest
@@ -22,6 +23,18 @@ def make_pool(name: str = "llama", namespace: str = "ml", generation: int = 1,
             "metadata": {"name": name, "namespace": namespace, "uid": f"uid-{name}",
                          "generation": generation},
             "spec": spec}
+
+
+def fields_v1(value: Any) -> dict[str, Any]:
+    """The fields an apply of `value` sets, as the API server records them in `managedFields`
+    (lists of named items keyed by name, other lists atomic: close enough for these tests)."""
+    if isinstance(value, dict):
+        return {f"f:{key}": fields_v1(item) for key, item in value.items()}
+    if isinstance(value, list) and value and all(
+            isinstance(item, dict) and "name" in item for item in value):
+        return {"k:" + json.dumps({"name": item["name"]}): {".": {}, **fields_v1(item)}
+                for item in value}
+    return {}
 
 
 class FakeCluster:
@@ -88,6 +101,8 @@ class FakeCluster:
             if before.get("spec") != obj.get("spec"):
                 generation += 1
         stored["metadata"]["generation"] = generation
+        stored["metadata"]["managedFields"] = [{
+            "manager": api.FIELD_MANAGER, "operation": "Apply", "fieldsV1": fields_v1(obj)}]
         self.objects[key] = stored
         return copy.deepcopy(stored)
 

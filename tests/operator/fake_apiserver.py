@@ -236,6 +236,10 @@ class Handler(BaseHTTPRequestHandler):
         body = self._body()
         name = body.get("metadata", {}).get("name") or f"gen-{self.store.version + 1}"
         body.setdefault("metadata", {})["name"] = name
+        if f"{path}/{name}" in self.store.objects:
+            return self._send(409, {"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                                    "reason": "AlreadyExists", "code": 409,
+                                    "message": f"{name!r} already exists"})
         self._send(201, self.store.put(f"{path}/{name}", body))
 
     def do_PATCH(self) -> None:

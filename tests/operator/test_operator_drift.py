@@ -106,3 +106,34 @@ def test_a_peering_object_that_cannot_be_made_stops_the_operator_saying_why(code
         ensure_peering(PeeringCluster(failure=failure), "radixpool", [])
     assert hint in str(stopped.value)
     assert "ClusterKopfPeering radixpool is missing" in str(stopped.value)
+
+
+def test_fields_the_operator_applied_and_the_pool_no_longer_sets_are_seen():
+    from radixpool.operator.drift import sets_no_more_than
+
+    # managedFields as the API server (v1.28) records the operator's apply of a Deployment
+    applied = {"f:metadata": {"f:labels": {"f:radixpool.io/pool": {}}, "f:ownerReferences": {
+        'k:{"uid":"u1"}': {}}}, "f:spec": {"f:template": {"f:spec": {
+            "f:nodeSelector": {}, "f:containers": {'k:{"name":"worker"}': {
+                ".": {}, "f:name": {}, "f:ports": {'k:{"containerPort":8000,"protocol":"TCP"}': {
+                    ".": {}, "f:containerPort": {}, "f:protocol": {}}},
+                "f:resources": {"f:limits": {"f:nvidia.com/gpu": {}}}}}}}}}
+    live = {"metadata": {"managedFields": [
+        {"manager": "kube-controller-manager", "operation": "Update", "subresource": "status",
+         "fieldsV1": {"f:status": {"f:replicas": {}}}},
+        {"manager": "radixpool-operator", "operation": "Apply", "fieldsV1": applied}]}}
+
+    def deployment(uid="u1", node_selector=True, gpu=True) -> dict:
+        container = {"name": "worker", "ports": [{"containerPort": 8000, "protocol": "TCP"}],
+                     "resources": {"limits": {"nvidia.com/gpu": "1"} if gpu else {}}}
+        pod = {"containers": [container], **({"nodeSelector": {"a": "b"}} if node_selector
+                                             else {})}
+        return {"metadata": {"labels": {"radixpool.io/pool": "p"},
+                             "ownerReferences": [{"uid": uid}]},
+                "spec": {"template": {"spec": pod}}}
+
+    assert sets_no_more_than(deployment(), live)
+    assert not sets_no_more_than(deployment(node_selector=False), live)
+    assert not sets_no_more_than(deployment(gpu=False), live)
+    assert not sets_no_more_than(deployment(uid="u2"), live)  # a stale owner reference
+    assert sets_no_more_than(deployment(), {"metadata": {}})  # nothing recorded: nothing stale

@@ -33,6 +33,7 @@ def test_handler_writes_status_and_posts_the_warning(cluster, pool_body):
 def test_timer_applies_a_valid_pool_then_leaves_an_unchanged_one_alone(cluster, pool_body):
     memo = memo_for(cluster)
     patch = kopf.Patch()
+    cluster.add("InferencePool", "ml", "llama", pool_body())  # the timer checks it still exists
     handlers.check_pool(body=kopf.Body(pool_body()), patch=patch, memo=memo)
     assert cluster.stored("Deployment", "ml", "llama-worker") is not None
     assert patch["status"]["endpoint"] == "http://llama-gateway.ml.svc:8080"
@@ -52,6 +53,7 @@ def test_api_failures_back_off_visibly(pool_body, cluster):
     cluster.fail["Deployment"] = ApiFailure("apply", "Deployment", "ml", "llama-worker", 503,
                                             "Service Unavailable", "etcd is down")
     body = pool_body()
+    cluster.add("InferencePool", "ml", "llama", body)
     delays = []
     for _ in range(6):
         patch = kopf.Patch()
@@ -122,3 +124,30 @@ def test_a_deleted_pool_is_left_to_garbage_collection(cluster, pool_body):
     patch = kopf.Patch()
     handlers.check_pool(body=kopf.Body(body), patch=patch, memo=memo_for(cluster))
     assert cluster.objects == {} and dict(patch) == {}
+
+
+def test_the_timer_of_a_deleted_pool_makes_nothing(cluster, pool_body):
+    # kopf keeps running the timer of a pool deleted without a finalizer, with its last body
+    memo = memo_for(cluster)
+    patch = kopf.Patch()
+    handlers.check_pool(body=kopf.Body(pool_body()), patch=patch, memo=memo)
+    assert cluster.objects == {} and dict(patch) == {} and cluster.events == []
+
+    successor = pool_body()
+    successor["metadata"]["uid"] = "uid-llama-2"  # made again under the same name
+    cluster.add("InferencePool", "ml", "llama", successor)
+    handlers.check_pool(body=kopf.Body(pool_body()), patch=patch, memo=memo)
+    assert [kind for kind in cluster.kinds()] == ["InferencePool"] and dict(patch) == {}
+    handlers.check_pool(body=kopf.Body(successor), patch=patch, memo=memo)
+    assert cluster.stored("Deployment", "ml", "llama-worker") is not None
+
+    class Counting(type(cluster)):
+        reads = 0
+
+        def get(self, ref):
+            Counting.reads += 1
+            return super().get(ref)
+    memo = memo_for(Counting())
+    for _ in range(3):  # gone once, gone for good: no more requests for it
+        handlers.check_pool(body=kopf.Body(pool_body()), patch=kopf.Patch(), memo=memo)
+    assert Counting.reads == 1

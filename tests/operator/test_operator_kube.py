@@ -162,3 +162,33 @@ def test_events_come_from_the_operator_not_kopf(server, kube_cluster, pool_body)
     assert event["involvedObject"]["kind"] == "InferencePool"
     assert event["involvedObject"]["uid"] == "uid-llama"
     assert (event["type"], event["reason"]) == ("Warning", "APIError")
+
+
+def test_the_control_key_comes_back_for_a_pool_made_again_and_after_a_hand_delete(
+        server, kube_cluster, pool_body, monkeypatch):
+    from radixpool.operator import kube
+
+    store, _ = server
+    secret = "api/v1/namespaces/ml/secrets/llama-control-key"
+    reconcile_pool(pool_body(), kube_cluster, OperatorConfig())
+    assert store.objects[secret]["metadata"]["ownerReferences"][0]["uid"] == "uid-llama"
+    store.requests.clear()
+    reconcile_pool(pool_body(), kube_cluster, OperatorConfig())
+    assert not [r for r in store.requests if r[0] == "POST"]  # steady state: not asked again
+
+    # `kubectl delete` and `apply` of the same pool at once: garbage collection removes the old
+    # pool's key, and the new pool (same name, new uid) needs its own.
+    for key in [key for key, obj in store.objects.items() if obj["metadata"].get(
+            "ownerReferences", [{}])[0].get("uid") == "uid-llama"]:
+        del store.objects[key]  # garbage collection, the control key among them
+    again = pool_body()
+    again["metadata"]["uid"] = "uid-llama-2"
+    reconcile_pool(again, kube_cluster, OperatorConfig())
+    assert store.objects[secret]["metadata"]["ownerReferences"][0]["uid"] == "uid-llama-2"
+
+    # Deleted by hand: made again once the operator asks again (no read permission needed).
+    del store.objects[secret]
+    monkeypatch.setattr(kube, "CREATE_RECHECK_SECONDS", 0.0)
+    reconcile_pool(again, kube_cluster, OperatorConfig())
+    assert secret in store.objects
+    reconcile_pool(again, kube_cluster, OperatorConfig())  # present: the 409 is no failure

@@ -278,3 +278,86 @@ def test_a_refused_pool_gets_no_control_key(cluster, pool_body):
     reconcile_pool(pool_body(engine={"tolerations": [{"key": "k", "operator": "X"}]}), cluster,
                    CONFIG)
     assert cluster.objects == {}
+
+
+def test_an_object_of_the_same_name_it_does_not_own_is_left_alone(cluster, pool_body):
+    theirs = {"apiVersion": "v1", "kind": "Service",
+              "metadata": {"name": "llama-gateway", "namespace": "ml",
+                           "labels": {"app": "billing"}},
+              "spec": {"selector": {"app": "billing"}, "ports": [{"port": 80}]}}
+    cluster.add("Service", "ml", "llama-gateway", theirs)
+    outcome = reconcile_pool(pool_body(), cluster, CONFIG, now=T0)
+    assert cluster.stored("Service", "ml", "llama-gateway") == theirs  # not taken over
+    assert cluster.writes == []  # and nothing else half-made
+    accepted = conditions(outcome.status)["Accepted"]
+    assert (accepted["status"], accepted["reason"]) == ("False", "NameConflict")
+    assert "Service ml/llama-gateway" in accepted["message"]
+    assert [(e.type, e.reason) for e in outcome.events] == [("Warning", "NameConflict")]
+
+    cluster.objects.pop(("Service", "ml", "llama-gateway"))  # its owner renames it
+    outcome = reconcile_pool(with_status(pool_body(), outcome.status), cluster, CONFIG, now=T1)
+    assert conditions(outcome.status)["Accepted"]["status"] == "True"
+    assert cluster.stored("Service", "ml", "llama-gateway")["spec"]["selector"] == {
+        "radixpool.io/pool": "llama", "app.kubernetes.io/component": "gateway"}
+
+
+def test_a_pdb_it_does_not_own_survives_turning_the_pools_off(cluster, pool_body):
+    mine = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": {"name": "llama-worker", "namespace": "ml"},
+            "spec": {"minAvailable": 1}}
+    cluster.add("PodDisruptionBudget", "ml", "llama-worker", mine)
+    outcome = reconcile_pool(pool_body(lifecycle={"podDisruptionBudget": {"enabled": False}}),
+                             cluster, CONFIG)
+    assert conditions(outcome.status)["Accepted"]["status"] == "True"
+    assert cluster.stored("PodDisruptionBudget", "ml", "llama-worker") == mine
+    assert ("delete", "PodDisruptionBudget", "llama-worker") not in cluster.writes
+
+
+def test_a_pool_made_again_waits_for_garbage_collection_of_its_predecessors_objects(
+        cluster, pool_body):
+    reconcile_pool(pool_body(), cluster, CONFIG)
+    again = pool_body()
+    again["metadata"]["uid"] = "uid-llama-2"  # deleted and made again before GC cleared up
+    cluster.writes.clear()
+    outcome = reconcile_pool(again, cluster, CONFIG, now=T0)
+    assert cluster.writes == []  # nothing taken over: that needs delete permission on them
+    cond = conditions(outcome.status)
+    assert cond["Accepted"]["status"] == "True" and cond["Degraded"]["status"] == "False"
+    assert cond["WorkersReady"]["reason"] == "NotCreated"
+    assert [e.type for e in outcome.events] == ["Normal"]
+
+    cluster.objects.clear()  # garbage collection
+    reconcile_pool(again, cluster, CONFIG, now=T1)
+    for kind, name in (("Deployment", "llama-worker"), ("Service", "llama-workers"),
+                       ("Secret", "llama-control-key")):
+        owner = cluster.stored(kind, "ml", name)["metadata"]["ownerReferences"][0]
+        assert owner["uid"] == "uid-llama-2"
+
+
+def test_an_object_whose_owner_reference_was_removed_by_hand_is_healed(cluster, pool_body):
+    reconcile_pool(pool_body(), cluster, CONFIG)
+    cluster.stored("Service", "ml", "llama-workers")["metadata"].pop("ownerReferences")
+    outcome = reconcile_pool(pool_body(), cluster, CONFIG)
+    assert conditions(outcome.status)["Accepted"]["status"] == "True"
+    owner = cluster.stored("Service", "ml", "llama-workers")["metadata"]["ownerReferences"][0]
+    assert owner["uid"] == "uid-llama"
+
+
+def test_what_the_pool_stops_setting_is_removed_from_its_objects(pool_body, make_cluster):
+    cluster = make_cluster(service_monitors=True)
+    before = pool_body(engine={"nodeSelector": {"gpu": "a100"}, "resources": {"gpus": 1}},
+                       gateway={"service": {"annotations": {"lb": "internal"}}})
+    reconcile_pool(before, cluster, CONFIG, now=T0)
+    after = pool_body(generation=2, engine={"resources": {"gpus": 0}},
+                      monitoring={"serviceMonitor": {"enabled": False}})
+    reconcile_pool(after, cluster, CONFIG, now=T1)
+    pod = cluster.stored("Deployment", "ml", "llama-worker")["spec"]["template"]["spec"]
+    assert "nodeSelector" not in pod
+    assert "nvidia.com/gpu" not in pod["containers"][0]["resources"].get("limits", {})
+    service = cluster.stored("Service", "ml", "llama-gateway")["metadata"]
+    assert "lb" not in service.get("annotations", {})
+    # its own ServiceMonitor gone, the fleet-wide one must scrape the pool again
+    assert "radixpool.io/own-service-monitor" not in service["labels"]
+    cluster.writes.clear()
+    reconcile_pool(after, cluster, CONFIG, now=T1)
+    assert cluster.writes == []  # and then nothing more to do

@@ -42,6 +42,8 @@ def test_minimal_pool_gets_the_schema_defaults(pool_body):
     ({"engine": {"resources": {"gpus": -1}}}, "spec.engine.resources.gpus", "at least 0"),
     ({"engine": {"resources": {"memory": "lots"}}}, "spec.engine.resources.memory",
      "not a valid"),
+    ({"engine": {"resources": {"cpu": "-1"}}}, "spec.engine.resources.cpu", "not a valid"),
+    ({"model": {"path": "/m", "cacheSize": "-10Gi"}}, "spec.model.cacheSize", "not a valid"),
     ({"engine": {"schedulePolicy": "sjf"}}, "spec.engine.schedulePolicy", "lpm, fcfs"),
     ({"engine": {"volumes": [{"name": "tmp", "emptyDir": {}}]}}, "spec.engine.volumes[0].name",
      "reserved"),

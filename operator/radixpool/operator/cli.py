@@ -96,7 +96,7 @@ def run_operator(args: argparse.Namespace) -> int:
             peering_name=None if args.standalone else args.peering,
             priority=args.priority if args.priority is not None
             else random.SystemRandom().randint(1, 2**31 - 1),
-            memo=kopf.Memo(config=config, cluster=cluster, gate=PoolGate(
+            memo=kopf.Memo(config=config, cluster=cluster, gone=set(), gate=PoolGate(
                 base=args.resync_seconds, cap=handlers.MAX_BACKOFF_SECONDS)),
         )
     except Exception as error:  # kopf raises on login and API failures; say so and exit non-zero

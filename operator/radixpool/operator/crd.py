@@ -35,7 +35,8 @@ from .openapi import (
     string_map,
 )
 
-QUANTITY = (r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]"
+# A Kubernetes quantity, never negative (a negative request or cache size means nothing).
+QUANTITY = (r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]"
             r"|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
 PERCENT_OR_INT = r"^[0-9]+%?$"
 MODEL_URI = r"^(pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?/.*|hf://[^@\s]+/[^@\s]+(@[^@\s]+)?)$"

@@ -141,6 +141,29 @@ def owner_reference(pool: Pool) -> dict[str, Any]:
             "uid": pool.uid, "controller": True, "blockOwnerDeletion": True}
 
 
+def owned_by(obj: dict[str, Any], pool: Pool) -> bool:
+    """Whether a live object is the pool's to change: its controller is an InferencePool of this
+    name (this one, or an earlier one of the same name that garbage collection has yet to clear),
+    or, its owner reference removed by hand, it still carries the pool's labels."""
+    meta = obj.get("metadata") or {}
+    controllers = [ref for ref in meta.get("ownerReferences") or [] if ref.get("controller")]
+    if controllers:
+        return any(ref.get("kind") == api.KIND and ref.get("name") == pool.name
+                   and str(ref.get("apiVersion", "")).startswith(f"{api.GROUP}/")
+                   for ref in controllers)
+    labels = meta.get("labels") or {}
+    return (labels.get(api.POOL_LABEL) == pool.name
+            and labels.get("app.kubernetes.io/managed-by") == api.FIELD_MANAGER)
+
+
+def left_by_earlier_pool(obj: dict[str, Any], pool: Pool) -> bool:
+    """Whether a live object's controller is an earlier pool of this name: deleted (two pools
+    cannot share a name), so garbage collection is about to remove the object."""
+    return any(ref.get("controller") and ref.get("kind") == api.KIND
+               and ref.get("name") == pool.name and ref.get("uid") != pool.uid
+               for ref in (obj.get("metadata") or {}).get("ownerReferences") or [])
+
+
 def owned(pool: Pool, obj: dict[str, Any]) -> dict[str, Any]:
     obj = copy.deepcopy(obj)
     obj["metadata"]["ownerReferences"] = [owner_reference(pool)]

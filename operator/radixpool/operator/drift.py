@@ -6,6 +6,11 @@ drops those); fields the API server adds (defaults, status, managed fields) or o
 own are ignored. So an unchanged pool needs no write at all, and only
 a real change (an edit, a deleted object, a new spec) is applied again.
 
+One-sided is not enough where the pool stops setting a field (a node selector, an annotation, a
+GPU limit taken out of the spec): the live object still has it, and server-side apply removes it
+only when the object is applied again. `sets_no_more_than` reads the fields the operator applied
+last time from the object's `managedFields` and says whether the pool still sets every one.
+
 `stray_env_patch` covers what server-side apply cannot: an env var someone added by hand is owned
 by their field manager, so a forced apply leaves it in place; the operator removes it with a JSON
 patch (each removal guarded by a `test` of its name, so a concurrent edit makes it fail, not
@@ -14,9 +19,12 @@ remove the wrong entry).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from kubernetes.utils import parse_quantity
+
+from . import api
 
 
 def _same_scalar(want: Any, have: Any) -> bool:
@@ -57,6 +65,47 @@ def holds(desired: Any, live: Any) -> bool:
                        for item in desired)
         return len(desired) == len(live) and all(map(holds, desired, live))
     return _same_scalar(desired, live)
+
+
+def sets_no_more_than(desired: Any, live: dict[str, Any]) -> bool:
+    """Whether `desired` still sets every field the operator's last apply set on `live` (from its
+    `managedFields`); False means applying it again removes fields the pool no longer wants."""
+    for entry in (live.get("metadata") or {}).get("managedFields") or []:
+        if (entry.get("manager") == api.FIELD_MANAGER and entry.get("operation") == "Apply"
+                and not entry.get("subresource")):
+            return _covers(desired, entry.get("fieldsV1") or {})
+    return True
+
+
+def _covers(desired: Any, fields: dict[str, Any]) -> bool:
+    """Walk a fieldsV1 tree: `f:name` a field, `k:{...}` a list item by its keys, `v:...` a
+    set member, `i:N` a list index, `.` the item itself."""
+    for key, below in fields.items():
+        kind, _, name = key.partition(":")
+        if kind == "f":
+            if not isinstance(desired, dict) or name not in desired:
+                return False
+            found = desired[name]
+        elif kind == "k":
+            keys = json.loads(name)
+            found = next((item for item in desired if isinstance(item, dict) and all(
+                item.get(k, v) == v for k, v in keys.items())), None) if isinstance(
+                desired, list) else None  # a key the pool leaves to its default matches
+            if found is None:
+                return False
+        elif kind == "v":
+            if not isinstance(desired, list) or json.loads(name) not in desired:
+                return False
+            continue
+        elif kind == "i":
+            if not isinstance(desired, list) or int(name) >= len(desired):
+                return False
+            found = desired[int(name)]
+        else:  # "."
+            continue
+        if below and not _covers(found, below):
+            return False
+    return True
 
 
 def _containers(obj: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:

@@ -4,7 +4,10 @@ create / update / resume apply the spec; a timer (`register_periodic_check`) re-
 reconciliation so drift is put back and status follows the pods. No handler needs a finalizer:
 every owned object carries an owner reference, so deleting a pool needs no operator (Kubernetes
 garbage-collects what it owned), with or without a running operator. The timer is registered
-without kopf's finalizer, and kopf lifts the one older versions put on pools. One pass per pool at
+without kopf's finalizer, and kopf lifts the one older versions put on pools. Without a finalizer
+kopf does not stop a deleted pool's timer (the pool vanishes at once, never "being deleted"), so
+the timer first checks the pool still exists: else it would make the pool's objects again and
+again, each removed at once by garbage collection. One pass per pool at
 a time, with backoff after API errors (`gate.PoolGate`); status is written only when it changed,
 and Events come from `radixpool-operator`. Importing this module registers the event handlers.
 """
@@ -18,8 +21,10 @@ from typing import Any
 import kopf
 
 from . import api
+from .desired import ObjectRef
+from .diffbase import DigestDiffBaseStorage
 from .gate import PoolGate
-from .reconcile import reconcile_pool
+from .reconcile import ApiFailure, reconcile_pool
 
 RESYNC_SECONDS = 15.0
 MAX_BACKOFF_SECONDS = 300.0
@@ -28,7 +33,7 @@ MAX_BACKOFF_SECONDS = 300.0
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=api.GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=api.GROUP)
+    settings.persistence.diffbase_storage = DigestDiffBaseStorage(prefix=api.GROUP)
     settings.persistence.finalizer = f"{api.GROUP}/finalizer"  # only ever removed now
     settings.posting.level = logging.WARNING
     # Watches reconnect regularly, so a silently dropped connection never stalls the operator.
@@ -66,6 +71,8 @@ def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logg
     with gate.turn(key, wait=not periodic) as mine:
         if not mine or (periodic and not gate.due(key)):
             return
+        if periodic and _gone(meta, memo, logger):
+            return
         outcome = reconcile_pool(dict(body), memo.cluster, memo.config,
                                  retry_in=gate.next_delay(key))
         if outcome.failure:
@@ -84,6 +91,24 @@ def _reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logg
                 memo.cluster.post_event(dict(body), event)
             except Exception as error:  # an Event lost must not stop the reconciliation
                 logger.warning("could not post event %s: %s", event.reason, error)
+
+
+def _gone(meta: dict[str, Any], memo: kopf.Memo, logger: logging.Logger) -> bool:
+    """Whether the pool no longer exists (or another of the same name replaced it). Once gone,
+    always gone: its timer (which kopf never stops) then costs no request at all."""
+    gone: set[str] = memo.setdefault("gone", set())
+    if meta.get("uid") in gone:
+        return True
+    ref = ObjectRef(api.API_VERSION, api.KIND, meta.get("namespace", "default"), meta["name"])
+    try:
+        current = memo.cluster.get(ref)
+    except ApiFailure as failure:  # cannot tell: reconcile, which reports the API's trouble
+        logger.warning("could not read pool %s/%s: %s", ref.namespace, ref.name, failure)
+        return False
+    if current is None or current["metadata"].get("uid") != meta.get("uid"):
+        gone.add(meta.get("uid", ""))
+        return True
+    return False
 
 
 @kopf.on.resume(api.GROUP, api.VERSION, api.PLURAL)

@@ -31,6 +31,10 @@ from .status import Event
 
 SERVICE_MONITOR_CRD = "servicemonitors.monitoring.coreos.com"
 CRD_RECHECK_SECONDS = 60.0
+# How long `create_once` trusts that an object it made (or found) is still there. It may not read
+# Secrets, so it asks again (a create; 409 when present): a pool deleted and made again under the
+# same name, or a control key deleted by hand, gets its Secret back within this long.
+CREATE_RECHECK_SECONDS = 60.0
 # Events name this component (`kubectl describe` shows it under From).
 REPORTING_COMPONENT = api.FIELD_MANAGER
 
@@ -78,7 +82,8 @@ class KubeCluster:
         self.extensions = client.ApiextensionsV1Api(api_client)
         self.dynamic = DynamicClient(api_client)
         self._monitors: tuple[float, bool] = (0.0, False)
-        self._created: set[ObjectRef] = set()  # by create_once, in this process
+        # create_once: (object, owner uid) → when it was last made or found present
+        self._created: dict[tuple[ObjectRef, str], float] = {}
         self.instance = socket.gethostname()
 
     def _resource(self, api_version: str, kind: str) -> Any:
@@ -144,7 +149,9 @@ class KubeCluster:
 
     def create_once(self, obj: dict[str, Any]) -> None:
         ref = ref_of(obj)
-        if ref in self._created:
+        owner = ",".join(o["uid"] for o in obj["metadata"].get("ownerReferences", []))
+        made = self._created.get((ref, owner))
+        if made is not None and time.monotonic() - made < CREATE_RECHECK_SECONDS:
             return
         with _naming("create", ref.kind, ref.namespace, ref.name):
             try:
@@ -153,7 +160,10 @@ class KubeCluster:
             except DynamicApiError as error:
                 if error.status != 409:  # 409: it exists already
                     raise
-        self._created.add(ref)
+        now = time.monotonic()
+        self._created = {key: at for key, at in self._created.items()
+                         if now - at < CREATE_RECHECK_SECONDS}  # pools gone, made again
+        self._created[(ref, owner)] = now
 
     def delete(self, ref: ObjectRef) -> None:
         with _naming("delete", ref.kind, ref.namespace, ref.name), \

@@ -22,10 +22,12 @@ from .desired import (
     OperatorConfig,
     control_key_secret,
     desired_objects,
+    left_by_earlier_pool,
     obsolete_objects,
+    owned_by,
     ref_of,
 )
-from .drift import holds, stray_env_patch
+from .drift import holds, sets_no_more_than, stray_env_patch
 from .openapi import FieldError
 from .spec import InvalidPool, Pool, parse_pool
 from .spec_paths import in_spec_terms
@@ -76,7 +78,8 @@ class Cluster(Protocol):
 
     def create_once(self, obj: dict[str, Any]) -> None:
         """Create `obj` unless it exists; never update it (the pool's generated control key).
-        Needs no read permission: an existing object is a 409 from the API server."""
+        Needs no read permission: an existing object is a 409 from the API server. Asked again
+        now and then, and at once for a new owner, so a deleted object comes back."""
 
     def delete(self, ref: ObjectRef) -> None:
         """Delete the object if it exists."""
@@ -133,9 +136,9 @@ def _reconcile(body: dict[str, Any], cluster: Cluster, config: OperatorConfig,
 
     live: dict[ObjectRef, dict[str, Any] | None] = {}
     if pool is not None and verdict.accepted:
-        rejection = _apply(pool, cluster, config, live)
-        if rejection is not None:
-            verdict = Verdict(False, "RejectedByAPIServer", rejection)
+        refusal = _apply(pool, cluster, config, live)
+        if refusal is not None:
+            verdict = refusal
 
     observed = _observe(cluster, meta.get("namespace", "default"), meta["name"], live)
     status = pool_status(
@@ -150,24 +153,42 @@ def _reconcile(body: dict[str, Any], cluster: Cluster, config: OperatorConfig,
 
 
 def _apply(pool: Pool, cluster: Cluster, config: OperatorConfig,
-           live: dict[ObjectRef, dict[str, Any] | None]) -> str | None:
+           live: dict[ObjectRef, dict[str, Any] | None]) -> Verdict | None:
     """Apply the objects that do not hold what the pool wants, remove stray env vars and
-    obsolete objects; the API server's refusal or None. Every changed object passes a dry run
-    (validation and admission) before any is written, so a spec the server refuses leaves
-    nothing half-made. `live` is filled with the objects as they stand afterwards."""
+    obsolete objects; why the pool cannot be made, or None. Objects of the same name the pool
+    does not own (someone else's Service, say) are never taken over. Every changed object passes
+    a dry run (validation and admission) before any is written, so a spec the server refuses
+    leaves nothing half-made. `live` is filled with the objects as they stand afterwards."""
     monitors = cluster.has_service_monitors()
     objects = desired_objects(pool, config, service_monitors=monitors)
     for obj in objects:
         live[ref_of(obj)] = cluster.get(ref_of(obj))
+    taken = [ref for ref, current in live.items()
+             if current is not None and not owned_by(current, pool)]
+    if taken:
+        for ref in taken:
+            live[ref] = None  # not the pool's: its status must not describe them
+        names = ", ".join(f"{ref.kind} {ref.namespace}/{ref.name}" for ref in taken)
+        return Verdict(False, "NameConflict",
+                       f"not owned by this pool, so left alone: {names} (rename the pool, or "
+                       "remove what holds the name)")
+    leftovers = [ref for ref, current in live.items()
+                 if current is not None and left_by_earlier_pool(current, pool)]
+    if leftovers:
+        # Taking them over would need delete permission on them (a new owner reference, under
+        # OwnerReferencesPermissionEnforcement): wait; a later pass makes them anew.
+        for ref in leftovers:
+            live[ref] = None
+        return None
     changed = [obj for obj in objects if not _holds(obj, live[ref_of(obj)])]
     checked = [obj for obj in changed if obj["kind"] not in NOT_DRY_RUN]
     rejection = _apply_all(checked, cluster, pool, live, dry_run=True)
+    if rejection is None:
+        cluster.create_once(control_key_secret(pool))
+        # admission may still refuse what its dry run let through
+        rejection = _apply_all(changed, cluster, pool, live, dry_run=False)
     if rejection is not None:
-        return rejection
-    cluster.create_once(control_key_secret(pool))
-    rejection = _apply_all(changed, cluster, pool, live, dry_run=False)  # admission may change
-    if rejection is not None:
-        return rejection
+        return Verdict(False, "RejectedByAPIServer", rejection)
     for obj in objects:
         current = live[ref_of(obj)]
         if obj["kind"] == "Deployment" and current is not None:
@@ -175,13 +196,14 @@ def _apply(pool: Pool, cluster: Cluster, config: OperatorConfig,
             if operations:
                 cluster.patch_json(ref_of(obj), operations)
     for ref in obsolete_objects(pool, config, service_monitors=monitors):
-        if cluster.get(ref) is not None:
+        current = cluster.get(ref)
+        if current is not None and owned_by(current, pool):  # never someone else's
             cluster.delete(ref)
     return None
 
 
 def _holds(obj: dict[str, Any], current: dict[str, Any] | None) -> bool:
-    return current is not None and holds(obj, current)
+    return current is not None and holds(obj, current) and sets_no_more_than(obj, current)
 
 
 def _apply_all(objects: list[dict[str, Any]], cluster: Cluster, pool: Pool,
