@@ -78,7 +78,8 @@ CACHE_HIT_RATE = MetricSpec(
 TIME_TO_FIRST_TOKEN = MetricSpec(
     "radixpool_time_to_first_token_seconds", "histogram", "Time from arrival to first token.")
 INTER_TOKEN_LATENCY = MetricSpec(
-    "radixpool_inter_token_latency_seconds", "histogram", "Time between streamed tokens.")
+    "radixpool_inter_token_latency_seconds", "histogram",
+    "Time between generated tokens: one observation per token after a choice's first.")
 E2E_REQUEST_LATENCY = MetricSpec(
     "radixpool_e2e_request_latency_seconds", "histogram", "Time from arrival to finish.")
 QUEUE_TIME = MetricSpec(
