@@ -148,7 +148,9 @@ GW_REQUEST_DURATION = MetricSpec(
     "Time from request arrival at the gateway to the last byte.")
 GW_TIME_TO_FIRST_TOKEN = MetricSpec(
     "radixpool_gateway_time_to_first_token_seconds", "histogram",
-    "Time from request arrival at the gateway to the first byte of the response body.")
+    "Time from request arrival at the gateway to a streamed response's first event (its "
+    "first token), also for streams the client leaves; whole answers are in request_duration "
+    "only.")
 GW_HIT_RATE = MetricSpec(
     "radixpool_gateway_hit_rate", "gauge",
     "Cached / prompt tokens since start, kind=actual (workers' reports) or predicted (the "

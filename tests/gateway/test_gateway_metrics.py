@@ -1,0 +1,60 @@
+"""The gateway's `/metrics` against what its clients saw (simulated workers, the openai SDK)."""
+
+from __future__ import annotations
+
+import time
+
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.simfleet import SimConfig
+
+
+def scrape(stack) -> dict[tuple[str, tuple], float]:
+    stack.settle()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(stack.client.get("/metrics").text)
+            for s in family.samples}
+
+
+def change(before: dict, after: dict, name: str, **labels) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+TTFT = "radixpool_gateway_time_to_first_token_seconds"
+DURATION = "radixpool_gateway_request_duration_seconds"
+
+
+def test_time_to_first_token_is_a_streams_first_event_even_when_the_client_leaves(make_stack):
+    # 40 tokens at 25 ms: a whole answer takes a second, a stream's first token comes at once
+    stack = make_stack(1, sim=SimConfig(decode_ms_per_token=25.0))
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+    kw = {"model": "sim-model", "prompt": "w1 w2 w3", "max_tokens": 40}
+
+    before = scrape(stack)
+    client.completions.create(**kw)
+    after = scrape(stack)
+    # a whole answer's first byte is its last: a request duration, not a time to first token
+    assert change(before, after, f"{DURATION}_count") == 1
+    assert change(before, after, f"{DURATION}_sum") >= 0.9
+    assert change(before, after, f"{TTFT}_count") == 0
+
+    before = after
+    list(client.completions.create(**kw, stream=True))
+    after = scrape(stack)
+    assert change(before, after, f"{TTFT}_count") == 1
+    assert change(before, after, f"{TTFT}_sum") < 0.5 < change(before, after, f"{DURATION}_sum")
+
+    before = after
+    stream = client.completions.create(**kw, stream=True)
+    next(iter(stream))
+    stream.close()   # the client leaves after its first token
+    worker = stack.fleet.urls[0]
+    deadline = time.monotonic() + 10
+    while change(before, after := scrape(stack), "radixpool_gateway_requests_total",
+                 worker=worker, code="499") < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert change(before, after, "radixpool_gateway_requests_total", worker=worker,
+                  code="499") == 1
+    assert change(before, after, f"{TTFT}_count") == 1
