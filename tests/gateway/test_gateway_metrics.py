@@ -58,3 +58,20 @@ def test_time_to_first_token_is_a_streams_first_event_even_when_the_client_leave
     assert change(before, after, "radixpool_gateway_requests_total", worker=worker,
                   code="499") == 1
     assert change(before, after, f"{TTFT}_count") == 1
+
+
+def test_a_terminating_worker_is_not_shown_healthy(make_stack, loop_thread):
+    # Discovery says the second worker's pod is terminating: it gets no new requests, and the
+    # gauge the fleet board counts as "healthy (gateway)" must say so.
+    stack = make_stack(2)
+    first, second = stack.fleet.urls
+    loop_thread.call(stack.gateway.workers.reconcile, {first}, {second})
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+    for i in range(4):
+        raw = client.completions.with_raw_response.create(model="sim-model", prompt=f"w{i}",
+                                                          max_tokens=1)
+        assert raw.headers["x-radixpool-worker"] == first
+    samples = scrape(stack)
+    healthy = {dict(labels)["worker"]: value for (name, labels), value in samples.items()
+               if name == "radixpool_gateway_worker_healthy"}
+    assert healthy == {first: 1.0, second: 0.0}

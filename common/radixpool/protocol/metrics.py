@@ -118,8 +118,8 @@ GW_INFLIGHT = MetricSpec(
     "radixpool_gateway_inflight_requests", "gauge", "Requests in flight per worker.", ("worker",))
 GW_WORKER_HEALTHY = MetricSpec(
     "radixpool_gateway_worker_healthy", "gauge",
-    "1 when the worker passes its health checks and is not draining (its circuit breaker is "
-    "radixpool_gateway_breaker_state).", ("worker",))
+    "1 when the worker passes its health checks and is neither draining nor terminating (its "
+    "circuit breaker is radixpool_gateway_breaker_state).", ("worker",))
 GW_BREAKER_STATE = MetricSpec(
     "radixpool_gateway_breaker_state", "gauge",
     "The worker's circuit breaker: 1 on its current state (closed, open, half_open), 0 on the "

@@ -139,7 +139,8 @@ class GatewayMetrics:
         prompt, cached, predicted = self.prompt, self.cached, self.predicted
         for w in workers:
             inflight.add_metric((w.url,), w.inflight)
-            healthy.add_metric((w.url,), 1 if w.health.healthy and not w.draining else 0)
+            healthy.add_metric((w.url,), 1 if w.health.healthy and not w.draining
+                               and not w.terminating else 0)
             tree.add_metric((w.url,), index.size(w.url) * unit)
             state = w.breaker.state(now)
             for each in BREAKER_STATES:
