@@ -75,3 +75,26 @@ def test_a_terminating_worker_is_not_shown_healthy(make_stack, loop_thread):
     healthy = {dict(labels)["worker"]: value for (name, labels), value in samples.items()
                if name == "radixpool_gateway_worker_healthy"}
     assert healthy == {first: 1.0, second: 0.0}
+
+
+def test_in_flight_counts_requests_of_a_removed_worker_until_they_end(make_stack):
+    # A worker removed mid-stream still serves that stream through the gateway: the in-flight
+    # gauge keeps it until the stream ends (it dropped it at once, showing the gateway idle).
+    stack = make_stack(1, sim=SimConfig(decode_ms_per_token=40.0), admin_api_key="admin")
+    worker = stack.fleet.urls[0]
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+    stream = client.completions.create(model="sim-model", prompt="w1 w2", max_tokens=50,
+                                       stream=True)
+    chunks = iter(stream)
+    next(chunks)
+    removed = stack.client.request("DELETE", "/workers", params={"url": worker},
+                                   headers={"authorization": "Bearer admin"})
+    assert removed.status_code == 200 and removed.json()["inflight_finishing"] == 1
+
+    def inflight() -> dict[str, float]:
+        return {dict(labels)["worker"]: value for (name, labels), value in scrape(stack).items()
+                if name == "radixpool_gateway_inflight_requests"}
+
+    assert inflight() == {worker: 1.0}
+    assert len(list(chunks)) > 10   # the stream goes on to its end
+    assert inflight() == {}

@@ -147,6 +147,8 @@ class GatewayMetrics:
                 breakers.add_metric((w.url, each), 1 if each == state else 0)
             url = (w.url,)
             _rates(rates, w.url, prompt.get(url, 0), cached.get(url, 0), predicted.get(url, 0))
+        for w in workers.departed:   # removed, its requests still streaming through us
+            inflight.add_metric((w.url,), w.inflight)
         _rates(rates, "all", sum(prompt.values()), sum(cached.values()),
                sum(predicted.values()))
         yield from (inflight, healthy, breakers, tree, rates)
