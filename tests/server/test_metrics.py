@@ -88,3 +88,17 @@ def test_inter_token_latency_counts_every_token_after_the_first(http, client, st
     assert gaps == usage.completion_tokens - 1 > 10
     assert (value(after, "radixpool_generation_tokens_total")
             - value(before, "radixpool_generation_tokens_total")) == usage.completion_tokens
+
+
+def test_counters_count_each_choice_as_the_docs_say(http, client):
+    before = scrape(http)
+    r = client.completions.create(model="tiny", prompt=uuid.uuid4().hex, max_tokens=3, n=3,
+                                  temperature=1.0, extra_body={"ignore_eos": True})
+    after = scrape(http)
+
+    def delta(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("radixpool_requests_total", finish_reason="length") == 3
+    assert delta("radixpool_prompt_tokens_total") == 3 * r.usage.prompt_tokens
+    assert delta("radixpool_generation_tokens_total") == r.usage.completion_tokens == 9

@@ -42,7 +42,8 @@ GRAMMAR_COMPILE_BUCKETS = (
 # --- worker -----------------------------------------------------------------------------------
 PROMPT_TOKENS = MetricSpec(
     "radixpool_prompt_tokens_total", "counter",
-    "Prompt tokens of finished requests, and of aborted ones that had their first token.")
+    "Prompt tokens of finished requests, and of aborted ones that had their first token (per "
+    "choice: an n>1 request counts its prompt n times).")
 CACHED_PROMPT_TOKENS = MetricSpec(
     "radixpool_cached_prompt_tokens_total", "counter",
     "Prompt tokens served from the radix KV cache instead of being computed.")
@@ -50,7 +51,8 @@ GENERATION_TOKENS = MetricSpec(
     "radixpool_generation_tokens_total", "counter",
     "Tokens generated, by finished and aborted requests.")
 REQUESTS = MetricSpec(
-    "radixpool_requests_total", "counter", "Finished requests by finish reason.",
+    "radixpool_requests_total", "counter",
+    "Finished requests by finish reason (per choice: an n>1 request counts n).",
     ("finish_reason",))
 RETRACTED_REQUESTS = MetricSpec(
     "radixpool_retracted_requests_total", "counter",
