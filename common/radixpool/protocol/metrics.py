@@ -42,7 +42,8 @@ GRAMMAR_COMPILE_BUCKETS = (
 # --- worker -----------------------------------------------------------------------------------
 PROMPT_TOKENS = MetricSpec(
     "radixpool_prompt_tokens_total", "counter",
-    "Prompt tokens of finished requests, and of aborted ones that had their first token.")
+    "Prompt tokens of finished requests, and of aborted ones that had their first token (per "
+    "choice: an n>1 request counts its prompt n times).")
 CACHED_PROMPT_TOKENS = MetricSpec(
     "radixpool_cached_prompt_tokens_total", "counter",
     "Prompt tokens served from the radix KV cache instead of being computed.")
@@ -50,7 +51,8 @@ GENERATION_TOKENS = MetricSpec(
     "radixpool_generation_tokens_total", "counter",
     "Tokens generated, by finished and aborted requests.")
 REQUESTS = MetricSpec(
-    "radixpool_requests_total", "counter", "Finished requests by finish reason.",
+    "radixpool_requests_total", "counter",
+    "Finished requests by finish reason (per choice: an n>1 request counts n).",
     ("finish_reason",))
 RETRACTED_REQUESTS = MetricSpec(
     "radixpool_retracted_requests_total", "counter",
@@ -78,7 +80,8 @@ CACHE_HIT_RATE = MetricSpec(
 TIME_TO_FIRST_TOKEN = MetricSpec(
     "radixpool_time_to_first_token_seconds", "histogram", "Time from arrival to first token.")
 INTER_TOKEN_LATENCY = MetricSpec(
-    "radixpool_inter_token_latency_seconds", "histogram", "Time between streamed tokens.")
+    "radixpool_inter_token_latency_seconds", "histogram",
+    "Time between generated tokens: one observation per token after a choice's first.")
 E2E_REQUEST_LATENCY = MetricSpec(
     "radixpool_e2e_request_latency_seconds", "histogram", "Time from arrival to finish.")
 QUEUE_TIME = MetricSpec(
@@ -117,8 +120,8 @@ GW_INFLIGHT = MetricSpec(
     "radixpool_gateway_inflight_requests", "gauge", "Requests in flight per worker.", ("worker",))
 GW_WORKER_HEALTHY = MetricSpec(
     "radixpool_gateway_worker_healthy", "gauge",
-    "1 when the worker passes its health checks and is not draining (its circuit breaker is "
-    "radixpool_gateway_breaker_state).", ("worker",))
+    "1 when the worker passes its health checks and is neither draining nor terminating (its "
+    "circuit breaker is radixpool_gateway_breaker_state).", ("worker",))
 GW_BREAKER_STATE = MetricSpec(
     "radixpool_gateway_breaker_state", "gauge",
     "The worker's circuit breaker: 1 on its current state (closed, open, half_open), 0 on the "
@@ -147,7 +150,9 @@ GW_REQUEST_DURATION = MetricSpec(
     "Time from request arrival at the gateway to the last byte.")
 GW_TIME_TO_FIRST_TOKEN = MetricSpec(
     "radixpool_gateway_time_to_first_token_seconds", "histogram",
-    "Time from request arrival at the gateway to the first byte of the response body.")
+    "Time from request arrival at the gateway to a streamed response's first event (its "
+    "first token), also for streams the client leaves; whole answers are in request_duration "
+    "only.")
 GW_HIT_RATE = MetricSpec(
     "radixpool_gateway_hit_rate", "gauge",
     "Cached / prompt tokens since start, kind=actual (workers' reports) or predicted (the "

@@ -139,13 +139,16 @@ class GatewayMetrics:
         prompt, cached, predicted = self.prompt, self.cached, self.predicted
         for w in workers:
             inflight.add_metric((w.url,), w.inflight)
-            healthy.add_metric((w.url,), 1 if w.health.healthy and not w.draining else 0)
+            healthy.add_metric((w.url,), 1 if w.health.healthy and not w.draining
+                               and not w.terminating else 0)
             tree.add_metric((w.url,), index.size(w.url) * unit)
             state = w.breaker.state(now)
             for each in BREAKER_STATES:
                 breakers.add_metric((w.url, each), 1 if each == state else 0)
             url = (w.url,)
             _rates(rates, w.url, prompt.get(url, 0), cached.get(url, 0), predicted.get(url, 0))
+        for w in workers.departed:   # removed, its requests still streaming through us
+            inflight.add_metric((w.url,), w.inflight)
         _rates(rates, "all", sum(prompt.values()), sum(cached.values()),
                sum(predicted.values()))
         yield from (inflight, healthy, breakers, tree, rates)

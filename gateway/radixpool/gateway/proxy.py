@@ -352,19 +352,23 @@ class Gateway:
                      started: float, body: bytes) -> None:
         status = upstream.status
         headers = _response_headers(upstream, worker)
-        ttfb = None
+        # Only a stream has a time to first token: a whole answer's first byte is its last, so
+        # it counts in the request duration alone. Noted when the first event is sent, so a
+        # client that leaves afterwards still has it.
+        first_event: list[float] = []
         try:
             if b"text/event-stream" not in (upstream.header(b"content-type") or b""):
                 data = await upstream.body()
-                ttfb = time.perf_counter() - started
                 await respond.send(status, headers, data)
                 usage = answer_usage(data) if status == 200 else None
                 if status == 503:
                     self._engine_died(data, body)
             else:
                 await respond.start(status, headers)
-                usage, ttfb = await self._relay_events(upstream, respond, strip_usage, started)
+                usage = await self._relay_events(upstream, respond, strip_usage, started,
+                                                 first_event)
         except UpstreamError as exc:
+            ttfb = first_event[0] if first_event else None
             timed_out = isinstance(exc, UpstreamTimeout)
             if timed_out:
                 self._timed_out(worker, self.clock() - (time.perf_counter() - started))
@@ -382,10 +386,11 @@ class Gateway:
             self.metrics.answered(worker.url, code, time.perf_counter() - started, ttfb)
             return
         except asyncio.CancelledError:  # the client left: the worker connection closes below
-            self._left(worker.url, started, ttfb)
+            self._left(worker.url, started, first_event[0] if first_event else None)
             raise
         finally:
             upstream.release()
+        ttfb = first_event[0] if first_event else None
         if respond.disconnected:  # noticed by a failed write rather than by cancellation
             self._left(worker.url, started, ttfb)
             return
@@ -404,11 +409,12 @@ class Gateway:
                   (other_prompts, other_cached))
 
     async def _relay_events(self, upstream: UpstreamResponse, respond: Responder,
-                            strip_usage: bool, started: float
-                            ) -> tuple[tuple[int, int | None, int, int] | None, float | None]:
+                            strip_usage: bool, started: float, first_event: list[float]
+                            ) -> tuple[int, int | None, int, int] | None:
         """Forward whole SSE events the moment they arrive; note the last usage report (as
-        `answer_usage` gives it: a stream is one answer)."""
-        usage, ttfb, pending = None, None, b""
+        `answer_usage` gives it: a stream is one answer), and in `first_event` the seconds from
+        `started` to the first event."""
+        usage, pending = None, b""
         while (chunk := await upstream.read()) is not None:
             if respond.disconnected:
                 break
@@ -423,12 +429,12 @@ class Gateway:
                 if strip_usage:
                     ready = b"".join(e + b"\n\n" for e in ready.split(b"\n\n")[:-1]
                                      if not is_usage_only_event(e))
-            if ttfb is None:
-                ttfb = time.perf_counter() - started
+            if not first_event:
+                first_event.append(time.perf_counter() - started)
             await respond.write(ready)
         if pending and not respond.disconnected:
             await respond.write(pending)
-        return (None if usage is None else (*usage, 0, 0)), ttfb
+        return None if usage is None else (*usage, 0, 0)
 
     def _left(self, worker_url: str, started: float, ttfb: float | None = None) -> None:
         """Count a request whose client went away before its answer was whole."""

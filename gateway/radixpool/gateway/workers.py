@@ -163,6 +163,11 @@ class WorkerSet:
     def __len__(self) -> int:
         return len(self.workers)
 
+    @property
+    def departed(self) -> list[Worker]:
+        """Removed workers whose requests still run."""
+        return [w for w in self._departed.values() if w.inflight]
+
     def get(self, url: str) -> Worker | None:
         return self.workers.get(url)
 

@@ -119,7 +119,8 @@ def fleet_dashboard() -> dict[str, Any]:
         _panel("Time to first token", [
             *_quantiles(m.TIME_TO_FIRST_TOKEN, POOL),
             {"expr": _quantiles(m.GW_TIME_TO_FIRST_TOKEN, POOL)[2]["expr"],
-             "legendFormat": "p99 at the gateway"}], "s", "Engine and gateway views."),
+             "legendFormat": "p99 at the gateway"}], "s",
+            "Engine view (every request) and gateway view (streamed requests)."),
         _panel("Inter-token latency", _quantiles(m.INTER_TOKEN_LATENCY, POOL), "s",
                "Time between streamed tokens."),
         _panel("Request latency", [

@@ -156,12 +156,16 @@ class EngineRun:
         now = time.time()
         self._latest[chunk.index] = chunk
         if chunk.token_ids:   # a choice aborted before its first token has no TTFT
+            # every token after a choice's first has one gap: a chunk's k tokens share the time
+            # since the last chunk; those that came with the first token came with no gap
             prev = self._last.get(chunk.index)
+            tokens = len(chunk.token_ids)
             if prev is None:
                 self._metrics.record_first_token(
                     (chunk.first_token_time or now) - chunk.arrival_time, chunk.queue_time)
+                self._metrics.record_token_gap(0.0, tokens - 1)
             else:
-                self._metrics.record_token_gap((now - prev) / len(chunk.token_ids))
+                self._metrics.record_token_gap((now - prev) / tokens, tokens)
             self._last[chunk.index] = now
         if chunk.finished:
             self._open.discard(chunk.index)

@@ -142,8 +142,10 @@ class WorkerMetrics:
         if queue_time_s is not None:
             self.queue_time.observe(max(queue_time_s, 0.0))
 
-    def record_token_gap(self, seconds: float) -> None:
-        self.itl.observe(max(seconds, 0.0))
+    def record_token_gap(self, seconds: float, tokens: int = 1) -> None:
+        """`tokens` tokens each `seconds` after the one before (one observation per token)."""
+        for _ in range(tokens):
+            self.itl.observe(max(seconds, 0.0))
 
     def record_finished(self, finish_reason: str | None, prompt_tokens: int, cached_tokens: int,
                         completion_tokens: int, e2e_s: float) -> None:
