@@ -62,3 +62,14 @@ def test_docs_name_every_server_info_field(doc):
     section = server_info_docs()[doc]
     missing = [f.name for f in fields(ServerInfo) if f"`{f.name}`" not in section]
     assert not missing, f"{doc} does not list /server_info's {missing}"
+
+
+def test_readme_lists_every_engine_option():
+    from dataclasses import fields
+
+    from radixpool.worker.config import EngineConfig
+    text = README.read_text()
+    options = text[text.index("- Engine options"):text.index("Supported models:")]
+    missing = [f.name for f in fields(EngineConfig)
+               if f.name != "model_path" and f"`{f.name}`" not in options]
+    assert not missing, f"README.md's Engine options do not name {missing}"
