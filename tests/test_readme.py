@@ -42,3 +42,34 @@ def test_component_docs_list_their_metrics(doc, specs):
     missing = [s.name for s in specs
                if f"| `{s.series[0] if s.kind == 'info' else s.name}" not in text]
     assert not missing, f"{doc} does not list: {missing}"
+
+
+
+def server_info_docs() -> dict[str, str]:
+    """Each doc's description of `GET /server_info`: worker.md's row, protocol.md's section."""
+    worker = (REPO / "docs/worker.md").read_text()
+    protocol = (REPO / "docs/protocol.md").read_text()
+    return {"docs/worker.md": next(line for line in worker.splitlines()
+                                   if line.startswith("| `GET /server_info`")),
+            "docs/protocol.md": protocol.split("## `GET /server_info`")[1].split("\n## ")[0]}
+
+
+@pytest.mark.parametrize("doc", ["docs/worker.md", "docs/protocol.md"])
+def test_docs_name_every_server_info_field(doc):
+    from dataclasses import fields
+
+    from radixpool.protocol.server_info import ServerInfo
+    section = server_info_docs()[doc]
+    missing = [f.name for f in fields(ServerInfo) if f"`{f.name}`" not in section]
+    assert not missing, f"{doc} does not list /server_info's {missing}"
+
+
+def test_readme_lists_every_engine_option():
+    from dataclasses import fields
+
+    from radixpool.worker.config import EngineConfig
+    text = README.read_text()
+    options = text[text.index("- Engine options"):text.index("Supported models:")]
+    missing = [f.name for f in fields(EngineConfig)
+               if f.name != "model_path" and f"`{f.name}`" not in options]
+    assert not missing, f"README.md's Engine options do not name {missing}"

@@ -91,6 +91,7 @@ def test_progress_text_and_a_log_friendly_status_line():
     assert readiness_text(Readiness(1, 3, False, 12.4, ["worker 1", "worker 2"])) == \
         "loading: 1/3 workers ready (12 s; waiting for worker 1, worker 2)"
     assert readiness_text(Readiness(3, 3, True, 20.0)).startswith("ready: 3 workers")
+    assert readiness_text(Readiness(1, 1, True, 9.0)) == "ready: 1 worker and the gateway in 9 s"
     assert bar("x", 5, 10) == "x [###############...............] 5/10"
     out = io.StringIO()
     status = StatusLine(out)

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from radixpool.gateway.config import POLICIES
+from radixpool.help_format import HelpFormatter
 from radixpool.worker.config import DEVICES
 
 
@@ -16,8 +17,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "them on 127.0.0.1, print the OpenAI base URL, and on Ctrl-C (or SIGTERM) "
                     "drain and stop everything started. Without --model it serves the built-in "
                     "tiny model (random weights: gibberish text, real caching), made on first use "
-                    "in ~/.cache/radixpool.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    "in $RADIXPOOL_CACHE_DIR, else $XDG_CACHE_HOME/radixpool, else "
+                    "~/.cache/radixpool.",
+        formatter_class=HelpFormatter)
     up.add_argument("--model", metavar="DIR", default=None,
                     help="Hugging Face model directory (default: the built-in tiny model)")
     up.add_argument("--served-model-name", metavar="NAME", default=None,
@@ -41,7 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "with round_robin, and print throughput, time to first token, the workers' "
                     "actual cache hit rate, the gateway's predicted hit rate and each worker's "
                     "share side by side. Takes 1-3 minutes on a 2-core CPU.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     demo.add_argument("--model", metavar="DIR", default=None,
                       help="model directory (default: the built-in tiny model)")
     demo.add_argument("--workers", type=int, default=None,

@@ -40,6 +40,10 @@ class StatusLine:
             self._width = 0
 
 
+def worker_count(n: int) -> str:
+    return f"{n} worker" if n == 1 else f"{n} workers"
+
+
 def readiness_text(r: Readiness) -> str:
     if r.workers_ready < r.workers:
         waiting = ", ".join(r.pending)
@@ -48,7 +52,7 @@ def readiness_text(r: Readiness) -> str:
     if not r.gateway_ready:
         return f"loading: {r.workers}/{r.workers} workers ready, gateway connecting " \
                f"({r.elapsed_s:.0f} s)"
-    return f"ready: {r.workers} workers and the gateway in {r.elapsed_s:.0f} s"
+    return f"ready: {worker_count(r.workers)} and the gateway in {r.elapsed_s:.0f} s"
 
 
 def bar(label: str, done: int, total: int, extra: str = "") -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from radixpool.fleet.fleet import FleetSpec, LocalFleet
 from radixpool.fleet.process import ChildFailed, PortInUse
-from radixpool.fleet.progress import StatusLine, readiness_text
+from radixpool.fleet.progress import StatusLine, readiness_text, worker_count
 
 BUILTIN_MODEL_NAME = "tiny-llama"
 
@@ -108,8 +108,9 @@ def _print_banner(fleet: LocalFleet) -> None:
     spec = fleet.spec
     workers = "\n".join(f"  {w.name}:         {w.url} (pid {w.pid})" for w in fleet.workers)
     gateway = fleet.gateway
+    count = worker_count(len(fleet.workers))
     print(f"""
-RadixPool is up: {len(fleet.workers)} workers behind a {spec.policy} gateway (pid {gateway.pid}).
+RadixPool is up: {count} behind a {spec.policy} gateway (pid {gateway.pid}).
 
   OpenAI base URL:  {fleet.base_url}
   model:            {spec.model_name}

@@ -19,6 +19,7 @@ from radixpool.gateway.api_keys import (
     WORKER_KEY_ENV,
 )
 from radixpool.gateway.config import POLICIES, GatewayConfig
+from radixpool.help_format import HelpFormatter
 from radixpool.keys import read_key
 
 D = GatewayConfig()
@@ -30,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Route OpenAI-compatible and /generate requests to the worker most likely to "
                     "hold the prompt's prefix in KV cache, balanced by load, corrected from the "
                     "workers' own reports.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     src = p.add_argument_group("workers")
     src.add_argument("--worker-urls", nargs="+", default=[], metavar="URL",
                      help="static worker list (http://HOST:PORT ...)")
@@ -73,8 +74,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--hold-max-seconds", type=float, default=D.hold_max_seconds,
                    help="late binding: a request held this long goes to its soonest worker")
     s = p.add_argument_group("server and fleet")
-    s.add_argument("--host", default=D.host)
-    s.add_argument("--port", type=int, default=D.port)
+    s.add_argument("--host", default=D.host, help="listen address")
+    s.add_argument("--port", type=int, default=D.port, help="listen port")
     s.add_argument("--api-key-file", default=None, metavar="PATH",
                    help=f"file holding the key clients must send as Authorization: Bearer KEY "
                         f"(without it: ${CLIENT_KEY_ENV}, else no key)")

@@ -176,7 +176,7 @@ class Gateway:
         else:
             await respond.send_error(404, f"unknown path {path!r}; the gateway serves "
                                           f"{', '.join(ROUTED_PATHS)}, /v1/models[/ID], /workers, "
-                                          "/health, /metrics")
+                                          "/health, /livez, /metrics")
 
     async def forward_models(self, request: Request, respond: Responder) -> None:
         """`/v1/models/{id}` from a worker serving `id` if any does (the others answer 404

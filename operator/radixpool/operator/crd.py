@@ -89,8 +89,10 @@ ENGINE = obj("The worker pods: image, resources, engine knobs and placement.", {
     "device": string("Where the engine runs.", default="auto", enum=DEVICES),
     "dtype": string("Weight and activation dtype.", default="auto", enum=DTYPES),
     "kvCacheTokens": integer("KV cache budget in tokens; excludes `memFraction`.", minimum=1),
-    "memFraction": number("Fraction of GPU memory for weights and KV cache; excludes "
-                          "`kvCacheTokens`.", minimum=0, exclusive_minimum=True, maximum=1),
+    "memFraction": number("Fraction of the GPU memory free after loading the weights for the "
+                          "KV cache, per-request tensors, step activations and CUDA graphs; "
+                          "excludes `kvCacheTokens`.",
+                          minimum=0, exclusive_minimum=True, maximum=1),
     "pageSize": integer("Tokens per KV page.", default=1, minimum=1, maximum=256),
     "maxRunningRequests": integer("Most requests in the running batch.", minimum=1),
     "chunkedPrefillSize": integer("Longest prefill chunk in tokens.", minimum=1),
