@@ -23,6 +23,15 @@ request's response (whose request is then aborted). `EdgeProtocol`:
 - a malformed or oversized request pipelined behind others is answered, and the connection
   closed, only after the earlier requests' responses are complete.
 
+- at most `max_connections` connections are open at once (fewer when the open-file limit leaves
+  less room: `edge_protocol` raises the soft limit to the hard one, and keeps `FD_RESERVE`
+  descriptors for the server's own connections to workers, files and children). One more
+  closes the oldest connection that has no request being answered (idle, or still sending a
+  head), as nginx reuses its keep-alive connections; when every one is answering, the new one
+  gets 503. Without it a client holding a thousand idle sockets took the process to its
+  descriptor limit: it then accepted and dropped every connection, and could open none to its
+  workers;
+
 What uvicorn already does right is kept: pipelined requests answered in order, one at a time;
 `100 Continue` sent only when the application asks for the body; a response body written to a
 client that does not read waits for it (flow control), so a slow reader holds back its own
@@ -35,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import resource
 from dataclasses import dataclass
 
 import httptools
@@ -48,6 +58,7 @@ class EdgeLimits:
     header_read_timeout: float = 10.0   # seconds from a request head's first byte to its end
     max_header_bytes: int = 65536       # request line + headers; larger heads get 431
     body_read_timeout: float = 30.0     # seconds from a head's end to its body's end
+    max_connections: int = 4096         # open at once; past it idle ones close, else 503
 
     def __post_init__(self) -> None:
         if not self.header_read_timeout > 0:
@@ -57,11 +68,31 @@ class EdgeLimits:
             raise ValueError(f"body_read_timeout must be > 0 seconds, got {self.body_read_timeout}")
         if self.max_header_bytes < 1024:
             raise ValueError(f"max_header_bytes must be ≥ 1024, got {self.max_header_bytes}")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be ≥ 1, got {self.max_connections}")
+
+
+FD_RESERVE = 256   # descriptors kept from clients: worker connections, files, child processes
+
+
+def open_file_room() -> int:
+    """Raise this process's soft open-file limit to its hard limit (many containers start at
+    1024 soft); returns how many descriptors clients' connections may have."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return max(1, soft - FD_RESERVE)
 
 
 def edge_protocol(limits: EdgeLimits) -> type[HttpToolsProtocol]:
-    """The protocol class to give `uvicorn.Config(http=...)`."""
-    return type("EdgeProtocol", (EdgeProtocol,), {"limits": limits})
+    """The protocol class to give `uvicorn.Config(http=...)` (raises the open-file limit)."""
+    return type("EdgeProtocol", (EdgeProtocol,), {
+        "limits": limits, "max_connections": min(limits.max_connections, open_file_room())})
 
 
 def error_document(status: int, message: str, code: str | None = None,
@@ -81,9 +112,11 @@ def _error_response(status: int, message: str, code: str) -> bytes:
 
 class EdgeProtocol(HttpToolsProtocol):
     limits = EdgeLimits()
+    max_connections = EdgeLimits.max_connections
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)
+        self._opened_at = self.loop.time()
         self._in_head = True      # the next bytes belong to a request head
         self._head_started = False   # ... and some of them have arrived
         self._head_bytes = 0      # of the head being read, counted from the read it began in
@@ -96,6 +129,18 @@ class EdgeProtocol(HttpToolsProtocol):
         self._refusal: bytes | None = None   # sent once the responses ahead of it are complete
         self._joined: _HeadJoined | None = None   # the newest request's writer
         self._arm_head_timer()
+        if len(self.server_state.connections) > self.max_connections:
+            self._make_room()
+
+    def _make_room(self) -> None:
+        """One connection too many: close the oldest one not being answered, else this one."""
+        idle = [c for c in self.server_state.connections
+                if c is not self and not c._answering() and not c.transport.is_closing()]
+        if idle:
+            min(idle, key=lambda c: c._opened_at).transport.close()
+            return
+        self._refuse(503, f"the server holds its limit of {self.max_connections} open "
+                          "connections, all of them being answered; retry", "too_many_connections")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()

@@ -5,6 +5,7 @@ a real gateway with simulated workers."""
 from __future__ import annotations
 
 import json
+import time
 
 from tests.gateway.test_http_edge import Responses, connect, read_until_closed
 
@@ -35,3 +36,46 @@ def test_a_request_without_the_key_is_refused_before_its_body_is_read(make_stack
         "authorization": "Bearer client-key", "content-type": "application/json"})
     assert r.status_code != 503, r.text[:200]
     assert stack.fleet.workers[0].requests == 1
+
+
+def test_idle_connections_past_the_limit_make_room_and_clients_are_still_served(make_stack):
+    # Nothing capped the connections: a client holding a thousand idle sockets took the gateway
+    # to its open-file limit (1024 in many containers), where it accepted and dropped every new
+    # connection and could open none to its workers.
+    stack = make_stack(1, max_connections=16)
+    idle = [connect(stack.url) for _ in range(24)]
+    try:
+        got = stack.client.post("/v1/completions", json={"prompt": "w1 w2", "max_tokens": 1},
+                                headers={"connection": "close"})
+        assert got.status_code == 200
+        for c in idle[:9]:   # the oldest idle ones were closed to make room
+            assert read_until_closed(c, 5.0) == b""
+        with connect(stack.url) as newest:   # the newest of them still serves
+            newest.sendall(b"GET /livez HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            assert read_until_closed(newest).startswith(b"HTTP/1.1 200")
+    finally:
+        for c in idle:
+            c.close()
+
+
+def test_when_every_connection_is_being_answered_one_more_gets_503(make_stack):
+    stack = make_stack(1, max_connections=4)
+    busy = [connect(stack.url) for _ in range(4)]
+    try:
+        for c in busy:   # heads whole, bodies still to come: each is a request being answered
+            c.sendall(HEAD + b"content-length: 100\r\n\r\n{\"prompt\"")
+        tasks = stack.server.server._state.tasks
+        deadline = time.monotonic() + 5
+        while len(tasks) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with connect(stack.url) as late:
+            late.sendall(b"GET /livez HTTP/1.1\r\nhost: x\r\n\r\n")
+            (status, body), = Responses(read_until_closed(late)).messages
+        assert status == 503
+        assert json.loads(body)["error"]["code"] == "too_many_connections"
+        busy[0].sendall(b': "w1", "max_tokens": 1}'.ljust(91))   # the rest of the 100 bytes
+        (status, _), = Responses(read_until_closed(busy[0], 2.0)).messages
+        assert status == 200   # the requests held were never cut
+    finally:
+        for c in busy:
+            c.close()
