@@ -31,6 +31,9 @@ request's response (whose request is then aborted). `EdgeProtocol`:
   gets 503. Without it a client holding a thousand idle sockets took the process to its
   descriptor limit: it then accepted and dropped every connection, and could open none to its
   workers;
+- an HTTP/1.0 request's streamed answer is sent as it is, ended by closing the connection:
+  uvicorn framed it in chunked encoding, which HTTP/1.0 has not (RFC 9112 §6.1), so an HTTP/1.0
+  client read the chunk sizes as part of its event stream.
 
 What uvicorn already does right is kept: pipelined requests answered in order, one at a time;
 `100 Continue` sent only when the application asks for the body; a response body written to a
@@ -48,7 +51,11 @@ import resource
 from dataclasses import dataclass
 
 import httptools
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import (
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
 
 
 @dataclass(frozen=True)
@@ -239,6 +246,8 @@ class EdgeProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         cycle = self.cycle
         self._joined = cycle.transport = _HeadJoined(cycle, self.transport, self.loop)
+        if self.scope.get("http_version") == "1.0" and cycle is not None:
+            cycle.__class__ = _CloseDelimited
 
     def on_body(self, body: bytes) -> None:
         self._body_pieces += 1
@@ -331,6 +340,24 @@ class EdgeProtocol(HttpToolsProtocol):
             return
         self._refuse(408, f"the request head did not arrive within "
                           f"{self.limits.header_read_timeout:g} s", "request_timeout")
+
+
+class _CloseDelimited(RequestResponseCycle):
+    """An HTTP/1.0 request's response cycle: a body of unknown length (no Content-Length) goes
+    out unframed and the connection's close ends it (uvicorn would frame it in chunks)."""
+
+    _unframed = False
+
+    async def send(self, message) -> None:
+        if message["type"] == "http.response.start" and not self.response_started:
+            if not any(name.lower() == b"content-length" for name, _ in message.get("headers", ())):
+                # (uvicorn closes an HTTP/1.0 connection after each answer already)
+                self._unframed, self.keep_alive, self.chunked_encoding = True, False, False
+        elif self._unframed and message["type"] == "http.response.body":
+            # uvicorn counts down a Content-Length: give it what this write completes
+            more = message.get("more_body", False)
+            self.expected_content_length = 1 << 62 if more else len(message.get("body", b""))
+        await super().send(message)
 
 
 class _HeadJoined:

@@ -79,3 +79,22 @@ def test_when_every_connection_is_being_answered_one_more_gets_503(make_stack):
     finally:
         for c in busy:
             c.close()
+
+
+def test_an_http_1_0_client_gets_its_stream_unframed_and_ended_by_the_close(make_stack):
+    stack = make_stack(1)
+    body = json.dumps({"prompt": "w1 w2", "max_tokens": 3, "stream": True}).encode()
+    with connect(stack.url) as c:
+        c.sendall(b"POST /v1/completions HTTP/1.0\r\ncontent-type: application/json\r\n"
+                  b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        head, _, stream = read_until_closed(c).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    assert b"transfer-encoding" not in head.lower()   # HTTP/1.0 has no chunked encoding
+    events = [e for e in stream.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    assert all(e.startswith(b"data: {") for e in events[:-1]), events[:2]
+    # a whole answer keeps its Content-Length
+    with connect(stack.url) as c:
+        c.sendall(b"GET /livez HTTP/1.0\r\n\r\n")
+        got = read_until_closed(c)
+    assert b"content-length: 15\r\n" in got and got.endswith(b'{"status":"ok"}')
