@@ -239,14 +239,18 @@ class EdgeProtocol(HttpToolsProtocol):
             super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
+        # First, while the head is still the one being read: uvicorn raises on a request target
+        # its URL parser refuses (`CONNECT host:port`), and `_feed` then refuses the head. (With
+        # the head marked read, the error went to a body that did not exist: no answer, and a
+        # traceback in the log for every such request.)
+        super().on_headers_complete()
         self._in_head = self._head_started = False
         self._head_bytes = self._framing_bytes = 0
         self._heads_read += 1
         self._cancel_head_timer()
-        super().on_headers_complete()
         cycle = self.cycle
         self._joined = cycle.transport = _HeadJoined(cycle, self.transport, self.loop)
-        if self.scope.get("http_version") == "1.0" and cycle is not None:
+        if self.scope.get("http_version") == "1.0":
             cycle.__class__ = _CloseDelimited
 
     def on_body(self, body: bytes) -> None:

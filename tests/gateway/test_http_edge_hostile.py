@@ -98,3 +98,17 @@ def test_an_http_1_0_client_gets_its_stream_unframed_and_ended_by_the_close(make
         c.sendall(b"GET /livez HTTP/1.0\r\n\r\n")
         got = read_until_closed(c)
     assert b"content-length: 15\r\n" in got and got.endswith(b'{"status":"ok"}')
+
+
+def test_a_request_target_the_url_parser_refuses_gets_400_alone_or_pipelined(make_stack):
+    # `CONNECT host:port` passed the request parser and broke uvicorn's URL parser in the
+    # head's callback: the edge took the error for a broken body that did not exist and failed
+    # itself (no answer, a traceback in the log per request)
+    stack = make_stack(1)
+    for first in (b"", b"GET /livez HTTP/1.1\r\nhost: x\r\n\r\n"):
+        with connect(stack.url) as c:
+            c.sendall(first + b"CONNECT 127.0.0.1:1 HTTP/1.1\r\nhost: x\r\n\r\n")
+            answers = Responses(read_until_closed(c, 5.0)).messages
+        assert [status for status, _ in answers] == [200] * bool(first) + [400]
+        assert json.loads(answers[-1][1])["error"]["code"] == "invalid_http_request"
+    assert stack.client.get("/livez").status_code == 200
