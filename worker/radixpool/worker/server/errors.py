@@ -141,6 +141,9 @@ def _union_error(errors: list[dict], loc: tuple[Any, ...]) -> APIError:
         if detail is None and len(eloc) > cut + 1:
             inner = eloc[:cut] + tuple(p for p in eloc[cut + 1:] if not _union_tag(p))
             detail = f"{field_path(inner)}: {err.get('msg')}"
+        elif detail is None and not str(err.get("type", "")).endswith("_type"):
+            # the value has this form but breaks its limit (17 stop strings where 16 are taken)
+            detail = f"{param}: {err.get('msg')}"
     message = f"invalid value for '{param}': expected {' or '.join(forms)}"
     if detail:
         message += f" ({detail})"
