@@ -5,8 +5,10 @@ a real gateway with simulated workers."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 
+from radixpool.gateway.http_edge import EdgeLimits, EdgeServer, Request, Responder
 from tests.gateway.test_http_edge import Responses, connect, read_until_closed
 
 MIB = 1 << 20
@@ -112,3 +114,24 @@ def test_a_request_target_the_url_parser_refuses_gets_400_alone_or_pipelined(mak
         assert [status for status, _ in answers] == [200] * bool(first) + [400]
         assert json.loads(answers[-1][1])["error"]["code"] == "invalid_http_request"
     assert stack.client.get("/livez").status_code == 200
+
+
+def test_a_handler_failure_logs_the_path_on_one_line(loop_thread, caplog):
+    # The path is percent-decoded: `%0d%0a` in it wrote a forged line into the gateway's log
+    async def failing(request: Request, respond: Responder) -> None:
+        raise RuntimeError("a bug")
+
+    server = EdgeServer(failing, "127.0.0.1", 0, EdgeLimits())
+    loop_thread.run(server.start())
+    try:
+        with caplog.at_level(logging.ERROR, logger="radixpool.gateway"), \
+                connect(f"http://127.0.0.1:{server.port}") as c:
+            c.sendall(b"GET /x%0d%0a2026-01-01%20INFO%20forged HTTP/1.1\r\nhost: x\r\n"
+                      b"connection: close\r\n\r\n")
+            (status, _), = Responses(read_until_closed(c)).messages
+        assert status == 500
+        failure, = (r for r in caplog.records if "handler failed" in r.getMessage())
+        assert "\n" not in failure.getMessage() and "\r" not in failure.getMessage()
+        assert "forged" in failure.getMessage()
+    finally:
+        loop_thread.run(server.stop())

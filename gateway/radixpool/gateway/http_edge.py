@@ -290,7 +290,8 @@ class EdgeServer:
                 task.uncancel()
             respond.disconnected = True
         except Exception as exc:  # a bug must cost one request, never the server
-            log.exception("gateway handler failed on %s %s", request.method, request.path)
+            # %r: the path is percent-decoded, and a CR or LF in it would forge log lines
+            log.exception("gateway handler failed on %s %r", request.method, request.path)
             if not respond.started:
                 await respond.send_error(500, f"internal gateway error: {exc!r}")
             elif respond.streaming:

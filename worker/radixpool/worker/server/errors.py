@@ -192,5 +192,6 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        # %r: the path is percent-decoded, and a CR or LF in it would forge log lines
+        log.exception("unhandled error on %s %r", request.method, request.url.path)
         return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
