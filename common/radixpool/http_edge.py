@@ -23,6 +23,18 @@ request's response (whose request is then aborted). `EdgeProtocol`:
 - a malformed or oversized request pipelined behind others is answered, and the connection
   closed, only after the earlier requests' responses are complete.
 
+- at most `max_connections` connections are open at once (fewer when the open-file limit leaves
+  less room: `edge_protocol` raises the soft limit to the hard one, and keeps `FD_RESERVE`
+  descriptors for the server's own connections to workers, files and children). One more
+  closes the oldest connection that has no request being answered (idle, or still sending a
+  head), as nginx reuses its keep-alive connections; when every one is answering, the new one
+  gets 503. Without it a client holding a thousand idle sockets took the process to its
+  descriptor limit: it then accepted and dropped every connection, and could open none to its
+  workers;
+- an HTTP/1.0 request's streamed answer is sent as it is, ended by closing the connection:
+  uvicorn framed it in chunked encoding, which HTTP/1.0 has not (RFC 9112 §6.1), so an HTTP/1.0
+  client read the chunk sizes as part of its event stream.
+
 What uvicorn already does right is kept: pipelined requests answered in order, one at a time;
 `100 Continue` sent only when the application asks for the body; a response body written to a
 client that does not read waits for it (flow control), so a slow reader holds back its own
@@ -35,10 +47,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import resource
 from dataclasses import dataclass
 
 import httptools
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import (
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
 
 
 @dataclass(frozen=True)
@@ -48,6 +65,7 @@ class EdgeLimits:
     header_read_timeout: float = 10.0   # seconds from a request head's first byte to its end
     max_header_bytes: int = 65536       # request line + headers; larger heads get 431
     body_read_timeout: float = 30.0     # seconds from a head's end to its body's end
+    max_connections: int = 4096         # open at once; past it idle ones close, else 503
 
     def __post_init__(self) -> None:
         if not self.header_read_timeout > 0:
@@ -57,11 +75,31 @@ class EdgeLimits:
             raise ValueError(f"body_read_timeout must be > 0 seconds, got {self.body_read_timeout}")
         if self.max_header_bytes < 1024:
             raise ValueError(f"max_header_bytes must be ≥ 1024, got {self.max_header_bytes}")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be ≥ 1, got {self.max_connections}")
+
+
+FD_RESERVE = 256   # descriptors kept from clients: worker connections, files, child processes
+
+
+def open_file_room() -> int:
+    """Raise this process's soft open-file limit to its hard limit (many containers start at
+    1024 soft); returns how many descriptors clients' connections may have."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return max(1, soft - FD_RESERVE)
 
 
 def edge_protocol(limits: EdgeLimits) -> type[HttpToolsProtocol]:
-    """The protocol class to give `uvicorn.Config(http=...)`."""
-    return type("EdgeProtocol", (EdgeProtocol,), {"limits": limits})
+    """The protocol class to give `uvicorn.Config(http=...)` (raises the open-file limit)."""
+    return type("EdgeProtocol", (EdgeProtocol,), {
+        "limits": limits, "max_connections": min(limits.max_connections, open_file_room())})
 
 
 def error_document(status: int, message: str, code: str | None = None,
@@ -81,9 +119,11 @@ def _error_response(status: int, message: str, code: str) -> bytes:
 
 class EdgeProtocol(HttpToolsProtocol):
     limits = EdgeLimits()
+    max_connections = EdgeLimits.max_connections
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)
+        self._opened_at = self.loop.time()
         self._in_head = True      # the next bytes belong to a request head
         self._head_started = False   # ... and some of them have arrived
         self._head_bytes = 0      # of the head being read, counted from the read it began in
@@ -96,6 +136,18 @@ class EdgeProtocol(HttpToolsProtocol):
         self._refusal: bytes | None = None   # sent once the responses ahead of it are complete
         self._joined: _HeadJoined | None = None   # the newest request's writer
         self._arm_head_timer()
+        if len(self.server_state.connections) > self.max_connections:
+            self._make_room()
+
+    def _make_room(self) -> None:
+        """One connection too many: close the oldest one not being answered, else this one."""
+        idle = [c for c in self.server_state.connections
+                if c is not self and not c._answering() and not c.transport.is_closing()]
+        if idle:
+            min(idle, key=lambda c: c._opened_at).transport.close()
+            return
+        self._refuse(503, f"the server holds its limit of {self.max_connections} open "
+                          "connections, all of them being answered; retry", "too_many_connections")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
@@ -187,13 +239,19 @@ class EdgeProtocol(HttpToolsProtocol):
             super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
+        # First, while the head is still the one being read: uvicorn raises on a request target
+        # its URL parser refuses (`CONNECT host:port`), and `_feed` then refuses the head. (With
+        # the head marked read, the error went to a body that did not exist: no answer, and a
+        # traceback in the log for every such request.)
+        super().on_headers_complete()
         self._in_head = self._head_started = False
         self._head_bytes = self._framing_bytes = 0
         self._heads_read += 1
         self._cancel_head_timer()
-        super().on_headers_complete()
         cycle = self.cycle
         self._joined = cycle.transport = _HeadJoined(cycle, self.transport, self.loop)
+        if self.scope.get("http_version") == "1.0":
+            cycle.__class__ = _CloseDelimited
 
     def on_body(self, body: bytes) -> None:
         self._body_pieces += 1
@@ -286,6 +344,24 @@ class EdgeProtocol(HttpToolsProtocol):
             return
         self._refuse(408, f"the request head did not arrive within "
                           f"{self.limits.header_read_timeout:g} s", "request_timeout")
+
+
+class _CloseDelimited(RequestResponseCycle):
+    """An HTTP/1.0 request's response cycle: a body of unknown length (no Content-Length) goes
+    out unframed and the connection's close ends it (uvicorn would frame it in chunks)."""
+
+    _unframed = False
+
+    async def send(self, message) -> None:
+        if message["type"] == "http.response.start" and not self.response_started:
+            if not any(name.lower() == b"content-length" for name, _ in message.get("headers", ())):
+                # (uvicorn closes an HTTP/1.0 connection after each answer already)
+                self._unframed, self.keep_alive, self.chunked_encoding = True, False, False
+        elif self._unframed and message["type"] == "http.response.body":
+            # uvicorn counts down a Content-Length: give it what this write completes
+            more = message.get("more_body", False)
+            self.expected_content_length = 1 << 62 if more else len(message.get("body", b""))
+        await super().send(message)
 
 
 class _HeadJoined:

@@ -102,6 +102,9 @@ def as_api_error(model, body):
      "required"),
     (ChatCompletionRequest, {"messages": [{"role": "user"}], "functions": [{}]}, "functions",
      "not supported"),
+    # a list past its limit was told it had the wrong form ("expected ... a list of non-empty
+    # strings") when it was one
+    (CompletionRequest, {"prompt": "x", "stop": ["ab"] * 17}, "stop", "at most 16"),
 ])
 def test_validation_errors_name_the_field(model, body, param, words):
     err = as_api_error(model, body)

@@ -198,3 +198,20 @@ def test_an_endless_trailer_section_gets_431_not_kept_until_the_body_timeout(edg
     (status, body), = split_responses(read_until_closed(sock))
     assert status == 431 and "trailer" in json.loads(body)["error"]["message"]
     assert httpx.get(f"{edge.url}/health").status_code == 200
+
+
+def test_an_http_1_0_stream_is_sent_unframed_and_ended_by_the_close(edge):
+    # HTTP/1.0 has no chunked encoding: the chunk sizes were read as part of the event stream
+    body = json.dumps({"model": "tiny", "prompt": "hello there", "max_tokens": 4,
+                       "ignore_eos": True, "stream": True}).encode()
+    with connect(edge) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        head, _, stream = read_until_closed(sock).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    assert b"transfer-encoding" not in head.lower()
+    events = [e for e in stream.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    assert all(e.startswith(b"data: ") for e in events), events[:2]
+    choices = [json.loads(e[6:])["choices"][0] for e in events[:-1]]
+    assert choices[-1]["finish_reason"] == "length"   # all 4 tokens came through

@@ -71,6 +71,7 @@ class GatewayConfig:
     header_read_timeout: float = 10.0   # also closes idle keep-alive connections
     max_header_bytes: int = 64 * 1024
     body_read_timeout: float = 30.0
+    max_connections: int = 4096   # client connections open at once (see radixpool.http_edge)
     upstream_first_byte_timeout: float = 300.0
     upstream_timeout: float = 1800.0
     max_route_prompt_chars: int = 256 * 1024  # the router tokenizes and hashes this prefix only
@@ -117,6 +118,7 @@ class GatewayConfig:
         _check(self.text_block_bytes > 0, "text_block_bytes", "> 0")
         _check(self.header_read_timeout >= 0.001, "header_read_timeout", ">= 0.001")
         _check(self.max_header_bytes >= 8192, "max_header_bytes", ">= 8192")
+        _check(self.max_connections >= 1, "max_connections", ">= 1")
         _check(self.body_read_timeout > 0, "body_read_timeout", "> 0")
         _check(self.upstream_first_byte_timeout > 0, "upstream_first_byte_timeout", "> 0")
         _check(self.upstream_timeout > 0, "upstream_timeout", "> 0")

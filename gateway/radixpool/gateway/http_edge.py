@@ -23,6 +23,10 @@ request answered sooner never pays for it; a client that left earlier is seen th
 watch starts). The application sees a `Request` and a `Responder`:
 
     async def app(request: Request, respond: Responder) -> None
+
+and may screen each request on its head alone, before the body is read (`Screen`: the gateway
+checks keys there, so a client without one never has a body buffered, a `100 Continue` sent or
+the large-body budget charged for it).
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ log = logging.getLogger("radixpool.gateway")
 
 Headers = list[tuple[bytes, bytes]]
 App = Callable[["Request", "Responder"], Awaitable[None]]
+# (method, path, headers) -> an answer given before the body is read, or None to go on
+Screen = Callable[[str, str, dict[bytes, bytes]], "tuple[int, Headers, bytes] | None"]
 
 REQUEST_ID = b"x-request-id"
 _USABLE_REQUEST_ID = re.compile(rb"[\x21-\x7e]{1,256}")   # printable ASCII, no spaces
@@ -189,8 +195,10 @@ class _Watch:
 class EdgeServer:
     """Serve `app` on host:port (0: an ephemeral port, bound at once so `port` is known)."""
 
-    def __init__(self, app: App, host: str, port: int, limits: EdgeLimits) -> None:
+    def __init__(self, app: App, host: str, port: int, limits: EdgeLimits,
+                 screen: Screen | None = None) -> None:
         self.app = app
+        self.screen = screen
         self.host = host
         self.limits = limits
         self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -249,6 +257,12 @@ class EdgeServer:
         headers = dict(scope["headers"])
         headers[REQUEST_ID] = request_id(headers)
         respond = Responder(send, headers[REQUEST_ID])
+        if self.screen is not None:
+            refusal = self.screen(scope["method"], scope["path"], headers)
+            if refusal is not None:
+                respond.closing = _declares_body(headers)   # a body left unread ends it
+                await respond.send(*refusal)
+                return
         budget = _BodyBudget(self)
         try:
             body = await self._read_body(headers, receive, respond, budget)
@@ -276,7 +290,8 @@ class EdgeServer:
                 task.uncancel()
             respond.disconnected = True
         except Exception as exc:  # a bug must cost one request, never the server
-            log.exception("gateway handler failed on %s %s", request.method, request.path)
+            # %r: the path is percent-decoded, and a CR or LF in it would forge log lines
+            log.exception("gateway handler failed on %s %r", request.method, request.path)
             if not respond.started:
                 await respond.send_error(500, f"internal gateway error: {exc!r}")
             elif respond.streaming:
@@ -326,6 +341,11 @@ class EdgeServer:
             503, f"the gateway holds its limit of {self.limits.large_body_budget_bytes} bytes "
                  f"of request bodies over {LARGE_BODY_BYTES} bytes; retry", "bodies_over_budget")
         await respond.send(status, [(b"retry-after", b"1"), *headers], doc)
+
+
+def _declares_body(headers: dict[bytes, bytes]) -> bool:
+    return b"transfer-encoding" in headers or headers.get(b"content-length", b"0") \
+        .strip(b" \t0") != b""
 
 
 class _BodyBudget:

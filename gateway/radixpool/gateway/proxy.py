@@ -141,19 +141,25 @@ class Gateway:
         return upstream.status, await upstream.body()
 
     # --- endpoints ----------------------------------------------------------------------------
-    async def __call__(self, request: Request, respond: Responder) -> None:
-        path, method = request.path, request.method
-        headers = request.headers
-        if self.draining:  # a kept-alive client would find the connection gone mid-request later
-            respond.closing = True
+    def screen(self, method: str, path: str, headers: dict[bytes, bytes]
+               ) -> tuple[int, Headers, bytes] | None:
+        """The edge's check of a request's head, before its body is read: the keys
+        (`AccessPolicy`). None lets the request through to `__call__`."""
         denied = self.access.check(path, method, presented_key(
             headers.get(b"authorization", b""), headers.get(b"x-api-key", b"")))
-        if denied is not None:
-            status, error_headers, doc = error_body(*denied)
-            if status == 401:
-                error_headers = [(b"www-authenticate", b"Bearer"), *error_headers]
-            await respond.send(status, error_headers, doc)
-        elif path in ROUTED_PATHS:
+        if denied is None:
+            return None
+        status, error_headers, doc = error_body(*denied)
+        if status == 401:
+            error_headers = [(b"www-authenticate", b"Bearer"), *error_headers]
+        return status, error_headers, doc
+
+    async def __call__(self, request: Request, respond: Responder) -> None:
+        """A request that passed `screen`."""
+        path, method = request.path, request.method
+        if self.draining:  # a kept-alive client would find the connection gone mid-request later
+            respond.closing = True
+        if path in ROUTED_PATHS:
             if method != "POST":
                 await respond.send_error(405, f"{path} accepts POST, not {method}")
             else:

@@ -141,6 +141,11 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="SECONDS",
                    help="how long a request's body may take to arrive after its head; slower "
                         f"clients get 408 (default: {EdgeLimits.body_read_timeout:g})")
+    p.add_argument("--max-connections", type=int, default=EdgeLimits.max_connections,
+                   metavar="N",
+                   help="client connections open at once (fewer if the open-file limit is "
+                        "lower); past it the oldest idle one closes, or 503 if none is idle "
+                        f"(default: {EdgeLimits.max_connections})")
     p.add_argument("--tool-call-format", choices=TOOL_FORMAT_FLAGS, default="auto",
                    help="the syntax the model writes tool calls in: "
                         f"{', '.join(TOOL_FORMATS)}, or auto: read from the chat template "
@@ -207,5 +212,6 @@ def _config_from_args(args: argparse.Namespace) -> ServerConfig:
         tool_call_format=args.tool_call_format,
         edge=EdgeLimits(header_read_timeout=args.header_read_timeout,
                         max_header_bytes=args.max_header_bytes,
-                        body_read_timeout=args.body_read_timeout),
+                        body_read_timeout=args.body_read_timeout,
+                        max_connections=args.max_connections),
     )

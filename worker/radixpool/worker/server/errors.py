@@ -141,6 +141,9 @@ def _union_error(errors: list[dict], loc: tuple[Any, ...]) -> APIError:
         if detail is None and len(eloc) > cut + 1:
             inner = eloc[:cut] + tuple(p for p in eloc[cut + 1:] if not _union_tag(p))
             detail = f"{field_path(inner)}: {err.get('msg')}"
+        elif detail is None and not str(err.get("type", "")).endswith("_type"):
+            # the value has this form but breaks its limit (17 stop strings where 16 are taken)
+            detail = f"{param}: {err.get('msg')}"
     message = f"invalid value for '{param}': expected {' or '.join(forms)}"
     if detail:
         message += f" ({detail})"
@@ -189,5 +192,6 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        # %r: the path is percent-decoded, and a CR or LF in it would forge log lines
+        log.exception("unhandled error on %s %r", request.method, request.url.path)
         return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()

@@ -1,0 +1,137 @@
+"""The gateway's HTTP edge against a hostile in-cluster client: what it may make the gateway do
+before it has shown a key, and inputs from the edges of HTTP/1. Raw sockets on loopback against
+a real gateway with simulated workers."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from radixpool.gateway.http_edge import EdgeLimits, EdgeServer, Request, Responder
+from tests.gateway.test_http_edge import Responses, connect, read_until_closed
+
+MIB = 1 << 20
+HEAD = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+
+
+def test_a_request_without_the_key_is_refused_before_its_body_is_read(make_stack):
+    # The body was read (and a declared one over 1 MiB took its size from the large-body budget)
+    # before the key was checked: a dozen keyless connections declaring 20 MiB and sending
+    # nothing held the whole budget, and every client's large body got 503 for 30 s.
+    stack = make_stack(1, api_key="client-key", max_body_bytes=32 * MIB,
+                       large_body_budget_bytes=64 * MIB)
+    edge = stack.server.server
+    keyless = [connect(stack.url) for _ in range(4)]
+    for c in keyless:
+        c.sendall(HEAD + b"expect: 100-continue\r\ncontent-length: %d\r\n\r\n" % (20 * MIB))
+    for c in keyless:
+        got = read_until_closed(c, 5.0)   # answered, and closed: the body is never read
+        (status, body), = Responses(got).messages   # a 401, and no `100 Continue` before it
+        assert status == 401, got[:200]
+        assert json.loads(body)["error"]["code"] == "invalid_api_key"
+        c.close()
+    assert edge.large_bodies_held == 0
+    # a keyed client's large body is still taken
+    big = json.dumps({"prompt": "w1 " * (MIB // 2), "max_tokens": 1}).encode()
+    r = stack.client.post("/v1/completions", content=big, headers={
+        "authorization": "Bearer client-key", "content-type": "application/json"})
+    assert r.status_code != 503, r.text[:200]
+    assert stack.fleet.workers[0].requests == 1
+
+
+def test_idle_connections_past_the_limit_make_room_and_clients_are_still_served(make_stack):
+    # Nothing capped the connections: a client holding a thousand idle sockets took the gateway
+    # to its open-file limit (1024 in many containers), where it accepted and dropped every new
+    # connection and could open none to its workers.
+    stack = make_stack(1, max_connections=16)
+    idle = [connect(stack.url) for _ in range(24)]
+    try:
+        got = stack.client.post("/v1/completions", json={"prompt": "w1 w2", "max_tokens": 1},
+                                headers={"connection": "close"})
+        assert got.status_code == 200
+        for c in idle[:9]:   # the oldest idle ones were closed to make room
+            assert read_until_closed(c, 5.0) == b""
+        with connect(stack.url) as newest:   # the newest of them still serves
+            newest.sendall(b"GET /livez HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            assert read_until_closed(newest).startswith(b"HTTP/1.1 200")
+    finally:
+        for c in idle:
+            c.close()
+
+
+def test_when_every_connection_is_being_answered_one_more_gets_503(make_stack):
+    stack = make_stack(1, max_connections=4)
+    busy = [connect(stack.url) for _ in range(4)]
+    try:
+        for c in busy:   # heads whole, bodies still to come: each is a request being answered
+            c.sendall(HEAD + b"content-length: 100\r\n\r\n{\"prompt\"")
+        tasks = stack.server.server._state.tasks
+        deadline = time.monotonic() + 5
+        while len(tasks) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with connect(stack.url) as late:
+            late.sendall(b"GET /livez HTTP/1.1\r\nhost: x\r\n\r\n")
+            (status, body), = Responses(read_until_closed(late)).messages
+        assert status == 503
+        assert json.loads(body)["error"]["code"] == "too_many_connections"
+        busy[0].sendall(b': "w1", "max_tokens": 1}'.ljust(91))   # the rest of the 100 bytes
+        (status, _), = Responses(read_until_closed(busy[0], 2.0)).messages
+        assert status == 200   # the requests held were never cut
+    finally:
+        for c in busy:
+            c.close()
+
+
+def test_an_http_1_0_client_gets_its_stream_unframed_and_ended_by_the_close(make_stack):
+    stack = make_stack(1)
+    body = json.dumps({"prompt": "w1 w2", "max_tokens": 3, "stream": True}).encode()
+    with connect(stack.url) as c:
+        c.sendall(b"POST /v1/completions HTTP/1.0\r\ncontent-type: application/json\r\n"
+                  b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        head, _, stream = read_until_closed(c).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    assert b"transfer-encoding" not in head.lower()   # HTTP/1.0 has no chunked encoding
+    events = [e for e in stream.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    assert all(e.startswith(b"data: {") for e in events[:-1]), events[:2]
+    # a whole answer keeps its Content-Length
+    with connect(stack.url) as c:
+        c.sendall(b"GET /livez HTTP/1.0\r\n\r\n")
+        got = read_until_closed(c)
+    assert b"content-length: 15\r\n" in got and got.endswith(b'{"status":"ok"}')
+
+
+def test_a_request_target_the_url_parser_refuses_gets_400_alone_or_pipelined(make_stack):
+    # `CONNECT host:port` passed the request parser and broke uvicorn's URL parser in the
+    # head's callback: the edge took the error for a broken body that did not exist and failed
+    # itself (no answer, a traceback in the log per request)
+    stack = make_stack(1)
+    for first in (b"", b"GET /livez HTTP/1.1\r\nhost: x\r\n\r\n"):
+        with connect(stack.url) as c:
+            c.sendall(first + b"CONNECT 127.0.0.1:1 HTTP/1.1\r\nhost: x\r\n\r\n")
+            answers = Responses(read_until_closed(c, 5.0)).messages
+        assert [status for status, _ in answers] == [200] * bool(first) + [400]
+        assert json.loads(answers[-1][1])["error"]["code"] == "invalid_http_request"
+    assert stack.client.get("/livez").status_code == 200
+
+
+def test_a_handler_failure_logs_the_path_on_one_line(loop_thread, caplog):
+    # The path is percent-decoded: `%0d%0a` in it wrote a forged line into the gateway's log
+    async def failing(request: Request, respond: Responder) -> None:
+        raise RuntimeError("a bug")
+
+    server = EdgeServer(failing, "127.0.0.1", 0, EdgeLimits())
+    loop_thread.run(server.start())
+    try:
+        with caplog.at_level(logging.ERROR, logger="radixpool.gateway"), \
+                connect(f"http://127.0.0.1:{server.port}") as c:
+            c.sendall(b"GET /x%0d%0a2026-01-01%20INFO%20forged HTTP/1.1\r\nhost: x\r\n"
+                      b"connection: close\r\n\r\n")
+            (status, _), = Responses(read_until_closed(c)).messages
+        assert status == 500
+        failure, = (r for r in caplog.records if "handler failed" in r.getMessage())
+        assert "\n" not in failure.getMessage() and "\r" not in failure.getMessage()
+        assert "forged" in failure.getMessage()
+    finally:
+        loop_thread.run(server.stop())
