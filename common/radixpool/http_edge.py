@@ -31,16 +31,20 @@ request's response (whose request is then aborted). `EdgeProtocol`:
   gets 503. Without it a client holding a thousand idle sockets took the process to its
   descriptor limit: it then accepted and dropped every connection, and could open none to its
   workers;
+- a response that waits `write_stall_timeout` on a client that reads none of it (the
+  connection's send buffer full all that time) ends: the connection is dropped, so the handler
+  sees a disconnect and the request is aborted. Flow control alone kept such a stream's request
+  running to its last token, holding its KV, while the output piled up in the server;
 - an HTTP/1.0 request's streamed answer is sent as it is, ended by closing the connection:
   uvicorn framed it in chunked encoding, which HTTP/1.0 has not (RFC 9112 §6.1), so an HTTP/1.0
   client read the chunk sizes as part of its event stream.
 
 What uvicorn already does right is kept: pipelined requests answered in order, one at a time;
 `100 Continue` sent only when the application asks for the body; a response body written to a
-client that does not read waits for it (flow control), so a slow reader holds back its own
-answer instead of filling the server's memory; TCP_NODELAY (the event loop sets it). Errors have
-the OpenAI-style body both servers use. Idle keep-alive connections close after uvicorn's
-`timeout_keep_alive`.
+client that does not read waits for it (flow control, up to `write_stall_timeout`), so a slow
+reader holds back its own answer instead of filling the server's memory; TCP_NODELAY (the event
+loop sets it). Errors have the OpenAI-style body both servers use. Idle keep-alive connections
+close after uvicorn's `timeout_keep_alive`.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ class EdgeLimits:
     max_header_bytes: int = 65536       # request line + headers; larger heads get 431
     body_read_timeout: float = 30.0     # seconds from a head's end to its body's end
     max_connections: int = 4096         # open at once; past it idle ones close, else 503
+    write_stall_timeout: float = 60.0   # seconds a response may wait on a client reading none
 
     def __post_init__(self) -> None:
         if not self.header_read_timeout > 0:
@@ -77,6 +82,9 @@ class EdgeLimits:
             raise ValueError(f"max_header_bytes must be ≥ 1024, got {self.max_header_bytes}")
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be ≥ 1, got {self.max_connections}")
+        if not self.write_stall_timeout > 0:
+            raise ValueError("write_stall_timeout must be > 0 seconds, "
+                             f"got {self.write_stall_timeout}")
 
 
 FD_RESERVE = 256   # descriptors kept from clients: worker connections, files, child processes
@@ -132,6 +140,7 @@ class EdgeProtocol(HttpToolsProtocol):
         self._framing_bytes = 0   # read in the body since its last piece of data
         self._head_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
+        self._stall_timer: asyncio.TimerHandle | None = None
         self._running = None   # the request being answered (uvicorn's `cycle` is the newest)
         self._refusal: bytes | None = None   # sent once the responses ahead of it are complete
         self._joined: _HeadJoined | None = None   # the newest request's writer
@@ -152,7 +161,32 @@ class EdgeProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
         self._cancel_body_timer()
+        self._cancel_stall_timer()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._stall_timer is None:
+            self._stall_timer = self.loop.call_later(self.limits.write_stall_timeout,
+                                                     self._write_stalled)
+
+    def resume_writing(self) -> None:
+        self._cancel_stall_timer()   # the client read: a slow reader is not a stalled one
+        super().resume_writing()
+
+    def _cancel_stall_timer(self) -> None:
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+
+    def _write_stalled(self) -> None:
+        self._stall_timer = None
+        if not self.flow.write_paused:
+            return
+        self.logger.warning("dropped a connection whose client read nothing of its answer for "
+                            "%g s", self.limits.write_stall_timeout)
+        # abort, not close: close would wait for the unread buffer to drain, that is forever
+        self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
         if self._refusal is not None:

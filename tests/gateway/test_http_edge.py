@@ -361,6 +361,48 @@ def test_a_client_that_stops_reading_a_stream_holds_back_its_writer_and_loses_no
         loop_thread.run(server.stop())
 
 
+def test_a_client_that_reads_nothing_for_the_write_stall_timeout_is_dropped(loop_thread):
+    # flow control holds a stream's writer back for a client that does not read; one that reads
+    # nothing at all for `write_stall_timeout` is dropped, which cancels its handler (the proxy
+    # then closes its worker connection, aborting the request there), and others are served on
+    from radixpool.gateway.http_edge import EdgeLimits, EdgeServer
+
+    ended: list[str] = []
+
+    async def endless(request, respond) -> None:
+        if request.path != "/endless":
+            await respond.send(200, [], b"hi")
+            return
+        await respond.start(200, [(b"content-type", b"text/event-stream")])
+        try:
+            while True:
+                await respond.write(b"data: " + b"x" * 4096 + b"\n\n")
+                await asyncio.sleep(0)
+        except (asyncio.CancelledError, OSError):
+            ended.append("stopped")
+            raise
+
+    server = EdgeServer(endless, "127.0.0.1", 0, EdgeLimits(write_stall_timeout=0.5))
+    loop_thread.run(server.start())
+    try:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", server.port))
+        sock.sendall(b"GET /endless HTTP/1.1\r\nhost: x\r\n\r\n")
+        deadline = time.monotonic() + 20
+        while not ended and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ended == ["stopped"], "the handler kept writing to a client reading nothing"
+        sock.settimeout(10)
+        with contextlib.suppress(ConnectionResetError):
+            while sock.recv(1 << 20):
+                pass   # what was sent, then the connection's end
+        sock.close()
+        assert httpx.get(f"http://127.0.0.1:{server.port}/", timeout=5).text == "hi"
+    finally:
+        loop_thread.run(server.stop())
+
+
 @pytest.mark.parametrize("broken", [b"zz\r\n", b"5\r\n{}"], ids=["bad-chunk-size", "cut-short"])
 def test_a_chunked_body_whose_framing_breaks_after_a_whole_json_chunk_reaches_no_worker(
         make_stack, broken):
@@ -389,7 +431,6 @@ def test_an_answers_head_leaves_with_what_follows_it_in_the_same_step(loop_threa
     # uvicorn writes an answer's head and body apart (two segments, two wake-ups of the
     # client); the edge joins a head with the write after it in the same step of the event
     # loop, and sends a head with nothing after it alone at the next step
-    import asyncio
 
     import radixpool.http_edge as edge
     from radixpool.gateway.http_edge import EdgeLimits, EdgeServer

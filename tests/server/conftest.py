@@ -9,7 +9,8 @@ Servers, each started once per session and only if a collected test needs it:
 - `polled`: default flags, SIGTERMed with a `/kv_events` long poll open;
 - `slow_prefill`: 8-token prefill chunks and pages (long prompts take seconds to a first
   token), and KV for 1,600 tokens, less than the 2,048-token context;
-- `edge`: 0.5 s header and body read timeouts, for the HTTP edge's limits.
+- `edge`: 0.5 s header and body read timeouts and a 1 s write stall timeout, for the
+  HTTP edge's limits.
 They are launched together (startup is mostly waiting on imports and model loading) and stopped
 together, each by its own PID.
 """
@@ -29,7 +30,8 @@ SERVERS: dict[str, tuple[str, ...]] = {
     "polled": (),
     "slow_prefill": ("--chunked-prefill-size", "8", "--max-prefill-tokens", "8",
                      "--page-size", "8", "--kv-cache-tokens", "1600"),
-    "edge": ("--header-read-timeout", "0.5", "--body-read-timeout", "0.5"),
+    "edge": ("--header-read-timeout", "0.5", "--body-read-timeout", "0.5",
+             "--write-stall-timeout", "1"),
 }
 
 

@@ -215,3 +215,37 @@ def test_an_http_1_0_stream_is_sent_unframed_and_ended_by_the_close(edge):
     assert all(e.startswith(b"data: ") for e in events), events[:2]
     choices = [json.loads(e[6:])["choices"][0] for e in events[:-1]]
     assert choices[-1]["finish_reason"] == "length"   # all 4 tokens came through
+
+
+def test_a_client_that_reads_nothing_of_its_stream_is_dropped_and_its_request_aborted(edge):
+    # A stream whose client stops reading used to run to its last token, holding its KV while
+    # its output piled up in the worker (flow control only held back the writes). The `edge`
+    # worker drops such a connection after 1 s of a full send buffer.
+    def aborted() -> float:
+        text = httpx.get(f"{edge.url}/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("radixpool_requests_total{") and 'finish_reason="abort"'
+                   in line)
+
+    before = aborted()
+    body = json.dumps({"model": "tiny", "prompt": "hello there", "max_tokens": 1500,
+                       "ignore_eos": True, "stream": True, "n": 8, "logprobs": 20}).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)   # before connecting: no autotune
+    sock.connect(("127.0.0.1", edge.port))
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: w\r\nContent-Type: application/json"
+                     b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 60
+        while aborted() < before + 8 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert aborted() == before + 8, "the worker kept generating for a client reading nothing"
+        sock.settimeout(30)
+        read_until_closed(sock)   # what was sent, then the close
+    finally:
+        sock.close()
+    metrics = httpx.get(f"{edge.url}/metrics").text
+    running = [line for line in metrics.splitlines()
+               if line.startswith("radixpool_num_requests_running")]
+    assert running and float(running[0].rsplit(" ", 1)[1]) == 0, running
+    assert httpx.get(f"{edge.url}/health").status_code == 200

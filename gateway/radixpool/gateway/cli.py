@@ -123,6 +123,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--max-connections", type=int, default=D.max_connections,
                    help="client connections open at once (fewer if the open-file limit is "
                         "lower); past it the oldest idle one closes, or 503 if none is idle")
+    e.add_argument("--write-stall-timeout", type=float, default=D.write_stall_timeout,
+                   help="seconds an answer may wait on a client that reads none of it; then "
+                        "the connection is dropped (and the worker's request aborted)")
     e.add_argument("--upstream-first-byte-timeout", type=float,
                    default=D.upstream_first_byte_timeout,
                    help="seconds a worker may take to send its response headers (504 after)")
@@ -169,6 +172,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.e
         text_block_bytes=args.text_block_bytes, log_level=args.log_level,
         header_read_timeout=args.header_read_timeout, max_header_bytes=args.max_header_bytes,
         body_read_timeout=args.body_read_timeout, max_connections=args.max_connections,
+        write_stall_timeout=args.write_stall_timeout,
         upstream_first_byte_timeout=args.upstream_first_byte_timeout,
         upstream_timeout=args.upstream_timeout,
         max_route_prompt_chars=args.max_route_prompt_chars,

@@ -72,6 +72,7 @@ class GatewayConfig:
     max_header_bytes: int = 64 * 1024
     body_read_timeout: float = 30.0
     max_connections: int = 4096   # client connections open at once (see radixpool.http_edge)
+    write_stall_timeout: float = 60.0   # an answer waiting this long on a client reading none
     upstream_first_byte_timeout: float = 300.0
     upstream_timeout: float = 1800.0
     max_route_prompt_chars: int = 256 * 1024  # the router tokenizes and hashes this prefix only
@@ -119,6 +120,7 @@ class GatewayConfig:
         _check(self.header_read_timeout >= 0.001, "header_read_timeout", ">= 0.001")
         _check(self.max_header_bytes >= 8192, "max_header_bytes", ">= 8192")
         _check(self.max_connections >= 1, "max_connections", ">= 1")
+        _check(self.write_stall_timeout > 0, "write_stall_timeout", "> 0")
         _check(self.body_read_timeout > 0, "body_read_timeout", "> 0")
         _check(self.upstream_first_byte_timeout > 0, "upstream_first_byte_timeout", "> 0")
         _check(self.upstream_timeout > 0, "upstream_timeout", "> 0")

@@ -146,6 +146,11 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                    help="client connections open at once (fewer if the open-file limit is "
                         "lower); past it the oldest idle one closes, or 503 if none is idle "
                         f"(default: {EdgeLimits.max_connections})")
+    p.add_argument("--write-stall-timeout", type=float, default=EdgeLimits.write_stall_timeout,
+                   metavar="SECONDS",
+                   help="how long an answer may wait on a client that reads none of it; then "
+                        "the connection is dropped and its request aborted, freeing its KV "
+                        f"(default: {EdgeLimits.write_stall_timeout:g})")
     p.add_argument("--tool-call-format", choices=TOOL_FORMAT_FLAGS, default="auto",
                    help="the syntax the model writes tool calls in: "
                         f"{', '.join(TOOL_FORMATS)}, or auto: read from the chat template "
@@ -213,5 +218,6 @@ def _config_from_args(args: argparse.Namespace) -> ServerConfig:
         edge=EdgeLimits(header_read_timeout=args.header_read_timeout,
                         max_header_bytes=args.max_header_bytes,
                         body_read_timeout=args.body_read_timeout,
-                        max_connections=args.max_connections),
+                        max_connections=args.max_connections,
+                        write_stall_timeout=args.write_stall_timeout),
     )
