@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine: the CUDA-only tests, a mixed serving soak with the invariant
+# checker, then the quick performance table with whatever time is left. Each stage has its own
+# time limit and log, so a slow or failing stage leaves the others' results.
+#
+#   bash bench/gpu_check.sh [SECONDS]     # SECONDS: the whole run's budget (default 570)
+#
+# Wheels the machine lacks (flashinfer-python, apache-tvm-ffi) are read from .whl/ when present:
+# the machine is offline. Logs go to $OUT (or ./gpu-check-out), a summary is printed last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BUDGET=${1:-570}
+OUT=${OUT:-$PWD/gpu-check-out}
+mkdir -p "$OUT"
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# torch builds older than tvm-ffi expects lack the DLPack exchange hook; without this tvm-ffi
+# compiles a torch add-on at import.
+export TVM_FFI_DISABLE_TORCH_C_DLPACK=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/common:$PWD/worker:$PWD/gateway:$PWD/operator:$PWD:$PWD/tests/worker
+
+summary=()
+left() { echo $((BUDGET - SECONDS)); }
+stage() {  # stage NAME LIMIT COMMAND...: run with a time limit, keep its log and exit status
+  local name=$1 limit=$2; shift 2
+  local cap; cap=$(left)
+  if (( cap < 30 )); then summary+=("$name: not run (budget spent)"); return; fi
+  (( limit > cap )) && limit=$cap
+  local t0=$SECONDS
+  timeout --signal=INT --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  summary+=("$name: exit $rc in $((SECONDS - t0)) s (limit $limit s); last line: $(tail -n 1 "$OUT/$name.log")")
+}
+
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c 'import torch, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda)'
+  python3 -c 'import flashinfer; print("flashinfer", flashinfer.__version__)' 2>&1 | tail -n 1
+  python3 -c 'import transformers; print("transformers", transformers.__version__)'
+} >"$OUT/machine.log" 2>&1
+cat "$OUT/machine.log"
+
+stage tests 330 python3 -m pytest -p no:cacheprovider -q -rs \
+  --junitxml="$OUT/tests.xml" \
+  tests/worker/test_gpu_step_sync.py tests/worker/test_sampler_device.py \
+  tests/worker/test_attention_conformance.py tests/worker/test_gpu_equivalence.py \
+  tests/worker/test_decode_graphs.py tests/worker/test_gpu_memory.py
+grep -E "passed|failed|error" "$OUT/tests.log" | tail -n 3
+stage soak 200 python3 bench/gpu_soak.py --seconds 60
+tail -n 8 "$OUT/soak.log"
+if (( $(left) > 150 )); then
+  stage bench 400 python3 bench/gpu.py --preset gpu-quick --out "$OUT/gpu_table.txt"
+fi
+
+echo "== summary (${SECONDS} s of ${BUDGET} s)"
+printf '%s\n' "${summary[@]}"
