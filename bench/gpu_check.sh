@@ -7,6 +7,9 @@
 #
 # Wheels the machine lacks (flashinfer-python, apache-tvm-ffi) are read from .whl/ when present:
 # the machine is offline. Logs go to $OUT (or ./gpu-check-out), a summary is printed last.
+# One test of the set, test_decode_graphs.py::test_disable_cuda_graph_flag, parses the worker's
+# command line and so imports the HTTP edge: it fails there unless httptools and uvicorn travel
+# in .whl/ too (it needs no GPU and runs in CI).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUDGET=${1:-570}

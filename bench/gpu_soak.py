@@ -4,7 +4,11 @@
     python bench/gpu_soak.py --seconds 20 --device cpu         # the same run, shorter, on CPU
 
 Requests arrive in random bursts; a third of them extend one of a few shared system prompts;
-some are aborted while waiting or running. The engine core runs in-process with
+some are aborted while waiting or running. Arrivals pause while `--max-live` requests are
+unfinished: they are drawn per step, at about two a step, which is more than a step finishes, so
+without the pause the backlog grows for as long as requests are sent and the drain after
+`--seconds` has no bound. A progress line every `--report-every` seconds says how far a stopped
+run got. The engine core runs in-process with
 `debug_invariants`; the checker (every KV slot free, cached or owned exactly once; lock counts
 balanced) runs every `--check-every` steps and whenever the engine drains. At the end every
 request must have finished, and after a cache flush the whole KV pool must be free. It prints
@@ -42,6 +46,9 @@ def main() -> int:
     p.add_argument("--kv-cache-tokens", type=int, help="default: mem_fraction on GPU, 16384")
     p.add_argument("--max-len", type=int, default=1024, help="longest prompt")
     p.add_argument("--check-every", type=int, default=50, help="steps between invariant checks")
+    p.add_argument("--max-live", type=int, default=256,
+                   help="unfinished requests at which arrivals pause")
+    p.add_argument("--report-every", type=float, default=30, help="seconds between progress lines")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     cpu = args.device == "cpu"
@@ -63,8 +70,14 @@ def main() -> int:
     live: set[str] = set()
     counts = {"sent": 0, "finished": 0, "aborted": 0, "output_tokens": 0, "steps": 0}
     start = time.perf_counter()
+    next_report = args.report_every
     while time.perf_counter() - start < args.seconds or core.has_work:
-        sending = time.perf_counter() - start < args.seconds
+        now = time.perf_counter() - start
+        if now >= next_report:
+            next_report += args.report_every
+            print(f"{now:.0f} s: {counts}, unfinished {len(live)}, KV free "
+                  f"{core.runner.kv_pool.available_size()}", flush=True)
+        sending = now < args.seconds and len(live) < args.max_live
         if sending and (not live or rng.random() < 0.3):
             for _ in range(rng.randint(1, 12)):
                 prompt = [rng.randrange(10, vocab) for _ in range(rng.randint(1, args.max_len))]
