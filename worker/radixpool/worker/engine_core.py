@@ -52,6 +52,9 @@ class StepTimes:
     forward: float = 0.0    # the model
     sample: float = 0.0
     process: float = 0.0    # applying tokens: finishes, cache inserts, lock hand-over, events
+    # The part of `process` spent blocked reading the sampled tokens off the device: on a GPU
+    # the host waits there for the forward and sampling to end, so it is not host work.
+    wait: float = 0.0
     steps: int = 0
 
     @property
@@ -214,8 +217,9 @@ class EngineCore:
                 last_rows.append(len(rows) - 1)
             # the forward's logits are this step's alone: the sampler may edit them in place
             mask = self._grammar_masks().build(grammars, drafts) if grammars else None
+            # tokens are read in `_process`, overlapped or not, so the wait is timed there
             result = self.sampler.sample(logits, rows, vocab_mask=mask, logits_owned=True,
-                                         to_host=not self.overlap, mask_rows=mask_rows)
+                                         to_host=False, mask_rows=mask_rows)
             index = to_device([r.row for r, _ in sampled], torch.int64, last_tokens.device)
             # (a verified draft's request gets its real last token when it is processed)
             last_tokens[index] = (result.tensor if len(rows) == len(sampled)
@@ -238,7 +242,12 @@ class EngineCore:
         if result is None:
             deltas = self.scheduler.process(done.batch, [])
         else:
-            tokens = result.token_ids if result.token_ids is not None else result.tensor.tolist()
+            if result.token_ids is not None:
+                tokens = result.token_ids
+            else:
+                w = time.perf_counter()
+                tokens = result.tensor.tolist()
+                self.times.wait += time.perf_counter() - w
             deltas = self.scheduler.process(done.batch, tokens, result.logprobs,
                                             result.top_logprobs)
         for delta in deltas:
