@@ -99,3 +99,17 @@ def test_overlapped_engine_with_stop_strings_and_n(tiny_model):
     assert [(r["text"], r["output_ids"], r["meta_info"]["finish_reason"]) for r in sync] == \
         [(r["text"], r["output_ids"], r["meta_info"]["finish_reason"]) for r in overlapped]
     assert any(r["meta_info"]["finish_reason"] == "stop" for r in sync), "no stop string hit"
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_token_read_is_timed_apart_from_host_work(tiny_model, overlap):
+    """`StepTimes.wait` is the time blocked reading sampled tokens (on a GPU, the wait for the
+    device), part of `process`: benchmarks subtract it to get the host's own work."""
+    core = EngineCore(EngineConfig(str(tiny_model), device="cpu", kv_cache_tokens=2048,
+                                   overlap_schedule=overlap))
+    core.add_request(GenerateRequest("r", [1, 40, 41, 42], SamplingParams(
+        max_new_tokens=6, temperature=0, ignore_eos=True), seed=0))
+    while core.has_work:
+        core.step()
+    t = core.times
+    assert t.steps >= 6 and 0 < t.wait <= t.process
