@@ -31,6 +31,13 @@ def test_worker_image_is_cuda_with_torch_and_flashinfer_running_as_uid_1000():
     assert any(op == "RUN" and "torch" in arg and "download.pytorch.org" in text
                for op, arg in steps)
     assert any(op == "RUN" and '[gpu]' in arg for op, arg in steps)  # flashinfer-python
+    # FlashInfer's three packages at the one release the GPU tests passed with: unpinned, the
+    # image took whatever was newest, with a cubin package of another release than the code.
+    version = re.search(r"ARG FLASHINFER_VERSION=(\S+)", text).group(1)
+    for package in ("flashinfer-cubin", "flashinfer-jit-cache"):
+        assert re.search(rf'"{package}==\$\{{FLASHINFER_VERSION\}}"', text), package
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert f'"flashinfer-python=={version}"' in pyproject
     final = final_stage(steps)
     assert ("USER", "1000:1000") in final
     assert ("ENTRYPOINT", '["radixpool"]') in final
