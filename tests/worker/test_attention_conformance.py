@@ -250,3 +250,32 @@ def test_importing_the_engine_does_not_import_flashinfer():
     code = ("import sys, radixpool.worker.model_runner, radixpool.worker.attention; "
             "assert 'flashinfer' not in sys.modules, 'flashinfer imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_auto_takes_flashinfer_on_a_gpu_where_it_serves_the_model(monkeypatch, caplog):
+    """`auto` on a GPU is the fast path (FlashInfer, CUDA graphs) when it can run; otherwise the
+    torch reference, with a warning naming why. A GPU pool with the default engine settings ran
+    the reference path, with no CUDA graphs, although its image carries FlashInfer."""
+    import importlib.util
+
+    from radixpool.worker.model_runner import resolve_attention_backend
+
+    installed = importlib.machinery.ModuleSpec("flashinfer", None)
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: installed if name == "flashinfer" else None)
+    cuda, cpu, bf16 = torch.device("cuda"), torch.device("cpu"), torch.bfloat16
+    assert resolve_attention_backend("auto", cuda, bf16, 128) == "flashinfer"
+    assert resolve_attention_backend("auto", cuda, torch.float16, 64) == "flashinfer"
+    assert resolve_attention_backend("auto", cpu, bf16, 128) == "torch"
+    assert resolve_attention_backend("torch", cuda, bf16, 128) == "torch"
+    assert resolve_attention_backend("flashinfer", cuda, torch.float32, 96) == "flashinfer"
+    with caplog.at_level("WARNING"):
+        assert resolve_attention_backend("auto", cuda, torch.float32, 128) == "torch"
+        assert resolve_attention_backend("auto", cuda, bf16, 96) == "torch"
+    assert "not float32" in caplog.text and "head dim 96" in caplog.text
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert resolve_attention_backend("auto", cuda, bf16, 128) == "torch"
+    assert "flashinfer-python package is not installed" in caplog.text

@@ -26,6 +26,7 @@ them, unless `cuda_graph` is off.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 from collections.abc import Iterator
@@ -66,7 +67,10 @@ CPU_KV_BYTES = 2 << 30
 # Rows of the request→token table beyond max_running_requests (requests being admitted or
 # retracted while the running set is full).
 SPARE_REQ_ROWS = 4
-DEFAULT_ATTENTION_BACKEND = "torch"
+# `attention_backend="auto"` takes FlashInfer where it is known to run (the GPU tests: bf16, head
+# dims 64 and 128, page sizes 1 and 16, on an H100 and an H200), the torch reference elsewhere.
+FLASHINFER_HEAD_DIMS = (64, 128)
+FLASHINFER_DTYPES = (torch.bfloat16, torch.float16)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -83,6 +87,30 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[name]
+
+
+def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtype,
+                              head_dim: int) -> str:
+    """`auto` is `flashinfer` on a CUDA device when the flashinfer-python package is installed
+    and the model's dtype and head dim are ones FlashInfer serves; else `torch`, with a warning
+    on a GPU (the reference path: no CUDA graphs, and decode copies each request's KV)."""
+    if name != "auto":
+        return name
+    if device.type != "cuda":
+        return "torch"
+    reason = None
+    if importlib.util.find_spec("flashinfer") is None:
+        reason = "the flashinfer-python package is not installed"
+    elif dtype not in FLASHINFER_DTYPES:
+        reason = f"FlashInfer serves bfloat16 and float16, not {str(dtype).removeprefix('torch.')}"
+    elif head_dim not in FLASHINFER_HEAD_DIMS:
+        reason = (f"head dim {head_dim} is not one FlashInfer was tested with here "
+                  f"{FLASHINFER_HEAD_DIMS} (--attention-backend flashinfer tries it)")
+    if reason is None:
+        return "flashinfer"
+    log.warning("attention backend auto: torch, the slow reference path, on a GPU because %s",
+                reason)
+    return "torch"
 
 
 def model_shape(spec: ModelSpec, dtype: torch.dtype) -> ModelShape:
@@ -142,8 +170,9 @@ class ModelRunner:
         self.context_length = self._resolve_context_length(config.context_length)
         self.eos_token_ids = read_eos_token_ids(config.model_path, hf_config)
 
-        self.attention_backend_name = (DEFAULT_ATTENTION_BACKEND if config.attention_backend
-                                       == "auto" else config.attention_backend)
+        self.attention_backend_name = resolve_attention_backend(
+            config.attention_backend, self.device, self.dtype, self.spec.head_dim)
+        log.info("attention backend: %s", self.attention_backend_name)
         shape = AttentionShape(self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim,
                                scale=self.spec.head_dim ** -0.5)
         self.attn_backend = create_backend(self.attention_backend_name, shape, self.device)

@@ -103,8 +103,9 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-length", type=int, metavar="N",
                    help="cap the model's context length (may only shrink it)")
     p.add_argument("--attention-backend", default=_default("attention_backend"),
-                   help="attention backend: auto, torch or flashinfer (default: auto = torch; "
-                        "flashinfer needs a CUDA GPU and the flashinfer-python package)")
+                   help="attention backend: auto, torch or flashinfer (default: auto = "
+                        "flashinfer on a CUDA GPU with the flashinfer-python package and a "
+                        "bf16/fp16 model of head dim 64 or 128, else torch)")
     p.add_argument("--disable-cuda-graph", action="store_true",
                    help="run decode steps eagerly instead of replaying the CUDA graphs captured "
                         "at start-up (GPU with the flashinfer backend only)")
