@@ -5,11 +5,13 @@
 #
 #   bash bench/gpu_check.sh [SECONDS]     # SECONDS: the whole run's budget (default 570)
 #
-# Wheels the machine lacks (flashinfer-python, apache-tvm-ffi) are read from .whl/ when present:
-# the machine is offline. Logs go to $OUT (or ./gpu-check-out), a summary is printed last.
-# One test of the set, test_decode_graphs.py::test_disable_cuda_graph_flag, parses the worker's
-# command line and so imports the HTTP edge: it fails there unless httptools and uvicorn travel
-# in .whl/ too (it needs no GPU and runs in CI).
+# Wheels the machine lacks are read from .whl/ when present (the machine is offline); fetch them
+# here first, for its Python 3.12, and carry .whl with the call:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+#     -d .whl flashinfer-python==0.5.3 apache-tvm-ffi==0.1.4 uvicorn==0.54.0 httptools==0.9.0
+# (uvicorn and httptools: one test parses the worker's command line, which imports the HTTP edge.)
+# Logs go to $OUT (or ./gpu-check-out), a summary is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUDGET=${1:-570}
