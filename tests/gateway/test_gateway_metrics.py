@@ -244,3 +244,39 @@ def test_a_removed_worker_keeps_its_series_while_its_streams_run(make_stack):
         == 2   # the stream's answer, counted after its worker left
     move_clock(stack, GRACE_S)
     assert worker not in per_worker_series(scrape(stack))
+
+
+def test_a_request_placed_just_before_its_worker_left_leaves_no_connection_pool(
+        make_stack, loop_thread):
+    # A held request (late binding) placed on a worker that is removed before the request
+    # resumes is still sent there (it owns its slot), over a pool made anew: that pool (and its
+    # idle keep-alive connection) was kept for the gone address forever, one per such race.
+    import threading
+
+    stack = make_stack(1, sim=SimConfig(decode_ms_per_token=20.0), admin_api_key="admin",
+                       kv_events=False, hold_queued_tokens=1)
+    worker = stack.fleet.urls[0]
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+    busy = iter(client.completions.create(model="sim-model", prompt=words(0, 20), max_tokens=20,
+                                          stream=True))
+    next(busy)   # in flight, its prompt counted as queued: the next request is held
+    answers = []
+    held = threading.Thread(target=lambda: answers.append(client.completions.create(
+        model="sim-model", prompt=words(100, 20), max_tokens=1)))
+    held.start()
+    holding = stack.gateway.holding
+    deadline = time.monotonic() + 10
+    while not holding and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert holding, "the second request was not held"
+
+    def place_then_remove() -> None:   # in one step of the gateway's loop
+        holding.offer(stack.gateway.clock() + 3600)   # overdue: placed on the worker
+        stack.gateway.workers.remove(worker)
+
+    loop_thread.call(place_then_remove)
+    held.join(30)
+    assert answers and answers[0].choices[0].text
+    list(busy)
+    stack.settle()
+    assert worker not in stack.gateway.pools

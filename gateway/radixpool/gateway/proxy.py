@@ -456,6 +456,10 @@ class Gateway:
     def _release(self, worker: Worker, wait: tuple[int, float] | None) -> None:
         """A dispatched request is over at `worker` (answered, failed or given up)."""
         worker.give_back(wait)
+        if worker.removed and not worker.inflight:
+            # its last request ended: a held request placed there just before it left made it
+            # a pool anew after removal closed its own
+            self.forget_pool(worker.url)
         if self.holding:
             self.holding.offer()
 
