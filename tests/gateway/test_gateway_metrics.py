@@ -5,9 +5,12 @@ from __future__ import annotations
 import time
 
 import openai
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.simfleet import SimConfig
+from radixpool.gateway.config import GatewayConfig
+from tests.gateway.conftest import words
 
 
 def scrape(stack) -> dict[tuple[str, tuple], float]:
@@ -98,3 +101,182 @@ def test_in_flight_counts_requests_of_a_removed_worker_until_they_end(make_stack
     assert inflight() == {worker: 1.0}
     assert len(list(chunks)) > 10   # the stream goes on to its end
     assert inflight() == {}
+
+
+GRACE_S = GatewayConfig().removed_worker_series_seconds   # left at its default here
+ADMIN = {"authorization": "Bearer admin"}
+
+
+def per_worker_series(samples: dict) -> set[str]:
+    return {dict(labels)["worker"] for (_, labels), _ in samples.items()
+            if "worker" in dict(labels)} - {"all", "gateway"}
+
+
+def move_clock(stack, seconds: float) -> None:
+    """The gateway's clock jumps ahead (the grace period passes without a real wait)."""
+    shift = [seconds]
+    previous = stack.gateway.clock
+    stack.gateway.clock = lambda: previous() + shift[0]
+
+
+def rollout(stack, loop_thread) -> str:
+    """The worker comes back under a new address (a new pod IP): the new one is added, the old
+    one removed, as discovery does in a rollout. Returns the new address."""
+    from bench.simfleet.fleet import kill
+    from bench.simfleet.http_server import serve
+
+    sim = stack.fleet.workers[0]
+    old = sim.url
+
+    async def new_address() -> None:
+        await kill(sim)
+        sim.server = await serve(sim, "127.0.0.1", 0, 1 << 26, connections=sim.connections)
+
+    loop_thread.run(new_address())
+    assert stack.client.post("/workers", json={"url": sim.url}, headers=ADMIN).status_code == 200
+    assert stack.client.delete("/workers", params={"url": old},
+                               headers=ADMIN).status_code == 200
+    return sim.url
+
+
+def test_series_of_churned_workers_go_after_the_grace_period_fleet_totals_stay(
+        make_stack, loop_thread):
+    # Daily rollouts for months: every one brings the workers under new addresses. /metrics
+    # kept every address ever seen (thousands of dead series per scrape, and the gateway's
+    # memory with them); now a removed worker's series go once it has been gone for the grace
+    # period, while the fleet's hit rate keeps its history.
+    stack = make_stack(1, admin_api_key="admin")
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+    prompt = cached = 0
+    seen = []
+    for cycle in range(30):
+        for _ in range(2):   # the second reuses the first's prompt: the fleet hits
+            usage = client.completions.create(model="sim-model", prompt=words(cycle * 50, 40),
+                                              max_tokens=1).usage
+            prompt += usage.prompt_tokens
+            cached += usage.prompt_tokens_details.cached_tokens
+        seen.append(rollout(stack, loop_thread))
+        move_clock(stack, GRACE_S / 4)
+        samples = scrape(stack)
+        # bounded by the workers gone within the grace period, not by all ever seen
+        assert len(per_worker_series(samples)) <= 6, f"cycle {cycle}: series of every worker"
+        fleet_rate = samples["radixpool_gateway_hit_rate", (("kind", "actual"),
+                                                            ("worker", "all"))]
+        assert fleet_rate == pytest.approx(cached / prompt) and cached > 0
+    move_clock(stack, GRACE_S)
+    samples = scrape(stack)
+    assert per_worker_series(samples) == {seen[-1]}   # the one in the fleet now
+    metrics = stack.gateway.metrics   # the counters behind the series went too
+    assert {key[0] for counts in (metrics.requests, metrics.decisions, metrics.prompt)
+            for key in counts} <= {seen[-1], "gateway"}
+    assert set(stack.gateway.pools) <= {seen[-1]}
+
+
+def test_workers_fleet_totals_keep_removed_workers_history(make_stack, loop_thread):
+    # GET /workers "fleet" summed the workers in the fleet now: each rollout reset it to 0,
+    # while radixpool_gateway_hit_rate{worker="all"} kept the history. Both are since start.
+    stack = make_stack(1, admin_api_key="admin")
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+    prompt = cached = 0
+    for cycle in range(3):
+        for _ in range(2):
+            usage = client.completions.create(model="sim-model", prompt=words(cycle * 50, 40),
+                                              max_tokens=1).usage
+            prompt += usage.prompt_tokens
+            cached += usage.prompt_tokens_details.cached_tokens
+        rollout(stack, loop_thread)
+        move_clock(stack, GRACE_S)
+        stack.settle()
+        fleet = stack.client.get("/workers").json()["fleet"]
+        assert (fleet["prompt_tokens"], fleet["cached_tokens"]) == (prompt, cached), \
+            "the fleet's totals lost the removed workers' history"
+        samples = scrape(stack)
+        assert fleet["actual_hit_rate"] == pytest.approx(
+            samples["radixpool_gateway_hit_rate", (("kind", "actual"), ("worker", "all"))],
+            abs=1e-4)
+
+
+def test_a_worker_readded_within_the_grace_period_carries_on_its_series(make_stack):
+    # An endpoint briefly not ready (removed, then back under the same address): its counters
+    # go on from where they were; Prometheus sees no reset, and the fleet's none either.
+    stack = make_stack(2, admin_api_key="admin")
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+    for i in range(6):
+        client.completions.create(model="sim-model", prompt=words(i * 50, 40), max_tokens=1)
+    before = scrape(stack)
+    gone = stack.fleet.urls[0]
+    answered = before["radixpool_gateway_requests_total", (("code", "200"), ("worker", gone))]
+    assert answered >= 1
+    assert stack.client.delete("/workers", params={"url": gone}, headers=ADMIN).status_code == 200
+    move_clock(stack, GRACE_S / 2)
+    during = scrape(stack)   # scrapes in the grace period read its final values
+    assert during["radixpool_gateway_requests_total", (("code", "200"), ("worker", gone))] \
+        == answered
+    assert stack.client.post("/workers", json={"url": gone}, headers=ADMIN).status_code == 200
+    move_clock(stack, GRACE_S)
+    after = scrape(stack)
+    assert after["radixpool_gateway_requests_total", (("code", "200"), ("worker", gone))] \
+        == answered
+    for name in ("radixpool_gateway_prompt_tokens_total", "radixpool_gateway_cached_tokens_total"):
+        assert after[name, (("worker", gone),)] == before[name, (("worker", gone),)]
+    fleet_rate = (("kind", "actual"), ("worker", "all"))
+    assert after["radixpool_gateway_hit_rate", fleet_rate] \
+        == before["radixpool_gateway_hit_rate", fleet_rate]
+
+
+def test_a_removed_worker_keeps_its_series_while_its_streams_run(make_stack):
+    # Removed mid-stream, past the grace period: the stream still counts there when it ends,
+    # so its series stay until it has been idle for the grace period.
+    stack = make_stack(1, sim=SimConfig(decode_ms_per_token=40.0), admin_api_key="admin")
+    worker = stack.fleet.urls[0]
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+    client.completions.create(model="sim-model", prompt="w1 w2", max_tokens=1)
+    chunks = iter(client.completions.create(model="sim-model", prompt="w1 w2", max_tokens=30,
+                                            stream=True))
+    next(chunks)
+    assert stack.client.delete("/workers", params={"url": worker},
+                               headers=ADMIN).status_code == 200
+    move_clock(stack, GRACE_S * 2)
+    assert worker in per_worker_series(scrape(stack))
+    assert len(list(chunks)) > 5
+    samples = scrape(stack)
+    assert samples["radixpool_gateway_requests_total", (("code", "200"), ("worker", worker))] \
+        == 2   # the stream's answer, counted after its worker left
+    move_clock(stack, GRACE_S)
+    assert worker not in per_worker_series(scrape(stack))
+
+
+def test_a_request_placed_just_before_its_worker_left_leaves_no_connection_pool(
+        make_stack, loop_thread):
+    # A held request (late binding) placed on a worker that is removed before the request
+    # resumes is still sent there (it owns its slot), over a pool made anew: that pool (and its
+    # idle keep-alive connection) was kept for the gone address forever, one per such race.
+    import threading
+
+    stack = make_stack(1, sim=SimConfig(decode_ms_per_token=20.0), admin_api_key="admin",
+                       kv_events=False, hold_queued_tokens=1)
+    worker = stack.fleet.urls[0]
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+    busy = iter(client.completions.create(model="sim-model", prompt=words(0, 20), max_tokens=20,
+                                          stream=True))
+    next(busy)   # in flight, its prompt counted as queued: the next request is held
+    answers = []
+    held = threading.Thread(target=lambda: answers.append(client.completions.create(
+        model="sim-model", prompt=words(100, 20), max_tokens=1)))
+    held.start()
+    holding = stack.gateway.holding
+    deadline = time.monotonic() + 10
+    while not holding and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert holding, "the second request was not held"
+
+    def place_then_remove() -> None:   # in one step of the gateway's loop
+        holding.offer(stack.gateway.clock() + 3600)   # overdue: placed on the worker
+        stack.gateway.workers.remove(worker)
+
+    loop_thread.call(place_then_remove)
+    held.join(30)
+    assert answers and answers[0].choices[0].text
+    list(busy)
+    stack.settle()
+    assert worker not in stack.gateway.pools

@@ -156,7 +156,8 @@ GW_TIME_TO_FIRST_TOKEN = MetricSpec(
 GW_HIT_RATE = MetricSpec(
     "radixpool_gateway_hit_rate", "gauge",
     "Cached / prompt tokens since start, kind=actual (workers' reports) or predicted (the "
-    "gateway's trees); worker=\"all\" is the fleet.", ("worker", "kind"))
+    "gateway's trees); worker=\"all\" is the fleet, removed workers included.",
+    ("worker", "kind"))
 GW_TREE_CORRECTIONS = MetricSpec(
     "radixpool_gateway_tree_corrections_total", "counter",
     "Times a worker's tree was corrected from ground truth, by source (cached_tokens, "

@@ -5,7 +5,10 @@ the gateway's own `/health` document. They see the gateway only through its `Wor
 
 `GET /workers` puts the routing-quality numbers side by side: per worker and for the fleet, the
 prompt tokens answered, the cached tokens the workers reported (`actual_hit_rate`) and the cached
-tokens the trees predicted (`predicted_hit_rate`), plus how often the trees were corrected.
+tokens the trees predicted (`predicted_hit_rate`), plus how often the trees were corrected. A row
+is a worker in the fleet now, since it joined; the fleet's totals are since the gateway started,
+removed workers included (as `radixpool_gateway_hit_rate{worker="all"}`), so a rollout does not
+reset them: they are not the sum of the rows.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 from urllib.parse import parse_qs
 
 from radixpool.gateway.http_edge import Headers, Request, error_body, json_body
+from radixpool.gateway.metrics import TokenTotals
 from radixpool.gateway.workers import Worker, WorkerSet
 
 
@@ -56,27 +60,26 @@ def describe(fleet: WorkerSet, worker: Worker, now: float) -> dict:
     }
 
 
-def workers_document(fleet: WorkerSet, now: float) -> dict:
-    rows = [describe(fleet, w, now) for w in fleet]
-    prompt = sum(r["prompt_tokens"] for r in rows)
+def workers_document(fleet: WorkerSet, totals: TokenTotals, now: float) -> dict:
     return {
         "policy": fleet.config.policy,
         "routing_on": "tokens" if fleet.keys.tokenizer is not None else "text",
         "fleet": {
-            "prompt_tokens": prompt,
-            "cached_tokens": sum(r["cached_tokens"] for r in rows),
-            "predicted_cached_tokens": sum(r["predicted_cached_tokens"] for r in rows),
-            "actual_hit_rate": _rate(sum(r["cached_tokens"] for r in rows), prompt),
-            "predicted_hit_rate": _rate(sum(r["predicted_cached_tokens"] for r in rows), prompt),
+            "prompt_tokens": totals.prompt,
+            "cached_tokens": totals.cached,
+            "predicted_cached_tokens": totals.predicted,
+            "actual_hit_rate": _rate(totals.cached, totals.prompt),
+            "predicted_hit_rate": _rate(totals.predicted, totals.prompt),
         },
-        "workers": rows,
+        "workers": [describe(fleet, w, now) for w in fleet],
     }
 
 
-def workers_endpoint(fleet: WorkerSet, request: Request, now: float
+def workers_endpoint(fleet: WorkerSet, totals: TokenTotals, request: Request, now: float
                      ) -> tuple[int, Headers, bytes]:
+    """`totals`: the fleet's since the gateway started (`GatewayMetrics.fleet`)."""
     if request.method == "GET":
-        return json_body(200, workers_document(fleet, now))
+        return json_body(200, workers_document(fleet, totals, now))
     if request.method not in ("POST", "DELETE"):
         return error_body(405, f"/workers accepts GET, POST and DELETE, not {request.method}")
     if not fleet.config.static_mode:

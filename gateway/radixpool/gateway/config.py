@@ -56,6 +56,7 @@ class GatewayConfig:
     breaker_open_seconds: float = 10.0
     max_retries: int = 2
     quarantine_seconds: float = 600.0   # quarantine.py: refuse a query of death this long; 0: off
+    removed_worker_series_seconds: float = 600.0   # metrics.py: a gone worker's series stay
     connect_timeout: float = 2.0
     kv_events: bool = True
     # late binding (wait_queue.py): hold a request while its best worker has more than
@@ -111,6 +112,7 @@ class GatewayConfig:
         _check(self.breaker_open_seconds > 0, "breaker_open_seconds", "> 0")
         _check(self.max_retries >= 0, "max_retries", ">= 0")
         _check(self.quarantine_seconds >= 0, "quarantine_seconds", ">= 0")
+        _check(self.removed_worker_series_seconds >= 0, "removed_worker_series_seconds", ">= 0")
         _check(self.connect_timeout > 0, "connect_timeout", "> 0")
         _check(self.hold_queued_tokens >= 0, "hold_queued_tokens", ">= 0")
         _check(self.hold_max_requests >= 1, "hold_max_requests", ">= 1")

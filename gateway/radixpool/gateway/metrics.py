@@ -4,17 +4,28 @@ The request path only bumps plain integers in dicts and bucket counts (a few hun
 in all); the Prometheus families are built from them, and from the worker set's live state
 (in-flight, health, tree size, hit rates), when `/metrics` is scraped. That keeps the proxy's
 per-request CPU inside its budget, which prometheus-client's locked per-child counters would not.
+
+Worker churn: every rollout brings workers under new addresses (new pod IPs). A removed worker's
+series stay until it has been gone, with nothing in flight, for `forget_after` seconds (the
+gateway's `--removed-worker-series-seconds`), so the next scrapes still read its final values;
+then they go, and so do its counters here. Added back before that, under the same address, it
+carries on its series; after, they start again at 0 (a new series to Prometheus). Fleet-level
+figures never lose removed workers' history: the fleet's hit rate (`worker="all"`) comes from
+totals kept apart, and `sum(rate(...))` over the per-worker counters is unaffected by a series
+ending (only a plain `sum(...)` of them, no `rate`, drops when one goes).
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import defaultdict
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from radixpool.gateway.breaker import BREAKER_STATES
+from radixpool.gateway.config import GatewayConfig
 from radixpool.gateway.prefix_index import PrefixIndex
 from radixpool.gateway.workers import WorkerSet
 from radixpool.protocol import metrics as spec
@@ -48,8 +59,17 @@ def _counter(s: spec.MetricSpec, samples: dict[tuple[str, ...], float]) -> Count
     return family
 
 
+@dataclass
+class TokenTotals:
+    """Prompt, cached and predicted-cached tokens answered, by every worker ever: the fleet's."""
+    prompt: int = 0
+    cached: int = 0
+    predicted: int = 0
+
+
 class GatewayMetrics:
-    def __init__(self) -> None:
+    def __init__(self, forget_after: float = GatewayConfig.removed_worker_series_seconds
+                 ) -> None:
         self.requests: dict[tuple[str, str], int] = defaultdict(int)
         self.decisions: dict[tuple[str, str], int] = defaultdict(int)
         self.prompt: dict[tuple[str], int] = defaultdict(int)
@@ -64,6 +84,9 @@ class GatewayMetrics:
         self.hold = _Histogram()
         self.duration = _Histogram()
         self.ttft = _Histogram()
+        self.fleet = TokenTotals()
+        self.forget_after = forget_after
+        self._gone: dict[str, float] = {}   # worker address -> since when it has been gone
         self.registry = CollectorRegistry(auto_describe=False)
         self._state: tuple[WorkerSet, PrefixIndex, float] | None = None
         self.registry.register(self)
@@ -84,8 +107,11 @@ class GatewayMetrics:
     def usage(self, worker: str, prompt: int, cached: int, predicted: int | None) -> None:
         self.prompt[worker,] += prompt
         self.cached[worker,] += cached
+        self.fleet.prompt += prompt
+        self.fleet.cached += cached
         if predicted is not None:
             self.predicted[worker,] += predicted
+            self.fleet.predicted += predicted
 
     def corrected(self, worker: str, source: str) -> None:
         self.corrections[worker, source] += 1
@@ -97,8 +123,37 @@ class GatewayMetrics:
         self.held_outcomes[outcome,] += 1
         self.hold.observe(seconds)
 
+    # --- workers gone -------------------------------------------------------------------------
+    def forget_gone(self, workers: WorkerSet, now: float) -> None:
+        """Drop the counters of workers gone for `forget_after` seconds: neither in the fleet
+        nor finishing requests there. A scan of the per-worker counters: run at a scrape (which
+        reads them all anyway) and after membership changes, not per request."""
+        counts = self._per_worker
+        live = {"gateway", *(w.url for w in workers), *(w.url for w in workers.departed)}
+        seen = {key[0] for c in counts for key in c}
+        gone = self._gone
+        for url in seen - live:
+            gone.setdefault(url, now)
+        for url in [u for u in gone if u in live]:
+            del gone[url]
+        expired = {url for url, since in gone.items() if now - since >= self.forget_after}
+        if not expired:
+            return
+        for c in counts:
+            for key in [k for k in c if k[0] in expired]:
+                del c[key]
+        for url in expired:
+            del gone[url]
+
+    @property
+    def _per_worker(self) -> tuple[dict, ...]:
+        """The counters whose first label is a worker."""
+        return (self.requests, self.decisions, self.prompt, self.cached, self.predicted,
+                self.corrections, self.timeouts)
+
     # --- the scrape ---------------------------------------------------------------------------
     def render(self, workers: WorkerSet, index: PrefixIndex, now: float) -> bytes:
+        self.forget_gone(workers, now)
         self._state = (workers, index, now)
         return generate_latest(self.registry)
 
@@ -134,8 +189,8 @@ class GatewayMetrics:
         rates = GaugeMetricFamily(spec.GW_HIT_RATE.name, spec.GW_HIT_RATE.help,
                                   labels=spec.GW_HIT_RATE.labels)
         # hit rates come from the token counters (by address, since start), not from the
-        # `Worker` objects: a worker removed and added back starts a new object, and the fleet's
-        # rate must keep what removed workers answered, as the counters do
+        # `Worker` objects: a worker removed and added back starts a new object; the fleet's
+        # from its own totals, which keep what removed workers answered after their series go
         prompt, cached, predicted = self.prompt, self.cached, self.predicted
         for w in workers:
             inflight.add_metric((w.url,), w.inflight)
@@ -149,8 +204,8 @@ class GatewayMetrics:
             _rates(rates, w.url, prompt.get(url, 0), cached.get(url, 0), predicted.get(url, 0))
         for w in workers.departed:   # removed, its requests still streaming through us
             inflight.add_metric((w.url,), w.inflight)
-        _rates(rates, "all", sum(prompt.values()), sum(cached.values()),
-               sum(predicted.values()))
+        fleet = self.fleet
+        _rates(rates, "all", fleet.prompt, fleet.cached, fleet.predicted)
         yield from (inflight, healthy, breakers, tree, rates)
 
 

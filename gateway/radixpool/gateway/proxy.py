@@ -67,6 +67,7 @@ from radixpool.tokenization import PromptTokenizer
 log = logging.getLogger("radixpool.gateway")
 
 READ_ONLY_PATHS = ("/livez", "/health", "/metrics", "/v1/models")
+FORGET_EVERY_S = 60.0   # gone workers' counters are dropped on membership changes this often
 QUARANTINED = object()   # _dispatch's answer for a request a second dying engine held
 MODEL_PATH = "/v1/models/"   # + a model id
 
@@ -83,7 +84,7 @@ class Gateway:
         self.bodies = BodyParser(self.keys, config.parse_processes, config.parse_memory_bytes)
         self.workers = WorkerSet(config, self.index, self.keys)
         self.policy = make_policy(config, self.index)
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(config.removed_worker_series_seconds)
         self.pools: dict[str, UpstreamPool] = {}
         self.clock = time.monotonic
         self.draining = False  # shutting down: in-flight requests finish, new ones are refused
@@ -94,6 +95,7 @@ class Gateway:
         self.upstream_auth: Headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
         # client headers not forwarded: hop-by-hop ones, and the client's key when we send ours
         self._unforwarded = HOP_BY_HOP | {b"authorization", b"x-api-key"} if key else HOP_BY_HOP
+        self._next_forget = 0.0
         self.workers.membership_hooks.append(self._membership)
         self.holding = Holding(
             LateBinding(self.policy, config.hold_queued_tokens, config.hold_max_requests,
@@ -107,6 +109,10 @@ class Gateway:
             self.forget_pool(worker.url)
         elif self.holding:
             self.holding.offer()
+        now = self.clock()
+        if now >= self._next_forget:   # at most once a minute: a rollout changes many at once
+            self._next_forget = now + FORGET_EVERY_S
+            self.metrics.forget_gone(self.workers, now)
 
     @property
     def predicts(self) -> bool:
@@ -178,7 +184,8 @@ class Gateway:
         elif path == "/v1/models" or path.startswith(MODEL_PATH):
             await self.forward_models(request, respond)
         elif path == "/workers" or path.startswith("/workers/"):
-            await respond.send(*admin.workers_endpoint(self.workers, request, self.clock()))
+            await respond.send(*admin.workers_endpoint(self.workers, self.metrics.fleet, request,
+                                                       self.clock()))
         else:
             await respond.send_error(404, f"unknown path {path!r}; the gateway serves "
                                           f"{', '.join(ROUTED_PATHS)}, /v1/models[/ID], /workers, "
@@ -449,6 +456,10 @@ class Gateway:
     def _release(self, worker: Worker, wait: tuple[int, float] | None) -> None:
         """A dispatched request is over at `worker` (answered, failed or given up)."""
         worker.give_back(wait)
+        if worker.removed and not worker.inflight:
+            # its last request ended: a held request placed there just before it left made it
+            # a pool anew after removal closed its own
+            self.forget_pool(worker.url)
         if self.holding:
             self.holding.offer()
 
