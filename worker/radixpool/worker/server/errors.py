@@ -63,6 +63,17 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+def stream_error(exc: Exception) -> dict:
+    """The event that ends a stream whose generation failed after its 200. An `APIError` keeps
+    its type and code: the engine refused the request mid-way (its grammar could not go on:
+    `invalid_request_error`, the client's doing) or its core died (`service_unavailable`).
+    Anything else is the worker's own `server_error`. A gateway counts only the worker's own
+    failures against it (`gateway/radixpool/gateway/stream_errors.py`)."""
+    if isinstance(exc, APIError):
+        return error_body(f"generation failed: {exc.message}", exc.type, exc.param, exc.code)
+    return error_body(f"generation failed: {exc}", "server_error")
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 
