@@ -369,3 +369,17 @@ def test_a_stream_that_fails_mid_way_says_whose_fault_it_was(tmp_path, failure, 
     error = json.loads(events[-2].removeprefix("data: "))["error"]
     assert events[-1] == "data: [DONE]" and error["type"] == kind
     assert str(failure) in error["message"]
+
+
+def test_large_legal_bodies_pass_the_member_bound():
+    from radixpool.json_members import MAX_OBJECT_MEMBERS
+    from radixpool.worker.server.fast_path import validated
+    from radixpool.worker.server.native_api import GenerateBody
+    from radixpool.worker.server.openai_protocol import CompletionRequest
+
+    colons = " ".join(f"w{i}:" for i in range(MAX_OBJECT_MEMBERS + 1))   # counted, not refused
+    completion = validated(CompletionRequest, json.dumps({
+        "prompt": colons, "logit_bias": {str(t): -1.0 for t in range(120_000)}}).encode())
+    assert len(completion.logit_bias) == 120_000
+    generate = validated(GenerateBody, json.dumps({"input_ids": list(range(100_000))}).encode())
+    assert len(generate.input_ids) == 100_000

@@ -78,6 +78,11 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+def unknown_field(param: str | None) -> APIError:
+    return bad_request(f"unrecognized request argument '{param}'", param=param,
+                       code="unknown_field")
+
+
 def unavailable(message: str, retry_after_s: int = 5, code: str | None = None) -> APIError:
     return APIError(503, message, code=code, headers={"Retry-After": str(retry_after_s)})
 
@@ -176,8 +181,7 @@ def validation_error(exc: RequestValidationError) -> APIError:
     if err.get("type") == "missing":
         return bad_request(f"'{param}' is required", param=param, code="missing_field")
     if err.get("type") == "extra_forbidden":
-        return bad_request(f"unrecognized request argument '{param}'", param=param,
-                           code="unknown_field")
+        return unknown_field(param)
     if param is None:
         return bad_request(f"invalid request body: {message}")
     if "input" in err and err.get("type") != "model_attributes_type":
