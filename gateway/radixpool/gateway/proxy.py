@@ -13,7 +13,8 @@ feeds the metrics and the tree correction (`feedback.first_missing_block` → `t
 
 Deadlines: a worker that sends no headers within `upstream_first_byte_timeout`, or does not finish
 within `upstream_timeout`, is cut: 504 (or, mid-stream, a last error event), counted in
-`radixpool_gateway_upstream_timeouts_total`, and its breaker records a failure. A client that
+`radixpool_gateway_upstream_timeouts_total`, and its breaker records a failure. So does a 200
+stream the worker ends with an error event of its own (`stream_errors`). A client that
 leaves cancels its handler (see `http_edge`): the worker connection closes on the way out, the
 worker aborts the request, and the in-flight count drops. A large body is parsed and its route
 key built in a child process (`body_parsing`), over at most `max_route_prompt_chars` of the
