@@ -12,6 +12,7 @@ Bodies, each about `--mib` MiB (the gateway's body limit is 32 MiB by default):
   messages    many one-word chat messages
   id-batch    a /generate batch of one-id prompts: [[1], [1], ...]
   nested      chat messages that are tiny arrays: refused (400), after the parse
+  keys        a chat request with millions of unknown keys: refused (400 too_many_members)
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ def bodies(mib: int) -> dict[str, tuple[str, bytes]]:
              "sampling_params": {"max_new_tokens": 1}}).encode()),
         "nested": ("/v1/chat/completions", json.dumps(
             {"model": "sim-model", "messages": [[1]] * (size // 5)}).encode()),
+        "keys": ("/v1/chat/completions", json.dumps(
+            {"model": "sim-model", "messages": [{"role": "user", "content": "w1"}],
+             **{f"k{i}": 0 for i in range(size // 12)}}).encode()),
     }
 
 

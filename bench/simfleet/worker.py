@@ -10,7 +10,9 @@ GPU: prefills run one at a time and cost `prefill_us_per_token` per *uncached* p
 routing quality shows as latency; decode costs `decode_ms_per_token` per output token and
 overlaps freely. With both at zero a request is answered at once (the gateway-overhead
 benchmark). `/sim/fail` makes a worker answer
-503 to requests and/or health (retry and drain tests); `SimFleet` runs N workers in one loop,
+503 to requests and/or health (retry and drain tests), or end every stream after its first token
+with the error event a worker sends when generation fails mid-stream (`stream_error`: the
+event's `error` fields, e.g. `{"type": "server_error"}`); `SimFleet` runs N workers in one loop,
 counts samples where one worker sat idle while another had prefills queued, and serves its
 fleet-wide numbers at `GET /sim/stats` on every worker (`DELETE /sim/stats` reads and resets).
 """
@@ -68,6 +70,7 @@ class SimWorker:
         self.waiting = 0
         self.fail_requests = False
         self.fail_health = False
+        self.stream_error: dict | None = None   # streams end after a token with this error
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.requests = 0
@@ -138,6 +141,7 @@ class SimWorker:
             doc = json.loads(request.body or b"{}")
             self.fail_requests = bool(doc.get("requests"))
             self.fail_health = bool(doc.get("health"))
+            self.stream_error = doc.get("stream_error")
             await respond.send(*json_body(200, doc))
         else:
             await respond.send(*error_body(404, f"unknown path {path}"))
@@ -244,13 +248,18 @@ class SimWorker:
                       respond: Responder) -> None:
         model = self.config.model
         include_usage = bool((doc.get("stream_options") or {}).get("include_usage"))
+        failure = self.stream_error
         await respond.start(200, SSE)
-        for i, word in enumerate(words):
+        for i, word in enumerate(words[:1] if failure is not None else words):
             await self._decode_wait(1)
             last = i == len(words) - 1
             await respond.write(_sse(_chunk(path, model, word + " ", "length" if last else None,
                                             usage, include_usage)))
-        if include_usage and path != "/generate":
+        if failure is not None:   # as a worker ends a stream whose generation failed
+            error = {"message": "generation failed", "type": "server_error", "param": None,
+                     "code": None}
+            await respond.write(_sse({"error": {**error, **failure}}))
+        elif include_usage and path != "/generate":
             event = {"id": "sim", "object": _OBJECT[path] + ".chunk", "model": model,
                      "choices": [], "usage": usage}
             await respond.write(_sse(event))

@@ -136,3 +136,34 @@ def test_a_parse_process_killed_between_requests_costs_no_request(make_stack):
         os.kill(pid, signal.SIGKILL)
     assert stack.client.post("/v1/completions", content=body).status_code == 200
     assert stack.gateway.bodies.children._pool is not pool   # started anew
+
+
+def test_a_body_of_a_million_keys_is_refused_by_the_gateway(make_stack):
+    """It went on to a worker, which held a validation child for 30 s over it; now the gateway
+    answers 400 after one parse, and the worker never sees it."""
+    stack = make_stack(1)
+    members = ",".join(f'"k{i}":0' for i in range(10**6))
+    hostile = '{"messages":[{"role":"user","content":"w1"}],' + members + "}"
+    r = stack.client.post("/v1/chat/completions", content=hostile.encode())
+    assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_members"
+    assert "131072 members" in r.json()["error"]["message"]
+    assert stack.client.post("/v1/completions", json={"prompt": "w1 w2", "max_tokens": 2}
+                             ).status_code == 200
+    stack.settle()
+    assert "radixpool_gateway_requests_total{code=\"400\",worker=\"gateway\"} 1" \
+        in stack.client.get("/metrics").text
+
+
+def test_large_legal_bodies_are_under_the_member_bound():
+    keys = KeyBuilder(64, 256, 64 * 1024)
+    bodies = [   # the first has more colons than the bound allows members: it is counted
+        ("/v1/completions", {"prompt": " ".join(f"w{i}:" for i in range(200_000)),
+                             "max_tokens": 1,
+                             "logit_bias": {str(t): -1.0 for t in range(120_000)}}),
+        ("/generate", {"input_ids": list(range(100_000)), "sampling_params": {
+            "max_new_tokens": 1}}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": f"w{i}: {i}"}
+                                               for i in range(30_000)]}),
+    ]
+    for path, doc in bodies:
+        assert parse_body(keys, path, large(doc)).key.units > 0

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radixpool.gateway.breaker import FAILURE_KINDS, CircuitBreaker
+from radixpool.gateway.stream_errors import worker_failed_in
 from tests.gateway.conftest import words
 
 FAILURES, OPEN_S = 3, 10.0
@@ -149,3 +151,58 @@ def test_a_probe_answered_503_does_not_exclude_a_recovered_worker_for_good(make_
     assert served_by_bad, "the recovered worker never got traffic back"
     assert stack.client.get("/workers").json()["workers"][(a, b).index(bad)][
         "circuit_breaker"] == "closed"
+
+
+def streamed(path: str, i: int) -> dict:
+    if path == "/generate":
+        return {"text": words(i, 4), "stream": True}
+    return {"messages": [{"role": "user", "content": words(i, 4)}], "stream": True}
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/generate"])
+def test_a_worker_that_fails_every_stream_mid_way_is_taken_out(make_stack, path):
+    """A 200 whose stream ends in the worker's own error event is a failure, not a success:
+    such a worker used to keep its breaker closed and all its traffic."""
+    stack = make_stack(1, breaker_failures=FAILURES, breaker_open_seconds=3600)
+    stack.client.post(stack.fleet.urls[0] + "/sim/fail",
+                      json={"stream_error": {"type": "server_error"}})
+    for i in range(FAILURES):
+        r = stack.client.post(path, json=streamed(path, i))
+        assert r.status_code == 200 and "generation failed" in r.text
+    stack.settle()
+    worker = stack.client.get("/workers").json()["workers"][0]
+    assert worker["circuit_breaker"] == "open"
+    assert worker["breaker_failures"] == {"stream_error": FAILURES}
+    assert stack.client.post(path, json=streamed(path, 99)).status_code == 503
+
+
+def test_a_stream_the_worker_ends_with_the_clients_error_keeps_the_breaker_closed(make_stack):
+    stack = make_stack(1, breaker_failures=FAILURES, breaker_open_seconds=3600)
+    stack.client.post(stack.fleet.urls[0] + "/sim/fail", json={"stream_error": {
+        "type": "invalid_request_error", "code": "grammar_failed"}})
+    for i in range(2 * FAILURES):
+        r = stack.client.post("/v1/chat/completions", json=streamed("/v1/chat/completions", i))
+        assert r.status_code == 200 and "invalid_request_error" in r.text
+    stack.settle()
+    worker = stack.client.get("/workers").json()["workers"][0]
+    assert worker["circuit_breaker"] == "closed" and worker["breaker_failures"] == {}
+
+
+@pytest.mark.parametrize(("events", "workers_fault"), [
+    (b'data: {"error":{"message":"generation failed: CUDA error","type":"server_error",'
+     b'"param":null,"code":null}}\n\ndata: [DONE]\n\n', True),
+    (b'data: {"error":{"message":"generation failed: the engine core process died",'
+     b'"type":"service_unavailable","param":null,"code":"engine_core_died"}}\n\n', True),
+    (b'data: {"error":{"message":"generation failed: response_format could not be followed",'
+     b'"type":"invalid_request_error","param":"response_format","code":null}}\n\n', False),
+    (b'data: {"error": {"object": "error", "message": "x", "type": "BadRequestError", '
+     b'"param": null, "code": 400}}\n\n', False),                        # vLLM, SGLang
+    (b'data: {"error": {"object": "error", "message": "x", "type": "InternalServerError", '
+     b'"param": null, "code": 500}}\n\n', True),
+    (b'data: {"error": "engine failed"}\n\n', True),
+    (b'data: {"error": {trunc\n\n', True),
+    (b'data: {"choices":[{"delta":{"content":"{\\"error\\": 1}"}}]}\n\n', False),  # a token
+    (b'data: {"choices":[],"usage":{"prompt_tokens":3}}\n\ndata: [DONE]\n\n', False),
+])
+def test_whose_fault_an_error_event_in_a_stream_is(events, workers_fault):
+    assert worker_failed_in(events) is workers_fault

@@ -227,3 +227,26 @@ def test_a_huge_body_does_not_stall_other_streams(client, http):
     window = [started, *(t for t in arrivals if started < t < started + took), started + took]
     longest = max(b - a for a, b in itertools.pairwise(window))
     assert longest < 0.5 * took, (longest, took)
+
+
+def keys(count: int, prefix: str = "k") -> str:
+    return ",".join(f'"{prefix}{i}":0' for i in range(count))
+
+
+@pytest.mark.parametrize(("path", "body", "param", "code"), [
+    ("/v1/chat/completions", '{"messages":[{"role":"user","content":"hi"}],' + keys(10**6)
+     + "}", "k0", "unknown_field"),
+    ("/v1/completions", '{"prompt":"hi","logit_bias":{' + keys(10**6, "") + "}}", None,
+     "too_many_members"),
+    ("/generate", '{"text":"hi","sampling_params":{"max_new_tokens":1,' + keys(10**6) + "}}",
+     None, "too_many_members"),
+])
+def test_a_body_of_a_million_keys_is_refused_at_once_naming_the_problem(http, path, body,
+                                                                       param, code):
+    """Such a body made a million validation errors: their validation child ran out of memory
+    reading them back and the client got a 413 after the child's whole 30 s limit."""
+    r = http.post(path, content=body.encode(), headers={"content-type": "application/json"})
+    error = r.json()["error"]
+    assert r.status_code == 400 and (error["param"], error["code"]) == (param, code), error
+    assert http.post("/generate", json={"text": "hi", "sampling_params": {
+        "max_new_tokens": 2}}).status_code == 200

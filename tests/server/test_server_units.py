@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -318,3 +319,67 @@ def test_a_request_refused_after_its_first_tokens_is_a_400_naming_the_field(tmp_
     err = asyncio.run(scenario())
     assert err.status == 400 and err.param == "response_format"
     assert err.message.startswith("response_format could not be followed")
+
+
+class _FailingMidStream(_StreamingEngine):
+    """Streams one token, then fails as `failure` says: the engine refusing the request (a
+    grammar that cannot go on: ValueError) or failing itself (RuntimeError)."""
+
+    def __init__(self, failure: Exception) -> None:
+        super().__init__()
+        self.failure = failure
+        self.info = type("Info", (), {"context_length": 4096, "vocab_size": 100})()
+
+    def stream(self, input_ids, sampling_params, namespace, rid):
+        from radixpool.worker.request_output import StreamChunk
+
+        async def chunks():
+            yield StreamChunk(rid, 0, "{", [5], prompt_tokens=len(input_ids))
+            raise self.failure
+        return chunks()
+
+
+@pytest.mark.parametrize(("failure", "kind"), [
+    (ValueError("json_schema could not be followed"), "invalid_request_error"),
+    (RuntimeError("CUDA error: an illegal memory access"), "server_error"),
+])
+def test_a_stream_that_fails_mid_way_says_whose_fault_it_was(tmp_path, failure, kind):
+    """Every mid-stream failure was labelled `server_error`, so a gateway could not tell a
+    request its grammar refused (the client's) from a worker failing (which should trip its
+    breaker)."""
+    import httpx
+
+    from radixpool.worker.server.app import create_app
+    from radixpool.worker.server.state import WorkerState
+
+    (tmp_path / "m").mkdir()
+    state = WorkerState(config_from_args(build_parser().parse_args(
+        ["worker", "--model", str(tmp_path / "m")])))
+    state.engine = _FailingMidStream(failure)
+    state.lifecycle.mark_ready()
+
+    async def stream() -> list[str]:
+        transport = httpx.ASGITransport(app=create_app(state))
+        async with httpx.AsyncClient(transport=transport, base_url="http://w") as http:
+            r = await http.post("/generate", json={"input_ids": [1, 2], "stream": True})
+            assert r.status_code == 200
+            return [line for line in r.text.splitlines() if line]
+
+    events = asyncio.run(stream())
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert events[-1] == "data: [DONE]" and error["type"] == kind
+    assert str(failure) in error["message"]
+
+
+def test_large_legal_bodies_pass_the_member_bound():
+    from radixpool.json_members import MAX_OBJECT_MEMBERS
+    from radixpool.worker.server.fast_path import validated
+    from radixpool.worker.server.native_api import GenerateBody
+    from radixpool.worker.server.openai_protocol import CompletionRequest
+
+    colons = " ".join(f"w{i}:" for i in range(MAX_OBJECT_MEMBERS + 1))   # counted, not refused
+    completion = validated(CompletionRequest, json.dumps({
+        "prompt": colons, "logit_bias": {str(t): -1.0 for t in range(120_000)}}).encode())
+    assert len(completion.logit_bias) == 120_000
+    generate = validated(GenerateBody, json.dumps({"input_ids": list(range(100_000))}).encode())
+    assert len(generate.input_ids) == 100_000

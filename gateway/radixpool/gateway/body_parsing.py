@@ -10,7 +10,8 @@ So bodies above `INLINE_BODY_BYTES` are parsed, validated and keyed in `--parse-
 processes (`radixpool.child_pool`: started on the first large body, and again whenever the keys
 change, e.g. when a worker's tokenizer arrives). The event loop only hands the bytes over and gets
 back the route key and the body to forward. A body that cannot be parsed within
-`--parse-memory-bytes` gets a 413.
+`--parse-memory-bytes` gets a 413; one whose objects hold more than `MAX_OBJECT_MEMBERS` keys in
+all gets a 400 (`radixpool.json_members`) instead of going on to a worker.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 from radixpool.child_pool import ChildPool, TooBig
 from radixpool.gateway.route_key import BadRequest, KeyBuilder, RouteKey
+from radixpool.json_members import MAX_OBJECT_MEMBERS, members_exceed, too_many_members_message
 
 INLINE_BODY_BYTES = 16 * 1024  # worst case in place: a few ms of parsing and tokenization
 USAGE_OPTION = b'"stream_options":{"include_usage":true},'
@@ -49,6 +51,8 @@ def parse_body(keys: KeyBuilder, path: str, body: bytes) -> ParsedBody:
         reason = "nested too deeply" if isinstance(exc, RecursionError) else exc
         raise BadRequest(f"request body is not valid JSON: {reason}",
                          code="invalid_json") from None
+    if body.count(b":") > MAX_OBJECT_MEMBERS and members_exceed(doc, MAX_OBJECT_MEMBERS):
+        raise BadRequest(too_many_members_message(), code="too_many_members")
     key = keys.build(path, doc)
     if doc.get("stream") is not True or path == "/generate":
         return ParsedBody(key, body, False)

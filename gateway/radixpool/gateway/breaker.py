@@ -7,10 +7,11 @@ with the clock passed in (tests step it without sleeping).
 - Closed lets everything through; a success resets the failure run.
 - Open lets nothing through until `open_seconds` have passed since it opened.
 - Half-open lets one request through at a time: the probe. Every outcome recorded while
-  half-open resolves it, whatever its kind (success closes; a 5xx, a timeout, a connect error or a
-  cut answer reopens). A probe whose outcome is never recorded (its client left, its task was
-  cancelled) holds the slot for at most `open_seconds`; then another probe goes, so the breaker
-  never sticks half-open and a worker that answers again is never excluded for good.
+  half-open resolves it, whatever its kind (success closes; a 5xx, a timeout, a connect error, a
+  cut answer or a stream the worker ended with an error of its own reopens). A probe whose
+  outcome is never recorded (its client left, its task was cancelled) holds the slot for at most
+  `open_seconds`; then another probe goes, so the breaker never sticks half-open and a worker
+  that answers again is never excluded for good.
 
 The proxy's whole interface: `allows(now)` (may a new request go there), `dispatched(now)` (one
 went), `record_success(now)`, `record_failure(kind, now)`; the health monitor calls `reset()`
@@ -23,8 +24,9 @@ from typing import Literal
 
 BreakerState = Literal["closed", "open", "half_open"]
 BREAKER_STATES: tuple[BreakerState, ...] = ("closed", "open", "half_open")
-FailureKind = Literal["server_error", "timeout", "connect_error", "cut"]
-FAILURE_KINDS: tuple[FailureKind, ...] = ("server_error", "timeout", "connect_error", "cut")
+FailureKind = Literal["server_error", "timeout", "connect_error", "cut", "stream_error"]
+FAILURE_KINDS: tuple[FailureKind, ...] = ("server_error", "timeout", "connect_error", "cut",
+                                          "stream_error")
 
 
 class CircuitBreaker:

@@ -13,7 +13,8 @@ feeds the metrics and the tree correction (`feedback.first_missing_block` → `t
 
 Deadlines: a worker that sends no headers within `upstream_first_byte_timeout`, or does not finish
 within `upstream_timeout`, is cut: 504 (or, mid-stream, a last error event), counted in
-`radixpool_gateway_upstream_timeouts_total`, and its breaker records a failure. A client that
+`radixpool_gateway_upstream_timeouts_total`, and its breaker records a failure. So does a 200
+stream the worker ends with an error event of its own (`stream_errors`). A client that
 leaves cancels its handler (see `http_edge`): the worker connection closes on the way out, the
 worker aborts the request, and the in-flight count drops. A large body is parsed and its route
 key built in a child process (`body_parsing`), over at most `max_route_prompt_chars` of the
@@ -27,6 +28,7 @@ import contextlib
 import json
 import logging
 import time
+from dataclasses import dataclass
 from urllib.parse import quote
 
 from radixpool.gateway import admin
@@ -53,6 +55,7 @@ from radixpool.gateway.route_key import (
     KeyBuilder,
     RouteKey,
 )
+from radixpool.gateway.stream_errors import worker_failed_in
 from radixpool.gateway.upstream import (
     HOP_BY_HOP,
     UpstreamError,
@@ -365,10 +368,7 @@ class Gateway:
                      started: float, body: bytes) -> None:
         status = upstream.status
         headers = _response_headers(upstream, worker)
-        # Only a stream has a time to first token: a whole answer's first byte is its last, so
-        # it counts in the request duration alone. Noted when the first event is sent, so a
-        # client that leaves afterwards still has it.
-        first_event: list[float] = []
+        seen = StreamSeen()
         try:
             if b"text/event-stream" not in (upstream.header(b"content-type") or b""):
                 data = await upstream.body()
@@ -378,10 +378,8 @@ class Gateway:
                     self._engine_died(data, body)
             else:
                 await respond.start(status, headers)
-                usage = await self._relay_events(upstream, respond, strip_usage, started,
-                                                 first_event)
+                usage = await self._relay_events(upstream, respond, strip_usage, started, seen)
         except UpstreamError as exc:
-            ttfb = first_event[0] if first_event else None
             timed_out = isinstance(exc, UpstreamTimeout)
             if timed_out:
                 self._timed_out(worker, self.clock() - (time.perf_counter() - started))
@@ -396,37 +394,40 @@ class Gateway:
                 # A cut stream: one last event says why (the openai SDK raises it as an APIError
                 # instead of a bare "Connection error"), and no [DONE] follows.
                 await respond.write(_cut_stream_event(worker.url, exc))
-            self.metrics.answered(worker.url, code, time.perf_counter() - started, ttfb)
+            self.metrics.answered(worker.url, code, time.perf_counter() - started,
+                                  seen.first_event_s)
             return
         except asyncio.CancelledError:  # the client left: the worker connection closes below
-            self._left(worker.url, started, first_event[0] if first_event else None)
+            self._left(worker.url, started, seen.first_event_s)
             raise
         finally:
             upstream.release()
-        ttfb = first_event[0] if first_event else None
         if respond.disconnected:  # noticed by a failed write rather than by cancellation
-            self._left(worker.url, started, ttfb)
+            self._left(worker.url, started, seen.first_event_s)
             return
-        if status < 500:
+        if status >= 500:
+            worker.breaker.record_failure("server_error", self.clock())
+        elif seen.worker_error:   # a 200 whose stream the worker ended with its own error
+            worker.breaker.record_failure("stream_error", self.clock())
+        else:
             worker.breaker.record_success(self.clock())
             worker.answered_at = self.clock()
-        else:
-            worker.breaker.record_failure("server_error", self.clock())
         if status >= 400:   # refused (a wrong model, a prompt too long, ...): nothing was cached
             self.policy.failed(decision, key)
         worker.requests += 1
-        self.metrics.answered(worker.url, status, time.perf_counter() - started, ttfb)
+        self.metrics.answered(worker.url, status, time.perf_counter() - started,
+                              seen.first_event_s)
         if usage is not None:
             prompt, cached, other_prompts, other_cached = usage
             learn(worker, self.index, self.metrics, decision, key, prompt, cached, self.predicts,
                   (other_prompts, other_cached))
 
     async def _relay_events(self, upstream: UpstreamResponse, respond: Responder,
-                            strip_usage: bool, started: float, first_event: list[float]
+                            strip_usage: bool, started: float, seen: StreamSeen
                             ) -> tuple[int, int | None, int, int] | None:
         """Forward whole SSE events the moment they arrive; note the last usage report (as
-        `answer_usage` gives it: a stream is one answer), and in `first_event` the seconds from
-        `started` to the first event."""
+        `answer_usage` gives it: a stream is one answer), and in `seen` when the first event
+        went and whether the worker ended the stream with an error of its own."""
         usage, pending = None, b""
         while (chunk := await upstream.read()) is not None:
             if respond.disconnected:
@@ -442,10 +443,12 @@ class Gateway:
                 if strip_usage:
                     ready = b"".join(e + b"\n\n" for e in ready.split(b"\n\n")[:-1]
                                      if not is_usage_only_event(e))
-            if not first_event:
-                first_event.append(time.perf_counter() - started)
+            seen.worker_error = seen.worker_error or worker_failed_in(ready)
+            if seen.first_event_s is None:
+                seen.first_event_s = time.perf_counter() - started
             await respond.write(ready)
         if pending and not respond.disconnected:
+            seen.worker_error = seen.worker_error or worker_failed_in(pending)
             await respond.write(pending)
         return None if usage is None else (*usage, 0, 0)
 
@@ -484,6 +487,16 @@ class Gateway:
         self.metrics.upstream_timeout(worker.url)
         if worker.answered_at <= sent_at:
             worker.breaker.record_failure("timeout", self.clock())
+
+
+@dataclass
+class StreamSeen:
+    """What the relay of one answer saw, noted as it goes (a client that leaves mid-way still
+    has it). Only a stream has a time to first token: a whole answer's first byte is its last,
+    so it counts in the request duration alone."""
+
+    first_event_s: float | None = None   # seconds from the request's start to its first event
+    worker_error: bool = False   # the worker ended the stream with an error of its own
 
 
 def _cut_stream_event(worker_url: str, exc: UpstreamError) -> bytes:

@@ -63,8 +63,24 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+def stream_error(exc: Exception) -> dict:
+    """The event that ends a stream whose generation failed after its 200. An `APIError` keeps
+    its type and code: the engine refused the request mid-way (its grammar could not go on:
+    `invalid_request_error`, the client's doing) or its core died (`service_unavailable`).
+    Anything else is the worker's own `server_error`. A gateway counts only the worker's own
+    failures against it (`gateway/radixpool/gateway/stream_errors.py`)."""
+    if isinstance(exc, APIError):
+        return error_body(f"generation failed: {exc.message}", exc.type, exc.param, exc.code)
+    return error_body(f"generation failed: {exc}", "server_error")
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def unknown_field(param: str | None) -> APIError:
+    return bad_request(f"unrecognized request argument '{param}'", param=param,
+                       code="unknown_field")
 
 
 def unavailable(message: str, retry_after_s: int = 5, code: str | None = None) -> APIError:
@@ -165,8 +181,7 @@ def validation_error(exc: RequestValidationError) -> APIError:
     if err.get("type") == "missing":
         return bad_request(f"'{param}' is required", param=param, code="missing_field")
     if err.get("type") == "extra_forbidden":
-        return bad_request(f"unrecognized request argument '{param}'", param=param,
-                           code="unknown_field")
+        return unknown_field(param)
     if param is None:
         return bad_request(f"invalid request body: {message}")
     if "input" in err and err.get("type") != "model_attributes_type":

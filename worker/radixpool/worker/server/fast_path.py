@@ -11,7 +11,10 @@ OpenAI-style shape as the app's exception handlers give them. Every other reques
 Bodies over `INLINE_BODY_BYTES` are validated in child processes (`radixpool.child_pool`): the
 validation holds the GIL for as long as it takes, and a body of millions of tiny values (a batch
 of one-id prompts, a million chat messages) would otherwise stall every stream on this event loop
-for seconds. A body that needs more than `BODY_MEMORY_BYTES` to validate gets 413.
+for seconds. A body that needs more than `BODY_MEMORY_BYTES` to validate gets 413. A body whose
+objects hold more than `json_members.MAX_OBJECT_MEMBERS` keys in all is refused (400) before
+validation: a million unknown keys made a million validation errors, and held a child for its
+30 s limit.
 """
 
 from __future__ import annotations
@@ -28,7 +31,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from radixpool.child_pool import ChildPool, TooBig
-from radixpool.worker.server.errors import APIError, lone_surrogate, validation_error
+from radixpool.json_members import over_member_bound, too_many_members_message
+from radixpool.worker.server.errors import (
+    APIError,
+    bad_request,
+    lone_surrogate,
+    unknown_field,
+    validation_error,
+)
 
 log = logging.getLogger("radixpool.worker.server")
 MAX_BODY_BYTES = 64 << 20   # a prompt at any context length fits many times over
@@ -92,7 +102,11 @@ class FastRoutes:
 
 
 def validated(model: type[BaseModel], body: bytes) -> BaseModel:
-    """The body as `model`, or the APIError FastAPI's own validation would give."""
+    """The body as `model`, or the APIError FastAPI's own validation would give. A body past
+    the member bound is refused before validation (`radixpool.json_members`)."""
+    doc = over_member_bound(body)
+    if doc is not None:
+        raise _past_member_bound(model, doc)
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:   # the same locations FastAPI would report
@@ -104,6 +118,16 @@ def validated(model: type[BaseModel], body: bytes) -> BaseModel:
                 raise error from None
         raise validation_error(RequestValidationError(
             [{**err, "loc": ("body", *err["loc"])} for err in errors])) from None
+
+
+def _past_member_bound(model: type[BaseModel], doc: Any) -> APIError:
+    """Named by the body's first unknown field when it has one, as a smaller body would be."""
+    if isinstance(doc, dict) and model.model_config.get("extra") == "forbid":
+        known = {field.alias or name for name, field in model.model_fields.items()}
+        unknown = next((key for key in doc if key not in known), None)
+        if unknown is not None:
+            return unknown_field(unknown)
+    return bad_request(too_many_members_message(), code="too_many_members")
 
 
 async def _read_body(receive) -> bytes:

@@ -17,7 +17,13 @@ from starlette.responses import JSONResponse
 from radixpool.protocol.server_info import ServerInfo
 from radixpool.worker.engine_errors import EngineBusy
 from radixpool.worker.sampling_params import CONSTRAINT_FIELDS
-from radixpool.worker.server.errors import APIError, bad_request, error_body, unavailable
+from radixpool.worker.server.errors import (
+    APIError,
+    bad_request,
+    error_body,
+    stream_error,
+    unavailable,
+)
 from radixpool.worker.server.generation import (
     EngineRun,
     ForkOutput,
@@ -279,5 +285,5 @@ async def _generate_events(runs: list[EngineRun], params: list, ids: list[str]
                 event["meta_info"]["finish_reason"] = None
             yield sse(event)
     except Exception as exc:
-        yield sse(error_body(f"generation failed: {exc}", "server_error"))
+        yield sse(stream_error(exc))
     yield DONE

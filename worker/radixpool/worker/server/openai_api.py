@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse
 
-from radixpool.worker.server.errors import bad_request, error_body
+from radixpool.worker.server.errors import bad_request, stream_error
 from radixpool.worker.server.generation import (
     MAX_CHOICES,
     EngineRun,
@@ -211,7 +211,7 @@ async def _framed(preamble: list[dict], choices: AsyncIterator[dict], body: Any,
                 event["usage"] = tally.doc()
             yield sse(event)
     except Exception as exc:
-        yield sse(error_body(f"generation failed: {exc}", "server_error"))
+        yield sse(stream_error(exc))
     else:
         if body.include_usage:
             yield sse({**chunk_head, "choices": [], "usage": tally.doc()})
