@@ -69,3 +69,18 @@ def test_worker_reads_the_api_key_from_the_environment_the_pod_sets(pool_body, m
     monkeypatch.setenv("RADIXPOOL_API_KEY", "s3cret")
     args = parse("radixpool.worker.cli", "worker", worker_args(pool))
     assert args.api_key == "s3cret"
+
+
+@pytest.mark.parametrize(("engine", "device"), [
+    ({}, "cuda"),                                       # the default pool has one GPU
+    ({"resources": {"gpus": 2}}, "cuda"),
+    ({"resources": {"gpus": 0}}, "cpu"),
+    ({"device": "cpu"}, "cpu"),
+])
+def test_worker_device_follows_the_gpus_the_pod_is_given(pool_body, engine, device):
+    """`device: auto` (the default) on a GPU pod must not let the worker fall back to CPU when
+    its container sees no GPU (it would serve an 8B model on CPU and pass readiness); on a pod
+    given no GPU it must not pick up a GPU the node's runtime exposes anyway."""
+    pool = parse_pool(pool_body(engine=engine))
+    args = parse("radixpool.worker.cli", "worker", worker_args(pool))
+    assert args.device == device

@@ -86,7 +86,8 @@ ENGINE = obj("The worker pods: image, resources, engine knobs and placement.", {
                     "operator's configured worker image."),
     "imagePullPolicy": pull_policy(),
     "resources": RESOURCES,
-    "device": string("Where the engine runs.", default="auto", enum=DEVICES),
+    "device": string("Where the engine runs; `auto` is `cuda` when `resources.gpus` is at "
+                     "least 1, else `cpu` (`cuda` needs a GPU).", default="auto", enum=DEVICES),
     "dtype": string("Weight and activation dtype.", default="auto", enum=DTYPES),
     "kvCacheTokens": integer("KV cache budget in tokens; excludes `memFraction`.", minimum=1),
     "memFraction": number("Fraction of the GPU memory free after loading the weights for the "

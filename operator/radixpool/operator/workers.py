@@ -45,13 +45,25 @@ def model_dir(pool: Pool) -> str:
     return f"{MODEL_MOUNT}/{repo}"
 
 
+def worker_device(pool: Pool) -> str:
+    """`auto` is decided here, by whether the pod is given GPUs, not by the worker at start-up:
+    a GPU pod whose GPU the container cannot see (no NVIDIA runtime on the node, a broken device
+    plugin) must fail and say so, not serve an 8B model on CPU; and a pod given no GPU must not
+    use one the node's runtime exposes to every container anyway (the CUDA base image sets
+    NVIDIA_VISIBLE_DEVICES=all), which belongs to another pod."""
+    device = pool.engine["device"]
+    if device == "auto":
+        return "cuda" if pool.engine["resources"]["gpus"] else "cpu"
+    return device
+
+
 def worker_args(pool: Pool) -> list[str]:
     """`radixpool worker` flags, in the order `radixpool worker --help` lists them."""
     engine = pool.engine
     args = ["worker", "--model", model_dir(pool),
             "--served-model-name", pool.model.served_name,
             "--host", "0.0.0.0", "--port", str(api.WORKER_PORT),
-            "--device", engine["device"], "--dtype", engine["dtype"]]
+            "--device", worker_device(pool), "--dtype", engine["dtype"]]
     if "kvCacheTokens" in engine:
         args += ["--kv-cache-tokens", str(engine["kvCacheTokens"])]
     if "memFraction" in engine:
