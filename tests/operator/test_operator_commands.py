@@ -59,6 +59,8 @@ def test_worker_accepts_the_operator_command_line(pool_body, spec):
     assert args.page_size == pool.engine["pageSize"]
     assert args.schedule_policy == pool.engine["schedulePolicy"]
     assert args.drain_timeout == pool.lifecycle["drainTimeoutSeconds"]
+    # The worker waits for its model as long as the startup probe does (it gave up at 900 s).
+    assert args.startup_timeout == pool.lifecycle["startupTimeoutSeconds"] == 1800
 
 
 def test_worker_reads_the_api_key_from_the_environment_the_pod_sets(pool_body, monkeypatch):

@@ -90,6 +90,8 @@ def test_worker_pod_is_hardened_probed_and_drains(pool_body):
     assert container["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
     assert pod["terminationGracePeriodSeconds"] > 90
     assert container["args"][container["args"].index("--drain-timeout") + 1] == "90"
+    # the worker's own deadline for loading is the startup probe's budget, not its 900 s default
+    assert container["args"][container["args"].index("--startup-timeout") + 1] == "1200"
     assert pod["automountServiceAccountToken"] is False
 
 

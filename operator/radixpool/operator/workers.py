@@ -74,6 +74,9 @@ def worker_args(pool: Pool) -> list[str]:
     if "chunkedPrefillSize" in engine:
         args += ["--chunked-prefill-size", str(engine["chunkedPrefillSize"])]
     args += ["--schedule-policy", engine["schedulePolicy"], "--log-level", engine["logLevel"],
+             # The engine's own deadline for loading is the startup probe's budget: with its
+             # default (900 s) a model that loads in 20 minutes was restarted forever.
+             "--startup-timeout", str(pool.lifecycle["startupTimeoutSeconds"]),
              "--drain-timeout", str(pool.lifecycle["drainTimeoutSeconds"])]
     return args + list(engine.get("args", []))
 

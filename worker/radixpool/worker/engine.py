@@ -58,7 +58,6 @@ from radixpool.worker.stop_strings import StopMatcher
 __all__ = ["Engine", "EngineBusy", "RidInUse", "StreamChunk"]
 
 log = logging.getLogger("radixpool.engine")
-STARTUP_TIMEOUT_S = 900.0
 CONTROL_TIMEOUT_S = 600.0
 
 
@@ -115,7 +114,7 @@ class Engine:
         self._receiver.start()
 
     def _await_ready(self) -> CoreReady:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        deadline = time.monotonic() + self.config.startup_timeout_s
         while time.monotonic() < deadline:
             if self._inbox.wait(0.2):
                 try:
@@ -133,7 +132,8 @@ class Engine:
                 raise RuntimeError(f"engine core exited with code {self._process.returncode} "
                                    "before it was ready")
         self._finalizer()
-        raise RuntimeError(f"engine core not ready after {STARTUP_TIMEOUT_S:.0f} s")
+        raise RuntimeError(f"engine core not ready after {self.config.startup_timeout_s:g} s "
+                           "(--startup-timeout)")
 
     def _send(self, msg: Any) -> None:
         """Messages reach the core whole and in order. What the socket does not take now (the
