@@ -179,13 +179,15 @@ def test_hf_download_fetches_what_the_worker_reads_and_not_the_other_weight_form
              "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
              "special_tokens_map.json", "LICENSE", "README.md", "USE_POLICY.md",
              "original/consolidated.00.pth", "original/params.json",
-             "original/tokenizer.model", "pytorch_model-00001-of-00004.bin"]
+             "original/tokenizer.model", "pytorch_model-00001-of-00004.bin",
+             "consolidated.safetensors"]   # Mistral's repos: the weights under its own names
     kept = set(filter_repo_objects(files, allow_patterns=kwargs.get("allow_patterns"),
                                    ignore_patterns=kwargs.get("ignore_patterns")))
     assert {"config.json", "generation_config.json", "model-00001-of-00004.safetensors",
             "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
             "special_tokens_map.json"} <= kept
-    assert not {f for f in kept if f.startswith("original/") or f.endswith((".pth", ".bin"))}
+    assert not {f for f in kept if f.startswith(("original/", "consolidated"))
+                or f.endswith((".pth", ".bin"))}
     # tokenizers that ship as sentencepiece or BPE files at the top level still come
     assert set(filter_repo_objects(["tokenizer.model", "vocab.json", "merges.txt",
                                     "chat_template.jinja"],

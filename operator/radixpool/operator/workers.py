@@ -143,8 +143,10 @@ def _volumes(pool: Pool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
 
 # What an `hf://` download skips: the worker reads config, tokenizer and safetensors only, and
 # many repos carry the same weights again in other formats (Meta's Llama repos: `original/`,
-# 16 GB of .pth beside the 16 GB of safetensors of an 8B model).
-DOWNLOAD_IGNORE = ("original/*", "*.pth", "*.pt", "*.bin", "*.gguf", "*.onnx", "onnx/*",
+# 16 GB of .pth beside the 16 GB of safetensors of an 8B model; Mistral's: the weights again
+# under Mistral's own names as consolidated.safetensors).
+DOWNLOAD_IGNORE = ("original/*", "consolidated*.safetensors", "*.pth", "*.pt", "*.bin",
+                   "*.gguf", "*.onnx", "onnx/*",
                    "*.msgpack", "*.h5", "*.ot", "*.tflite", "*.mlmodel", "coreml/*")
 
 
