@@ -59,6 +59,8 @@ def test_worker_accepts_the_operator_command_line(pool_body, spec):
     assert args.page_size == pool.engine["pageSize"]
     assert args.schedule_policy == pool.engine["schedulePolicy"]
     assert args.drain_timeout == pool.lifecycle["drainTimeoutSeconds"]
+    # The worker waits for its model as long as the startup probe does (it gave up at 900 s).
+    assert args.startup_timeout == pool.lifecycle["startupTimeoutSeconds"] == 1800
 
 
 def test_worker_reads_the_api_key_from_the_environment_the_pod_sets(pool_body, monkeypatch):
@@ -69,3 +71,18 @@ def test_worker_reads_the_api_key_from_the_environment_the_pod_sets(pool_body, m
     monkeypatch.setenv("RADIXPOOL_API_KEY", "s3cret")
     args = parse("radixpool.worker.cli", "worker", worker_args(pool))
     assert args.api_key == "s3cret"
+
+
+@pytest.mark.parametrize(("engine", "device"), [
+    ({}, "cuda"),                                       # the default pool has one GPU
+    ({"resources": {"gpus": 2}}, "cuda"),
+    ({"resources": {"gpus": 0}}, "cpu"),
+    ({"device": "cpu"}, "cpu"),
+])
+def test_worker_device_follows_the_gpus_the_pod_is_given(pool_body, engine, device):
+    """`device: auto` (the default) on a GPU pod must not let the worker fall back to CPU when
+    its container sees no GPU (it would serve an 8B model on CPU and pass readiness); on a pod
+    given no GPU it must not pick up a GPU the node's runtime exposes anyway."""
+    pool = parse_pool(pool_body(engine=engine))
+    args = parse("radixpool.worker.cli", "worker", worker_args(pool))
+    assert args.device == device

@@ -90,6 +90,8 @@ def test_worker_pod_is_hardened_probed_and_drains(pool_body):
     assert container["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
     assert pod["terminationGracePeriodSeconds"] > 90
     assert container["args"][container["args"].index("--drain-timeout") + 1] == "90"
+    # the worker's own deadline for loading is the startup probe's budget, not its 900 s default
+    assert container["args"][container["args"].index("--startup-timeout") + 1] == "1200"
     assert pod["automountServiceAccountToken"] is False
 
 
@@ -144,11 +146,53 @@ def test_hf_model_is_downloaded_by_an_init_container_into_the_cache_volume(pool_
     objs = objects_of(pool_body(model={"uri": "hf://Qwen/Qwen3-8B@v1", "cacheSize": "40Gi"}))
     pod = objs["Deployment/llama-worker"]["spec"]["template"]["spec"]
     init = pod["initContainers"][0]
-    assert init["command"][-3:] == ["Qwen/Qwen3-8B", "v1", "/models/Qwen/Qwen3-8B"]
+    assert init["command"][3:6] == ["Qwen/Qwen3-8B", "v1", "/models/Qwen/Qwen3-8B"]
     assert {"name": "model-cache", "emptyDir": {"sizeLimit": "40Gi"}} in pod["volumes"]
     args = pod["containers"][0]["args"]
     assert args[args.index("--model") + 1] == "/models/Qwen/Qwen3-8B"
     assert init["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def test_hf_download_fetches_what_the_worker_reads_and_not_the_other_weight_formats(
+        pool_body, monkeypatch):
+    """The init container downloaded the whole repo: for meta-llama/Llama-3.1-8B-Instruct that
+    is the 16 GB of safetensors plus the same weights again as `original/*.pth`."""
+    import sys
+    import types
+
+    from huggingface_hub.utils import filter_repo_objects
+
+    objs = objects_of(pool_body(model={"uri": "hf://meta-llama/Llama-3.1-8B-Instruct"}))
+    init = objs["Deployment/llama-worker"]["spec"]["template"]["spec"]["initContainers"][0]
+    python, flag, script, *argv = init["command"]
+    assert (python, flag) == ("python", "-c")
+    calls = []
+    hub = types.ModuleType("huggingface_hub")
+    hub.snapshot_download = lambda repo, **kw: calls.append((repo, kw))
+    monkeypatch.setitem(sys.modules, "huggingface_hub", hub)
+    monkeypatch.setattr(sys, "argv", ["-c", *argv])
+    exec(script, {})
+    [(repo, kwargs)] = calls
+    assert repo == "meta-llama/Llama-3.1-8B-Instruct" and kwargs["revision"] is None
+    assert kwargs["local_dir"] == "/models/meta-llama/Llama-3.1-8B-Instruct"
+    files = ["config.json", "generation_config.json", "model-00001-of-00004.safetensors",
+             "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
+             "special_tokens_map.json", "LICENSE", "README.md", "USE_POLICY.md",
+             "original/consolidated.00.pth", "original/params.json",
+             "original/tokenizer.model", "pytorch_model-00001-of-00004.bin",
+             "consolidated.safetensors"]   # Mistral's repos: the weights under its own names
+    kept = set(filter_repo_objects(files, allow_patterns=kwargs.get("allow_patterns"),
+                                   ignore_patterns=kwargs.get("ignore_patterns")))
+    assert {"config.json", "generation_config.json", "model-00001-of-00004.safetensors",
+            "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
+            "special_tokens_map.json"} <= kept
+    assert not {f for f in kept if f.startswith(("original/", "consolidated"))
+                or f.endswith((".pth", ".bin"))}
+    # tokenizers that ship as sentencepiece or BPE files at the top level still come
+    assert set(filter_repo_objects(["tokenizer.model", "vocab.json", "merges.txt",
+                                    "chat_template.jinja"],
+                                   ignore_patterns=kwargs.get("ignore_patterns"))) == {
+        "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja"}
 
 
 def test_gateway_may_watch_endpointslices_and_nothing_else(pool_body):

@@ -43,6 +43,30 @@ def test_worker_image_is_cuda_with_torch_and_flashinfer_running_as_uid_1000():
     assert ("ENTRYPOINT", '["radixpool"]') in final
 
 
+def env_of(steps: list[tuple[str, str]]) -> dict[str, str]:
+    """What the ENV instructions of `steps` set (the `KEY=VALUE ...` form)."""
+    env = {}
+    for op, arg in steps:
+        if op == "ENV":
+            env.update(item.split("=", 1) for item in arg.split() if "=" in item)
+    return env
+
+
+def test_worker_image_never_builds_tvm_ffi_torch_addon_at_import():
+    """FlashInfer 0.5.3's tvm-ffi compiles a torch add-on when it is imported under a torch
+    without `Tensor.__c_dlpack_exchange_api__` (2.11, 2.13): in the pod, with no compiler, each
+    engine start ran a torch-importing subprocess whose build failed, then warned. The GPU tests
+    passed with it turned off."""
+    steps = instructions("Dockerfile.worker")
+    final = final_stage(steps)
+    assert env_of(final).get("TVM_FFI_DISABLE_TORCH_C_DLPACK") == "1"
+    # the build stage's check imports flashinfer too, with a compiler at hand
+    build = steps[:len(steps) - len(final)]
+    check = next(i for i, (op, arg) in enumerate(build)
+                 if op == "RUN" and "import torch, flashinfer" in arg)
+    assert env_of(build[:check]).get("TVM_FFI_DISABLE_TORCH_C_DLPACK") == "1"
+
+
 def test_control_image_has_no_torch_and_runs_as_uid_1000():
     steps = instructions("Dockerfile.control")
     installs = [arg for op, arg in steps if op == "RUN" and "pip install" in arg]

@@ -40,6 +40,9 @@ def test_minimal_pool_gets_the_schema_defaults(pool_body):
     ({"engine": {"memFraction": 0}}, "spec.engine.memFraction", "greater than 0"),
     ({"engine": {"kvCacheTokens": 1000, "memFraction": 0.5}}, "spec.engine", "at most one"),
     ({"engine": {"resources": {"gpus": -1}}}, "spec.engine.resources.gpus", "at least 0"),
+    # A pod given no GPU would take one of the node's that belongs to another pod.
+    ({"engine": {"device": "cuda", "resources": {"gpus": 0}}}, "spec.engine.device",
+     "resources.gpus of at least 1"),
     ({"engine": {"resources": {"memory": "lots"}}}, "spec.engine.resources.memory",
      "not a valid"),
     ({"engine": {"resources": {"cpu": "-1"}}}, "spec.engine.resources.cpu", "not a valid"),

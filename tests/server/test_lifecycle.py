@@ -3,6 +3,7 @@ worker processes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import httpx
 import pytest
 from openai import OpenAI
 from worker_process import API_KEY as KEY
+from worker_process import free_port
 
 pytestmark = pytest.mark.slow
 CORE_DEATH_EXIT_S = 10
@@ -286,3 +288,55 @@ def test_settings_the_engine_cannot_run_with_end_the_worker_with_one_line(tiny_m
     assert len(errors) == 1 and says in errors[0], done.stderr[-2000:]
     assert "Traceback" not in done.stderr
 
+
+
+def test_sigterm_while_the_model_loads_stops_the_worker_and_its_core_at_once(tiny_model,
+                                                                           tmp_path):
+    """A pod deleted while its worker loads (a rollout replaced, a scale-down): the worker
+    waited for the load to finish (up to --startup-timeout) before it could exit, so the kubelet
+    killed it at the end of the grace period with the GPU held all that time."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for item in tiny_model.iterdir():
+        if item.suffix != ".safetensors":
+            (model / item.name).symlink_to(item)
+    os.mkfifo(model / "model.safetensors")   # reading the weights blocks until we say so
+    port = free_port()
+    log = tmp_path / "worker.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "radixpool.cli", "worker", "--model",
+                                 str(model), "--port", str(port), "--device", "cpu",
+                                 "--kv-cache-tokens", "2048"], stdout=out,
+                                stderr=subprocess.STDOUT, env={**os.environ,
+                                                               "HF_HUB_OFFLINE": "1"})
+    try:
+        def loading():
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+            except httpx.TransportError:
+                return False
+            return r.status_code == 503 and r.json()["status"] == "loading"
+
+        wait_until(loading, 120, "the worker to serve /health while loading")
+
+        def core() -> int | None:
+            children = [c for task in Path(f"/proc/{proc.pid}/task").iterdir()
+                        for c in (task / "children").read_text().split()]
+            return int(children[0]) if children else None
+
+        core_pid = wait_until(core, 120, "the engine core process")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, log.read_text()[-3000:]
+        # the core, stuck reading the weights, went with it
+        wait_until(lambda: not Path(f"/proc/{core_pid}").exists()
+                   or "Z" in Path(f"/proc/{core_pid}/stat").read_text().split()[2], 30,
+                   "the engine core to exit")
+        assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        # release a core left behind (old code) from its blocking open
+        with contextlib.suppress(OSError):
+            fd = os.open(model / "model.safetensors", os.O_WRONLY | os.O_NONBLOCK)
+            os.close(fd)

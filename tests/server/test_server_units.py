@@ -63,6 +63,9 @@ def test_flags_become_a_validated_config(tmp_path):
     missing = build_parser().parse_args(["worker", "--model", str(tmp_path / "nope")])
     with pytest.raises(ValueError, match=r"--model .* is not a directory"):
         config_from_args(missing)
+    assert config.engine.startup_timeout_s == 900
+    slow = build_parser().parse_args(["worker", "--model", str(model), "--startup-timeout", "3600"])
+    assert config_from_args(slow).engine.startup_timeout_s == 3600
     edge = build_parser().parse_args(["worker", "--model", str(model),
                                       "--header-read-timeout", "2.5", "--max-header-bytes", "8192",
                                       "--body-read-timeout", "7"])

@@ -177,3 +177,12 @@ def test_the_event_loop_runs_on_while_the_core_is_slow_to_take_a_large_message(e
         if stopped.is_set():
             os.kill(engine._process.pid, signal.SIGCONT)
     assert slept < 2.0, f"the event loop stood still {slept:.1f} s waiting on the core"
+
+
+def test_the_engine_waits_for_its_core_as_long_as_startup_timeout_says(tiny_model):
+    """The wait for the core to load is the caller's to set (a pod passes its startup budget):
+    it was fixed at 900 s, so a model that took longer to load was restarted forever."""
+    with pytest.raises(RuntimeError, match=r"not ready after 0.001 s \(--startup-timeout\)"):
+        Engine(str(tiny_model), device="cpu", kv_cache_tokens=2048, startup_timeout_s=0.001)
+    with pytest.raises(ValueError, match="startup_timeout_s"):
+        Engine(str(tiny_model), device="cpu", startup_timeout_s=0)

@@ -70,7 +70,8 @@ MODEL = obj("Which model the workers serve: exactly one of `path` or `uri`.", {
            "exactly one of spec.model.path or spec.model.uri must be set"),), defaulted=False)
 
 RESOURCES = obj("Compute for each worker pod. Requests equal limits for GPUs and memory.", {
-    "gpus": integer("GPUs per worker.", default=1, minimum=0, maximum=16),
+    "gpus": integer("GPUs per worker. The engine runs on one (no tensor parallelism): more "
+                    "stay idle.", default=1, minimum=0, maximum=16),
     "gpuResourceName": string("The extended resource that schedules GPUs.",
                               default="nvidia.com/gpu"),
     "cpu": int_or_string("CPU request per worker, e.g. `8` or `7500m`.", default="4",
@@ -86,12 +87,14 @@ ENGINE = obj("The worker pods: image, resources, engine knobs and placement.", {
                     "operator's configured worker image."),
     "imagePullPolicy": pull_policy(),
     "resources": RESOURCES,
-    "device": string("Where the engine runs.", default="auto", enum=DEVICES),
+    "device": string("Where the engine runs; `auto` is `cuda` when `resources.gpus` is at "
+                     "least 1, else `cpu` (`cuda` needs a GPU).", default="auto", enum=DEVICES),
     "dtype": string("Weight and activation dtype.", default="auto", enum=DTYPES),
     "kvCacheTokens": integer("KV cache budget in tokens; excludes `memFraction`.", minimum=1),
     "memFraction": number("Fraction of the GPU memory free after loading the weights for the "
-                          "KV cache, per-request tensors, step activations and CUDA graphs; "
-                          "excludes `kvCacheTokens`.",
+                          "KV cache, per-request tensors, step activations and CUDA graphs "
+                          "(the worker uses 0.85 when neither this nor `kvCacheTokens` is "
+                          "set); excludes `kvCacheTokens`.",
                           minimum=0, exclusive_minimum=True, maximum=1),
     "pageSize": integer("Tokens per KV page.", default=1, minimum=1, maximum=256),
     "maxRunningRequests": integer("Most requests in the running batch.", minimum=1),

@@ -173,6 +173,10 @@ def _check_rules(spec: dict[str, Any]) -> list[FieldError]:
     if "kvCacheTokens" in engine and "memFraction" in engine:
         errors.append(FieldError("spec.engine", "set at most one of spec.engine.kvCacheTokens "
                                                 "and spec.engine.memFraction"))
+    if engine["device"] == "cuda" and not engine["resources"]["gpus"]:
+        errors.append(FieldError("spec.engine.device", "'cuda' needs spec.engine.resources.gpus "
+                                                       "of at least 1: a pod given no GPU would "
+                                                       "use one that belongs to another pod"))
     if "hfTokenSecret" in model and not model.get("uri", "").startswith("hf://"):
         errors.append(FieldError("spec.model.hfTokenSecret", "only applies to hf:// models"))
     reserved = {"model", "model-cache", "tmp", "cache", "dshm"}

@@ -45,13 +45,25 @@ def model_dir(pool: Pool) -> str:
     return f"{MODEL_MOUNT}/{repo}"
 
 
+def worker_device(pool: Pool) -> str:
+    """`auto` is decided here, by whether the pod is given GPUs, not by the worker at start-up:
+    a GPU pod whose GPU the container cannot see (no NVIDIA runtime on the node, a broken device
+    plugin) must fail and say so, not serve an 8B model on CPU; and a pod given no GPU must not
+    use one the node's runtime exposes to every container anyway (the CUDA base image sets
+    NVIDIA_VISIBLE_DEVICES=all), which belongs to another pod."""
+    device = pool.engine["device"]
+    if device == "auto":
+        return "cuda" if pool.engine["resources"]["gpus"] else "cpu"
+    return device
+
+
 def worker_args(pool: Pool) -> list[str]:
     """`radixpool worker` flags, in the order `radixpool worker --help` lists them."""
     engine = pool.engine
     args = ["worker", "--model", model_dir(pool),
             "--served-model-name", pool.model.served_name,
             "--host", "0.0.0.0", "--port", str(api.WORKER_PORT),
-            "--device", engine["device"], "--dtype", engine["dtype"]]
+            "--device", worker_device(pool), "--dtype", engine["dtype"]]
     if "kvCacheTokens" in engine:
         args += ["--kv-cache-tokens", str(engine["kvCacheTokens"])]
     if "memFraction" in engine:
@@ -62,6 +74,9 @@ def worker_args(pool: Pool) -> list[str]:
     if "chunkedPrefillSize" in engine:
         args += ["--chunked-prefill-size", str(engine["chunkedPrefillSize"])]
     args += ["--schedule-policy", engine["schedulePolicy"], "--log-level", engine["logLevel"],
+             # The engine's own deadline for loading is the startup probe's budget: with its
+             # default (900 s) a model that loads in 20 minutes was restarted forever.
+             "--startup-timeout", str(pool.lifecycle["startupTimeoutSeconds"]),
              "--drain-timeout", str(pool.lifecycle["drainTimeoutSeconds"])]
     return args + list(engine.get("args", []))
 
@@ -126,11 +141,21 @@ def _volumes(pool: Pool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         pool.engine.get("volumeMounts", []))
 
 
+# What an `hf://` download skips: the worker reads config, tokenizer and safetensors only, and
+# many repos carry the same weights again in other formats (Meta's Llama repos: `original/`,
+# 16 GB of .pth beside the 16 GB of safetensors of an 8B model; Mistral's: the weights again
+# under Mistral's own names as consolidated.safetensors).
+DOWNLOAD_IGNORE = ("original/*", "consolidated*.safetensors", "*.pth", "*.pt", "*.bin",
+                   "*.gguf", "*.onnx", "onnx/*",
+                   "*.msgpack", "*.h5", "*.ot", "*.tflite", "*.mlmodel", "coreml/*")
+
+
 def _download_container(pool: Pool, image: str) -> dict[str, Any]:
     """Init container fetching an `hf://` model into the model cache before the worker starts."""
     repo, revision = pool.model.hf
     script = ("from huggingface_hub import snapshot_download; import sys; "
-              "snapshot_download(sys.argv[1], revision=sys.argv[2] or None, local_dir=sys.argv[3])")
+              "snapshot_download(sys.argv[1], revision=sys.argv[2] or None, local_dir=sys.argv[3], "
+              "ignore_patterns=sys.argv[4:])")
     env = [{"name": "HF_HUB_OFFLINE", "value": "0"}, {"name": "HOME", "value": HOME},
            {"name": "HF_HOME", "value": f"{HOME}/.cache/huggingface"}]
     if pool.model.hf_token:
@@ -139,7 +164,8 @@ def _download_container(pool: Pool, image: str) -> dict[str, Any]:
     return {
         "name": "download-model", "image": image,
         "imagePullPolicy": pool.engine.get("imagePullPolicy", "IfNotPresent"),
-        "command": ["python", "-c", script, repo, revision or "", model_dir(pool)],
+        "command": ["python", "-c", script, repo, revision or "", model_dir(pool),
+                    *DOWNLOAD_IGNORE],
         "env": env,
         "resources": {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}},
         "securityContext": container_security(),

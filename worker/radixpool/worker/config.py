@@ -49,6 +49,9 @@ class EngineConfig:
     # appends its canonical tokenization unverified; "off" decodes it token by token. True and
     # False stand for "exact" and "off".
     jump_forward: str = "exact"
+    # How long the core process may take to start (load the weights, size the KV pool, capture
+    # the CUDA graphs) before the engine gives up; a pod's startup budget should be the same.
+    startup_timeout_s: float = 900.0
 
     def __post_init__(self) -> None:
         def fail(name: str, expected: str) -> None:
@@ -82,6 +85,8 @@ class EngineConfig:
             fail("max_queue_wait_s", "> 0")
         if self.context_length is not None and self.context_length < 1:
             fail("context_length", "≥ 1")
+        if self.startup_timeout_s <= 0:
+            fail("startup_timeout_s", "> 0 seconds")
         if isinstance(self.jump_forward, bool):
             object.__setattr__(self, "jump_forward", "exact" if self.jump_forward else "off")
         if self.jump_forward not in JUMP_FORWARD_MODES:

@@ -36,7 +36,7 @@ from radixpool.tokenization import PromptTokenizer
 from radixpool.worker.config import EngineConfig
 from radixpool.worker.core_process import Shutdown
 from radixpool.worker.detokenizer import IncrementalDetokenizer
-from radixpool.worker.engine_errors import EngineBusy, RidInUse
+from radixpool.worker.engine_errors import EngineBusy, EngineStartCancelled, RidInUse
 from radixpool.worker.ipc import Inbox, Outbox, PeerClosed, frame, socket_pair
 from radixpool.worker.kv_event_log import KVEventLog
 from radixpool.worker.messages import (
@@ -55,15 +55,19 @@ from radixpool.worker.sampler import request_seed
 from radixpool.worker.sampling_params import SamplingParams
 from radixpool.worker.stop_strings import StopMatcher
 
-__all__ = ["Engine", "EngineBusy", "RidInUse", "StreamChunk"]
+__all__ = ["Engine", "EngineBusy", "EngineStartCancelled", "RidInUse", "StreamChunk"]
 
 log = logging.getLogger("radixpool.engine")
-STARTUP_TIMEOUT_S = 900.0
 CONTROL_TIMEOUT_S = 600.0
 
 
 class Engine:
-    def __init__(self, model_path: str, **options: Any) -> None:
+    def __init__(self, model_path: str, *, cancel: threading.Event | None = None,
+                 **options: Any) -> None:
+        """Start the engine: returns once its core process has loaded the model. Setting
+        `cancel` (from another thread) while it loads stops the core and raises
+        `EngineStartCancelled`."""
+        self._cancel = cancel
         known = {f.name for f in fields(EngineConfig)} - {"model_path"}
         unknown = sorted(set(options) - known)
         if unknown:
@@ -115,7 +119,7 @@ class Engine:
         self._receiver.start()
 
     def _await_ready(self) -> CoreReady:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        deadline = time.monotonic() + self.config.startup_timeout_s
         while time.monotonic() < deadline:
             if self._inbox.wait(0.2):
                 try:
@@ -132,8 +136,13 @@ class Engine:
                 self._finalizer()
                 raise RuntimeError(f"engine core exited with code {self._process.returncode} "
                                    "before it was ready")
+            if self._cancel is not None and self._cancel.is_set():
+                self._finalizer()
+                raise EngineStartCancelled("the engine's start was cancelled while the model "
+                                           "loaded")
         self._finalizer()
-        raise RuntimeError(f"engine core not ready after {STARTUP_TIMEOUT_S:.0f} s")
+        raise RuntimeError(f"engine core not ready after {self.config.startup_timeout_s:g} s "
+                           "(--startup-timeout)")
 
     def _send(self, msg: Any) -> None:
         """Messages reach the core whole and in order. What the socket does not take now (the

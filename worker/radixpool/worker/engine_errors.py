@@ -20,3 +20,8 @@ class RidInUse(ValueError):
         super().__init__(f"rid {rid!r} is already in flight; use a unique rid per request "
                          "(a finished request's rid may be reused)")
         self.rid = rid
+
+
+class EngineStartCancelled(RuntimeError):
+    """The caller gave up on an engine still starting (`Engine(cancel=...)` was set): its core
+    process was stopped."""

@@ -126,6 +126,11 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                         "/kv_events/snapshot and /prefix_probe, accepted everywhere (give it "
                         f"to the gateway only; default: ${CONTROL_KEY_ENV}, else those paths "
                         "take the serving key)")
+    p.add_argument("--startup-timeout", type=float, default=_default("startup_timeout_s"),
+                   metavar="SECONDS",
+                   help="how long loading the model (weights, KV pool, CUDA graphs) may take "
+                        "before the worker gives up and exits 1; in a pod, the startup probe's "
+                        f"budget (default: {_default('startup_timeout_s'):g})")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, how long running requests may take to finish before they "
                         "are aborted; keep it below the pod's terminationGracePeriodSeconds "
@@ -204,6 +209,7 @@ def _config_from_args(args: argparse.Namespace) -> ServerConfig:
         context_length=args.context_length,
         debug_invariants=args.debug_invariants,
         jump_forward=args.jump_forward,
+        startup_timeout_s=args.startup_timeout,
     )
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     return ServerConfig(

@@ -1,8 +1,10 @@
 """`radixpool worker`: load the engine, serve HTTP, drain on SIGTERM.
 
-The HTTP server starts first, so `/health` answers 503 while the model loads. SIGTERM starts a
-drain: `/health` and new requests get 503, running requests get up to `--drain-timeout` to finish,
-then the server stops, the engine shuts down and the process exits 0. A second SIGTERM or a
+The HTTP server starts first, so `/health` answers 503 while the model loads. SIGTERM (or SIGINT)
+while it loads stops the engine core at once and exits 0: a pod deleted while loading goes in
+seconds, not at the end of its grace period. Once serving, SIGTERM starts a drain: `/health`
+and new requests get 503, running requests get up to `--drain-timeout` to finish, then the server
+stops, the engine shuts down and the process exits 0. A second SIGTERM or a
 SIGINT stops at once. If the engine core process dies, the worker logs why, lets the requests in
 flight end with 503, and exits 1 within seconds, so the container is restarted.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
 from dataclasses import asdict
 from types import FrameType
 
@@ -34,10 +37,14 @@ class WorkerServer(uvicorn.Server):
         self.state = state
         self.loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._stop_loading = threading.Event()   # set on exit: an engine still loading stops
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not calling super(): uvicorn re-raises captured signals after shutdown, which would
         # turn a clean drain into death by SIGTERM (exit status 143 instead of 0).
+        # A model still loading is abandoned: the drain has nothing to wait for, and shutdown
+        # would otherwise wait for the load to finish (the loading thread cannot be cancelled).
+        self._stop_loading.set()
         if sig == signal.SIGTERM and not self.should_exit and self.loop is not None \
                 and self.state.lifecycle.begin_drain():
             self.loop.call_soon_threadsafe(self._spawn, self._drain())
@@ -71,10 +78,15 @@ class WorkerServer(uvicorn.Server):
 
     async def _load_engine(self) -> None:
         from radixpool.worker import Engine
+        from radixpool.worker.engine_errors import EngineStartCancelled
 
         cfg = self.state.config
         try:
-            engine = await asyncio.to_thread(Engine, **asdict(cfg.engine))
+            engine = await asyncio.to_thread(Engine, cancel=self._stop_loading,
+                                             **asdict(cfg.engine))
+        except EngineStartCancelled:
+            log.info("stopped while the model was loading")
+            return
         except Exception as exc:
             log.error("engine failed to start: %s", exc)
             self.state.lifecycle.mark_failed(f"the engine failed to start: {exc}")
