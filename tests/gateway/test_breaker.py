@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radixpool.gateway.breaker import FAILURE_KINDS, CircuitBreaker
-from radixpool.gateway.stream_errors import worker_failed_in
+from radixpool.gateway.stream_errors import error_status
 from tests.gateway.conftest import words
 
 FAILURES, OPEN_S = 3, 10.0
@@ -188,21 +188,23 @@ def test_a_stream_the_worker_ends_with_the_clients_error_keeps_the_breaker_close
     assert worker["circuit_breaker"] == "closed" and worker["breaker_failures"] == {}
 
 
-@pytest.mark.parametrize(("events", "workers_fault"), [
+@pytest.mark.parametrize(("events", "status"), [
     (b'data: {"error":{"message":"generation failed: CUDA error","type":"server_error",'
-     b'"param":null,"code":null}}\n\ndata: [DONE]\n\n', True),
+     b'"param":null,"code":null}}\n\ndata: [DONE]\n\n', 500),
     (b'data: {"error":{"message":"generation failed: the engine core process died",'
-     b'"type":"service_unavailable","param":null,"code":"engine_core_died"}}\n\n', True),
+     b'"type":"service_unavailable","param":null,"code":"engine_core_died"}}\n\n', 503),
     (b'data: {"error":{"message":"generation failed: response_format could not be followed",'
-     b'"type":"invalid_request_error","param":"response_format","code":null}}\n\n', False),
+     b'"type":"invalid_request_error","param":"response_format","code":null}}\n\n', 400),
     (b'data: {"error": {"object": "error", "message": "x", "type": "BadRequestError", '
-     b'"param": null, "code": 400}}\n\n', False),                        # vLLM, SGLang
+     b'"param": null, "code": 400}}\n\n', 400),                        # vLLM, SGLang
     (b'data: {"error": {"object": "error", "message": "x", "type": "InternalServerError", '
-     b'"param": null, "code": 500}}\n\n', True),
-    (b'data: {"error": "engine failed"}\n\n', True),
-    (b'data: {"error": {trunc\n\n', True),
-    (b'data: {"choices":[{"delta":{"content":"{\\"error\\": 1}"}}]}\n\n', False),  # a token
-    (b'data: {"choices":[],"usage":{"prompt_tokens":3}}\n\ndata: [DONE]\n\n', False),
+     b'"param": null, "code": 500}}\n\n', 500),
+    (b'data: {"error": {"message": "x", "code": 299}}\n\n', 500),    # statuses stay 4xx/5xx
+    (b'data: {"error": "engine failed"}\n\n', 500),
+    (b'data: {"error": {trunc\n\n', 500),
+    (b'data: {"choices":[{"delta":{"content":"{\\"error\\": 1}"}}]}\n\n', None),  # a token
+    (b'data: {"choices":[],"usage":{"prompt_tokens":3}}\n\ndata: [DONE]\n\n', None),
 ])
-def test_whose_fault_an_error_event_in_a_stream_is(events, workers_fault):
-    assert worker_failed_in(events) is workers_fault
+def test_the_status_an_error_event_in_a_stream_stands_for(events, status):
+    """A 5xx is the worker's fault (its breaker counts it), a 4xx the client's."""
+    assert error_status(events) == status

@@ -280,3 +280,27 @@ def test_a_request_placed_just_before_its_worker_left_leaves_no_connection_pool(
     list(busy)
     stack.settle()
     assert worker not in stack.gateway.pools
+
+
+@pytest.mark.parametrize(("stream_error", "code"), [
+    ({"type": "server_error"}, "500"),
+    ({"type": "service_unavailable", "code": "engine_core_died"}, "503"),
+    ({"type": "invalid_request_error", "code": "grammar_failed"}, "400"),
+])
+def test_a_stream_that_ends_in_an_error_event_is_counted_under_its_errors_status(
+        make_stack, stream_error, code):
+    """A 200 stream the worker ends with an error event failed: the dashboards' error panel
+    (code!~"2..") must see it. It used to count as code="200", a 0% error rate while every
+    stream failed mid-way."""
+    stack = make_stack(1)
+    worker = stack.fleet.urls[0]
+    stack.client.post(worker + "/sim/fail", json={"stream_error": stream_error})
+    before = scrape(stack)
+    for i in range(3):
+        r = stack.client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": words(i, 4)}], "stream": True})
+        assert r.status_code == 200 and "generation failed" in r.text
+    after = scrape(stack)
+    requests = "radixpool_gateway_requests_total"
+    assert change(before, after, requests, worker=worker, code=code) == 3
+    assert change(before, after, requests, worker=worker, code="200") == 0

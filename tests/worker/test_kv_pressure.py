@@ -194,3 +194,31 @@ def test_forced_text_that_outgrows_the_pool_ends_with_length(tiny_model, jump_fo
     assert last.error is None and last.finish_reason == "length" and tokens
     assert literal.startswith(PromptTokenizer.from_dir(tiny_model).decode(tokens))
     core.check_invariants()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_request_that_outgrows_the_pool_releases_its_penalty_counts(tiny_model, overlap):
+    """A finish the scheduler decides itself (the request outgrew the KV pool) arrives outside
+    a processed batch: the sampler must forget the request's penalty counts there too, as for
+    every other finish. Nothing a client sees changed (the table is LRU-bounded and a reused
+    request id is recounted), so this checks the release through the sampler's public
+    `release`."""
+    from radixpool.worker.config import EngineConfig
+    from radixpool.worker.engine_core import EngineCore
+    from radixpool.worker.messages import GenerateRequest
+
+    core = EngineCore(EngineConfig(str(tiny_model), device="cpu", kv_cache_tokens=64,
+                                   overlap_schedule=overlap, debug_invariants=True))
+    released: list[str] = []
+    release = core.sampler.release
+    core.sampler.release = lambda rid: (released.append(rid), release(rid))
+    params = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True,
+                            repetition_penalty=1.3, frequency_penalty=0.5)
+    assert core.add_request(GenerateRequest("r", list(range(5, 65)), params, 0)) is None
+    last = None
+    while core.has_work:
+        for delta in core.step().deltas:
+            last = delta
+    assert last.finish_reason == "length" and last.error is None
+    assert released == ["r"]
+    core.check_invariants()

@@ -109,7 +109,8 @@ WORKER_METRICS: tuple[MetricSpec, ...] = (
 GW_REQUESTS = MetricSpec(
     "radixpool_gateway_requests_total", "counter",
     "Routed requests by worker and status code (worker=\"gateway\": answered by the gateway; "
-    "code 499: the client left before its answer was whole).",
+    "code 499: the client left before its answer was whole; a 200 stream that ended in an "
+    "error event counts under the error's status, 4xx or 5xx, e.g. 500 for a server_error).",
     ("worker", "code"))
 GW_ROUTE_DECISIONS = MetricSpec(
     "radixpool_gateway_route_decisions_total", "counter",

@@ -14,7 +14,8 @@ feeds the metrics and the tree correction (`feedback.first_missing_block` → `t
 Deadlines: a worker that sends no headers within `upstream_first_byte_timeout`, or does not finish
 within `upstream_timeout`, is cut: 504 (or, mid-stream, a last error event), counted in
 `radixpool_gateway_upstream_timeouts_total`, and its breaker records a failure. So does a 200
-stream the worker ends with an error event of its own (`stream_errors`). A client that
+stream the worker ends with an error event of its own (`stream_errors`); any stream that ends in
+an error event is counted in the metrics under the error's status, not its 200. A client that
 leaves cancels its handler (see `http_edge`): the worker connection closes on the way out, the
 worker aborts the request, and the in-flight count drops. A large body is parsed and its route
 key built in a child process (`body_parsing`), over at most `max_route_prompt_chars` of the
@@ -55,7 +56,7 @@ from radixpool.gateway.route_key import (
     KeyBuilder,
     RouteKey,
 )
-from radixpool.gateway.stream_errors import worker_failed_in
+from radixpool.gateway.stream_errors import error_status
 from radixpool.gateway.upstream import (
     HOP_BY_HOP,
     UpstreamError,
@@ -407,7 +408,7 @@ class Gateway:
             return
         if status >= 500:
             worker.breaker.record_failure("server_error", self.clock())
-        elif seen.worker_error:   # a 200 whose stream the worker ended with its own error
+        elif (seen.error_status or 0) >= 500:   # a 200 whose stream the worker failed itself
             worker.breaker.record_failure("stream_error", self.clock())
         else:
             worker.breaker.record_success(self.clock())
@@ -415,8 +416,8 @@ class Gateway:
         if status >= 400:   # refused (a wrong model, a prompt too long, ...): nothing was cached
             self.policy.failed(decision, key)
         worker.requests += 1
-        self.metrics.answered(worker.url, status, time.perf_counter() - started,
-                              seen.first_event_s)
+        self.metrics.answered(worker.url, seen.error_status or status,
+                              time.perf_counter() - started, seen.first_event_s)
         if usage is not None:
             prompt, cached, other_prompts, other_cached = usage
             learn(worker, self.index, self.metrics, decision, key, prompt, cached, self.predicts,
@@ -427,7 +428,7 @@ class Gateway:
                             ) -> tuple[int, int | None, int, int] | None:
         """Forward whole SSE events the moment they arrive; note the last usage report (as
         `answer_usage` gives it: a stream is one answer), and in `seen` when the first event
-        went and whether the worker ended the stream with an error of its own."""
+        went and the status of the error event that ended the stream, if one did."""
         usage, pending = None, b""
         while (chunk := await upstream.read()) is not None:
             if respond.disconnected:
@@ -443,12 +444,12 @@ class Gateway:
                 if strip_usage:
                     ready = b"".join(e + b"\n\n" for e in ready.split(b"\n\n")[:-1]
                                      if not is_usage_only_event(e))
-            seen.worker_error = seen.worker_error or worker_failed_in(ready)
+            seen.error_status = seen.error_status or error_status(ready)
             if seen.first_event_s is None:
                 seen.first_event_s = time.perf_counter() - started
             await respond.write(ready)
         if pending and not respond.disconnected:
-            seen.worker_error = seen.worker_error or worker_failed_in(pending)
+            seen.error_status = seen.error_status or error_status(pending)
             await respond.write(pending)
         return None if usage is None else (*usage, 0, 0)
 
@@ -496,7 +497,7 @@ class StreamSeen:
     so it counts in the request duration alone."""
 
     first_event_s: float | None = None   # seconds from the request's start to its first event
-    worker_error: bool = False   # the worker ended the stream with an error of its own
+    error_status: int | None = None   # an error event ended the stream: its status
 
 
 def _cut_stream_event(worker_url: str, exc: UpstreamError) -> bytes:

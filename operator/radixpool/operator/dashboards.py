@@ -107,7 +107,8 @@ def fleet_dashboard() -> dict[str, Any]:
             {"expr": f"sum by (code) ({_rate(m.GW_REQUESTS.name, ERRORS)})",
              "legendFormat": "{{code}}"}], "reqps",
             "Responses other than 2xx, by HTTP status (worker=\"gateway\" series are the "
-            "gateway's own answers, e.g. 503 with no worker)."),
+            "gateway's own answers, e.g. 503 with no worker; a 200 stream that ended in an "
+            "error event counts under the error's status, e.g. 500)."),
         _panel("Retries, quarantines and upstream timeouts / s", [
             {"expr": f"sum({_rate(m.GW_RETRIES.name, POOL)})", "legendFormat": "retried"},
             {"expr": f"sum({_rate(m.GW_QUARANTINED.name, POOL)})",

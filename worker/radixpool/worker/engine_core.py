@@ -176,7 +176,8 @@ class EngineCore:
                 out.deltas += self._process(launched)
         if previous is not None:
             out.deltas += self._process(previous)
-        out.deltas += self.scheduler.take_deltas()
+        # finishes the scheduler decided with no batch to process them (it outgrew the KV)
+        out.deltas += self._release_finished(self.scheduler.take_deltas())
         t = time.perf_counter()
         out.events = self.cache.drain_events()
         for event in out.events:
@@ -250,10 +251,15 @@ class EngineCore:
                 self.times.wait += time.perf_counter() - w
             deltas = self.scheduler.process(done.batch, tokens, result.logprobs,
                                             result.top_logprobs)
+        self._release_finished(deltas)
+        self.times.process += time.perf_counter() - t
+        return deltas
+
+    def _release_finished(self, deltas: list[TokenDelta]) -> list[TokenDelta]:
+        """The sampler forgets the penalty counts of every request `deltas` finish."""
         for delta in deltas:
             if delta.finished:
                 self.sampler.release(delta.rid)
-        self.times.process += time.perf_counter() - t
         return deltas
 
     # ------------------------------------------------------------------ control
