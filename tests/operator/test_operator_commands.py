@@ -47,7 +47,7 @@ def test_gateway_accepts_the_operator_command_line(pool_body, spec):
     assert args.balance_abs_threshold == pool.gateway["balanceAbsThreshold"]
     assert args.balance_rel_threshold == pool.gateway["balanceRelThreshold"]
     assert args.late_binding == pool.gateway["lateBinding"] == (not spec)
-    assert args.port == 8080 and args.host == "0.0.0.0"
+    assert args.port == 8080 and args.host == "::"
     assert args.k8s_port_name == "http"
 
 
@@ -55,7 +55,7 @@ def test_gateway_accepts_the_operator_command_line(pool_body, spec):
 def test_worker_accepts_the_operator_command_line(pool_body, spec):
     pool = parse_pool(pool_body(**spec) if spec else pool_body())
     args = parse("radixpool.worker.cli", "worker", worker_args(pool))
-    assert args.port == 8000 and args.host == "0.0.0.0"
+    assert args.port == 8000 and args.host == "::"
     assert args.page_size == pool.engine["pageSize"]
     assert args.schedule_policy == pool.engine["schedulePolicy"]
     assert args.drain_timeout == pool.lifecycle["drainTimeoutSeconds"]

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-
-def _url(address: str, port: int) -> str:
-    return f"http://[{address}]:{port}" if ":" in address else f"http://{address}:{port}"
+from radixpool.listen import http_url
 
 
 def slice_endpoints(endpoint_slice: dict, port_name: str | None = None
@@ -37,7 +35,7 @@ def slice_endpoints(endpoint_slice: dict, port_name: str | None = None
             continue
         else:
             target = ready
-        target.update(_url(a, port) for a in endpoint.get("addresses") or [])
+        target.update(http_url(a, port) for a in endpoint.get("addresses") or [])
     return ready, terminating
 
 

@@ -21,6 +21,7 @@ from types import FrameType
 import uvicorn
 
 from radixpool.http_edge import edge_protocol
+from radixpool.listen import http_url, listen_socket
 from radixpool.worker.server.app import create_app
 from radixpool.worker.server.config import ServerConfig
 from radixpool.worker.server.state import WorkerState
@@ -96,9 +97,10 @@ class WorkerServer(uvicorn.Server):
         self.state.attach(engine)
         self._spawn(self._watch_core(engine))
         info = engine.info
-        log.info("serving %s as '%s' on http://%s:%d — %s %s, context %d tokens, "
+        log.info("serving %s as '%s' on %s — %s %s, context %d tokens, "
                  "KV capacity %d tokens (page size %d), tool calls %s, instance %s",
-                 cfg.engine.model_path, cfg.served_model_name, cfg.host, cfg.port, info.device,
+                 cfg.engine.model_path, cfg.served_model_name, http_url(cfg.host, cfg.port),
+                 info.device,
                  info.dtype, info.context_length, info.kv_capacity_tokens, info.page_size,
                  self.state.tool_format, engine.instance_id)
 
@@ -135,9 +137,11 @@ def run_worker(config: ServerConfig) -> int:
         timeout_keep_alive=30, http=edge_protocol(config.edge),
     )
     server = WorkerServer(uv_config, state)
+    sock = listen_socket(config.host, config.port)   # `::`: both families; uvicorn's is v6 only
     try:
-        server.run()   # uvicorn's loop factory: uvloop when installed
+        server.run(sockets=[sock])   # uvicorn's loop factory: uvloop when installed
     finally:
+        sock.close()
         state.bodies.close()
         if state.engine is not None:
             state.engine.shutdown()
