@@ -15,7 +15,7 @@ import pytest
 import radixpool.listen
 from bench.simfleet import SimConfig, SimFleet
 from radixpool.gateway.config import GatewayConfig, normalize_worker_url
-from radixpool.gateway.discovery import slice_endpoints
+from radixpool.gateway.discovery import EndpointSliceState, slice_endpoints
 from radixpool.gateway.server import GatewayServer
 from radixpool.gateway.upstream import UpstreamPool
 from radixpool.listen import listen_socket
@@ -107,6 +107,29 @@ def test_endpoint_slice_ipv6_addresses_become_bracketed_urls():
     ready, _ = slice_endpoints({"addressType": "IPv6", "ports": [{"name": "http", "port": 8000}],
                                 "endpoints": [{"addresses": ["fd00:10:244::7"]}]}, "http")
     assert ready == {"http://[fd00:10:244::7]:8000"}
+
+
+def _slice(name: str, family: str, *addresses: str) -> dict:
+    return {"metadata": {"name": name}, "addressType": family,
+            "ports": [{"name": "http", "port": 8000}],
+            "endpoints": [{"addresses": [a]} for a in addresses]}
+
+
+def test_an_ipv6_only_service_is_followed_whole():
+    state = EndpointSliceState("http")
+    state.replace([_slice("w-a", "IPv6", "fd00::7", "fd00::8")])
+    assert state.workers() == ({"http://[fd00::7]:8000", "http://[fd00::8]:8000"}, set())
+
+
+def test_a_dual_stack_service_gives_each_pod_once():
+    """A dual-stack Service lists every pod in an IPv4 and an IPv6 slice: two workers per pod,
+    each with half its traffic and a cache view of its own, before."""
+    state = EndpointSliceState("http")
+    state.replace([_slice("w-v4", "IPv4", "10.0.0.7", "10.0.0.8"),
+                   _slice("w-v6", "IPv6", "fd00::7", "fd00::8")])
+    assert state.workers() == ({"http://10.0.0.7:8000", "http://10.0.0.8:8000"}, set())
+    state.apply("DELETED", _slice("w-v4", "IPv4"))   # the Service made single-stack IPv6
+    assert state.workers() == ({"http://[fd00::7]:8000", "http://[fd00::8]:8000"}, set())
 
 
 def test_requests_to_an_ipv6_worker_carry_a_bracketed_host_header():
