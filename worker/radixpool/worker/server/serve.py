@@ -130,6 +130,11 @@ def run_worker(config: ServerConfig) -> int:
     disable_created_metrics()   # no `_created` series: they double the scrape for nothing
     level = config.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        sock = listen_socket(config.host, config.port)   # `::`: both families; uvicorn's: v6 only
+    except OSError as exc:   # the port in use, an address not on this host
+        log.error("cannot listen on %s: %s", http_url(config.host, config.port), exc.strerror)
+        return 1
     state = WorkerState(config)
     uv_config = uvicorn.Config(
         create_app(state), host=config.host, port=config.port, log_level=config.log_level,
@@ -137,7 +142,6 @@ def run_worker(config: ServerConfig) -> int:
         timeout_keep_alive=30, http=edge_protocol(config.edge),
     )
     server = WorkerServer(uv_config, state)
-    sock = listen_socket(config.host, config.port)   # `::`: both families; uvicorn's is v6 only
     try:
         server.run(sockets=[sock])   # uvicorn's loop factory: uvloop when installed
     finally:
