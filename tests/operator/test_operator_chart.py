@@ -75,6 +75,8 @@ def test_default_install_runs_one_cluster_wide_operator_with_peering():
     assert container["command"] == ["radixpool"]
     assert container["args"][:3] == ["operator", "--all-namespaces", "--peering=radixpool"]
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    # kubelet probes the pod IP (IPv6 on an IPv6-only cluster): every address of both families
+    assert "--liveness=http://[::]:8081/healthz" in container["args"]
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
     assert [p["kind"] for p in kinds["ClusterKopfPeering"]] == ["ClusterKopfPeering"]

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import socket
 
 import pytest
 
+from radixpool.listen import listen_socket
 from radixpool.operator.gateway import gateway_args
 from radixpool.operator.spec import parse_pool
 from radixpool.operator.workers import worker_args
@@ -47,7 +49,7 @@ def test_gateway_accepts_the_operator_command_line(pool_body, spec):
     assert args.balance_abs_threshold == pool.gateway["balanceAbsThreshold"]
     assert args.balance_rel_threshold == pool.gateway["balanceRelThreshold"]
     assert args.late_binding == pool.gateway["lateBinding"] == (not spec)
-    assert args.port == 8080 and args.host == "0.0.0.0"
+    assert args.port == 8080 and args.host == "::"
     assert args.k8s_port_name == "http"
 
 
@@ -55,7 +57,7 @@ def test_gateway_accepts_the_operator_command_line(pool_body, spec):
 def test_worker_accepts_the_operator_command_line(pool_body, spec):
     pool = parse_pool(pool_body(**spec) if spec else pool_body())
     args = parse("radixpool.worker.cli", "worker", worker_args(pool))
-    assert args.port == 8000 and args.host == "0.0.0.0"
+    assert args.port == 8000 and args.host == "::"
     assert args.page_size == pool.engine["pageSize"]
     assert args.schedule_policy == pool.engine["schedulePolicy"]
     assert args.drain_timeout == pool.lifecycle["drainTimeoutSeconds"]
@@ -86,3 +88,31 @@ def test_worker_device_follows_the_gpus_the_pod_is_given(pool_body, engine, devi
     pool = parse_pool(pool_body(engine=engine))
     args = parse("radixpool.worker.cli", "worker", worker_args(pool))
     assert args.device == device
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("module, command, render", [
+    ("radixpool.worker.cli", "worker", worker_args),
+    ("radixpool.gateway.cli", "gateway", gateway_args)])
+def test_pods_listen_where_their_pod_ip_reaches_them(pool_body, module, command, render):
+    """kubelet's probes, the gateway and Prometheus connect to the pod IP, which is IPv6 only on
+    an IPv6-only cluster and either family on a dual-stack one: the rendered `--host`, bound as
+    the servers bind it, accepts both (`0.0.0.0`, rendered before, took IPv4 only)."""
+    args = parse(module, command, render(parse_pool(pool_body())))
+    targets = [(socket.AF_INET, "127.0.0.1")]
+    if _ipv6_loopback():
+        targets.append((socket.AF_INET6, "::1"))
+    with listen_socket(args.host, 0) as sock:
+        sock.listen()
+        for family, address in targets:
+            with socket.socket(family) as client:
+                client.settimeout(10)
+                assert client.connect_ex((address, sock.getsockname()[1])) == 0, address

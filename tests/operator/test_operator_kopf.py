@@ -145,3 +145,53 @@ def test_two_replicas_never_fight(tmp_path, pool_body):
                 process.wait(timeout=20)
         handled = ["Handler 'apply_pool' succeeded" in log.read_text() for log in logs]
         assert handled == [False, True]
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_liveness_on_all_addresses_answers_ipv6_and_ipv4(tmp_path):
+    """The default `--liveness http://[::]:8081/healthz` (the chart's too) answers kubelet on an
+    IPv6-only pod IP and on a dual-stack pod's IPv4 one. kopf's own endpoint bound `::`
+    IPv6-only, and the old default `0.0.0.0` IPv4-only."""
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+    except OSError as exc:
+        pytest.skip(f"no IPv6 loopback on this machine: {exc}")
+    with FakeAPIServer() as fake:
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(fake.kubeconfig())
+        port = free_port()
+        log = (tmp_path / "operator.log").open("w")
+        process = subprocess.Popen(
+            [sys.executable, "-m", "radixpool.cli", "operator", "--namespace", "ml",
+             "--standalone", "--kubeconfig", str(kubeconfig),
+             "--liveness", f"http://[::]:{port}/healthz"],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TMPDIR": str(tmp_path)})
+        try:
+            wait_for("liveness on [::1]", lambda: _answers(f"http://[::1]:{port}/healthz"),
+                     process, timeout=60)
+            assert _answers(f"http://127.0.0.1:{port}/healthz")
+        finally:
+            process.send_signal(signal.SIGTERM)
+            try:
+                code = process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                raise
+            log.close()
+        assert code == 0, (tmp_path / "operator.log").read_text()[-3000:]
+
+
+def test_a_liveness_url_without_a_port_is_refused_naming_it(capsys):
+    from radixpool.cli import main
+
+    assert main(["operator", "--standalone", "--liveness", "http://[::]/healthz"]) == 2
+    assert "--liveness 'http://[::]/healthz'" in capsys.readouterr().err

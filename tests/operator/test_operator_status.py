@@ -74,6 +74,14 @@ def test_load_balancer_address_is_reported_as_the_external_endpoint():
     assert status["externalEndpoint"] == "http://203.0.113.7:80"
 
 
+def test_ipv6_load_balancer_address_is_bracketed():
+    """`http://2001:db8::7:80` is no URL a client can use: the address is in brackets."""
+    service = {"spec": {"ports": [{"port": 80}]},
+               "status": {"loadBalancer": {"ingress": [{"ip": "2001:db8::7"}]}}}
+    status = status_for(Observed(gateway_service=service))
+    assert status["externalEndpoint"] == "http://[2001:db8::7]:80"
+
+
 def test_transition_time_moves_only_when_the_status_changes():
     observed = Observed(worker_deployment=deployment("llama-worker", replicas=2, ready=2))
     before = {"metadata": {"name": "llama", "namespace": "ml", "generation": 4},

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import httpx
 
+from radixpool.listen import http_url
+
 HEALTH_TIMEOUT_S = 2.0
 
 
@@ -54,7 +56,7 @@ class ChildProcess:
         self.name = name
         self.argv = list(argv)
         self.port = port
-        self.url = f"http://{host}:{port}"
+        self.url = http_url(host, port)
         self.log_path = log_path
         self.env = env
         self.proc: subprocess.Popen | None = None

@@ -74,7 +74,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--hold-max-seconds", type=float, default=D.hold_max_seconds,
                    help="late binding: a request held this long goes to its soonest worker")
     s = p.add_argument_group("server and fleet")
-    s.add_argument("--host", default=D.host, help="listen address")
+    s.add_argument("--host", default=D.host,
+                   help="listen address (`::`: every IPv6 and IPv4 address, IPv4 only where "
+                        "IPv6 is off)")
     s.add_argument("--port", type=int, default=D.port, help="listen port")
     s.add_argument("--api-key-file", default=None, metavar="PATH",
                    help=f"file holding the key clients must send as Authorization: Bearer KEY "

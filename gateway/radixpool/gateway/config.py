@@ -5,26 +5,46 @@ Defaults are defined here and only here; `cli.py` and `docs/gateway.md` read the
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 from urllib.parse import urlsplit
+
+from radixpool.listen import http_url
 
 POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "prefix_hash")
 
 
 def normalize_worker_url(url: str) -> str:
-    """`host:port` or `http://host:port/` → `http://host:port`; raises ValueError when unusable."""
+    """`host:port` or `http://host:port/` → `http://host:port`, an IPv6 address in brackets and
+    in its canonical form (`[FD00:0::5]` is `[fd00::5]`: one worker, one label); raises
+    ValueError when unusable."""
     raw = url.strip()
     if "://" not in raw:
         raw = "http://" + raw
-    parts = urlsplit(raw)
+    try:
+        parts = urlsplit(raw)
+    except ValueError as exc:   # a bracketed host that is no IPv6 address
+        raise ValueError(f"worker url {url!r}: {exc}") from None
     if parts.scheme != "http":
         raise ValueError(f"worker url {url!r}: only http:// is supported")
-    if not parts.hostname or parts.port is None:
+    if parts.netloc.count(":") > 1 and "[" not in parts.netloc:
+        raise ValueError(f"worker url {url!r}: write an IPv6 address in brackets, "
+                         "http://[ADDRESS]:PORT")
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if not parts.hostname or port is None:
         raise ValueError(f"worker url {url!r}: expected http://HOST:PORT")
     if parts.path not in ("", "/") or parts.query:
         raise ValueError(f"worker url {url!r}: must not carry a path or query")
-    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-    return f"http://{host}:{parts.port}"
+    host = parts.hostname
+    if ":" in host:
+        try:
+            host = ipaddress.IPv6Address(host).compressed
+        except ValueError:
+            raise ValueError(f"worker url {url!r}: {host!r} is no IPv6 address") from None
+    return http_url(host, port)
 
 
 @dataclass(frozen=True)
@@ -41,7 +61,7 @@ class GatewayConfig:
     prefix_token_count: int = 256
     prefix_hash_load_factor: float = 1.25
     tokenizer: str | None = None
-    host: str = "0.0.0.0"
+    host: str = "::"   # every address, IPv6 and IPv4 (radixpool.listen)
     port: int = 8080
     api_key: str | None = None          # clients' key
     worker_api_key: str | None = None   # the key presented to workers (their control key)

@@ -37,7 +37,6 @@ import itertools
 import json
 import logging
 import re
-import socket
 import sys
 import uuid
 from collections.abc import Awaitable, Callable
@@ -48,6 +47,7 @@ from uvicorn.server import ServerState
 
 from radixpool.http_edge import EdgeLimits as ProtocolLimits
 from radixpool.http_edge import edge_protocol, error_document
+from radixpool.listen import listen_socket
 
 log = logging.getLogger("radixpool.gateway")
 
@@ -201,13 +201,7 @@ class EdgeServer:
         self.screen = screen
         self.host = host
         self.limits = limits
-        self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self._socket.bind((host, port))
-        except OSError:
-            self._socket.close()
-            raise
+        self._socket = listen_socket(host, port)   # `::`: both families (radixpool.listen)
         self.port: int = self._socket.getsockname()[1]
         self._state = ServerState()
         self.large_bodies_held = 0   # bytes of bodies over LARGE_BODY_BYTES, all requests

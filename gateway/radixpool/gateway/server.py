@@ -16,6 +16,7 @@ from radixpool.gateway.config import GatewayConfig
 from radixpool.gateway.http_edge import EdgeLimits, EdgeServer
 from radixpool.gateway.monitor import Monitor
 from radixpool.gateway.proxy import Gateway
+from radixpool.listen import http_url
 from radixpool.tokenization import PromptTokenizer
 
 log = logging.getLogger("radixpool.gateway")
@@ -76,8 +77,8 @@ class GatewayServer:
 async def _main(config: GatewayConfig, tokenizer: PromptTokenizer | None) -> None:
     server = GatewayServer(config, tokenizer)
     await server.start()
-    log.info("radixpool gateway on http://%s:%d, policy %s, %d static workers",
-             config.host, server.port, config.policy, len(config.worker_urls))
+    log.info("radixpool gateway on %s, policy %s, %d static workers",
+             http_url(config.host, server.port), config.policy, len(config.worker_urls))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

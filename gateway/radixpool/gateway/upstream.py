@@ -32,6 +32,8 @@ from collections import deque
 
 import httptools
 
+from radixpool.listen import host_port
+
 Headers = list[tuple[bytes, bytes]]
 BUFFER_HIGH_WATER = 256 << 10   # bytes of a response held unread before reading pauses
 
@@ -274,7 +276,7 @@ class UpstreamPool:
         self.max_idle = max_idle
         self._idle: list[_Connection] = []
         self._awaiting_headers: set[_Connection] = set()
-        self._host_header = f"{host}:{port}".encode()
+        self._host_header = host_port(host, port).encode()
 
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
@@ -283,7 +285,8 @@ class UpstreamPool:
                 loop.create_connection(_Connection, self.host, self.port), self.connect_timeout)
         except (OSError, asyncio.TimeoutError, UnicodeError) as exc:
             # UnicodeError: a host name IDNA cannot encode (an empty or 64-character label)
-            raise UpstreamError(f"cannot connect to {self.host}:{self.port}: {exc!r}") from exc
+            where = host_port(self.host, self.port)
+            raise UpstreamError(f"cannot connect to {where}: {exc!r}") from exc
         return conn
 
     def put_back(self, conn: _Connection) -> None:
@@ -346,7 +349,8 @@ class UpstreamPool:
             raise
         except (OSError, httptools.HttpParserError) as exc:
             conn.close()
-            raise UpstreamError(f"no response from {self.host}:{self.port}: {exc!r}") from exc
+            where = host_port(self.host, self.port)
+            raise UpstreamError(f"no response from {where}: {exc!r}") from exc
         except BaseException:  # cancelled while waiting: the connection must not linger
             conn.close()
             raise

@@ -27,8 +27,9 @@ def register(subparsers: Any) -> None:
                        help="watch every namespace (the default)")
     parser.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then "
                                              "~/.kube/config)")
-    parser.add_argument("--liveness", default="http://0.0.0.0:8081/healthz",
-                        help="liveness endpoint URL (default: %(default)s)")
+    parser.add_argument("--liveness", default="http://[::]:8081/healthz",
+                        help="liveness endpoint URL; host [::]: every IPv6 and IPv4 address, "
+                             "IPv4 only where IPv6 is off (default: %(default)s)")
     parser.add_argument("--peering", default="radixpool",
                         help="kopf peering object name (default: %(default)s)")
     parser.add_argument("--priority", type=int, default=None,
@@ -56,12 +57,17 @@ def run_operator(args: argparse.Namespace) -> int:
     import kopf
     from kubernetes.config import ConfigException
 
-    from . import handlers  # registers the event handlers
+    from . import handlers, liveness  # registers the event handlers
     from .desired import OperatorConfig
     from .gate import PoolGate
     from .kube import KubeCluster, load_api_client
     from .peering import PeeringUnavailable, ensure_peering
 
+    try:
+        liveness.parse_endpoint(args.liveness)
+    except ValueError as error:
+        print(f"radixpool operator: {error}", file=sys.stderr)
+        return 2
     if args.kubeconfig:
         os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's own login reads it too
     try:
@@ -86,12 +92,12 @@ def run_operator(args: argparse.Namespace) -> int:
             print(f"radixpool operator: {error}", file=sys.stderr)
             return 1
     handlers.register_periodic_check(args.resync_seconds)
+    liveness.register(args.liveness)   # kopf's own binds `::` IPv6-only (liveness.py)
     kopf.configure(verbose=args.verbose)
     try:
         kopf.run(
             clusterwide=not args.namespaces,
             namespaces=args.namespaces or (),
-            liveness_endpoint=args.liveness,
             standalone=args.standalone,
             peering_name=None if args.standalone else args.peering,
             priority=args.priority if args.priority is not None

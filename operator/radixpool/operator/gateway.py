@@ -77,7 +77,7 @@ def gateway_args(pool: Pool) -> list[str]:
             "--cache-threshold", str(gw["cacheThreshold"]),
             "--balance-abs-threshold", str(gw["balanceAbsThreshold"]),
             "--balance-rel-threshold", str(gw["balanceRelThreshold"]),
-            "--host", "0.0.0.0", "--port", str(api.GATEWAY_PORT)]
+            "--host", "::", "--port", str(api.GATEWAY_PORT)]
     args.append("--late-binding" if gw["lateBinding"] else "--no-late-binding")
     return args  # keys come from the environment only: RADIXPOOL_API_KEY, RADIXPOOL_WORKER_API_KEY
 

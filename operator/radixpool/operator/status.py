@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixpool.listen import http_url
+
 from . import api
 
 BROKEN_WAITING_REASONS = frozenset({
@@ -155,7 +157,7 @@ def _endpoints(pool_name: str, namespace: str,
     ingress = (((service.get("status") or {}).get("loadBalancer") or {}).get("ingress") or [])
     if ingress:
         host = ingress[0].get("hostname") or ingress[0].get("ip")
-        found["externalEndpoint"] = f"http://{host}:{port}"
+        found["externalEndpoint"] = http_url(host, port)   # an IPv6 LB address in brackets
     return found
 
 

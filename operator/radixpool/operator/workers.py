@@ -62,7 +62,7 @@ def worker_args(pool: Pool) -> list[str]:
     engine = pool.engine
     args = ["worker", "--model", model_dir(pool),
             "--served-model-name", pool.model.served_name,
-            "--host", "0.0.0.0", "--port", str(api.WORKER_PORT),
+            "--host", "::", "--port", str(api.WORKER_PORT),
             "--device", worker_device(pool), "--dtype", engine["dtype"]]
     if "kvCacheTokens" in engine:
         args += ["--kv-cache-tokens", str(engine["kvCacheTokens"])]

@@ -67,7 +67,8 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", metavar="NAME",
                    help="name clients put in `model` (default: the model directory's name)")
     p.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (default: 127.0.0.1; use 0.0.0.0 in a pod)")
+                   help="address to listen on (default: 127.0.0.1; `::` in a pod: every IPv6 "
+                        "and IPv4 address, IPv4 only where IPv6 is off)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     p.add_argument("--device", choices=DEVICES, default=_default("device"),
                    help="cpu, cuda, or auto: cuda when available (default: auto)")

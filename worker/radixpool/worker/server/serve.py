@@ -21,6 +21,7 @@ from types import FrameType
 import uvicorn
 
 from radixpool.http_edge import edge_protocol
+from radixpool.listen import http_url, listen_socket
 from radixpool.worker.server.app import create_app
 from radixpool.worker.server.config import ServerConfig
 from radixpool.worker.server.state import WorkerState
@@ -96,9 +97,10 @@ class WorkerServer(uvicorn.Server):
         self.state.attach(engine)
         self._spawn(self._watch_core(engine))
         info = engine.info
-        log.info("serving %s as '%s' on http://%s:%d — %s %s, context %d tokens, "
+        log.info("serving %s as '%s' on %s — %s %s, context %d tokens, "
                  "KV capacity %d tokens (page size %d), tool calls %s, instance %s",
-                 cfg.engine.model_path, cfg.served_model_name, cfg.host, cfg.port, info.device,
+                 cfg.engine.model_path, cfg.served_model_name, http_url(cfg.host, cfg.port),
+                 info.device,
                  info.dtype, info.context_length, info.kv_capacity_tokens, info.page_size,
                  self.state.tool_format, engine.instance_id)
 
@@ -128,6 +130,11 @@ def run_worker(config: ServerConfig) -> int:
     disable_created_metrics()   # no `_created` series: they double the scrape for nothing
     level = config.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        sock = listen_socket(config.host, config.port)   # `::`: both families; uvicorn's: v6 only
+    except OSError as exc:   # the port in use, an address not on this host
+        log.error("cannot listen on %s: %s", http_url(config.host, config.port), exc.strerror)
+        return 1
     state = WorkerState(config)
     uv_config = uvicorn.Config(
         create_app(state), host=config.host, port=config.port, log_level=config.log_level,
@@ -136,8 +143,9 @@ def run_worker(config: ServerConfig) -> int:
     )
     server = WorkerServer(uv_config, state)
     try:
-        server.run()   # uvicorn's loop factory: uvloop when installed
+        server.run(sockets=[sock])   # uvicorn's loop factory: uvloop when installed
     finally:
+        sock.close()
         state.bodies.close()
         if state.engine is not None:
             state.engine.shutdown()
