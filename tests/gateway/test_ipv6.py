@@ -19,21 +19,10 @@ from radixpool.gateway.discovery import EndpointSliceState, slice_endpoints
 from radixpool.gateway.server import GatewayServer
 from radixpool.gateway.upstream import UpstreamPool
 from radixpool.listen import listen_socket
+from tests.ipv6_loopback import ipv6_loopback_missing
 
-
-def _ipv6_loopback() -> str | None:
-    """Why ::1 cannot be used here, or None when it can."""
-    if not socket.has_ipv6:
-        return "Python was built without IPv6"
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-    except OSError as exc:
-        return f"no IPv6 loopback on this machine: {exc}"
-    return None
-
-
-needs_ipv6 = pytest.mark.skipif(_ipv6_loopback() is not None, reason=str(_ipv6_loopback()))
+needs_ipv6 = pytest.mark.skipif(ipv6_loopback_missing() is not None,
+                                reason=str(ipv6_loopback_missing()))
 
 
 def _answers(family: int, address: str, port: int) -> bool:
@@ -77,7 +66,7 @@ def test_all_addresses_falls_back_to_ipv4_where_ipv6_is_off(monkeypatch, caplog)
 def test_explicit_hosts_bind_as_given():
     with listen_socket("127.0.0.1", 0) as sock:
         assert sock.getsockname()[0] == "127.0.0.1"
-    if _ipv6_loopback() is None:
+    if ipv6_loopback_missing() is None:
         with listen_socket("[::1]", 0) as sock:
             assert sock.family == socket.AF_INET6 and sock.getsockname()[0] == "::1"
 

@@ -13,6 +13,7 @@ from radixpool.listen import listen_socket
 from radixpool.operator.gateway import gateway_args
 from radixpool.operator.spec import parse_pool
 from radixpool.operator.workers import worker_args
+from tests.ipv6_loopback import ipv6_loopback_missing
 
 
 def parse(module: str, command: str, argv: list[str]) -> argparse.Namespace:
@@ -90,15 +91,6 @@ def test_worker_device_follows_the_gpus_the_pod_is_given(pool_body, engine, devi
     assert args.device == device
 
 
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as sock:
-            sock.bind(("::1", 0))
-    except OSError:
-        return False
-    return True
-
-
 @pytest.mark.parametrize("module, command, render", [
     ("radixpool.worker.cli", "worker", worker_args),
     ("radixpool.gateway.cli", "gateway", gateway_args)])
@@ -108,7 +100,7 @@ def test_pods_listen_where_their_pod_ip_reaches_them(pool_body, module, command,
     the servers bind it, accepts both (`0.0.0.0`, rendered before, took IPv4 only)."""
     args = parse(module, command, render(parse_pool(pool_body())))
     targets = [(socket.AF_INET, "127.0.0.1")]
-    if _ipv6_loopback():
+    if ipv6_loopback_missing() is None:
         targets.append((socket.AF_INET6, "::1"))
     with listen_socket(args.host, 0) as sock:
         sock.listen()

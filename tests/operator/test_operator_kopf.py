@@ -37,6 +37,18 @@ def wait_for(what: str, check: Callable[[], Any], process: subprocess.Popen,
     pytest.fail(f"timed out waiting for {what}")
 
 
+def stop(process: subprocess.Popen, log) -> int:
+    """SIGTERM, as the kubelet sends; the operator's exit code (killed after 20 s: an error)."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        return process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+    finally:
+        log.close()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -99,13 +111,7 @@ def test_operator_process_reconciles_heals_and_stops(tmp_path, pool_body):
             store.delete(POOL)
             assert POOL not in store.objects  # no finalizer: deleting needs no operator
         finally:
-            process.send_signal(signal.SIGTERM)
-            try:
-                code = process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                raise
-            log.close()
+            code = stop(process, log)
         output = (tmp_path / "operator.log").read_text()
         assert code == 0, output[-3000:]
 
@@ -180,13 +186,7 @@ def test_liveness_on_all_addresses_answers_ipv6_and_ipv4(tmp_path):
                      process, timeout=60)
             assert _answers(f"http://127.0.0.1:{port}/healthz")
         finally:
-            process.send_signal(signal.SIGTERM)
-            try:
-                code = process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                raise
-            log.close()
+            code = stop(process, log)
         assert code == 0, (tmp_path / "operator.log").read_text()[-3000:]
 
 

@@ -3,29 +3,16 @@ real gateway in front reaches it as `http://[::1]:PORT`: an OpenAI SDK call goes
 
 from __future__ import annotations
 
-import socket
-
 import httpx
 import openai
 import pytest
 from worker_process import STARTUP_TIMEOUT_S, WorkerProcess
 
 from radixpool.fleet.process import ChildProcess, free_port, radixpool_argv
+from tests.ipv6_loopback import ipv6_loopback_missing
 
-
-def _no_ipv6_loopback() -> str | None:
-    if not socket.has_ipv6:
-        return "Python was built without IPv6"
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-    except OSError as exc:
-        return f"no IPv6 loopback on this machine: {exc}"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_no_ipv6_loopback() is not None,
-                                reason=str(_no_ipv6_loopback()))
+pytestmark = pytest.mark.skipif(ipv6_loopback_missing() is not None,
+                                reason=str(ipv6_loopback_missing()))
 
 
 @pytest.fixture(scope="module")
