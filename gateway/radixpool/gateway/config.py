@@ -9,6 +9,7 @@ import ipaddress
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from radixpool.http_edge import EdgeLimits
 from radixpool.listen import http_url
 
 POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "prefix_hash")
@@ -88,12 +89,12 @@ class GatewayConfig:
     tree_capacity_tokens: int = 1 << 20
     text_block_bytes: int = 64
     log_level: str = "info"
-    # the HTTP edge: limits and deadlines (seconds)
-    header_read_timeout: float = 10.0   # also closes idle keep-alive connections
-    max_header_bytes: int = 64 * 1024
-    body_read_timeout: float = 30.0
-    max_connections: int = 4096   # client connections open at once (see radixpool.http_edge)
-    write_stall_timeout: float = 60.0   # an answer waiting this long on a client reading none
+    # the HTTP edge: limits and deadlines (seconds), by default the workers' own (EdgeLimits)
+    header_read_timeout: float = EdgeLimits.header_read_timeout   # also closes idle keep-alives
+    max_header_bytes: int = EdgeLimits.max_header_bytes
+    body_read_timeout: float = EdgeLimits.body_read_timeout
+    max_connections: int = EdgeLimits.max_connections   # client connections open at once
+    write_stall_timeout: float = EdgeLimits.write_stall_timeout   # on a client reading none
     upstream_first_byte_timeout: float = 300.0
     upstream_timeout: float = 1800.0
     max_route_prompt_chars: int = 256 * 1024  # the router tokenizes and hashes this prefix only
