@@ -52,6 +52,9 @@ class EngineConfig:
     # How long the core process may take to start (load the weights, size the KV pool, capture
     # the CUDA graphs) before the engine gives up; a pod's startup budget should be the same.
     startup_timeout_s: float = 900.0
+    # Before saying it is ready, run two short requests through every kernel a first request
+    # needs (a GPU compiles or loads some on first use), then start the cache over.
+    warmup: bool = True
 
     def __post_init__(self) -> None:
         def fail(name: str, expected: str) -> None:

@@ -15,6 +15,7 @@ import os
 import select
 import socket
 import sys
+import time
 import traceback
 
 from radixpool.worker.config import EngineConfig
@@ -39,18 +40,26 @@ def run_core(config: EngineConfig, fd: int, parent_pid: int) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sock = socket.socket(fileno=fd)
     outbox = Outbox(sock)
+    stage = ""
     try:
         from radixpool.worker.engine_core import EngineCore
 
         core = EngineCore(config)
+        warmup_s = 0.0
+        if config.warmup:
+            stage = "warm-up failed: "
+            t0 = time.perf_counter()
+            steps = core.warm_up()
+            warmup_s = time.perf_counter() - t0
+            log.info("warm-up: %d steps in %.2f s", steps, warmup_s)
     except Exception as exc:  # report why, so the front end can raise it
         # a setting the engine cannot run with (ValueError) is said in one line; anything else
         # is a fault, with its traceback
         detail = "" if isinstance(exc, ValueError) else f"\n{traceback.format_exc()}"
-        outbox.send(CoreFailed(f"{type(exc).__name__}: {exc}{detail}"))
+        outbox.send(CoreFailed(f"{stage}{type(exc).__name__}: {exc}{detail}"))
         outbox.drain(SHUTDOWN_FLUSH_S)
         return
-    outbox.send(core.ready_message())
+    outbox.send(core.ready_message(warmup_s))
     loop = _Loop(core, Inbox(sock), outbox, parent_pid)
     try:
         loop.run()

@@ -18,6 +18,7 @@ like the synchronous loop. Either way a request gets the same tokens.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 
@@ -41,7 +42,10 @@ from radixpool.worker.messages import (
 from radixpool.worker.model_runner import ModelRunner
 from radixpool.worker.request import Req
 from radixpool.worker.sampler import Sampler, SampleResult, SamplingRow
+from radixpool.worker.sampling_params import SamplingParams
 from radixpool.worker.scheduler.scheduler import ScheduledBatch, Scheduler
+
+log = logging.getLogger("radixpool.core")
 
 
 @dataclass
@@ -71,6 +75,8 @@ class InFlight:
 
 
 GRAMMAR_WAIT_S = 0.01   # an idle core waits this long for a compile before looking at its inbox
+WARMUP_OUTPUT_TOKENS = 4   # each warm-up request decodes this many: graph and eager steps
+WARMUP_MAX_STEPS = 256
 
 
 def kv_block_size(page_size: int) -> int:
@@ -82,11 +88,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.runner = ModelRunner(config)
-        pool = self.runner.kv_pool
-        self.cache = RadixCache(pool, config.page_size, kv_block_size(config.page_size),
-                                config.eviction_policy)
-        self.scheduler = Scheduler(config, pool, self.runner.req_to_token_pool, self.cache,
-                                   self.runner.context_length, self.runner.eos_token_ids)
+        self._fresh_cache_and_scheduler()
         # Penalty counts for as many requests as the memory plan reserved (all of it on GPU).
         self.sampler = Sampler(self.runner.vocab_size, self.runner.eos_token_ids,
                                self.runner.device,
@@ -100,7 +102,14 @@ class EngineCore:
                                                      tuple(self.runner.eos_token_ids)))
         self._masks: GrammarMasks | None = None
 
-    def ready_message(self) -> CoreReady:
+    def _fresh_cache_and_scheduler(self) -> None:
+        config, runner = self.config, self.runner
+        self.cache = RadixCache(runner.kv_pool, config.page_size, kv_block_size(config.page_size),
+                                config.eviction_policy)
+        self.scheduler = Scheduler(config, runner.kv_pool, runner.req_to_token_pool, self.cache,
+                                   runner.context_length, runner.eos_token_ids)
+
+    def ready_message(self, warmup_seconds: float = 0.0) -> CoreReady:
         r = self.runner
         return CoreReady(
             model_path=self.config.model_path, architecture=r.architecture,
@@ -108,7 +117,59 @@ class EngineCore:
             kv_capacity_tokens=r.kv_pool.capacity, page_size=self.config.page_size,
             kv_block_size=self.cache.block_size, eos_token_ids=tuple(r.eos_token_ids),
             device=str(r.device), dtype=str(r.dtype).removeprefix("torch."),
-            attention_backend=r.attention_backend_name, stats=self.stats())
+            attention_backend=r.attention_backend_name, stats=self.stats(),
+            warmup_seconds=warmup_seconds)
+
+    # ------------------------------------------------------------------ warm-up
+    @torch.inference_mode()
+    def warm_up(self) -> int:
+        """Run the kernels a first request would, before the worker says it is ready.
+
+        On a GPU the first call of a kernel may compile it (FlashInfer builds missing kernels
+        just in time, which needs a compiler the image may lack), autotune it or load its
+        module: without this the first user's request pays for it, or fails. Two requests run:
+        a fresh prefill (greedy), then one over the first's cached prefix with the sampling
+        paths (top-k/top-p/min-p, penalties, logprobs), each decoding a few tokens. Afterwards
+        the radix cache and scheduler start over (empty tree, event sequence from 1, zero
+        counters), so nothing the clients or gateway see depends on it. Returns the steps run.
+        An exception is a fault the first request would have met: the worker must not start.
+        """
+        ctx, page = self.runner.context_length, self.config.page_size
+        prompt_room = max(1, ctx - WARMUP_OUTPUT_TOKENS)
+        first_len = max(1, min(2 * page + 3, prompt_room // 2))
+        second_len = min(first_len + page + 1, prompt_room)
+        vocab = self.runner.vocab_size
+        ids = [(7 * i + 3) % vocab for i in range(second_len)]
+        greedy = SamplingParams(max_new_tokens=WARMUP_OUTPUT_TOKENS, temperature=0.0,
+                                ignore_eos=True)
+        sampled = SamplingParams(max_new_tokens=WARMUP_OUTPUT_TOKENS, temperature=0.8,
+                                 top_p=0.9, top_k=20, min_p=0.01, frequency_penalty=0.1,
+                                 presence_penalty=0.1, repetition_penalty=1.1, logprobs=2,
+                                 ignore_eos=True)
+        steps = 0
+        for i, (params, length) in enumerate(((greedy, first_len), (sampled, second_len))):
+            rid = f"warmup-{i}"
+            refused = self.add_request(GenerateRequest(rid, ids[:length], params, seed=i))
+            if refused is not None:   # a setting this small refuses any request alike
+                log.warning("warm-up skipped: the engine refused a %d-token request: %s",
+                            length, refused.error)
+                break
+            done = False
+            while not done:
+                if steps >= WARMUP_MAX_STEPS:
+                    raise RuntimeError(f"warm-up request {rid} did not finish in "
+                                       f"{WARMUP_MAX_STEPS} steps")
+                steps += 1
+                out = self.step()
+                done = any(d.rid == rid and d.finished for d in out.deltas)
+        while self._inflight is not None:
+            self.step()
+        self.flush_cache()
+        if self.config.debug_invariants:
+            self.check_invariants()
+        self._fresh_cache_and_scheduler()
+        self.times = StepTimes()
+        return steps
 
     # ------------------------------------------------------------------ intake
     def add_request(self, msg: GenerateRequest) -> TokenDelta | None:

@@ -111,6 +111,7 @@ class CoreReady:
     dtype: str
     attention_backend: str
     stats: EngineStats | None = None   # so the front end never has to ask before the first step
+    warmup_seconds: float = 0.0        # spent running the warm-up requests (0: skipped)
 
 
 @dataclass

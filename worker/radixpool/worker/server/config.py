@@ -132,6 +132,11 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                    help="how long loading the model (weights, KV pool, CUDA graphs) may take "
                         "before the worker gives up and exits 1; in a pod, the startup probe's "
                         f"budget (default: {_default('startup_timeout_s'):g})")
+    p.add_argument("--skip-warmup", action="store_true",
+                   help="say ready without first running two short requests through the "
+                        "model (by default they run, so kernels a GPU builds or loads on first "
+                        "use are ready before the first client's request; counted in "
+                        "--startup-timeout)")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, how long running requests may take to finish before they "
                         "are aborted; keep it below the pod's terminationGracePeriodSeconds "
@@ -211,6 +216,7 @@ def _config_from_args(args: argparse.Namespace) -> ServerConfig:
         debug_invariants=args.debug_invariants,
         jump_forward=args.jump_forward,
         startup_timeout_s=args.startup_timeout,
+        warmup=not args.skip_warmup,
     )
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     return ServerConfig(

@@ -97,12 +97,13 @@ class WorkerServer(uvicorn.Server):
         self.state.attach(engine)
         self._spawn(self._watch_core(engine))
         info = engine.info
-        log.info("serving %s as '%s' on %s — %s %s, context %d tokens, "
-                 "KV capacity %d tokens (page size %d), tool calls %s, instance %s",
+        log.info("serving %s as '%s' on %s — %s %s, %s attention, context %d tokens, "
+                 "KV capacity %d tokens (page size %d), tool calls %s, warm-up %s, instance %s",
                  cfg.engine.model_path, cfg.served_model_name, http_url(cfg.host, cfg.port),
-                 info.device,
-                 info.dtype, info.context_length, info.kv_capacity_tokens, info.page_size,
-                 self.state.tool_format, engine.instance_id)
+                 info.device, info.dtype, info.attention_backend, info.context_length,
+                 info.kv_capacity_tokens, info.page_size, self.state.tool_format,
+                 f"{info.warmup_seconds:.2f} s" if cfg.engine.warmup else "skipped",
+                 engine.instance_id)
 
     async def _watch_core(self, engine) -> None:
         """Exit non-zero once the engine core process is gone: nothing here can revive it."""
