@@ -367,6 +367,8 @@ def main() -> int:
     p.add_argument("--cpu-kv-tokens", type=int, default=32768, help="KV pool size on CPU")
     p.add_argument("--profile", action="store_true", help="profile decode steps (batch 64)")
     p.add_argument("--skip-small", action="store_true", help="skip the Qwen3-0.6B rows")
+    p.add_argument("--skip-llama", action="store_true",
+                   help="skip the Llama-3.1-8B rows (decode, prefill, serving, shared prefix)")
     p.add_argument("--out", help="also write the table to this file")
     args = p.parse_args()
     for key, value in PRESETS[args.preset].items():
@@ -390,7 +392,8 @@ def main() -> int:
     table.add("memory bandwidth (device-to-device copy)", f"{bandwidth / 1e9:,.1f} GB/s")
     table.add(f"matmul rate ({str(dtype).removeprefix('torch.')}, n={args.matmul_n})",
               f"{flops / 1e12:,.2f} TFLOP/s")
-    bench_llama(args, table, bandwidth, flops, rng)
+    if not args.skip_llama:
+        bench_llama(args, table, bandwidth, flops, rng)
     if not args.skip_small:
         bench_small(args, table, rng)
     header = [

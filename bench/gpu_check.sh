@@ -1,9 +1,18 @@
 #!/usr/bin/env bash
-# One call on a lent GPU machine: the CUDA-only tests, a mixed serving soak with the invariant
-# checker, then the quick performance table with whatever time is left. Each stage has its own
-# time limit and log, so a slow or failing stage leaves the others' results.
+# One call on a lent GPU machine, in stages, each with its own time limit and log, so a slow or
+# failing stage leaves the others' results:
+#   tests   the CUDA-only tests
+#   warmup  bench/warmup.py: start-up and first-request latency with and without the engine's
+#           warm-up, each with an empty FlashInfer JIT cache
+#   soak    bench/gpu_soak.py for $SOAK_SECONDS (default 60), the invariant checker on
+#   small   bench/gpu.py's Qwen3-0.6B rows (host vs device per decode step, overlap on and off)
+#   bench   the whole quick table (Llama-3.1-8B rows too), if over 150 s are left
 #
 #   bash bench/gpu_check.sh [SECONDS]     # SECONDS: the whole run's budget (default 570)
+#   STAGES="warmup soak small" SOAK_SECONDS=150 bash bench/gpu_check.sh 560
+#
+# (default STAGES: "tests soak bench"). Stages after warmup share one FlashInfer JIT cache, so
+# each kernel is built once.
 #
 # Wheels the machine lacks are read from .whl/ when present (the machine is offline); fetch them
 # here first, for its Python 3.12, and carry .whl with the call:
@@ -49,17 +58,36 @@ stage() {  # stage NAME LIMIT COMMAND...: run with a time limit, keep its log an
 } >"$OUT/machine.log" 2>&1
 cat "$OUT/machine.log"
 
-stage tests 330 python3 -m pytest -p no:cacheprovider -q -rs \
-  --junitxml="$OUT/tests.xml" \
-  tests/worker/test_gpu_step_sync.py tests/worker/test_sampler_device.py \
-  tests/worker/test_attention_conformance.py tests/worker/test_gpu_equivalence.py \
-  tests/worker/test_decode_graphs.py tests/worker/test_gpu_memory.py
-grep -E "passed|failed|error" "$OUT/tests.log" | tail -n 3
-stage soak 200 python3 bench/gpu_soak.py --seconds 60
-tail -n 8 "$OUT/soak.log"
-if (( $(left) > 150 )); then
-  stage bench 400 python3 bench/gpu.py --preset gpu-quick --out "$OUT/gpu_table.txt"
-fi
+STAGES=${STAGES:-tests soak bench}
+SOAK_SECONDS=${SOAK_SECONDS:-60}
+for name in $STAGES; do
+  case $name in
+    tests)
+      stage tests 330 python3 -m pytest -p no:cacheprovider -q -rs \
+        --junitxml="$OUT/tests.xml" \
+        tests/worker/test_gpu_step_sync.py tests/worker/test_sampler_device.py \
+        tests/worker/test_attention_conformance.py tests/worker/test_gpu_equivalence.py \
+        tests/worker/test_decode_graphs.py tests/worker/test_gpu_memory.py
+      grep -E "passed|failed|error" "$OUT/tests.log" | tail -n 3 ;;
+    warmup)
+      stage warmup 300 python3 bench/warmup.py
+      cat "$OUT/warmup.log" ;;
+    soak)
+      stage soak $((SOAK_SECONDS + 140)) python3 bench/gpu_soak.py --seconds "$SOAK_SECONDS"
+      tail -n 12 "$OUT/soak.log" ;;
+    small)
+      stage small 200 python3 bench/gpu.py --preset gpu-quick --skip-llama \
+        --out "$OUT/gpu_small.txt"
+      tail -n 8 "$OUT/small.log" ;;
+    bench)
+      if (( $(left) > 150 )); then
+        stage bench 400 python3 bench/gpu.py --preset gpu-quick --out "$OUT/gpu_table.txt"
+      fi ;;
+    *) summary+=("$name: unknown stage") ;;
+  esac
+  # later stages build each kernel once, in one cache (bench/warmup.py keeps its own)
+  export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/gpu-check-jit}
+done
 
 echo "== summary (${SECONDS} s of ${BUDGET} s)"
 printf '%s\n' "${summary[@]}"
