@@ -30,6 +30,9 @@ def test_worker_image_is_cuda_with_torch_and_flashinfer_running_as_uid_1000():
     assert re.search(r"ARG CUDA_IMAGE=nvidia/cuda:[\d.]+-\S*runtime", text)
     assert any(op == "RUN" and "torch" in arg and "download.pytorch.org" in text
                for op, arg in steps)
+    # torch at the release the GPU checks ran, not whatever is newest when the image is built
+    assert re.search(r"ARG TORCH_VERSION=\d+\.\d+\.\d+\n", text)
+    assert any(op == "RUN" and '"torch==${TORCH_VERSION}"' in arg for op, arg in steps)
     assert any(op == "RUN" and '[gpu]' in arg for op, arg in steps)  # flashinfer-python
     # FlashInfer's three packages at the one release the GPU tests passed with: unpinned, the
     # image took whatever was newest, with a cubin package of another release than the code.
