@@ -11,8 +11,8 @@
 #   bash bench/gpu_check.sh [SECONDS]     # SECONDS: the whole run's budget (default 570)
 #   STAGES="warmup soak small" SOAK_SECONDS=150 bash bench/gpu_check.sh 560
 #
-# (default STAGES: "tests soak bench"). Stages after warmup share one FlashInfer JIT cache, so
-# each kernel is built once.
+# (default STAGES: "tests soak bench"). The stages share one FlashInfer JIT cache
+# (/tmp/gpu-check-jit), so each kernel is built once; warmup compares against a second, empty one.
 #
 # Wheels the machine lacks are read from .whl/ when present (the machine is offline); fetch them
 # here first, for its Python 3.12, and carry .whl with the call:
@@ -30,6 +30,8 @@ export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # torch builds older than tvm-ffi expects lack the DLPack exchange hook; without this tvm-ffi
 # compiles a torch add-on at import.
 export TVM_FFI_DISABLE_TORCH_C_DLPACK=1
+# one kernel cache for every stage (bench/warmup.py builds its first variant's kernels here)
+export FLASHINFER_WORKSPACE_BASE=/tmp/gpu-check-jit
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
@@ -70,7 +72,7 @@ for name in $STAGES; do
         tests/worker/test_decode_graphs.py tests/worker/test_gpu_memory.py
       grep -E "passed|failed|error" "$OUT/tests.log" | tail -n 3 ;;
     warmup)
-      stage warmup 300 python3 bench/warmup.py
+      stage warmup 300 python3 bench/warmup.py --jit-base /tmp/gpu-check-jit
       cat "$OUT/warmup.log" ;;
     soak)
       stage soak $((SOAK_SECONDS + 140)) python3 bench/gpu_soak.py --seconds "$SOAK_SECONDS"
@@ -85,8 +87,6 @@ for name in $STAGES; do
       fi ;;
     *) summary+=("$name: unknown stage") ;;
   esac
-  # later stages build each kernel once, in one cache (bench/warmup.py keeps its own)
-  export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/gpu-check-jit}
 done
 
 echo "== summary (${SECONDS} s of ${BUDGET} s)"

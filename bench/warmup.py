@@ -11,7 +11,10 @@ graph capture: the decode kernels are built there) is timed, then the warm-up wh
 then the first request (a fresh 1,000-token prefill) and a second one over the first's cached
 prompt plus 200 tokens (a prefill over a cached prefix), each from the moment it is added to its
 first token. The attention backend is the engine's own choice (`auto`) unless `--backend` says.
-`--keep-jit-cache` uses the machine's own cache instead (kernels built earlier are reused).
+`--jit-base DIR` puts the first variant's cache (warm-up on) in DIR, so that later runs
+sharing DIR reuse its kernels; DIR should be empty for the comparison to be fair, and the table
+says whether it was. `--keep-jit-cache` uses the machine's own cache for both (kernels built
+earlier are reused). Each variant's row is printed as soon as it has run.
 """
 
 from __future__ import annotations
@@ -93,16 +96,23 @@ def main() -> int:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--keep-jit-cache", action="store_true",
                    help="use the machine's FlashInfer JIT cache, not a fresh one per variant")
+    p.add_argument("--jit-base", help="FlashInfer cache base of the warm-up-on variant "
+                                      "(default: a new temporary one)")
     p.add_argument("--child", choices=("on", "off"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         print(json.dumps(child(args)), flush=True)
         return 0
-    rows = []
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     for variant in ("on", "off"):
         env = dict(os.environ)
+        jit = "machine's"
         if not args.keep_jit_cache:
-            env["FLASHINFER_WORKSPACE_BASE"] = tempfile.mkdtemp(prefix=f"fi-jit-{variant}-")
+            base = (args.jit_base if variant == "on" and args.jit_base
+                    else tempfile.mkdtemp(prefix=f"fi-jit-{variant}-"))
+            os.makedirs(base, exist_ok=True)
+            jit = "empty" if not any(os.scandir(base)) else "NOT empty"
+            env["FLASHINFER_WORKSPACE_BASE"] = base
         cmd = [sys.executable, __file__, "--child", variant, "--device", args.device,
                "--model", args.model, "--page-size", str(args.page_size)]
         if args.backend:
@@ -111,19 +121,16 @@ def main() -> int:
         if done.returncode:
             print(f"warm-up {variant}: exit {done.returncode}\n{done.stderr[-3000:]}")
             return 1
-        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
-    first = rows[0]
-    print(f"# {name}; {args.model}{' (scaled down)' if args.device == 'cpu' else ''}, random "
-          f"weights, page size {args.page_size}, attention {first['backend']}, decode graphs "
-          f"{'on' if first['graphs'] else 'off'}; JIT cache "
-          f"{'kept' if args.keep_jit_cache else 'fresh per variant'}")
-    print("  warm-up   start s  warm-up s (steps)  ready s  1st TTFT s  2nd TTFT s (cached "
-          "prefix)")
-    for r in rows:
-        print(f"  {r['warmup']:<7} {r['start_s']:9.2f} {r['warmup_s']:10.2f} "
-              f"({r['warmup_steps']:>2}) {r['start_s'] + r['warmup_s']:10.2f} "
-              f"{r['ttft1_s']:11.3f} {r['ttft2_s']:11.3f}")
+        r = json.loads(done.stdout.strip().splitlines()[-1])
+        if variant == "on":
+            print(f"# {name}; {args.model}{' (scaled down)' if args.device == 'cpu' else ''}, "
+                  f"random weights, page size {args.page_size}, attention {r['backend']}, "
+                  f"decode graphs {'on' if r['graphs'] else 'off'}")
+            print("  warm-up  JIT cache  start s  warm-up s (steps)  ready s  1st TTFT s  "
+                  "2nd TTFT s (cached prefix)")
+        print(f"  {r['warmup']:<7}  {jit:<9} {r['start_s']:8.2f} {r['warmup_s']:10.2f} "
+              f"({r['warmup_steps']:>2}) {r['start_s'] + r['warmup_s']:9.2f} "
+              f"{r['ttft1_s']:11.3f} {r['ttft2_s']:11.3f}", flush=True)
     return 0
 
 
