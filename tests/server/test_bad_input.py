@@ -237,8 +237,10 @@ def test_a_huge_body_does_not_stall_other_streams(client, http):
     prober.join(60)
     thread.join(120)
     assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_choices"
-    assert not thread.is_alive() and arrivals[-1] > started + took, \
-        "the stream ended before the big body was answered, or never ended"
+    # the stream ran across the parse (on a loaded machine it may end before the 400 arrives)
+    assert not thread.is_alive(), "the stream never ended"
+    assert any(started < t < started + took for t in arrivals), \
+        "no token arrived while the big body was in the worker"
     # the longest the loop took to answer while the big body was in the worker; loose and
     # relative: the test client, the worker and its children share two CPUs
     during = [answered - sent for sent, answered in probes if sent < started + took]
