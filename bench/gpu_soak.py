@@ -13,7 +13,8 @@ its token limit is counted apart), repetition / frequency / presence penalties, 
 token, finite, ≤ 0, greedy picks the top one), stop strings and stop token ids (applied as the
 engine front end does; the text keeps no stop string), and pairs of seeded requests sent apart
 (matches are counted, not required: GPU numerics may depend on the batch). The model dir gets the
-tiny model's tokenizer so that grammars compile and outputs decode. Arrivals pause while
+tiny model's tokenizer so that grammars compile and outputs decode. By default json and regex are
+left out, with a line saying so, where xgrammar or jsonschema is not installed. Arrivals pause while
 `--max-live` requests are unfinished: they are drawn per step, at about two a step, which is more
 than a step finishes, so without the pause the backlog grows for as long as requests are sent and
 the drain after `--seconds` has no bound. A progress line every `--report-every` seconds says how
@@ -27,7 +28,6 @@ free. It prints what it did, a line per feature, every violation, and exits 1 on
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import random
 import sys
@@ -38,7 +38,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from bench.soak_mix import FEATURES, FeatureMix, write_tokenizer
+from bench.soak_mix import FEATURES, FeatureMix, missing_packages, write_tokenizer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,17 +62,22 @@ def main(argv: list[str] | None = None) -> int:
                    help="unfinished requests at which arrivals pause")
     p.add_argument("--report-every", type=float, default=30, help="seconds between progress lines")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--features", default=",".join(FEATURES),
-                   help=f"comma-separated share of the mix: {','.join(FEATURES)}, or none")
+    p.add_argument("--features", help=f"comma-separated share of the mix: {','.join(FEATURES)}, "
+                                      f"or none (default: all this machine can check)")
     args = p.parse_args(argv)
-    features = [f for f in args.features.split(",") if f and f != "none"]
-    unknown = sorted(set(features) - set(FEATURES))
-    if unknown:
-        p.error(f"--features: unknown feature {unknown[0]!r}; expected some of "
-                f"{', '.join(FEATURES)} or none")
-    if "json" in features and importlib.util.find_spec("jsonschema") is None:
-        p.error("--features json checks outputs with jsonschema, which is not installed: "
-                "install it or leave json out")
+    features, missing = list(FEATURES), missing_packages()
+    if args.features is not None:
+        features = [f for f in args.features.split(",") if f and f != "none"]
+        unknown = sorted(set(features) - set(FEATURES))
+        if unknown:
+            p.error(f"--features: unknown feature {unknown[0]!r}; expected some of "
+                    f"{', '.join(FEATURES)} or none")
+        if any(f in missing for f in features):
+            p.error("; ".join(f"--features {f} needs {missing[f]}, which is not installed"
+                              for f in features if f in missing))
+    for feature in [f for f in features if f in missing]:
+        print(f"{feature}: not sent (needs {missing[feature]}, not installed here)")
+        features.remove(feature)
     cpu = args.device == "cpu"
     overrides = {}
     if args.tiny or cpu:

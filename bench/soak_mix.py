@@ -20,6 +20,7 @@ n > 1 is not here: the core takes one choice per request, the engine front end f
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import random
@@ -54,6 +55,17 @@ REGEXES = [r"20[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])",
 STOPS = ["the", "e ", "s", "an", ".", "!", "ou", "\n", "r"]
 CONSTRAINED_MAX_TOKENS = 256   # the schemas' longest outputs take far fewer tokens
 LOGPROB_TOLERANCE = 1e-3
+
+
+def missing_packages() -> dict[str, str]:
+    """{feature: the package it needs that is not installed} (grammars compile with xgrammar,
+    JSON outputs are checked with jsonschema)."""
+    missing = {}
+    for feature, packages in (("json", ("xgrammar", "jsonschema")), ("regex", ("xgrammar",))):
+        absent = [name for name in packages if importlib.util.find_spec(name) is None]
+        if absent:
+            missing[feature] = " and ".join(absent)
+    return missing
 
 
 def write_tokenizer(model_dir: Path) -> int:
