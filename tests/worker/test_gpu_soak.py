@@ -8,7 +8,7 @@ import pytest
 from bench import gpu_soak
 from radixpool.worker.grammar.mask import GrammarMasks
 
-SHORT_RUN = ["--seconds", "3", "--device", "cpu", "--max-len", "128", "--max-live", "16",
+SHORT_RUN = ["--seconds", "2", "--device", "cpu", "--max-len", "128", "--max-live", "12",
              "--check-every", "5", "--report-every", "600"]
 
 
