@@ -320,3 +320,23 @@ def test_wrong_logits_shape_is_rejected():
     sampler = Sampler(10, (EOS,))
     with pytest.raises(ValueError, match="logits"):
         sampler.sample(torch.zeros(2, 11), [row(), row()])
+
+
+@pytest.mark.parametrize("top_k", [-1, 1 << 16])   # whole vocabulary; top-k candidates
+def test_a_disallowed_token_is_never_drawn_at_a_real_vocabulary_size(top_k):
+    # The Gumbel noise came from a 24-bit uniform computed in float32, where the largest value
+    # rounded up to 1.0: that token's noise was +inf, and with a -inf (masked) logit the sum was
+    # NaN, which argmax takes. With a Qwen-size vocabulary about 1 sampled step in 100 met it:
+    # a third of the grammar-constrained outputs on a GPU broke their grammar, and unmasked
+    # rows drew a uniformly random token. Here one token is allowed; every draw must be it.
+    vocab, rows, allowed = 1 << 17, 128, 7
+    sampler = Sampler(vocab, eos_token_ids=[2])
+    mask = torch.zeros(rows, vocab, dtype=torch.bool)
+    mask[:, allowed] = True
+    params = SamplingParams(temperature=1.0, top_k=top_k)
+    for batch in range(8):   # 1,024 steps: at this vocabulary ~8 of them drew an infinite noise
+        chosen = sampler.sample(
+            torch.zeros(rows, vocab),
+            [SamplingRow(params, seed=11, prompt_ids=[], output_ids=[], generated=batch * rows + i)
+             for i in range(rows)], vocab_mask=mask).token_ids
+        assert set(chosen) == {allowed}, (batch, sorted(set(chosen) - {allowed}))

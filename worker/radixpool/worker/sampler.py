@@ -95,10 +95,16 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+_BELOW_ONE = 1.0 - 2.0 ** -24   # the largest float32 below 1
+
+
 def _gumbel(token_keys: torch.Tensor, row_keys: torch.Tensor) -> torch.Tensor:
     """Gumbel(0, 1) noise from per-token keys [.., V] and per-row keys [n, 1]."""
     bits = _hash32(token_keys ^ row_keys) >> 8
-    u = bits.to(torch.float32).add_(0.5).mul_(2.0 ** -24)  # in (0, 1), never 0 or 1
+    # (bits + 0.5) / 2^24 lies in (0, 1), but float32 rounds the top value, 2^24 - 0.5, up to
+    # 2^24: u = 1 gives +inf noise, and a masked (-inf) logit plus +inf is NaN, which argmax
+    # takes. The clamp moves only that value, to the largest float32 below 1.
+    u = bits.to(torch.float32).add_(0.5).mul_(2.0 ** -24).clamp_(max=_BELOW_ONE)
     return u.log_().neg_().log_().neg_()
 
 
