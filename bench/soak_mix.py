@@ -93,6 +93,7 @@ class Tracked:
     reason: str | None = None
     matched: str | int | None = None
     failed: bool = False   # one violation per request is enough
+    error: str | None = None   # why the core ended it, when it refused it
 
 
 class FeatureMix:
@@ -178,6 +179,7 @@ class FeatureMix:
             self._check_logprobs(delta, t)
         if chunk.finished:
             t.reason, t.matched = chunk.finish_reason, chunk.matched_stop
+            t.error = delta.error
             self._finish(delta.rid, t)
         return chunk.finished
 
@@ -218,7 +220,7 @@ class FeatureMix:
         c, p = self.counts[t.feature], t.params
         c["finished"] += 1
         if t.reason == "abort":   # refused by the core, or lost: never expected here
-            return self._violation(rid, t, "finished with abort")
+            return self._violation(rid, t, f"finished with abort ({t.error})")
         if t.feature in ("json", "regex"):
             if t.reason == "length":
                 c["cut by length"] += 1
