@@ -18,8 +18,14 @@
 # here first, for its Python 3.12, and carry .whl with the call:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-#     -d .whl flashinfer-python==0.5.3 apache-tvm-ffi==0.1.4 uvicorn==0.54.0 httptools==0.9.0
-# (uvicorn and httptools: one test parses the worker's command line, which imports the HTTP edge.)
+#     -d .whl flashinfer-python==0.5.3 apache-tvm-ffi==0.1.15.post2 uvicorn==0.54.0 httptools==0.9.0 \
+#     xgrammar==0.2.8 jsonschema==4.26.0 jsonschema-specifications referencing rpds-py attrs \
+#     pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection typing_extensions==4.16.0
+# (uvicorn and httptools: one test parses the worker's command line, which imports the HTTP edge;
+# xgrammar, jsonschema and pydantic: the soak's constrained requests. apache-tvm-ffi must be the
+# release pip resolves for the image, where xgrammar asks for >= 0.1.11: with 0.1.4 xgrammar
+# failed and the core ended every constrained request.) Add --platform manylinux2014_x86_64 for
+# pydantic-core and rpds-py.
 # Logs go to $OUT (or ./gpu-check-out), a summary is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."

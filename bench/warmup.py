@@ -111,7 +111,8 @@ def main() -> int:
             base = (args.jit_base if variant == "on" and args.jit_base
                     else tempfile.mkdtemp(prefix=f"fi-jit-{variant}-"))
             os.makedirs(base, exist_ok=True)
-            jit = "empty" if not any(os.scandir(base)) else "NOT empty"
+            built = [f for _, _, files in os.walk(base) for f in files if f.endswith(".so")]
+            jit = "empty" if not built else f"{len(built)} built"
             env["FLASHINFER_WORKSPACE_BASE"] = base
         cmd = [sys.executable, __file__, "--child", variant, "--device", args.device,
                "--model", args.model, "--page-size", str(args.page_size)]
