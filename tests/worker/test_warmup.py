@@ -123,3 +123,26 @@ def test_without_warm_up_the_core_is_ready_at_once(tiny_model, monkeypatch):
         readies += [m for m in Inbox(front).read() if isinstance(m, CoreReady)]
     assert calls == [1]   # only the second start warmed up
     assert len(readies) == 2 and readies[0].warmup_seconds == 0 < readies[1].warmup_seconds
+
+
+def test_the_warm_up_builds_the_grammar_vocabulary_before_any_constrained_request(
+        tiny_model, monkeypatch):
+    import radixpool.worker.grammar.compiler as compiler_module
+    from radixpool.worker.sampling_params import SamplingParams
+
+    built = []
+    load_vocab = compiler_module.load_vocab
+    monkeypatch.setattr(compiler_module, "load_vocab",
+                        lambda *a: built.append(1) or load_vocab(*a))
+    core = EngineCore(config(tiny_model))
+    core.warm_up()
+    core.grammars.compiler._executor.submit(lambda: None).result(60)   # the compile thread idle
+    assert built == [1], "the tokenizer's grammar view was not built during the warm-up"
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, regex="[ab]+")
+    assert core.add_request(GenerateRequest("c", [5, 6, 7], params, seed=0)) is None
+    tokens, finished = [], False
+    while core.has_work:
+        for delta in core.step().deltas:
+            tokens += delta.token_ids
+            finished |= delta.finished and delta.error is None
+    assert finished and tokens and built == [1]   # served with the vocabulary built once

@@ -131,7 +131,9 @@ class EngineCore:
         a fresh prefill (greedy), then one over the first's cached prefix with the sampling
         paths (top-k/top-p/min-p, penalties, logprobs), each decoding a few tokens. Afterwards
         the radix cache and scheduler start over (empty tree, event sequence from 1, zero
-        counters), so nothing the clients or gateway see depends on it. Returns the steps run.
+        counters), so nothing the clients or gateway see depends on it. The grammar compiler
+        starts building its view of the tokenizer (seconds for a real one) in the background,
+        so the first constrained request does not wait for it. Returns the steps run.
         An exception is a fault the first request would have met: the worker must not start.
         """
         ctx, page = self.runner.context_length, self.config.page_size
@@ -146,6 +148,8 @@ class EngineCore:
                                  top_p=0.9, top_k=20, min_p=0.01, frequency_penalty=0.1,
                                  presence_penalty=0.1, repetition_penalty=1.1, logprobs=2,
                                  ignore_eos=True)
+        # grammars' view of the tokenizer builds meanwhile, on the compile thread
+        self.grammars.compiler.prepare()
         steps = 0
         for i, (params, length) in enumerate(((greedy, first_len), (sampled, second_len))):
             rid = f"warmup-{i}"

@@ -93,16 +93,28 @@ class GrammarCompiler:
             self._cache.popitem(last=False)
         return fut
 
+    def prepare(self) -> Future:
+        """Build the model's `ModelVocab` now, on the compile thread, instead of at the first
+        compile: a real tokenizer's takes seconds, which the first constrained request would
+        wait for. A failure here (no tokenizer, no xgrammar) is met again, and reported, by the
+        first compile."""
+        return self._executor.submit(self._compiler)
+
     # ---------------------------------------------------------------- compile thread
+    def _compiler(self) -> Any:
+        if self._xgr_compiler is None:
+            import xgrammar as xgr
+
+            self.vocab = load_vocab(self.model_path, self.vocab_size, self.stop_ids)
+            self._xgr_compiler = xgr.GrammarCompiler(self.vocab.info, max_threads=1,
+                                                     cache_enabled=False)
+        return self._xgr_compiler
+
     def _compile(self, key: tuple[str, str]) -> Any:
         import xgrammar as xgr
 
         kind, source = key
-        if self._xgr_compiler is None:
-            self.vocab = load_vocab(self.model_path, self.vocab_size, self.stop_ids)
-            self._xgr_compiler = xgr.GrammarCompiler(self.vocab.info, max_threads=1,
-                                                     cache_enabled=False)
-        compiler = self._xgr_compiler
+        compiler = self._compiler()
         start = time.perf_counter()
         try:
             if kind == "json_schema":
