@@ -28,7 +28,6 @@ from radixpool.worker.server.generation import (
     EngineRun,
     ForkOutput,
     build_params,
-    check_choices,
     merge_streams,
     server_timing,
     start_all,
@@ -36,6 +35,7 @@ from radixpool.worker.server.generation import (
 )
 from radixpool.worker.server.lifecycle import Phase
 from radixpool.worker.server.openai_protocol import ChatMessage, Texts, TokenIdLists, TokenIds
+from radixpool.worker.server.request_checks import check_choices
 from radixpool.worker.server.sse import DONE, EventStream, sse
 from radixpool.worker.server.state import WorkerState
 
@@ -53,9 +53,15 @@ class GenerateBody(BaseModel):
     cache_salt: Annotated[str, Field(max_length=256)] | None = None
 
     @model_validator(mode="after")
-    def _one_prompt(self) -> GenerateBody:
+    def _one_prompt_batch_that_fits(self) -> GenerateBody:
+        """Also the handler's first refusals, made here (`request_checks`): an empty batch, or
+        more prompts than completions a request may ask for."""
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("give exactly one of 'text' or 'input_ids'")
+        prompts, _ = self.prompts()
+        if not prompts:
+            raise bad_request("the batch is empty", param="text" if self.text else "input_ids")
+        check_choices(len(prompts), "text" if self.text is not None else "input_ids")
         return self
 
     def prompts(self) -> tuple[list[str | list[int]], bool]:
@@ -104,10 +110,7 @@ def router(state: WorkerState) -> APIRouter:
 
     @r.post("/generate")
     async def generate(body: GenerateBody, request: Request):
-        prompts, batch = body.prompts()
-        if not prompts:
-            raise bad_request("the batch is empty", param="text" if body.text else "input_ids")
-        check_choices(len(prompts), "text" if body.text is not None else "input_ids")
+        prompts, batch = body.prompts()   # a batch that is empty or too big failed validation
         params_docs = body.sampling_params
         if isinstance(params_docs, list):
             if len(params_docs) != len(prompts):

@@ -17,11 +17,9 @@ from starlette.responses import JSONResponse
 
 from radixpool.worker.server.errors import bad_request, stream_error
 from radixpool.worker.server.generation import (
-    MAX_CHOICES,
     EngineRun,
     ForkOutput,
     build_params,
-    check_choices,
     merge_streams,
     server_timing,
     start_all,
@@ -136,10 +134,7 @@ def router(state: WorkerState) -> APIRouter:
     @r.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         state.check_model(body.model)
-        prompts = body.prompts()
-        if not prompts:
-            raise bad_request("prompt must not be an empty list", param="prompt")
-        check_choices(len(prompts) * body.n, "n" if len(prompts) <= MAX_CHOICES else "prompt")
+        prompts = body.prompts()   # an empty or too big batch failed validation
         if body.echo and body.logprobs is not None:
             # The echoed prompt would need its own logprobs, which the engine does not compute;
             # completion-only logprobs under an echoed text would be misaligned.

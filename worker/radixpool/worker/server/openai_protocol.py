@@ -22,10 +22,14 @@ from pydantic import (
     StrictBool,
     StrictFloat,
     StrictInt,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 
+from radixpool.worker.server import request_checks
+from radixpool.worker.server.errors import bad_request
+from radixpool.worker.server.request_checks import MAX_CHOICES, check_choices
 from radixpool.worker.server.tools import Tool
 
 Seed = Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)]
@@ -283,6 +287,21 @@ class CompletionRequest(SamplingFields):
         if value is not None and value != n:
             raise ValueError(f"best_of must equal n ({n}); ranking completions is not supported")
         return value
+
+    @model_validator(mode="after")
+    def _choices_fit(self, info: ValidationInfo) -> CompletionRequest:
+        """The handler's first refusals, made here when validation runs for a worker
+        (`request_checks`): an unknown model, an empty batch, more completions than a request
+        may ask for."""
+        served = request_checks.served(info.context)
+        if served is None:
+            return self
+        served.check_model(self.model)
+        prompts = self.prompts()
+        if not prompts:
+            raise bad_request("prompt must not be an empty list", param="prompt")
+        check_choices(len(prompts) * self.n, "n" if len(prompts) <= MAX_CHOICES else "prompt")
+        return self
 
     def prompts(self) -> list[str | list[int]]:
         """The batch: each item is a text or a list of token ids."""

@@ -11,11 +11,12 @@ from typing import Any
 from radixpool.child_pool import ChildPool
 from radixpool.worker.messages import EngineStats
 from radixpool.worker.server.config import ServerConfig
-from radixpool.worker.server.errors import APIError, bad_request
+from radixpool.worker.server.errors import bad_request
 from radixpool.worker.server.fast_path import BODY_MEMORY_BYTES, BODY_MODULES, BODY_PROCESSES
 from radixpool.worker.server.lifecycle import Lifecycle
 from radixpool.worker.server.logprobs import TokenText
 from radixpool.worker.server.metrics import WorkerMetrics
+from radixpool.worker.server.request_checks import Served
 from radixpool.worker.server.tool_format import ToolFormat, resolve_tool_format
 
 # Prompts longer than this (characters) are tokenized off the event loop.
@@ -84,12 +85,12 @@ class WorkerState:
     def vocab_size(self) -> int:
         return self.engine.info.vocab_size
 
+    @property
+    def served(self) -> Served:
+        return Served(self.config.served_model_name, self.config.engine.model_path)
+
     def check_model(self, model: str | None) -> None:
-        if model is None or model in (self.config.served_model_name, self.config.engine.model_path):
-            return
-        raise APIError(404, f"the model '{model}' does not exist on this worker; it serves "
-                            f"'{self.config.served_model_name}'", param="model",
-                       code="model_not_found")
+        self.served.check_model(model)
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = self.vocab_size
