@@ -70,7 +70,8 @@ def post_routes(routers: list[APIRouter],
 
 class FastRoutes:
     def __init__(self, app: FastAPI, routers: list[APIRouter], paths: frozenset[str],
-                 children: ChildPool, served: Served) -> None:
+                 children: ChildPool,
+                 served: Callable[[], Served]) -> None:
         self.app = app
         self.routes = post_routes(routers, paths)
         self.children = children
@@ -96,10 +97,11 @@ class FastRoutes:
         await response(scope, receive, send)
 
     async def _validate(self, model: type[BaseModel], body: bytes) -> BaseModel:
+        served = self.served()
         if len(body) <= INLINE_BODY_BYTES:
-            return validated(model, body, self.served)
+            return validated(model, body, served)
         try:
-            return await self.children.run(validated, model, body, self.served)
+            return await self.children.run(validated, model, body, served)
         except TooBig as exc:
             raise APIError(413, f"request body could not be validated within this worker's {exc}",
                            code="request_too_large") from None

@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse
 
-from radixpool.worker.server.errors import bad_request, stream_error
+from radixpool.worker.server.errors import stream_error
 from radixpool.worker.server.generation import (
     EngineRun,
     ForkOutput,
@@ -134,12 +134,8 @@ def router(state: WorkerState) -> APIRouter:
     @r.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         state.check_model(body.model)
-        prompts = body.prompts()   # an empty or too big batch failed validation
-        if body.echo and body.logprobs is not None:
-            # The echoed prompt would need its own logprobs, which the engine does not compute;
-            # completion-only logprobs under an echoed text would be misaligned.
-            raise bad_request("echo together with logprobs is not supported: this worker does "
-                              "not compute prompt logprobs", param="echo")
+        # an empty or too big batch, and echo with logprobs, failed validation
+        prompts = body.prompts()
         inputs: list[list[int]] = []
         for i, prompt in enumerate(prompts):
             param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"

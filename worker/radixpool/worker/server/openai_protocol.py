@@ -289,10 +289,11 @@ class CompletionRequest(SamplingFields):
         return value
 
     @model_validator(mode="after")
-    def _choices_fit(self, info: ValidationInfo) -> CompletionRequest:
-        """The handler's first refusals, made here when validation runs for a worker
-        (`request_checks`): an unknown model, an empty batch, more completions than a request
-        may ask for."""
+    def _what_the_worker_takes(self, info: ValidationInfo) -> CompletionRequest:
+        """The handler's refusals before it tokenizes, made here in its order when validation
+        runs for a worker (`request_checks`): an unknown model, an empty batch, more completions
+        than a request may ask for, echo with logprobs, and, once the worker's model is
+        loaded, each token-id prompt's own refusals."""
         served = request_checks.served(info.context)
         if served is None:
             return self
@@ -301,6 +302,19 @@ class CompletionRequest(SamplingFields):
         if not prompts:
             raise bad_request("prompt must not be an empty list", param="prompt")
         check_choices(len(prompts) * self.n, "n" if len(prompts) <= MAX_CHOICES else "prompt")
+        if self.echo and self.logprobs is not None:
+            # The echoed prompt would need its own logprobs, which the engine does not compute;
+            # completion-only logprobs under an echoed text would be misaligned.
+            raise bad_request("echo together with logprobs is not supported: this worker does "
+                              "not compute prompt logprobs", param="echo")
+        if served.vocab_size is None:
+            return self
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                break
+            param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            served.check_token_ids(prompt, param)
+            served.token_budget(len(prompt), self.max_tokens, param, "max_tokens")
         return self
 
     def prompts(self) -> list[str | list[int]]:

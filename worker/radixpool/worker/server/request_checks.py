@@ -30,16 +30,49 @@ def check_choices(total: int, param: str) -> None:
 
 @dataclass(frozen=True)
 class Served:
-    """The names this worker answers to; a body model's validation context."""
+    """What this worker checks a request against (its model names, and its model's sizes once
+    loaded); a body model's validation context."""
 
     model_name: str
     model_path: str
+    vocab_size: int | None = None
+    context_length: int | None = None
 
     def check_model(self, model: str | None) -> None:
         if model is None or model in (self.model_name, self.model_path):
             return
         raise APIError(404, f"the model '{model}' does not exist on this worker; it serves "
                             f"'{self.model_name}'", param="model", code="model_not_found")
+
+
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.vocab_size
+        if ids and max(ids) >= vocab:   # max() runs in C; find the culprit only on failure
+            bad = next(t for t in ids if t >= vocab)
+            raise bad_request(f"token id {bad} is outside the vocabulary (size {vocab})",
+                              param=param)
+
+    def token_budget(self, prompt_len: int, requested: int | None, prompt_param: str,
+                     max_param: str) -> int:
+        """Tokens a request may generate; rejects prompts that leave no room."""
+        context = self.context_length
+        if prompt_len == 0:
+            raise bad_request("the prompt is empty", param=prompt_param)
+        if prompt_len >= context:
+            raise bad_request(
+                f"the prompt is {prompt_len} tokens, but this model's context length is "
+                f"{context} tokens (prompt plus at least one generated token)",
+                param=prompt_param, code="context_length_exceeded")
+        room = context - prompt_len
+        if requested is None:
+            return room
+        if requested > room:
+            raise bad_request(
+                f"{max_param}={requested} plus the prompt's {prompt_len} tokens exceeds this "
+                f"model's context length of {context} tokens; ask for at most {room}",
+                param=max_param, code="context_length_exceeded")
+        return requested
 
 
 def served(context: Any) -> Served | None:
