@@ -92,7 +92,7 @@ def router(state: WorkerState) -> APIRouter:
     @r.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         state.check_model(body.model)
-        messages = [m.template_dict() for m in body.messages]
+        messages = body.template_messages
         tools = await ToolUse.of(body, messages, state.tool_format)
         template_kwargs = dict(body.chat_template_kwargs or {})
         if tools.rendered is not None:
