@@ -6,6 +6,8 @@ import asyncio
 import json
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -421,3 +423,32 @@ def test_a_body_the_worker_would_refuse_for_its_size_is_refused_by_its_validatio
     with pytest.raises(APIError) as refused:
         validated(model, json.dumps(body).encode(), served)
     assert (refused.value.status, refused.value.param, refused.value.code) == (status, param, code)
+
+
+def test_a_long_text_is_tokenized_with_the_gil_released(tiny_model):
+    """The worker tokenizes a long prompt on a thread beside its event loop, but the tokenizer's
+    `encode` held the GIL for the whole call: a 2 MB chat stood the loop still for 2 s. Here a
+    thread ticks while a long text is tokenized; it used to tick once or not at all."""
+    from radixpool.tokenization import PromptTokenizer
+
+    words = PromptTokenizer.from_dir(tiny_model)
+    text = "hello world, " * 100_000
+    ticks = 0
+    encoding = threading.Event()
+
+    def tick() -> None:
+        nonlocal ticks
+        encoding.wait()
+        while encoding.is_set():
+            ticks += 1
+            time.sleep(0.001)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    encoding.set()
+    ids = words.encode(text, add_special_tokens=False)
+    encoding.clear()
+    during = ticks
+    ticker.join()
+    assert ids == words.tokenizer.encode(text, add_special_tokens=False).ids
+    assert during >= 10, f"another thread ran {during} times while the text was tokenized"
