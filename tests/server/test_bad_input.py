@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import threading
@@ -10,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from radixpool.worker.server.generation import MAX_CHOICES
+from radixpool.worker.server.request_checks import MAX_CHOICES
 
 pytestmark = pytest.mark.slow
 
@@ -200,12 +201,14 @@ def test_text_far_over_the_context_is_refused_before_it_is_tokenized(http):
 
 def test_a_huge_body_does_not_stall_other_streams(client, http):
     # 8 MiB of one-id prompts takes seconds to validate, with the GIL held throughout: on the
-    # event loop that streams every request's tokens, each stream stood still that long. The
+    # event loop that streams every request's tokens, each stream stood still that long. Then
+    # the validated batch came back from its child as 1.6M lists, unpickled with the GIL held:
+    # the loop stood still for the last 2 s of the request's 7 s, only to refuse the batch. The
     # loop's own answers (`/livez`) show whether it was held; a stream's token gaps also count
     # the CPU the validating child takes from the engine on a small machine, so they are not
     # the measure here.
     arrivals: list[float] = []
-    probes: list[tuple[float, float]] = []   # (sent, answered) of each /livez
+    answered: list[float] = []   # when each /livez was answered
     done = threading.Event()
 
     def stream() -> None:
@@ -217,9 +220,8 @@ def test_a_huge_body_does_not_stall_other_streams(client, http):
     def probe() -> None:
         with httpx.Client(base_url=http.base_url, timeout=60) as prober:
             while not done.is_set():
-                sent = time.monotonic()
                 assert prober.get("/livez").status_code == 200
-                probes.append((sent, time.monotonic()))
+                answered.append(time.monotonic())
                 time.sleep(0.02)
 
     thread = threading.Thread(target=stream)
@@ -241,10 +243,11 @@ def test_a_huge_body_does_not_stall_other_streams(client, http):
     assert not thread.is_alive(), "the stream never ended"
     assert any(started < t < started + took for t in arrivals), \
         "no token arrived while the big body was in the worker"
-    # the longest the loop took to answer while the big body was in the worker; loose and
-    # relative: the test client, the worker and its children share two CPUs
-    during = [answered - sent for sent, answered in probes if sent < started + took]
-    assert during and max(during) < 0.5 * took, (max(during, default=None), took)
+    # the longest the loop left /livez unanswered while the body was in the worker, against
+    # the request's time: a loaded machine stretches both (the old stall: 2.6 s of 7.2 s)
+    inside = [started, *(t for t in answered if started < t < started + took), started + took]
+    stall = max(later - earlier for earlier, later in itertools.pairwise(inside))
+    assert stall < 0.15 * took, f"/livez unanswered for {stall:.2f} s of the request's {took:.1f} s"
 
 
 def keys(count: int, prefix: str = "k") -> str:

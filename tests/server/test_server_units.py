@@ -6,6 +6,8 @@ import asyncio
 import json
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -386,3 +388,67 @@ def test_large_legal_bodies_pass_the_member_bound():
     assert len(completion.logit_bias) == 120_000
     generate = validated(GenerateBody, json.dumps({"input_ids": list(range(100_000))}).encode())
     assert len(generate.input_ids) == 100_000
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param", "code"), [
+    ("/generate", {"input_ids": [[1]] * 1025}, 400, "input_ids", "too_many_choices"),
+    ("/generate", {"input_ids": [1] * 4096}, 400, "input_ids", "context_length_exceeded"),
+    ("/generate", {"input_ids": [[1], [1] * 4096]}, 400, "input_ids[1]",
+     "context_length_exceeded"),
+    ("/generate", {"input_ids": [[1], [99_999] + [1] * 4096]}, 400, "input_ids[1]", None),
+    ("/generate", {"input_ids": [[1], [1]], "sampling_params": [{"n": 1}, {"n": 1024}]}, 400,
+     "sampling_params[1].n", "too_many_choices"),
+    ("/v1/completions", {"prompt": [[1]] * 1025}, 400, "prompt", "too_many_choices"),
+    ("/v1/completions", {"model": "other", "prompt": [[1]] * 1025}, 404, "model",
+     "model_not_found"),
+    ("/v1/completions", {"prompt": [1] * 4096}, 400, "prompt", "context_length_exceeded"),
+    ("/v1/completions", {"prompt": [1] * 100, "max_tokens": 4000}, 400, "max_tokens",
+     "context_length_exceeded"),
+])
+def test_a_body_the_worker_would_refuse_for_its_size_is_refused_by_its_validation(
+        path, body, status, param, code):
+    """A body over 256 KiB is validated in a child process, and what comes back is unpickled
+    on the event loop: 2M one-id prompts came back as 2M lists (a 2.5 s stall), a 16M-id prompt
+    as 16M ints (0.45 s), only to be refused by the handler. Validation for a worker now makes
+    those refusals itself, with the handler's error (the same cases through HTTP:
+    test_bad_input.py)."""
+    from radixpool.worker.server.errors import APIError
+    from radixpool.worker.server.fast_path import validated
+    from radixpool.worker.server.native_api import GenerateBody
+    from radixpool.worker.server.openai_protocol import CompletionRequest
+    from radixpool.worker.server.request_checks import Served
+
+    model = GenerateBody if path == "/generate" else CompletionRequest
+    served = Served("tiny", "/models/tiny", vocab_size=1000, context_length=2048)
+    with pytest.raises(APIError) as refused:
+        validated(model, json.dumps(body).encode(), served)
+    assert (refused.value.status, refused.value.param, refused.value.code) == (status, param, code)
+
+
+def test_a_long_text_is_tokenized_with_the_gil_released(tiny_model):
+    """The worker tokenizes a long prompt on a thread beside its event loop, but the tokenizer's
+    `encode` held the GIL for the whole call: a 2 MB chat stood the loop still for 2 s. Here a
+    thread ticks while a long text is tokenized; it used to tick once or not at all."""
+    from radixpool.tokenization import PromptTokenizer
+
+    words = PromptTokenizer.from_dir(tiny_model)
+    text = "hello world, " * 100_000
+    ticks = 0
+    encoding = threading.Event()
+
+    def tick() -> None:
+        nonlocal ticks
+        encoding.wait()
+        while encoding.is_set():
+            ticks += 1
+            time.sleep(0.001)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    encoding.set()
+    ids = words.encode(text, add_special_tokens=False)
+    encoding.clear()
+    during = ticks
+    ticker.join()
+    assert ids == words.tokenizer.encode(text, add_special_tokens=False).ids
+    assert during >= 10, f"another thread ran {during} times while the text was tokenized"

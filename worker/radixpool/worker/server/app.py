@@ -32,5 +32,5 @@ def create_app(state: WorkerState) -> Gate:
     async def metrics() -> Response:
         return Response(state.metrics.exposition(), media_type=PROMETHEUS_CONTENT_TYPE)
 
-    return Gate(FastRoutes(app, routers, GENERATION_PATHS, state.bodies), state.lifecycle,
-                state.config.api_key, state.config.control_api_key)
+    fast = FastRoutes(app, routers, GENERATION_PATHS, state.bodies, lambda: state.served)
+    return Gate(fast, state.lifecycle, state.config.api_key, state.config.control_api_key)

@@ -11,10 +11,12 @@ OpenAI-style shape as the app's exception handlers give them. Every other reques
 Bodies over `INLINE_BODY_BYTES` are validated in child processes (`radixpool.child_pool`): the
 validation holds the GIL for as long as it takes, and a body of millions of tiny values (a batch
 of one-id prompts, a million chat messages) would otherwise stall every stream on this event loop
-for seconds. A body that needs more than `BODY_MEMORY_BYTES` to validate gets 413. A body whose
-objects hold more than `json_members.MAX_OBJECT_MEMBERS` keys in all is refused (400) before
-validation: a million unknown keys made a million validation errors, and held a child for its
-30 s limit.
+for seconds. What comes back is unpickled on the loop's side with the GIL held, so the body
+models refuse in the child what the handler would refuse anyway for its size (`request_checks`):
+a million prompts come back as one error, not as a million lists. A body that needs more than
+`BODY_MEMORY_BYTES` to validate gets 413. A body whose objects hold more than
+`json_members.MAX_OBJECT_MEMBERS` keys in all is refused (400) before validation: a million
+unknown keys made a million validation errors, and held a child for its 30 s limit.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from radixpool.worker.server.errors import (
     unknown_field,
     validation_error,
 )
+from radixpool.worker.server.request_checks import Served
 
 log = logging.getLogger("radixpool.worker.server")
 MAX_BODY_BYTES = 64 << 20   # a prompt at any context length fits many times over
@@ -67,10 +70,12 @@ def post_routes(routers: list[APIRouter],
 
 class FastRoutes:
     def __init__(self, app: FastAPI, routers: list[APIRouter], paths: frozenset[str],
-                 children: ChildPool) -> None:
+                 children: ChildPool,
+                 served: Callable[[], Served]) -> None:
         self.app = app
         self.routes = post_routes(routers, paths)
         self.children = children
+        self.served = served
 
     async def __call__(self, scope, receive, send) -> None:
         route = self.routes.get(scope["path"]) if scope["type"] == "http" else None
@@ -92,23 +97,25 @@ class FastRoutes:
         await response(scope, receive, send)
 
     async def _validate(self, model: type[BaseModel], body: bytes) -> BaseModel:
+        served = self.served()
         if len(body) <= INLINE_BODY_BYTES:
-            return validated(model, body)
+            return validated(model, body, served)
         try:
-            return await self.children.run(validated, model, body)
+            return await self.children.run(validated, model, body, served)
         except TooBig as exc:
             raise APIError(413, f"request body could not be validated within this worker's {exc}",
                            code="request_too_large") from None
 
 
-def validated(model: type[BaseModel], body: bytes) -> BaseModel:
-    """The body as `model`, or the APIError FastAPI's own validation would give. A body past
-    the member bound is refused before validation (`radixpool.json_members`)."""
+def validated(model: type[BaseModel], body: bytes, served: Served | None = None) -> BaseModel:
+    """The body as `model`, or the APIError FastAPI's own validation would give, or the
+    refusal the model's validators make for this worker (`request_checks`). A body past the
+    member bound is refused before validation (`radixpool.json_members`)."""
     doc = over_member_bound(body)
     if doc is not None:
         raise _past_member_bound(model, doc)
     try:
-        return model.model_validate_json(body)
+        return model.model_validate_json(body, context=served)
     except ValidationError as exc:   # the same locations FastAPI would report
         errors = exc.errors()
         # pydantic calls a lone surrogate an error in a "hex escape": only then parse again

@@ -24,9 +24,6 @@ from radixpool.worker.server.errors import APIError, bad_request, unavailable
 from radixpool.worker.server.state import WorkerState
 
 T = TypeVar("T")
-# Completions one request may ask for (prompts × n): each is an engine request, so a few hundred
-# bytes of JSON could otherwise queue minutes of work ahead of every other client.
-MAX_CHOICES = 1024
 
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 _UNKNOWN_FIELD = re.compile(r"unknown sampling field '(\w+)'")
@@ -51,12 +48,6 @@ def engine_error(exc: ValueError, renames: dict[str, str], default_param: str | 
     code = "context_length_exceeded" if _OVER_KV.match(message) else None
     return bad_request(message, param=param, code=code)
 
-
-def check_choices(total: int, param: str) -> None:
-    if total > MAX_CHOICES:
-        raise bad_request(f"the request asks for {total} completions (prompts × n); this worker "
-                          f"takes at most {MAX_CHOICES} per request", param=param,
-                          code="too_many_choices")
 
 
 def build_params(doc: dict[str, Any], vocab_size: int, renames: dict[str, str],

@@ -11,12 +11,13 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, model_validator
 from starlette.responses import JSONResponse
 
 from radixpool.protocol.server_info import ServerInfo
 from radixpool.worker.engine_errors import EngineBusy
-from radixpool.worker.sampling_params import CONSTRAINT_FIELDS
+from radixpool.worker.sampling_params import CONSTRAINT_FIELDS, SamplingParams
+from radixpool.worker.server import request_checks
 from radixpool.worker.server.errors import (
     APIError,
     bad_request,
@@ -28,7 +29,6 @@ from radixpool.worker.server.generation import (
     EngineRun,
     ForkOutput,
     build_params,
-    check_choices,
     merge_streams,
     server_timing,
     start_all,
@@ -36,6 +36,7 @@ from radixpool.worker.server.generation import (
 )
 from radixpool.worker.server.lifecycle import Phase
 from radixpool.worker.server.openai_protocol import ChatMessage, Texts, TokenIdLists, TokenIds
+from radixpool.worker.server.request_checks import Served, check_choices
 from radixpool.worker.server.sse import DONE, EventStream, sse
 from radixpool.worker.server.state import WorkerState
 
@@ -53,10 +54,50 @@ class GenerateBody(BaseModel):
     cache_salt: Annotated[str, Field(max_length=256)] | None = None
 
     @model_validator(mode="after")
-    def _one_prompt(self) -> GenerateBody:
+    def _one_prompt_the_worker_takes(self, info: ValidationInfo) -> GenerateBody:
+        """Also the handler's refusals of a request for its size, made here in its order
+        (`request_checks`): an empty batch, more prompts than completions a request may ask
+        for, sampling params that do not match the prompts, and, when validation runs for a
+        loaded worker, each token-id prompt's own refusals."""
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("give exactly one of 'text' or 'input_ids'")
+        prompts, batch = self.prompts()
+        if not prompts:
+            raise bad_request("the batch is empty", param="text" if self.text else "input_ids")
+        check_choices(len(prompts), "text" if self.text is not None else "input_ids")
+        docs = self.params_docs(len(prompts))
+        served = request_checks.served(info.context)
+        if self.input_ids is None or served is None or served.vocab_size is None:
+            return self
+        choices = 0
+        for i, (ids, doc) in enumerate(zip(prompts, docs, strict=True)):
+            where = f"[{i}]" if batch else ""
+            served.check_token_ids(ids, f"input_ids{where}")
+            _, _, choices = self.checked_prompt(served, where, f"input_ids{where}", ids, doc,
+                                                choices)
         return self
+
+    def params_docs(self, count: int) -> list[dict[str, Any]]:
+        """Each prompt's sampling params; refuses a list that does not match the prompts."""
+        docs = self.sampling_params
+        if not isinstance(docs, list):
+            return [docs or {}] * count
+        if len(docs) != count:
+            raise bad_request(f"sampling_params has {len(docs)} entries for {count} prompts",
+                              param="sampling_params")
+        return docs
+
+    def checked_prompt(self, served: Served, where: str, prompt_param: str, ids: list[int],
+                       doc: dict[str, Any], choices: int) -> tuple[SamplingParams, str, int]:
+        """A prompt's sampling params, their path prefix, and the choices asked for so far
+        with them; refuses what does not fit. Its ids are checked by the caller."""
+        sp_prefix = f"sampling_params{where if isinstance(self.sampling_params, list) else ''}."
+        p = build_params(doc, served.vocab_size, {}, sp_prefix)
+        choices += p.n
+        check_choices(choices, f"{sp_prefix}n")
+        served.token_budget(len(ids), p.max_new_tokens, prompt_param,
+                            f"{sp_prefix}max_new_tokens")
+        return p, sp_prefix, choices
 
     def prompts(self) -> tuple[list[str | list[int]], bool]:
         """The prompts, and whether the request was a batch."""
@@ -104,20 +145,13 @@ def router(state: WorkerState) -> APIRouter:
 
     @r.post("/generate")
     async def generate(body: GenerateBody, request: Request):
+        # a batch that is empty, too big or unmatched by its sampling params failed validation
         prompts, batch = body.prompts()
-        if not prompts:
-            raise bad_request("the batch is empty", param="text" if body.text else "input_ids")
-        check_choices(len(prompts), "text" if body.text is not None else "input_ids")
-        params_docs = body.sampling_params
-        if isinstance(params_docs, list):
-            if len(params_docs) != len(prompts):
-                raise bad_request(f"sampling_params has {len(params_docs)} entries for "
-                                  f"{len(prompts)} prompts", param="sampling_params")
-        else:
-            params_docs = [params_docs or {}] * len(prompts)
+        served = state.served
         inputs, params, prefixes, prompt_params = [], [], [], []
         choices = 0
-        for i, (prompt, doc) in enumerate(zip(prompts, params_docs, strict=True)):
+        for i, (prompt, doc) in enumerate(zip(prompts, body.params_docs(len(prompts)),
+                                              strict=True)):
             where = f"[{i}]" if batch else ""
             if isinstance(prompt, str):
                 prompt_param = f"text{where}"
@@ -126,12 +160,8 @@ def router(state: WorkerState) -> APIRouter:
                 ids = prompt
                 prompt_param = f"input_ids{where}"
                 state.check_token_ids(ids, prompt_param)
-            sp_prefix = f"sampling_params{where if isinstance(body.sampling_params, list) else ''}."
-            p = build_params(doc, state.vocab_size, {}, sp_prefix)
-            choices += p.n
-            check_choices(choices, f"{sp_prefix}n")
-            state.token_budget(len(ids), p.max_new_tokens, prompt_param,
-                               f"{sp_prefix}max_new_tokens")
+            p, sp_prefix, choices = body.checked_prompt(served, where, prompt_param, ids, doc,
+                                                        choices)
             inputs.append(ids)
             params.append(p)
             prefixes.append(sp_prefix)

@@ -15,13 +15,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse
 
-from radixpool.worker.server.errors import bad_request, stream_error
+from radixpool.worker.server.errors import stream_error
 from radixpool.worker.server.generation import (
-    MAX_CHOICES,
     EngineRun,
     ForkOutput,
     build_params,
-    check_choices,
     merge_streams,
     server_timing,
     start_all,
@@ -94,7 +92,7 @@ def router(state: WorkerState) -> APIRouter:
     @r.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         state.check_model(body.model)
-        messages = [m.template_dict() for m in body.messages]
+        messages = body.template_messages
         tools = await ToolUse.of(body, messages, state.tool_format)
         template_kwargs = dict(body.chat_template_kwargs or {})
         if tools.rendered is not None:
@@ -136,15 +134,8 @@ def router(state: WorkerState) -> APIRouter:
     @r.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         state.check_model(body.model)
+        # an empty or too big batch, and echo with logprobs, failed validation
         prompts = body.prompts()
-        if not prompts:
-            raise bad_request("prompt must not be an empty list", param="prompt")
-        check_choices(len(prompts) * body.n, "n" if len(prompts) <= MAX_CHOICES else "prompt")
-        if body.echo and body.logprobs is not None:
-            # The echoed prompt would need its own logprobs, which the engine does not compute;
-            # completion-only logprobs under an echoed text would be misaligned.
-            raise bad_request("echo together with logprobs is not supported: this worker does "
-                              "not compute prompt logprobs", param="echo")
         inputs: list[list[int]] = []
         for i, prompt in enumerate(prompts):
             param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"

@@ -19,13 +19,18 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     StrictBool,
     StrictFloat,
     StrictInt,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 
+from radixpool.worker.server import request_checks
+from radixpool.worker.server.errors import bad_request
+from radixpool.worker.server.request_checks import MAX_CHOICES, check_choices
 from radixpool.worker.server.tools import Tool
 
 Seed = Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)]
@@ -207,6 +212,11 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    """`messages` is read as `template_messages`, the chat template's dicts: a request
+    validated in a child process (a body over `fast_path.INLINE_BODY_BYTES`) comes back with
+    those alone. 65k messages as models took 0.4 s to unpickle on the event loop, with the GIL
+    held; as dicts they take 20 ms."""
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
@@ -249,6 +259,21 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("only allowed when logprobs is true")
         return value
 
+    _template_messages: list[dict[str, Any]] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="after")
+    def _render_messages(self) -> ChatCompletionRequest:
+        self._template_messages = [m.template_dict() for m in self.messages]
+        return self
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        return {**state, "__dict__": {**state["__dict__"], "messages": []}}
+
+    @property
+    def template_messages(self) -> list[dict[str, Any]]:
+        return self._template_messages
+
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -283,6 +308,35 @@ class CompletionRequest(SamplingFields):
         if value is not None and value != n:
             raise ValueError(f"best_of must equal n ({n}); ranking completions is not supported")
         return value
+
+    @model_validator(mode="after")
+    def _what_the_worker_takes(self, info: ValidationInfo) -> CompletionRequest:
+        """The handler's refusals before it tokenizes, made here in its order when validation
+        runs for a worker (`request_checks`): an unknown model, an empty batch, more completions
+        than a request may ask for, echo with logprobs, and, once the worker's model is
+        loaded, each token-id prompt's own refusals."""
+        served = request_checks.served(info.context)
+        if served is None:
+            return self
+        served.check_model(self.model)
+        prompts = self.prompts()
+        if not prompts:
+            raise bad_request("prompt must not be an empty list", param="prompt")
+        check_choices(len(prompts) * self.n, "n" if len(prompts) <= MAX_CHOICES else "prompt")
+        if self.echo and self.logprobs is not None:
+            # The echoed prompt would need its own logprobs, which the engine does not compute;
+            # completion-only logprobs under an echoed text would be misaligned.
+            raise bad_request("echo together with logprobs is not supported: this worker does "
+                              "not compute prompt logprobs", param="echo")
+        if served.vocab_size is None:
+            return self
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                break
+            param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            served.check_token_ids(prompt, param)
+            served.token_budget(len(prompt), self.max_tokens, param, "max_tokens")
+        return self
 
     def prompts(self) -> list[str | list[int]]:
         """The batch: each item is a text or a list of token ids."""

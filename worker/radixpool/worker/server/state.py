@@ -11,11 +11,12 @@ from typing import Any
 from radixpool.child_pool import ChildPool
 from radixpool.worker.messages import EngineStats
 from radixpool.worker.server.config import ServerConfig
-from radixpool.worker.server.errors import APIError, bad_request
+from radixpool.worker.server.errors import bad_request
 from radixpool.worker.server.fast_path import BODY_MEMORY_BYTES, BODY_MODULES, BODY_PROCESSES
 from radixpool.worker.server.lifecycle import Lifecycle
 from radixpool.worker.server.logprobs import TokenText
 from radixpool.worker.server.metrics import WorkerMetrics
+from radixpool.worker.server.request_checks import Served
 from radixpool.worker.server.tool_format import ToolFormat, resolve_tool_format
 
 # Prompts longer than this (characters) are tokenized off the event loop.
@@ -84,40 +85,22 @@ class WorkerState:
     def vocab_size(self) -> int:
         return self.engine.info.vocab_size
 
+    @property
+    def served(self) -> Served:
+        info = self.engine.info if self.engine is not None else None
+        return Served(self.config.served_model_name, self.config.engine.model_path,
+                      info and info.vocab_size, info and info.context_length)
+
     def check_model(self, model: str | None) -> None:
-        if model is None or model in (self.config.served_model_name, self.config.engine.model_path):
-            return
-        raise APIError(404, f"the model '{model}' does not exist on this worker; it serves "
-                            f"'{self.config.served_model_name}'", param="model",
-                       code="model_not_found")
+        self.served.check_model(model)
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
-        vocab = self.vocab_size
-        if ids and max(ids) >= vocab:   # max() runs in C; find the culprit only on failure
-            bad = next(t for t in ids if t >= vocab)
-            raise bad_request(f"token id {bad} is outside the vocabulary (size {vocab})",
-                              param=param)
+        self.served.check_token_ids(ids, param)
 
     def token_budget(self, prompt_len: int, requested: int | None, prompt_param: str,
                      max_param: str) -> int:
         """Tokens this request may generate; rejects prompts that leave no room."""
-        context = self.context_length
-        if prompt_len == 0:
-            raise bad_request("the prompt is empty", param=prompt_param)
-        if prompt_len >= context:
-            raise bad_request(
-                f"the prompt is {prompt_len} tokens, but this model's context length is "
-                f"{context} tokens (prompt plus at least one generated token)",
-                param=prompt_param, code="context_length_exceeded")
-        room = context - prompt_len
-        if requested is None:
-            return room
-        if requested > room:
-            raise bad_request(
-                f"{max_param}={requested} plus the prompt's {prompt_len} tokens exceeds this "
-                f"model's context length of {context} tokens; ask for at most {room}",
-                param=max_param, code="context_length_exceeded")
-        return requested
+        return self.served.token_budget(prompt_len, requested, prompt_param, max_param)
 
     def check_text_length(self, chars: int, param: str) -> None:
         limit = self.context_length * self.engine.tokenizer.longest_token_chars \

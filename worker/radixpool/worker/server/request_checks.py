@@ -1,0 +1,80 @@
+"""Refusals a request body's own validation makes, so a big body is refused where it is parsed.
+
+A body over `fast_path.INLINE_BODY_BYTES` is validated in a child process, and what the child
+returns is unpickled on the event loop's side with the GIL held: two million one-id prompts came
+back as two million lists, and every stream on the worker stood still for two seconds, only for
+the handler to refuse the batch (`too_many_choices`). The body models make that refusal
+themselves, in the handler's order and with its exact error, so such a body comes back as an
+error of a few hundred bytes. What a refusal needs from the worker (its model names) reaches the
+validators as pydantic's validation context, a `Served`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from radixpool.worker.server.errors import APIError, bad_request
+
+# Completions one request may ask for (prompts × n): each is an engine request, so a few hundred
+# bytes of JSON could otherwise queue minutes of work ahead of every other client.
+MAX_CHOICES = 1024
+
+
+def check_choices(total: int, param: str) -> None:
+    if total > MAX_CHOICES:
+        raise bad_request(f"the request asks for {total} completions (prompts × n); this worker "
+                          f"takes at most {MAX_CHOICES} per request", param=param,
+                          code="too_many_choices")
+
+
+@dataclass(frozen=True)
+class Served:
+    """What this worker checks a request against (its model names, and its model's sizes once
+    loaded); a body model's validation context."""
+
+    model_name: str
+    model_path: str
+    vocab_size: int | None = None
+    context_length: int | None = None
+
+    def check_model(self, model: str | None) -> None:
+        if model is None or model in (self.model_name, self.model_path):
+            return
+        raise APIError(404, f"the model '{model}' does not exist on this worker; it serves "
+                            f"'{self.model_name}'", param="model", code="model_not_found")
+
+
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.vocab_size
+        if ids and max(ids) >= vocab:   # max() runs in C; find the culprit only on failure
+            bad = next(t for t in ids if t >= vocab)
+            raise bad_request(f"token id {bad} is outside the vocabulary (size {vocab})",
+                              param=param)
+
+    def token_budget(self, prompt_len: int, requested: int | None, prompt_param: str,
+                     max_param: str) -> int:
+        """Tokens a request may generate; rejects prompts that leave no room."""
+        context = self.context_length
+        if prompt_len == 0:
+            raise bad_request("the prompt is empty", param=prompt_param)
+        if prompt_len >= context:
+            raise bad_request(
+                f"the prompt is {prompt_len} tokens, but this model's context length is "
+                f"{context} tokens (prompt plus at least one generated token)",
+                param=prompt_param, code="context_length_exceeded")
+        room = context - prompt_len
+        if requested is None:
+            return room
+        if requested > room:
+            raise bad_request(
+                f"{max_param}={requested} plus the prompt's {prompt_len} tokens exceeds this "
+                f"model's context length of {context} tokens; ask for at most {room}",
+                param=max_param, code="context_length_exceeded")
+        return requested
+
+
+def served(context: Any) -> Served | None:
+    """The `Served` a validation ran with, None when it ran without one."""
+    return context if isinstance(context, Served) else None
