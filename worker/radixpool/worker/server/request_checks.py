@@ -44,8 +44,6 @@ class Served:
         raise APIError(404, f"the model '{model}' does not exist on this worker; it serves "
                             f"'{self.model_name}'", param="model", code="model_not_found")
 
-
-
     def check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = self.vocab_size
         if ids and max(ids) >= vocab:   # max() runs in C; find the culprit only on failure
