@@ -118,7 +118,8 @@ def resolve_choice(tools: list[Tool] | None, choice: Any) -> str | None:
         name = tool.function.name
         if name in seen:
             raise bad_request(f"function name {name!r} is also tools[{seen[name]}]; names must "
-                              "be unique", param=f"tools[{i}].function.name")
+                              "be unique", param=f"tools[{i}].function.name",
+                              code="duplicate_tool_name")
         seen[name] = i
     if choice is None:
         return "auto"
