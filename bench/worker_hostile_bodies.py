@@ -52,6 +52,10 @@ def bodies() -> dict[str, tuple[str, bytes]]:
         # legal, or refused only for other reasons
         "chat 128 tools x 400 props": ("/v1/chat/completions",
                                        doc(messages=[msg], tools=[tool] * 128, max_tokens=1)),
+        "chat 128 distinct tools": ("/v1/chat/completions", doc(
+            messages=[msg], max_tokens=1,
+            tools=[{**tool, "function": {**tool["function"], "name": f"f{j}"}}
+                   for j in range(128)])),
         "chat logit_bias 131k": ("/v1/chat/completions", doc(
             messages=[msg], max_tokens=1, logit_bias={str(i): 1.0 for i in range(131_000)})),
         "generate 1024 x 1 id": ("/generate", doc(

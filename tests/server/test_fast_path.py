@@ -152,6 +152,31 @@ def test_a_body_too_big_to_validate_gets_413_and_the_next_one_is_answered():
         state.bodies.close()
 
 
+def test_many_large_tool_schemas_are_checked_within_a_childs_time_limit():
+    """128 tools of 400 properties each (1.2 MiB): the Python `jsonschema` meta-schema check
+    took 20-30 s and held the validating child; now the last tool's bad schema is named."""
+    state = WorkerState(ServerConfig(EngineConfig(model_path="/nowhere"), "tiny"))
+    state.bodies = ChildPool(1, fast_path.BODY_MEMORY_BYTES, fast_path.BODY_MODULES,
+                             timeout_s=10)
+    gate = create_app(state)
+    properties = {f"p{i}": {"type": "string"} for i in range(400)}
+    tools = [{"type": "function", "function": {"name": f"f{j}", "parameters": {
+        "type": "object", "properties": properties}}} for j in range(128)]
+    tools[127]["function"]["parameters"] = {"type": "object", "properties": {
+        **properties, "last": {"type": "strin"}}}
+    try:
+        status, doc = call(gate.app, "/v1/chat/completions", json.dumps(
+            {"messages": MSG, "tools": tools}).encode())
+        assert status == 400, doc
+        assert doc["error"]["param"].startswith("tools[127].function.parameters")
+        assert "properties/last/type" in doc["error"]["message"]
+        status, doc = call(gate.app, "/v1/completions", json.dumps(
+            {"prompt": "w " * 150_000, "temperature": "hot"}).encode())   # the child is free
+        assert status == 400 and doc["error"]["param"] == "temperature"
+    finally:
+        state.bodies.close()
+
+
 def test_only_post_to_the_generation_paths_takes_the_fast_path(gate):
     fast = gate.app
     assert set(fast.routes) == {"/v1/chat/completions", "/v1/completions", "/generate"}

@@ -142,3 +142,22 @@ def test_tool_validation_names_the_field():
         _tools({"type": "object", "properties": {"a": {"type": "nonsense"}}})
     with pytest.raises(ValueError, match="must be 'object'"):
         _tools({"type": "string"})
+
+
+def test_a_duplicate_tool_name_is_refused_with_its_code_and_place():
+    tools = _tools({"type": "object"}, {"type": "object"}, {"type": "object"})
+    tools[2] = Tool.model_validate({"type": "function", "function": {"name": "f0"}})
+    with pytest.raises(APIError) as err:
+        resolve_choice(tools, "auto")
+    assert err.value.status == 400 and err.value.code == "duplicate_tool_name"
+    assert err.value.param == "tools[2].function.name" and "tools[0]" in err.value.message
+
+
+def test_an_unknown_meta_schema_is_checked_as_the_latest_draft_not_fetched():
+    unknown = "http://127.0.0.1:9/not-a-meta-schema"
+    assert _tools({"$schema": unknown, "type": "object"})
+    with pytest.raises(ValueError, match=r"not a valid JSON schema.*at type"):
+        _tools({"$schema": unknown, "type": "objec"})
+    with pytest.raises(ValueError, match="at properties/a/minimum"):
+        _tools({"$schema": "http://json-schema.org/draft-04/schema#", "type": "object",
+                "properties": {"a": {"minimum": "x"}}})

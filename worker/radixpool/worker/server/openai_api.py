@@ -101,6 +101,7 @@ def router(state: WorkerState) -> APIRouter:
         max_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         max_new = state.token_budget(len(input_ids), body.requested_max_tokens, "messages",
                                      max_param)
+        tools = await tools.with_grammar(body)
         sampling = body.sampling_dict(max_new, body.logprobs_k)
         if tools.grammar is not None:
             sampling["ebnf"] = tools.grammar

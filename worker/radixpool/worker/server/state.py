@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -130,6 +131,9 @@ class WorkerState:
                                   param=f"chat_template_kwargs.{reserved}")
         size = sum(len(str(m.get("content", ""))) for m in messages)
         self.check_text_length(size, "messages")
+        if kwargs.get("tools"):   # rendered as JSON: at least this many characters
+            size += len(json.dumps(kwargs["tools"], separators=(",", ":")))
+            self.check_text_length(size, "tools")
         try:
             if size <= INLINE_TOKENIZE_CHARS:
                 return tokenizer.encode_chat(messages, add_generation_prompt, **kwargs)

@@ -5,7 +5,7 @@ or as stream deltas."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from radixpool.tokenization import template_tools
@@ -34,9 +34,8 @@ class ToolUse:
     async def of(cls, body: Any, messages: list[dict[str, Any]],
                  fmt: ToolFormat = "hermes") -> ToolUse:
         """Validates the request's tools against each other, its tool choice and its history;
-        raises 400 naming the field. The grammar is built off the event loop: the first one
-        imports xgrammar (seconds: it brings torch) into this process, later ones take
-        milliseconds, and a repeated tool list is a cache hit."""
+        raises 400 naming the field. No grammar yet (`with_grammar`): the prompt is checked
+        against the context first, so tools too large for it never reach the compiler."""
         check_tool_messages(messages)
         choice = resolve_choice(body.tools, body.tool_choice)
         if choice is None:
@@ -50,10 +49,19 @@ class ToolUse:
         if body.chat_template_kwargs and "tools" in body.chat_template_kwargs:
             raise bad_request("chat_template_kwargs may not set 'tools'; use the tools field",
                               param="chat_template_kwargs.tools")
-        parallel = body.parallel_tool_calls is not False
-        grammar = await asyncio.to_thread(tool_grammar, body.tools, choice, parallel, fmt)
         return cls(choice, frozenset(t.function.name for t in body.tools),
-                   template_tools([t.model_dump() for t in body.tools]), grammar, fmt)
+                   template_tools([t.model_dump() for t in body.tools]), None, fmt)
+
+    async def with_grammar(self, body: Any) -> ToolUse:
+        """This tool use with the EBNF its calls must match, built off the event loop: the first
+        one imports xgrammar (seconds: it brings torch) into this process, later ones take
+        milliseconds a tool, and a repeated tool list is a cache hit."""
+        if not self.calls_possible:
+            return self
+        parallel = body.parallel_tool_calls is not False
+        grammar = await asyncio.to_thread(tool_grammar, body.tools, self.choice, parallel,
+                                          self.format)
+        return replace(self, grammar=grammar)
 
     @property
     def calls_possible(self) -> bool:

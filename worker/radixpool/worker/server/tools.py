@@ -38,6 +38,12 @@ CALL_SEPARATOR = "\n"
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "
 _XGRAMMAR_NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+# the drafts jsonschema-rs knows without fetching them
+META_SCHEMAS = frozenset(f"{uri}{end}" for end in ("", "#") for uri in (
+    "http://json-schema.org/draft-04/schema", "http://json-schema.org/draft-06/schema",
+    "http://json-schema.org/draft-07/schema", "http://json-schema.org/schema",
+    "https://json-schema.org/draft/2019-09/schema",
+    "https://json-schema.org/draft/2020-12/schema"))
 
 
 def call_prefix(name: str) -> str:
@@ -46,6 +52,25 @@ def call_prefix(name: str) -> str:
 
 
 CALL_SUFFIX = "}\n" + CALL_CLOSE
+
+
+def check_schema(schema: dict[str, Any]) -> None:
+    """Raises ValueError naming where `schema` breaks its draft's meta-schema. jsonschema-rs
+    checks 50,000 properties in about 20 ms; the Python `jsonschema` took 0.6 ms a property
+    (128 tools of 400 properties held a body-validating child for 20-30 s). A `$schema` other
+    than a known draft is checked as the latest draft, as `jsonschema` did: never fetched."""
+    import jsonschema_rs
+
+    if isinstance(schema.get("$schema"), str) and schema["$schema"] not in META_SCHEMAS:
+        schema = {k: v for k, v in schema.items() if k != "$schema"}
+    try:
+        jsonschema_rs.meta.validate(schema)
+    except jsonschema_rs.ValidationError as exc:
+        where = "/".join(str(p) for p in exc.instance_path)
+        raise ValueError(f"not a valid JSON schema: {exc.message}"
+                         + (f" (at {where})" if where else "")) from None
+    except Exception as exc:   # jsonschema-rs's ReferencingError and the like
+        raise ValueError(f"not a valid JSON schema: {_first_line(exc)}") from None
 
 
 class FunctionDefinition(BaseModel):
@@ -60,16 +85,7 @@ class FunctionDefinition(BaseModel):
     def _a_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         if value is None:
             return value
-        import jsonschema
-
-        try:
-            jsonschema.validators.validator_for(value).check_schema(value)
-        except jsonschema.SchemaError as exc:
-            where = "/".join(str(p) for p in exc.path)
-            raise ValueError(f"not a valid JSON schema: {exc.message}"
-                             + (f" (at {where})" if where else "")) from None
-        except Exception as exc:   # e.g. a `$schema` that is not a string
-            raise ValueError(f"not a valid JSON schema: {exc}") from None
+        check_schema(value)
         if value.get("type", "object") != "object":
             raise ValueError("the arguments of a function are a JSON object: the schema's type "
                              f"must be 'object', got {value.get('type')!r}")
@@ -102,7 +118,8 @@ def resolve_choice(tools: list[Tool] | None, choice: Any) -> str | None:
         name = tool.function.name
         if name in seen:
             raise bad_request(f"function name {name!r} is also tools[{seen[name]}]; names must "
-                              "be unique", param=f"tools[{i}].function.name")
+                              "be unique", param=f"tools[{i}].function.name",
+                              code="duplicate_tool_name")
         seen[name] = i
     if choice is None:
         return "auto"
