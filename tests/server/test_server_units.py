@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from fastapi.exceptions import RequestValidationError
@@ -21,7 +23,9 @@ from radixpool.worker.server.errors import field_path, validation_error
 from radixpool.worker.server.lifecycle import Lifecycle, Phase
 from radixpool.worker.server.logprobs import TokenText, completion_logprobs
 from radixpool.worker.server.metrics import HitRateWindow
+from radixpool.worker.server.native_api import _meta
 from radixpool.worker.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from radixpool.worker.server.sse import sse
 
 ISSUE_FLAGS = ("--model", "--served-model-name", "--host", "--port", "--device", "--dtype",
                "--kv-cache-tokens", "--mem-fraction", "--page-size", "--max-running-requests",
@@ -166,6 +170,23 @@ def test_text_offset_of_a_token_after_a_character_that_never_completes(tiny_mode
     assert [at for token, at in spelled if token.startswith("bytes:")] == [0, 6, 7]
     assert all(text.startswith(token, at) for token, at in spelled
                if not token.startswith("bytes:"))
+
+
+def test_generate_logprobs_of_tokens_with_no_mass_are_valid_json():
+    """A token the model gave no mass has logprob -inf: /generate clamps it to -9999.0 as the
+    OpenAI endpoints do (JSON has no -inf: Starlette refused the body with a 500, and a stream
+    wrote `-Infinity`, which parsers reject)."""
+    fork = SimpleNamespace(prompt_tokens=3, completion_tokens=2, cached_tokens=0,
+                           finish_reason="length", matched_stop=None,
+                           logprobs=[-0.5, -math.inf], top_logprobs=[[(4, -0.5), (9, -math.inf)],
+                                                                     [(7, -math.inf)]])
+    meta = _meta(fork, "r1", True)
+    assert meta["logprobs"] == [-0.5, -9999.0]
+    assert meta["top_logprobs"] == [[[4, -0.5], [9, -9999.0]], [[7, -9999.0]]]
+    frame = sse({"meta_info": meta})
+    assert json.loads(frame[len(b"data: "):], parse_constant=pytest.fail)["meta_info"] == meta
+    with pytest.raises(ValueError):   # a non-finite number never goes out as invalid JSON
+        sse({"logprob": math.nan})
 
 
 def test_hit_rate_window_forgets_old_requests():

@@ -63,6 +63,10 @@ RADIX_EVICTED_TOKENS = MetricSpec(
 KV_DOUBLE_FREES = MetricSpec(
     "radixpool_kv_double_frees_total", "counter",
     "KV pages freed while already free (an engine bug; the page is not handed out twice).")
+NONFINITE_LOGITS = MetricSpec(
+    "radixpool_nonfinite_logits_total", "counter",
+    "Requests aborted because the model produced NaN or infinite logits for them (fp16 "
+    "overflow, a bad checkpoint, a kernel bug).")
 NUM_REQUESTS_RUNNING = MetricSpec(
     "radixpool_num_requests_running", "gauge", "Requests in the running batch.")
 NUM_REQUESTS_WAITING = MetricSpec(
@@ -99,10 +103,10 @@ WORKER_INFO = MetricSpec(
 
 WORKER_METRICS: tuple[MetricSpec, ...] = (
     PROMPT_TOKENS, CACHED_PROMPT_TOKENS, GENERATION_TOKENS, REQUESTS, RETRACTED_REQUESTS,
-    RADIX_EVICTED_TOKENS, KV_DOUBLE_FREES, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING,
-    KV_CACHE_USAGE, KV_CACHE_CAPACITY, RADIX_CACHE_TOKENS, CACHE_HIT_RATE, TIME_TO_FIRST_TOKEN,
-    INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY, QUEUE_TIME, GRAMMAR_COMPILE_SECONDS,
-    GRAMMAR_CACHE_HITS, WORKER_INFO,
+    RADIX_EVICTED_TOKENS, KV_DOUBLE_FREES, NONFINITE_LOGITS, NUM_REQUESTS_RUNNING,
+    NUM_REQUESTS_WAITING, KV_CACHE_USAGE, KV_CACHE_CAPACITY, RADIX_CACHE_TOKENS, CACHE_HIT_RATE,
+    TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY, QUEUE_TIME,
+    GRAMMAR_COMPILE_SECONDS, GRAMMAR_CACHE_HITS, WORKER_INFO,
 )
 
 # --- gateway ----------------------------------------------------------------------------------

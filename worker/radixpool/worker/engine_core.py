@@ -288,8 +288,8 @@ class EngineCore:
                                          to_host=False, mask_rows=mask_rows)
             index = to_device([r.row for r, _ in sampled], torch.int64, last_tokens.device)
             # (a verified draft's request gets its real last token when it is processed)
-            last_tokens[index] = (result.tensor if len(rows) == len(sampled)
-                                  else result.tensor[to_device(last_rows, torch.int64,
+            last_tokens[index] = (result.inputs if len(rows) == len(sampled)
+                                  else result.inputs[to_device(last_rows, torch.int64,
                                                                last_tokens.device)])
         times.schedule += t1 - t0
         times.forward += t2 - t1
@@ -361,7 +361,8 @@ class EngineCore:
             kv_double_frees_total=pool.double_frees,
             grammar_compile_buckets=tuple(itertools.accumulate(compiler.compile_counts)),
             grammar_compile_seconds_sum=compiler.compile_seconds_sum,
-            grammar_cache_hits_total=compiler.cache_hits)
+            grammar_cache_hits_total=compiler.cache_hits,
+            nonfinite_logits_total=sched.nonfinite_total)
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()

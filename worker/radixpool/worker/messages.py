@@ -68,6 +68,7 @@ class TokenDelta:
     cached_tokens: int = 0                        # prompt tokens served from the radix cache
     queue_time: float | None = None               # seconds waited before first admission
     error: str | None = None                      # set when the core refused the request
+    internal_error: bool = False                  # the error is the engine's, not the input's
     core_seconds: float | None = None             # on the last delta: arrival in core → done
 
 
@@ -86,6 +87,7 @@ class EngineStats:
     grammar_compile_buckets: tuple[int, ...] = ()
     grammar_compile_seconds_sum: float = 0.0
     grammar_cache_hits_total: int = 0
+    nonfinite_logits_total: int = 0   # requests aborted for NaN / infinite logits
 
 
 @dataclass

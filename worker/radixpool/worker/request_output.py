@@ -62,7 +62,7 @@ class RequestOutput:
     def apply(self, delta: TokenDelta) -> tuple[StreamChunk, bool]:
         """The chunk for this delta, and whether a stop string just ended the output."""
         if delta.error is not None:
-            return self.fail("abort", delta.error, internal=False,
+            return self.fail("abort", delta.error, internal=delta.internal_error,
                              prompt_tokens=delta.prompt_tokens), False
         tokens = delta.token_ids
         if tokens and self.first_token_time is None:

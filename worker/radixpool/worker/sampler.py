@@ -22,6 +22,14 @@ after retraction replays the same randomness. The low 64 bits of the seed count.
 for the same logits: exact float ties between tokens, and a top-p boundary that the rounding of a
 batched sum could move, are the only places a batch could matter (the model's own logits may of
 course differ with the batch on a GPU).
+
+Non-finite logits (NaN, +inf, or nothing but -inf: fp16 overflow, a bad checkpoint, a kernel
+bug) would draw garbage, NaN included, and give NaN logprobs. A row is flagged when the token it
+drew has a non-finite (edited) logit, which argmax makes so whenever a NaN or +inf survived the
+edits, or, in a row that asks for logprobs, when the token's logprob is not finite (any NaN or
++inf in the model's row); never a row a grammar mask left with nothing allowed. A flagged row's
+token is NONFINITE (an impossible id): the flag travels with the tokens and is read when they
+are, with no pass over [n, V] of its own and no extra wait for the device.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from radixpool.worker.device_copy import to_device
 from radixpool.worker.penalties import PenaltyState, one_call_key
 from radixpool.worker.sampling_params import SamplingParams
 
+NONFINITE = -1   # the token of a row whose logits were not finite
 TOP_P_CANDIDATES = 1024    # top-p without top-k first looks at this many tokens (then 8x more)
 _MASK32 = 0xFFFFFFFF
 _TOKEN_MULTIPLIER = 0x61C88647  # 2^32 / golden ratio, odd: spreads consecutive token ids
@@ -65,6 +74,9 @@ class SampleResult:
     logprobs: list[float | None] | None = None
     top_logprobs: list[list[tuple[int, float]] | None] | None = None
     tensor: torch.Tensor | None = None   # the same tokens, on the device
+    # On the device, what a row's next step may read as its input: `tensor` without the
+    # NONFINITE flags (the request ends when the flag is read, the step after it is dropped).
+    inputs: torch.Tensor | None = None
 
 
 def request_seed(seed: int | None, fork: int = 0) -> int:
@@ -177,7 +189,7 @@ class Sampler:
         modifies = bool(penalised or bias_rows or ban_rows) or vocab_mask is not None
         if not (sampled or modifies or want_logprobs):
             tokens = logits.argmax(-1)
-            return SampleResult(tokens.tolist() if to_host else None, tensor=tokens)
+            return self._flagged(tokens, self._nonfinite(logits, tokens), to_host)
 
         logprobs = None
         if want_logprobs:
@@ -209,15 +221,26 @@ class Sampler:
                 tokens[self._long(sampled)] = chosen
             else:
                 tokens = chosen
+        bad = self._nonfinite(work, tokens)
+        dead = None
         if vocab_mask is not None and self.eos_token_ids:
             # A row the mask left with no token at all (a grammar that has ended) gets eos.
             dead = work.amax(-1) == -math.inf
             tokens = tokens.masked_fill(dead, self.eos_token_ids[0])
+            bad &= dead.logical_not()
         if logprobs is None:
-            return SampleResult(tokens.tolist() if to_host else None, tensor=tokens)
-        result = self._with_logprobs(tokens, logprobs, rows, want_logprobs)
-        result.tensor = tokens
-        return result
+            return self._flagged(tokens, bad, to_host)
+        return self._with_logprobs(tokens, bad, dead, logprobs, rows, want_logprobs)
+
+    @staticmethod
+    def _nonfinite(work: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Rows whose drawn token has a non-finite logit in `work`: n values read, not n * V."""
+        return torch.isfinite(work.gather(1, tokens.unsqueeze(1)).squeeze(1)).logical_not_()
+
+    @staticmethod
+    def _flagged(tokens: torch.Tensor, bad: torch.Tensor, to_host: bool) -> SampleResult:
+        flagged = tokens.masked_fill(bad, NONFINITE)
+        return SampleResult(flagged.tolist() if to_host else None, tensor=flagged, inputs=tokens)
 
     def _long(self, values: Sequence[int]) -> torch.Tensor:
         return to_device(values, torch.long, self.device)
@@ -317,12 +340,20 @@ class Sampler:
                                                                      -math.inf)
         return ids.gather(1, scores.argmax(-1, keepdim=True)).squeeze(1)
 
-    def _with_logprobs(self, tokens: torch.Tensor, logprobs: torch.Tensor,
-                       rows: Sequence[SamplingRow], index: list[int]) -> SampleResult:
+    def _with_logprobs(self, tokens: torch.Tensor, bad: torch.Tensor, dead: torch.Tensor | None,
+                       logprobs: torch.Tensor, rows: Sequence[SamplingRow],
+                       index: list[int]) -> SampleResult:
         n, m = len(rows), len(index)
-        chosen = logprobs.gather(1, tokens[self._long(index)].unsqueeze(1)).squeeze(1)
+        at = self._long(index)
+        chosen = logprobs.gather(1, tokens[at].unsqueeze(1)).squeeze(1)
+        # a NaN or +inf anywhere in the model's row makes the drawn token's logprob NaN or -inf
+        lost = torch.isfinite(chosen).logical_not_()
+        if dead is not None:
+            lost &= dead[at].logical_not()
+        bad.index_put_((at,), bad[at] | lost)
+        flagged = tokens.masked_fill(bad, NONFINITE)
         k = min(max(rows[i].params.logprobs for i in index), self.vocab_size)
-        parts = [tokens.double(), chosen.double()]
+        parts = [flagged.double(), chosen.double()]
         if k:
             top_values, top_ids = logprobs.topk(k, dim=-1)
             parts += [top_values.double().flatten(), top_ids.double().flatten()]
@@ -338,4 +369,4 @@ class Sampler:
             out_lp[i] = chosen_lp[j]
             out_top[i] = [(int(top_ids_l[j * k + c]), top_values_l[j * k + c])
                           for c in range(min(want, k))]
-        return SampleResult(token_ids, out_lp, out_top)
+        return SampleResult(token_ids, out_lp, out_top, tensor=flagged, inputs=tokens)

@@ -32,6 +32,7 @@ from radixpool.worker.mem.kv_pool import KVPool, ReqToTokenPool
 from radixpool.worker.mem.radix_cache import RadixCache
 from radixpool.worker.messages import TokenDelta
 from radixpool.worker.request import Req, Status
+from radixpool.worker.sampler import NONFINITE
 from radixpool.worker.scheduler.kv_manager import KVManager
 from radixpool.worker.scheduler.prefill import PrefillAdder
 from radixpool.worker.scheduler.running import RunningSet
@@ -75,6 +76,7 @@ class Scheduler:
         self.run_set = RunningSet(self.kv)
         self.running = self.run_set.reqs
         self.retracted_total = 0
+        self.nonfinite_total = 0   # requests ended because the model's logits were not finite
         self.jump_forward_tokens = 0   # tokens appended without a forward pass of their own
         self._seq = 0
         self._pending_deltas: list[TokenDelta] = []  # finishes decided outside `process`
@@ -231,6 +233,18 @@ class Scheduler:
         return self._ended(req, "abort", f"{kind} could not be followed: the grammar library "
                                          f"failed on it ({type(exc).__name__}: {exc})")
 
+    def _nonfinite(self, req: Req) -> TokenDelta:
+        """The model gave this request's row NaN or infinite logits: its token would be garbage
+        and its logprobs NaN. It ends with the reason, without that token; the batch goes on
+        (its rows were sampled independently)."""
+        self.nonfinite_total += 1
+        log.error("request %s: the model produced non-finite logits (NaN or infinity) at "
+                  "output token %d; the request is aborted", req.rid, len(req.output_ids))
+        delta = self._ended(req, "abort", "the model produced non-finite logits (NaN or "
+                                          "infinity) for this request; it was aborted")
+        delta.internal_error = True
+        return delta
+
     def _retract(self, req: Req) -> None:
         self._leave_running(req)
         req.retractions += 1
@@ -253,6 +267,9 @@ class Scheduler:
             req.pending -= wants
             if not wants:
                 self.kv.cache_prefix(req)  # a finished chunk becomes shareable now
+                continue
+            if NONFINITE in sampled[first:j]:
+                deltas.append(self._nonfinite(req))
                 continue
             if draft:
                 tokens = commit(draft, sampled[first:j])

@@ -82,7 +82,8 @@ class TokenText:
         return None
 
 
-def _finite(value: float) -> float:
+def finite_logprob(value: float) -> float:
+    """A logprob JSON can carry: -inf (a token the model gave no mass) is MIN_LOGPROB."""
     return value if math.isfinite(value) else MIN_LOGPROB
 
 
@@ -99,10 +100,10 @@ def chat_logprobs(token_text: TokenText, token_ids: Sequence[int], logprobs: Seq
         alternatives = top[i] if top and i < len(top) else ()
         content.append({
             "token": text,
-            "logprob": _finite(logprob),
+            "logprob": finite_logprob(logprob),
             "bytes": list(raw),
             "top_logprobs": [
-                {"token": (spelled := token_text(alt))[0], "logprob": _finite(lp),
+                {"token": (spelled := token_text(alt))[0], "logprob": finite_logprob(lp),
                  "bytes": list(spelled[1])}
                 for alt, lp in alternatives
             ],
@@ -154,11 +155,11 @@ def completion_logprobs(token_text: TokenText, token_ids: Sequence[int],
         offsets.append(offset.chars if token_id in skipped else offset.advance(raw))
     top_maps = None
     if top is not None:
-        top_maps = [{token_text(alt)[0]: _finite(lp) for alt, lp in alternatives}
+        top_maps = [{token_text(alt)[0]: finite_logprob(lp) for alt, lp in alternatives}
                     for alternatives in top[: len(tokens)]]
     doc = {
         "tokens": tokens,
-        "token_logprobs": [_finite(lp) for lp in logprobs[: len(tokens)]],
+        "token_logprobs": [finite_logprob(lp) for lp in logprobs[: len(tokens)]],
         "top_logprobs": top_maps,
         "text_offset": offsets,
     }

@@ -103,6 +103,7 @@ class EngineCollector(Collector):
         for s, value in ((spec.RETRACTED_REQUESTS, stats.retracted_total),
                          (spec.RADIX_EVICTED_TOKENS, stats.evicted_tokens_total),
                          (spec.KV_DOUBLE_FREES, stats.kv_double_frees_total),
+                         (spec.NONFINITE_LOGITS, stats.nonfinite_logits_total),
                          (spec.GRAMMAR_CACHE_HITS, stats.grammar_cache_hits_total)):
             family = CounterMetricFamily(s.name, s.help)
             family.add_metric([], value)

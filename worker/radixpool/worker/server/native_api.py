@@ -35,6 +35,7 @@ from radixpool.worker.server.generation import (
     until_disconnect,
 )
 from radixpool.worker.server.lifecycle import Phase
+from radixpool.worker.server.logprobs import finite_logprob
 from radixpool.worker.server.openai_protocol import ChatMessage, Texts, TokenIdLists, TokenIds
 from radixpool.worker.server.request_checks import Served, check_choices
 from radixpool.worker.server.sse import DONE, EventStream, sse
@@ -135,8 +136,9 @@ def _meta(fork: ForkOutput | Any, rid: str, logprobs: bool) -> dict:
         "matched_stop": fork.matched_stop,
     }
     if logprobs:
-        meta["logprobs"] = list(fork.logprobs or ())
-        meta["top_logprobs"] = [list(map(list, alts)) for alts in fork.top_logprobs or ()]
+        meta["logprobs"] = [finite_logprob(lp) for lp in fork.logprobs or ()]
+        meta["top_logprobs"] = [[[token, finite_logprob(lp)] for token, lp in alts]
+                                for alts in fork.top_logprobs or ()]
     return meta
 
 

@@ -19,7 +19,10 @@ DONE = b"data: [DONE]\n\n"
 
 
 def sse(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    """One frame. A NaN or infinity raises (JSON has neither; `NaN` breaks a client's parser):
+    the stream's error event says so instead."""
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return b"data: " + text.encode() + b"\n\n"
 
 
 class EventStream(StreamingResponse):

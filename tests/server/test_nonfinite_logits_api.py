@@ -1,0 +1,167 @@
+"""A checkpoint that makes the model's logits NaN for some requests (here: one token's embedding
+row is NaN, so a request gets NaN logits once that token is in its prompt, or once it generated
+it: mid-stream, after tokens were sent): those requests end with a clear
+server error, never garbage tokens nor invalid JSON, on the OpenAI endpoints (with the `openai`
+SDK) and on /generate, streamed or not; requests beside them in the batch get the very tokens
+they get alone, the worker keeps serving, and the metric counts each fault."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
+from worker_process import WorkerProcess
+
+from radixpool.worker.config import EngineConfig
+from radixpool.worker.engine_core import EngineCore
+from radixpool.worker.messages import GenerateRequest
+from radixpool.worker.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+GOOD = [[(7 * i + 3 * j) % 400 + 10 for j in range(12 + i)] for i in range(4)]
+GREEDY = {"max_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+def greedy_outputs(model, prompts: list[list[int]]) -> list[list[int]]:
+    core = EngineCore(EngineConfig(str(model), device="cpu"))
+    params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    out = {i: [] for i in range(len(prompts))}
+    for i, prompt in enumerate(prompts):
+        core.add_request(GenerateRequest(str(i), prompt, params, seed=0))
+    while core.has_work:
+        for delta in core.step().deltas:
+            out[int(delta.rid)] += delta.token_ids
+    return [out[i] for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def poisoned(tiny_model):
+    """(poisoned token, a prompt whose greedy output reaches it at its 3rd token): a token that
+    neither the GOOD prompts nor their outputs hold, and a chat message can spell."""
+    tokenizer = Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
+    candidates = [[20 + i, 30 + 2 * i, 40 + 3 * i] for i in range(16)]
+    outputs = greedy_outputs(tiny_model, GOOD + candidates)
+    spoken = {t for ids in GOOD for t in ids} | {t for ids in outputs[:len(GOOD)] for t in ids}
+    for prompt, output in zip(candidates, outputs[len(GOOD):]):
+        token = output[2]
+        spelled = tokenizer.encode(tokenizer.decode([token])).ids[1:] == [token]
+        if token not in spoken and token not in prompt + output[:2] and spelled:
+            return token, prompt
+    pytest.fail("no candidate prompt reaches an unused token")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_model, tmp_path_factory, poisoned):
+    path = tmp_path_factory.mktemp("nan-checkpoint")
+    shutil.copytree(tiny_model, path, dirs_exist_ok=True)
+    weights = load_file(path / "model.safetensors")
+    weights["model.embed_tokens.weight"][poisoned[0]] = float("nan")
+    save_file(weights, path / "model.safetensors")
+    return path
+
+
+@pytest.fixture(scope="module")
+def broken(checkpoint):
+    proc = WorkerProcess(checkpoint, checkpoint / "worker.log").wait_ready()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(broken):
+    return openai.OpenAI(base_url=f"{broken.url}/v1", api_key="unused", max_retries=0,
+                         timeout=120)
+
+
+def faults(url: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    return float(re.search(r"^radixpool_nonfinite_logits_total (\S+)$", text, re.M)[1])
+
+
+def good_tokens(client, prompt):
+    r = client.completions.create(model="tiny", prompt=prompt, logprobs=2, **GREEDY)
+    return r.choices[0].text, r.choices[0].logprobs.token_logprobs
+
+
+def test_openai_requests_fail_cleanly_and_their_batch_goes_on(broken, client, poisoned):
+    token, mid_way = poisoned
+    before = faults(broken.url)
+    alone = [good_tokens(client, p) for p in GOOD]
+
+    def bad_completion(prompt):
+        with pytest.raises(openai.InternalServerError, match="non-finite logits"):
+            client.completions.create(model="tiny", prompt=prompt, logprobs=2, **GREEDY)
+
+    def bad_stream(prompt):
+        chunks = []
+        with pytest.raises(openai.APIError, match="non-finite logits"):
+            for chunk in client.completions.create(model="tiny", prompt=prompt, stream=True,
+                                                   logprobs=2, **GREEDY):
+                chunks.append(chunk)
+        return chunks
+
+    with ThreadPoolExecutor(8) as pool:
+        goods = [pool.submit(good_tokens, client, p) for p in GOOD]
+        bads = [pool.submit(bad_completion, [10, 11, token, 12]),
+                pool.submit(bad_stream, [10, 11, token, 12]),
+                pool.submit(bad_completion, mid_way)]
+        mid_stream = pool.submit(bad_stream, mid_way)
+        for (text, logprobs), (text_alone, logprobs_alone) in zip([g.result() for g in goods],
+                                                                  alone):
+            # the same tokens; the model's batched floats may differ in the last bits
+            assert text == text_alone
+            assert logprobs == pytest.approx(logprobs_alone, abs=1e-4)
+        for b in bads:
+            b.result()
+        # the tokens before the fault were sent, with finite logprobs; then the error event
+        sent = mid_stream.result()
+        assert sum(len(c.choices[0].logprobs.token_logprobs) for c in sent if c.choices) == 3
+    assert faults(broken.url) == before + 4
+    assert good_tokens(client, GOOD[0])[0] == alone[0][0]   # still serving
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_with_logprobs_fails_cleanly(broken, client, checkpoint, poisoned, stream):
+    before = faults(broken.url)
+    word = Tokenizer.from_file(str(checkpoint / "tokenizer.json")).decode([poisoned[0]])
+    with pytest.raises(openai.APIError, match="non-finite logits"):
+        reply = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": word}], stream=stream,
+            logprobs=True, top_logprobs=2, **GREEDY)
+        if stream:
+            list(reply)
+    assert faults(broken.url) == before + 1
+    ok = client.completions.create(model="tiny", prompt=GOOD[0], logprobs=2, **GREEDY)
+    assert ok.choices[0].finish_reason == "length"   # still serving
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_generate_fails_cleanly(broken, poisoned, stream):
+    before = faults(broken.url)
+    body = {"input_ids": poisoned[1], "stream": stream,
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0, "logprobs": 2,
+                                "ignore_eos": True}}
+    with httpx.Client(base_url=broken.url, timeout=120) as http:
+        r = http.post("/generate", json=body)
+        if stream:   # three tokens went out (the poisoned one last), then an error event
+            assert r.status_code == 200
+            events = [line[len("data: "):] for line in r.text.splitlines()
+                      if line.startswith("data: ")]
+            docs = [json.loads(e) for e in events if e != "[DONE]"]   # all valid JSON
+            assert sum(len(d.get("output_ids", ())) for d in docs) == 3
+            assert "non-finite logits" in docs[-1]["error"]["message"]
+        else:
+            assert r.status_code == 500
+            assert "non-finite logits" in r.json()["error"]["message"]
+        ok = http.post("/generate", json={**body, "input_ids": GOOD[0]})
+        assert ok.status_code == 200
+    assert faults(broken.url) == before + 1
