@@ -165,7 +165,12 @@ class EngineCore:
                                        f"{WARMUP_MAX_STEPS} steps")
                 steps += 1
                 out = self.step()
-                done = any(d.rid == rid and d.finished for d in out.deltas)
+                for d in out.deltas:
+                    if d.rid == rid and d.finished:
+                        done = True
+                        if d.error:   # e.g. non-finite logits: the first client would meet it
+                            log.warning("warm-up request %s ended with an error: %s", rid,
+                                        d.error)
         while self._inflight is not None:
             self.step()
         self.flush_cache()
