@@ -38,6 +38,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
+from bench.gpu import TINY
 from bench.soak_mix import FEATURES, FeatureMix, missing_packages, write_tokenizer
 
 
@@ -79,14 +80,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{feature}: not sent (needs {missing[feature]}, not installed here)")
         features.remove(feature)
     cpu = args.device == "cpu"
-    overrides = {}
-    if args.tiny or cpu:
-        overrides = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512,
-                         num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-                         vocab_size=1024)
     # the tokenizer's <s> and </s>: a grammar ends on the model's EOS
-    model = write_reference_config(tempfile.mkdtemp(prefix="soak-"), args.model,
-                                   bos_token_id=1, eos_token_id=2, **overrides)
+    overrides = dict(bos_token_id=1, eos_token_id=2)
+    if args.tiny or cpu:   # head dim 64: FlashInfer's, on a GPU; the tokenizer's vocabulary
+        overrides = {**TINY, **overrides, "head_dim": 64, "vocab_size": 1024}
+    model = write_reference_config(tempfile.mkdtemp(prefix="soak-"), args.model, **overrides)
     text_vocab = write_tokenizer(model)
     core = EngineCore(EngineConfig(
         str(model), device=args.device, random_weights=True, page_size=args.page_size,

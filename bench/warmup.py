@@ -29,8 +29,7 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-TINY = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=8,
-            num_key_value_heads=2, head_dim=64, vocab_size=8192, bos_token_id=1, eos_token_id=2)
+from bench.gpu import TINY  # the scaled-down shape of the other GPU benches
 
 
 def first_token_seconds(core, rid: str, prompt: list[int]) -> float:
