@@ -91,4 +91,4 @@ def test_a_stopping_gateway_cuts_what_outlives_its_drain_at_the_drain_deadline(m
         with contextlib.suppress(httpx.HTTPError):
             for _ in pieces:
                 pass
-    assert 0.9 < took < 3.0, took
+    assert 0.9 < took < 5.0, took   # the bug took 6 s: the drain and 5 s more
