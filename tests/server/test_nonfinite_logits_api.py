@@ -3,7 +3,10 @@ row is NaN, so a request gets NaN logits once that token is in its prompt, or on
 it: mid-stream, after tokens were sent): those requests end with a clear
 server error, never garbage tokens nor invalid JSON, on the OpenAI endpoints (with the `openai`
 SDK) and on /generate, streamed or not; requests beside them in the batch get the very tokens
-they get alone, the worker keeps serving, and the metric counts each fault."""
+they get alone, the worker keeps serving, and the metric counts each fault. The error's code,
+`nonfinite_logits`, tells a gateway it is that request's alone (not a failing worker). A model
+that gives *every* request NaN logits is a broken worker: after `--unhealthy-after-nonfinite`
+of them in a row, `/health` and `/livez` answer 503; poison prompts among good ones never do."""
 
 from __future__ import annotations
 
@@ -133,12 +136,13 @@ def test_openai_requests_fail_cleanly_and_their_batch_goes_on(broken, client, po
 def test_chat_with_logprobs_fails_cleanly(broken, client, checkpoint, poisoned, stream):
     before = faults(broken.url)
     word = Tokenizer.from_file(str(checkpoint / "tokenizer.json")).decode([poisoned[0]])
-    with pytest.raises(openai.APIError, match="non-finite logits"):
+    with pytest.raises(openai.APIError, match="non-finite logits") as raised:
         reply = client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": word}], stream=stream,
             logprobs=True, top_logprobs=2, **GREEDY)
         if stream:
             list(reply)
+    assert raised.value.code == "nonfinite_logits"
     assert faults(broken.url) == before + 1
     ok = client.completions.create(model="tiny", prompt=GOOD[0], logprobs=2, **GREEDY)
     assert ok.choices[0].finish_reason == "length"   # still serving
@@ -159,9 +163,59 @@ def test_generate_fails_cleanly(broken, poisoned, stream):
             docs = [json.loads(e) for e in events if e != "[DONE]"]   # all valid JSON
             assert sum(len(d.get("output_ids", ())) for d in docs) == 3
             assert "non-finite logits" in docs[-1]["error"]["message"]
+            error = docs[-1]["error"]
         else:
             assert r.status_code == 500
-            assert "non-finite logits" in r.json()["error"]["message"]
+            error = r.json()["error"]
+            assert "non-finite logits" in error["message"]
+        assert (error["type"], error["code"]) == ("server_error", "nonfinite_logits")
         ok = http.post("/generate", json={**body, "input_ids": GOOD[0]})
         assert ok.status_code == 200
     assert faults(broken.url) == before + 1
+
+
+def health(url: str) -> tuple[int, int]:
+    return httpx.get(f"{url}/health").status_code, httpx.get(f"{url}/livez").status_code
+
+
+def test_poison_prompts_among_good_ones_leave_the_worker_healthy(broken, client, poisoned):
+    bad = [10, 11, poisoned[0], 12]
+    for _ in range(10):   # 10 faults, more than the default 8, never two in a row
+        good_tokens(client, GOOD[0])
+        with pytest.raises(openai.InternalServerError, match="non-finite logits"):
+            client.completions.create(model="tiny", prompt=bad, **GREEDY)
+    assert health(broken.url) == (200, 200)
+    assert "radixpool_nonfinite_logits_broken 0.0" in httpx.get(f"{broken.url}/metrics").text
+
+
+@pytest.fixture(scope="module")
+def all_nan(tiny_model, tmp_path_factory):
+    """A checkpoint whose every embedding is NaN: every request's logits are NaN."""
+    path = tmp_path_factory.mktemp("all-nan-checkpoint")
+    shutil.copytree(tiny_model, path, dirs_exist_ok=True)
+    weights = load_file(path / "model.safetensors")
+    weights["model.embed_tokens.weight"].fill_(float("nan"))
+    save_file(weights, path / "model.safetensors")
+    proc = WorkerProcess(path, path / "worker.log", "--unhealthy-after-nonfinite", "3")
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop()
+
+
+def test_a_worker_whose_every_request_is_nan_reports_itself_unhealthy(all_nan):
+    client = openai.OpenAI(base_url=f"{all_nan.url}/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+    for i in range(3):
+        assert health(all_nan.url) == (200, 200), i   # a few faults may be the prompts'
+        with pytest.raises(openai.InternalServerError) as raised:
+            client.completions.create(model="tiny", prompt=GOOD[i], **GREEDY)
+        assert raised.value.code == "nonfinite_logits"
+    assert health(all_nan.url) == (503, 503)   # out of rotation, and restarted by the kubelet
+    body = httpx.get(f"{all_nan.url}/health").json()
+    assert body["code"] == "nonfinite_logits" and "last 3 requests" in body["message"]
+    assert "radixpool_nonfinite_logits_broken 1.0" in httpx.get(f"{all_nan.url}/metrics").text
+    with pytest.raises(openai.InternalServerError):   # still answering, still broken, logged once
+        client.completions.create(model="tiny", prompt=GOOD[3], **GREEDY)
+    assert health(all_nan.url) == (503, 503)
+    assert all_nan.log().count("the model is broken on this worker") == 1

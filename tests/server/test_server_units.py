@@ -24,6 +24,7 @@ from radixpool.worker.server.lifecycle import Lifecycle, Phase
 from radixpool.worker.server.logprobs import TokenText, completion_logprobs
 from radixpool.worker.server.metrics import HitRateWindow
 from radixpool.worker.server.native_api import _meta
+from radixpool.worker.server.nonfinite_watch import NonfiniteWatch
 from radixpool.worker.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from radixpool.worker.server.sse import sse
 
@@ -473,3 +474,21 @@ def test_a_long_text_is_tokenized_with_the_gil_released(tiny_model):
     ticker.join()
     assert ids == words.tokenizer.encode(text, add_special_tokens=False).ids
     assert during >= 10, f"another thread ran {during} times while the text was tokenized"
+
+
+def test_the_nonfinite_watch_breaks_on_a_run_of_faults_only(caplog):
+    watch = NonfiniteWatch(3)
+    for nonfinite, produced in [(True, False), (True, False), (False, True), (True, False),
+                                (False, False), (True, False)]:   # a refusal resets nothing
+        watch.finished(nonfinite, produced)
+    assert not watch.broken
+    with caplog.at_level("ERROR", logger="radixpool.worker.server"):
+        for _ in range(5):
+            watch.finished(True, False)
+        watch.finished(False, True)   # out of rotation, nothing finite comes: broken for good
+    assert watch.broken
+    assert len([r for r in caplog.records if "non-finite" in r.getMessage()]) == 1
+    off = NonfiniteWatch(0)
+    for _ in range(100):
+        off.finished(True, False)
+    assert not off.broken

@@ -17,6 +17,7 @@ from radixpool.worker.server.fast_path import BODY_MEMORY_BYTES, BODY_MODULES, B
 from radixpool.worker.server.lifecycle import Lifecycle
 from radixpool.worker.server.logprobs import TokenText
 from radixpool.worker.server.metrics import WorkerMetrics
+from radixpool.worker.server.nonfinite_watch import NonfiniteWatch
 from radixpool.worker.server.request_checks import Served
 from radixpool.worker.server.tool_format import ToolFormat, resolve_tool_format
 
@@ -50,10 +51,13 @@ class WorkerState:
     bodies: ChildPool = field(
         default_factory=lambda: ChildPool(BODY_PROCESSES, BODY_MEMORY_BYTES, BODY_MODULES))
     metrics: WorkerMetrics = field(init=False)
+    nonfinite_watch: NonfiniteWatch = field(init=False)
 
     def __post_init__(self) -> None:
+        self.nonfinite_watch = NonfiniteWatch(self.config.unhealthy_after_nonfinite)
         self.metrics = WorkerMetrics(self.config.served_model_name, self.version,
-                                     lambda: self.engine, self.engine_stats)
+                                     lambda: self.engine, self.engine_stats,
+                                     lambda: self.nonfinite_watch.broken)
 
     def attach(self, engine: Any) -> None:
         self.engine = engine
