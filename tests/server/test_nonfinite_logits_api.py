@@ -6,13 +6,15 @@ SDK) and on /generate, streamed or not; requests beside them in the batch get th
 they get alone, the worker keeps serving, and the metric counts each fault. The error's code,
 `nonfinite_logits`, tells a gateway it is that request's alone (not a failing worker). A model
 that gives *every* request NaN logits is a broken worker: after `--unhealthy-after-nonfinite`
-of them in a row, `/health` and `/livez` answer 503; poison prompts among good ones never do."""
+of them in a row and a failed self-check, `/health` and `/livez` answer 503; one client
+repeating a poison prompt never makes them so (the self-check is finite)."""
 
 from __future__ import annotations
 
 import json
 import re
 import shutil
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -26,8 +28,17 @@ from radixpool.worker.config import EngineConfig
 from radixpool.worker.engine_core import EngineCore
 from radixpool.worker.messages import GenerateRequest
 from radixpool.worker.sampling_params import SamplingParams
+from radixpool.worker.server.nonfinite_watch import probe_prompt
 
 pytestmark = pytest.mark.slow
+
+
+def eventually(check, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.05)
+
 GOOD = [[(7 * i + 3 * j) % 400 + 10 for j in range(12 + i)] for i in range(4)]
 GREEDY = {"max_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
 
@@ -50,9 +61,10 @@ def poisoned(tiny_model):
     neither the GOOD prompts nor their outputs hold, and a chat message can spell."""
     tokenizer = Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
     candidates = [[20 + i, 30 + 2 * i, 40 + 3 * i] for i in range(16)]
-    outputs = greedy_outputs(tiny_model, GOOD + candidates)
-    spoken = {t for ids in GOOD for t in ids} | {t for ids in outputs[:len(GOOD)] for t in ids}
-    for prompt, output in zip(candidates, outputs[len(GOOD):]):
+    known = GOOD + [probe_prompt(tokenizer.get_vocab_size())]   # and the worker's self-check
+    outputs = greedy_outputs(tiny_model, known + candidates)
+    spoken = {t for ids in known for t in ids} | {t for ids in outputs[:len(known)] for t in ids}
+    for prompt, output in zip(candidates, outputs[len(known):]):
         token = output[2]
         spelled = tokenizer.encode(tokenizer.decode([token])).ids[1:] == [token]
         if token not in spoken and token not in prompt + output[:2] and spelled:
@@ -178,14 +190,24 @@ def health(url: str) -> tuple[int, int]:
     return httpx.get(f"{url}/health").status_code, httpx.get(f"{url}/livez").status_code
 
 
-def test_poison_prompts_among_good_ones_leave_the_worker_healthy(broken, client, poisoned):
+def test_one_client_repeating_a_poison_prompt_leaves_the_worker_healthy(broken, client,
+                                                                        poisoned):
+    # more faults in a row than --unhealthy-after-nonfinite (8) with nothing between: the
+    # worker's self-check of its model is finite, so the prompts are at fault, not the model
     bad = [10, 11, poisoned[0], 12]
-    for _ in range(10):   # 10 faults, more than the default 8, never two in a row
+    def self_checks() -> int:
+        return broken.log().count("their prompts are at fault")
+
+    for round_ in range(2):
+        before = self_checks()
         good_tokens(client, GOOD[0])
-        with pytest.raises(openai.InternalServerError, match="non-finite logits"):
-            client.completions.create(model="tiny", prompt=bad, **GREEDY)
-    assert health(broken.url) == (200, 200)
+        for _ in range(10):
+            with pytest.raises(openai.InternalServerError, match="non-finite logits"):
+                client.completions.create(model="tiny", prompt=bad, **GREEDY)
+        eventually(lambda: self_checks() > before, "the self-check ran")   # noqa: B023
+        assert health(broken.url) == (200, 200), round_
     assert "radixpool_nonfinite_logits_broken 0.0" in httpx.get(f"{broken.url}/metrics").text
+    assert good_tokens(client, GOOD[0])
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +233,9 @@ def test_a_worker_whose_every_request_is_nan_reports_itself_unhealthy(all_nan):
         with pytest.raises(openai.InternalServerError) as raised:
             client.completions.create(model="tiny", prompt=GOOD[i], **GREEDY)
         assert raised.value.code == "nonfinite_logits"
-    assert health(all_nan.url) == (503, 503)   # out of rotation, and restarted by the kubelet
+    # the third starts the self-check, which fails too: out of rotation, and restarted by the
+    # kubelet
+    eventually(lambda: health(all_nan.url) == (503, 503), "the worker reports itself broken")
     body = httpx.get(f"{all_nan.url}/health").json()
     assert body["code"] == "nonfinite_logits" and "last 3 requests" in body["message"]
     assert "radixpool_nonfinite_logits_broken 1.0" in httpx.get(f"{all_nan.url}/metrics").text

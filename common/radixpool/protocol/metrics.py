@@ -69,8 +69,9 @@ NONFINITE_LOGITS = MetricSpec(
     "overflow, a bad checkpoint, a kernel bug).")
 NONFINITE_BROKEN = MetricSpec(
     "radixpool_nonfinite_logits_broken", "gauge",
-    "1 once the last --unhealthy-after-nonfinite requests all ended with non-finite logits: the "
-    "model is broken on this worker, /health and /livez answer 503 until it restarts.")
+    "1 once the last --unhealthy-after-nonfinite requests and a self-check request all ended "
+    "with non-finite logits: the model is broken on this worker, /health and /livez answer 503 "
+    "until it restarts.")
 NUM_REQUESTS_RUNNING = MetricSpec(
     "radixpool_num_requests_running", "gauge", "Requests in the running batch.")
 NUM_REQUESTS_WAITING = MetricSpec(

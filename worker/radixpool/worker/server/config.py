@@ -175,9 +175,10 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--unhealthy-after-nonfinite", type=int,
                    default=ServerConfig.unhealthy_after_nonfinite, metavar="N",
                    help="once the last N requests that reached output all ended with "
-                        "non-finite logits (NaN or infinity), /health and /livez answer 503 "
-                        "until the worker restarts: the model, not a prompt, is broken; 0: "
-                        f"never (default: {ServerConfig.unhealthy_after_nonfinite})")
+                        "non-finite logits (NaN or infinity) and so does a self-check request "
+                        "on a fixed prompt, /health and /livez answer 503 until the worker "
+                        "restarts: the model, not a prompt, is broken; 0: never (default: "
+                        f"{ServerConfig.unhealthy_after_nonfinite})")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                    help="log level (default: info)")
 
