@@ -12,9 +12,11 @@ overlaps freely. With both at zero a request is answered at once (the gateway-ov
 benchmark). `/sim/fail` makes a worker answer
 503 to requests and/or health (retry and drain tests), or end every stream after its first token
 with the error event a worker sends when generation fails mid-stream (`stream_error`: the
-event's `error` fields, e.g. `{"type": "server_error"}`); `SimFleet` runs N workers in one loop,
-counts samples where one worker sat idle while another had prefills queued, and serves its
-fleet-wide numbers at `GET /sim/stats` on every worker (`DELETE /sim/stats` reads and resets).
+event's `error` fields, e.g. `{"type": "server_error"}`), or answer every request 500 with an
+error body (`error`: its `error` fields, e.g. `{"code": "nonfinite_logits"}`); `SimFleet` runs
+N workers in one loop, counts samples where one worker sat idle while another had prefills
+queued, and serves its fleet-wide numbers at `GET /sim/stats` on every worker (`DELETE
+/sim/stats` reads and resets).
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class SimWorker:
         self.fail_requests = False
         self.fail_health = False
         self.stream_error: dict | None = None   # streams end after a token with this error
+        self.error: dict | None = None   # every request is answered 500 with this error
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.requests = 0
@@ -142,6 +145,7 @@ class SimWorker:
             self.fail_requests = bool(doc.get("requests"))
             self.fail_health = bool(doc.get("health"))
             self.stream_error = doc.get("stream_error")
+            self.error = doc.get("error")
             await respond.send(*json_body(200, doc))
         else:
             await respond.send(*error_body(404, f"unknown path {path}"))
@@ -196,6 +200,11 @@ class SimWorker:
             await respond.send(503, [(b"retry-after", b"1"), (b"content-type",
                                                               b"application/json")],
                                b'{"error": {"message": "draining", "code": "unavailable"}}')
+            return
+        if self.error is not None:   # as a worker answers a request its engine failed
+            error = {"message": "generation failed", "type": "server_error", "param": None,
+                     "code": None}
+            await respond.send(*json_body(500, {"error": {**error, **self.error}}))
             return
         try:
             doc = json.loads(request.body)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radixpool.gateway.breaker import FAILURE_KINDS, CircuitBreaker
-from radixpool.gateway.stream_errors import error_status
+from radixpool.gateway.stream_errors import error_event
 from tests.gateway.conftest import words
 
 FAILURES, OPEN_S = 3, 10.0
@@ -188,6 +188,71 @@ def test_a_stream_the_worker_ends_with_the_clients_error_keeps_the_breaker_close
     assert worker["circuit_breaker"] == "closed" and worker["breaker_failures"] == {}
 
 
+def test_a_request_error_neither_fails_nor_closes_the_breaker():
+    """A poison prompt's 500 `nonfinite_logits` says nothing of the worker: the failure run and
+    the open state stand, and a half-open probe answered so frees the slot for the next."""
+    b = CircuitBreaker(failures=2, open_seconds=10)
+    b.record_failure("server_error", now=0)
+    for t in range(1, 20):
+        b.record_request_error(now=t)
+    assert b.state(20) == "closed"
+    b.record_failure("server_error", now=21)    # the run of real failures went on
+    assert b.state(21) == "open"
+    b.record_request_error(now=22)
+    assert b.state(22) == "open"                # not a success either
+    b.dispatched(31)
+    assert not b.allows(31)
+    b.record_request_error(now=32)
+    assert b.state(32) == "half_open" and b.allows(32)   # the next probe goes at once
+    assert b.failures_by_kind == {"server_error": 2}
+
+
+def poison(stack, error: dict, stream: bool = False) -> None:
+    stack.client.post(stack.fleet.urls[0] + "/sim/fail",
+                      json={"stream_error" if stream else "error": error})
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/generate"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_one_clients_nonfinite_requests_keep_the_breaker_closed(make_stack, path, stream):
+    """A client that sends a prompt overflowing the model again and again gets each 500 as the
+    worker gave it, counted in the metrics; the worker's breaker stays closed (it used to open
+    after `--breaker-failures` of them: one client could take every worker out)."""
+    stack = make_stack(1, breaker_failures=FAILURES, breaker_open_seconds=3600)
+    poison(stack, {"code": "nonfinite_logits", "message": "the model produced non-finite "
+                                                          "logits"}, stream)
+    for i in range(3 * FAILURES):
+        body = streamed(path, i) if stream else {**streamed(path, i), "stream": False}
+        r = stack.client.post(path, json=body)
+        assert r.status_code == (200 if stream else 500)
+        assert "nonfinite_logits" in r.text and "non-finite logits" in r.text
+    stack.settle()
+    worker = stack.client.get("/workers").json()["workers"][0]
+    assert worker["circuit_breaker"] == "closed" and worker["breaker_failures"] == {}
+    metrics = stack.client.get("/metrics").text
+    url = stack.fleet.urls[0]
+    assert f'radixpool_gateway_requests_total{{code="500",worker="{url}"}} {3 * FAILURES}.0' \
+        in metrics
+    stack.client.post(stack.fleet.urls[0] + "/sim/fail", json={})
+    assert stack.client.post(path, json=streamed(path, 99)).status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("code", [None, "engine_failed"])
+def test_other_server_errors_still_open_the_breaker(make_stack, stream, code):
+    stack = make_stack(1, breaker_failures=FAILURES, breaker_open_seconds=3600)
+    poison(stack, {"code": code}, stream)
+    path = "/v1/chat/completions"
+    for i in range(FAILURES):
+        body = streamed(path, i) if stream else {**streamed(path, i), "stream": False}
+        assert stack.client.post(path, json=body).status_code == (200 if stream else 500)
+    stack.settle()
+    worker = stack.client.get("/workers").json()["workers"][0]
+    assert worker["circuit_breaker"] == "open"
+    assert worker["breaker_failures"] == {"stream_error" if stream else "server_error": FAILURES}
+    assert stack.client.post(path, json=streamed(path, 99)).status_code == 503
+
+
 @pytest.mark.parametrize(("events", "status"), [
     (b'data: {"error":{"message":"generation failed: CUDA error","type":"server_error",'
      b'"param":null,"code":null}}\n\ndata: [DONE]\n\n', 500),
@@ -202,9 +267,12 @@ def test_a_stream_the_worker_ends_with_the_clients_error_keeps_the_breaker_close
     (b'data: {"error": {"message": "x", "code": 299}}\n\n', 500),    # statuses stay 4xx/5xx
     (b'data: {"error": "engine failed"}\n\n', 500),
     (b'data: {"error": {trunc\n\n', 500),
+    (b'data: {"error":{"message":"generation failed: the model produced non-finite logits",'
+     b'"type":"server_error","param":null,"code":"nonfinite_logits"}}\n\n', 500),
     (b'data: {"choices":[{"delta":{"content":"{\\"error\\": 1}"}}]}\n\n', None),  # a token
     (b'data: {"choices":[],"usage":{"prompt_tokens":3}}\n\ndata: [DONE]\n\n', None),
 ])
 def test_the_status_an_error_event_in_a_stream_stands_for(events, status):
     """A 5xx is the worker's fault (its breaker counts it), a 4xx the client's."""
-    assert error_status(events) == status
+    error = error_event(events)
+    assert (error and error.status) == status

@@ -66,8 +66,9 @@ def test_a_hung_worker_is_cut_by_the_first_byte_timeout(make_stack):
     started = time.monotonic()
     r = stack.client.post("/v1/completions", json={"prompt": words(0, 8), "max_tokens": 1})
     assert r.status_code == 504 and time.monotonic() - started < 5
-    assert r.json()["error"]["type"] == "server_error" and "timed out" in r.json()["error"][
-        "message"]
+    error = r.json()["error"]
+    assert error["type"] == "server_error" and "timed out" in error["message"]
+    assert error["code"] == "worker_timeout"   # as a stream cut for it says
     stack.settle()
     assert stack.gateway.workers.get(url).inflight == 0
     assert f'radixpool_gateway_upstream_timeouts_total{{worker="{url}"}} 1.0' in \
@@ -163,6 +164,15 @@ def test_models_from_a_hung_worker_time_out(loop_thread):
         started = time.monotonic()
         r = httpx.get(f"http://127.0.0.1:{server.port}/v1/models", timeout=10)
         assert r.status_code == 504 and time.monotonic() - started < 5
+        assert r.json()["error"]["code"] == "worker_timeout"
+
+
+def test_an_answer_whose_body_stalls_past_the_request_timeout_is_a_504_with_a_code(loop_thread):
+    with gateway_before(loop_thread, StallingWorker, upstream_timeout=1.0) as server:
+        r = httpx.post(f"http://127.0.0.1:{server.port}/v1/completions",
+                       json={"prompt": "hi", "max_tokens": 1}, timeout=10)
+        assert r.status_code == 504
+        assert r.json()["error"]["code"] == "worker_timeout"
 
 
 def test_a_hung_worker_does_not_hold_up_the_other_models_list(make_stack, loop_thread):

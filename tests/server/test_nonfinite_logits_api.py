@@ -3,13 +3,18 @@ row is NaN, so a request gets NaN logits once that token is in its prompt, or on
 it: mid-stream, after tokens were sent): those requests end with a clear
 server error, never garbage tokens nor invalid JSON, on the OpenAI endpoints (with the `openai`
 SDK) and on /generate, streamed or not; requests beside them in the batch get the very tokens
-they get alone, the worker keeps serving, and the metric counts each fault."""
+they get alone, the worker keeps serving, and the metric counts each fault. The error's code,
+`nonfinite_logits`, tells a gateway it is that request's alone (not a failing worker). A model
+that gives *every* request NaN logits is a broken worker: after `--unhealthy-after-nonfinite`
+of them in a row and a failed self-check, `/health` and `/livez` answer 503; one client
+repeating a poison prompt never makes them so (the self-check is finite)."""
 
 from __future__ import annotations
 
 import json
 import re
 import shutil
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -23,8 +28,17 @@ from radixpool.worker.config import EngineConfig
 from radixpool.worker.engine_core import EngineCore
 from radixpool.worker.messages import GenerateRequest
 from radixpool.worker.sampling_params import SamplingParams
+from radixpool.worker.server.nonfinite_watch import probe_prompt
 
 pytestmark = pytest.mark.slow
+
+
+def eventually(check, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.05)
+
 GOOD = [[(7 * i + 3 * j) % 400 + 10 for j in range(12 + i)] for i in range(4)]
 GREEDY = {"max_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
 
@@ -47,9 +61,10 @@ def poisoned(tiny_model):
     neither the GOOD prompts nor their outputs hold, and a chat message can spell."""
     tokenizer = Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
     candidates = [[20 + i, 30 + 2 * i, 40 + 3 * i] for i in range(16)]
-    outputs = greedy_outputs(tiny_model, GOOD + candidates)
-    spoken = {t for ids in GOOD for t in ids} | {t for ids in outputs[:len(GOOD)] for t in ids}
-    for prompt, output in zip(candidates, outputs[len(GOOD):]):
+    known = GOOD + [probe_prompt(tokenizer.get_vocab_size())]   # and the worker's self-check
+    outputs = greedy_outputs(tiny_model, known + candidates)
+    spoken = {t for ids in known for t in ids} | {t for ids in outputs[:len(known)] for t in ids}
+    for prompt, output in zip(candidates, outputs[len(known):]):
         token = output[2]
         spelled = tokenizer.encode(tokenizer.decode([token])).ids[1:] == [token]
         if token not in spoken and token not in prompt + output[:2] and spelled:
@@ -133,12 +148,13 @@ def test_openai_requests_fail_cleanly_and_their_batch_goes_on(broken, client, po
 def test_chat_with_logprobs_fails_cleanly(broken, client, checkpoint, poisoned, stream):
     before = faults(broken.url)
     word = Tokenizer.from_file(str(checkpoint / "tokenizer.json")).decode([poisoned[0]])
-    with pytest.raises(openai.APIError, match="non-finite logits"):
+    with pytest.raises(openai.APIError, match="non-finite logits") as raised:
         reply = client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": word}], stream=stream,
             logprobs=True, top_logprobs=2, **GREEDY)
         if stream:
             list(reply)
+    assert raised.value.code == "nonfinite_logits"
     assert faults(broken.url) == before + 1
     ok = client.completions.create(model="tiny", prompt=GOOD[0], logprobs=2, **GREEDY)
     assert ok.choices[0].finish_reason == "length"   # still serving
@@ -159,9 +175,71 @@ def test_generate_fails_cleanly(broken, poisoned, stream):
             docs = [json.loads(e) for e in events if e != "[DONE]"]   # all valid JSON
             assert sum(len(d.get("output_ids", ())) for d in docs) == 3
             assert "non-finite logits" in docs[-1]["error"]["message"]
+            error = docs[-1]["error"]
         else:
             assert r.status_code == 500
-            assert "non-finite logits" in r.json()["error"]["message"]
+            error = r.json()["error"]
+            assert "non-finite logits" in error["message"]
+        assert (error["type"], error["code"]) == ("server_error", "nonfinite_logits")
         ok = http.post("/generate", json={**body, "input_ids": GOOD[0]})
         assert ok.status_code == 200
     assert faults(broken.url) == before + 1
+
+
+def health(url: str) -> tuple[int, int]:
+    return httpx.get(f"{url}/health").status_code, httpx.get(f"{url}/livez").status_code
+
+
+def test_one_client_repeating_a_poison_prompt_leaves_the_worker_healthy(broken, client,
+                                                                        poisoned):
+    # more faults in a row than --unhealthy-after-nonfinite (8) with nothing between: the
+    # worker's self-check of its model is finite, so the prompts are at fault, not the model
+    bad = [10, 11, poisoned[0], 12]
+    def self_checks() -> int:
+        return broken.log().count("their prompts are at fault")
+
+    for round_ in range(2):
+        before = self_checks()
+        good_tokens(client, GOOD[0])
+        for _ in range(10):
+            with pytest.raises(openai.InternalServerError, match="non-finite logits"):
+                client.completions.create(model="tiny", prompt=bad, **GREEDY)
+        eventually(lambda: self_checks() > before, "the self-check ran")   # noqa: B023
+        assert health(broken.url) == (200, 200), round_
+    assert "radixpool_nonfinite_logits_broken 0.0" in httpx.get(f"{broken.url}/metrics").text
+    assert good_tokens(client, GOOD[0])
+
+
+@pytest.fixture(scope="module")
+def all_nan(tiny_model, tmp_path_factory):
+    """A checkpoint whose every embedding is NaN: every request's logits are NaN."""
+    path = tmp_path_factory.mktemp("all-nan-checkpoint")
+    shutil.copytree(tiny_model, path, dirs_exist_ok=True)
+    weights = load_file(path / "model.safetensors")
+    weights["model.embed_tokens.weight"].fill_(float("nan"))
+    save_file(weights, path / "model.safetensors")
+    proc = WorkerProcess(path, path / "worker.log", "--unhealthy-after-nonfinite", "3")
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop()
+
+
+def test_a_worker_whose_every_request_is_nan_reports_itself_unhealthy(all_nan):
+    client = openai.OpenAI(base_url=f"{all_nan.url}/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+    for i in range(3):
+        assert health(all_nan.url) == (200, 200), i   # a few faults may be the prompts'
+        with pytest.raises(openai.InternalServerError) as raised:
+            client.completions.create(model="tiny", prompt=GOOD[i], **GREEDY)
+        assert raised.value.code == "nonfinite_logits"
+    # the third starts the self-check, which fails too: out of rotation, and restarted by the
+    # kubelet
+    eventually(lambda: health(all_nan.url) == (503, 503), "the worker reports itself broken")
+    body = httpx.get(f"{all_nan.url}/health").json()
+    assert body["code"] == "nonfinite_logits" and "last 3 requests" in body["message"]
+    assert "radixpool_nonfinite_logits_broken 1.0" in httpx.get(f"{all_nan.url}/metrics").text
+    with pytest.raises(openai.InternalServerError):   # still answering, still broken, logged once
+        client.completions.create(model="tiny", prompt=GOOD[3], **GREEDY)
+    assert health(all_nan.url) == (503, 503)
+    assert all_nan.log().count("the model is broken on this worker") == 1

@@ -24,6 +24,7 @@ from radixpool.worker.server.lifecycle import Lifecycle, Phase
 from radixpool.worker.server.logprobs import TokenText, completion_logprobs
 from radixpool.worker.server.metrics import HitRateWindow
 from radixpool.worker.server.native_api import _meta
+from radixpool.worker.server.nonfinite_watch import NonfiniteWatch
 from radixpool.worker.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from radixpool.worker.server.sse import sse
 
@@ -473,3 +474,42 @@ def test_a_long_text_is_tokenized_with_the_gil_released(tiny_model):
     ticker.join()
     assert ids == words.tokenizer.encode(text, add_special_tokens=False).ids
     assert during >= 10, f"another thread ran {during} times while the text was tokenized"
+
+
+def _watch_runs(watch: NonfiniteWatch, outcomes: list[tuple[bool, bool]]) -> None:
+    async def run() -> None:
+        for nonfinite, produced in outcomes:
+            watch.finished(nonfinite, produced)
+            await asyncio.sleep(0)   # a probe started meanwhile runs
+        for _ in range(10):
+            await asyncio.sleep(0)
+    asyncio.run(run())
+
+
+def test_the_nonfinite_watch_probes_the_model_after_a_run_of_faults_only(caplog):
+    verdicts: list[bool | Exception] = []
+
+    async def probe() -> bool:
+        verdict = verdicts.pop(0)
+        if isinstance(verdict, Exception):
+            raise verdict
+        return verdict
+
+    watch = NonfiniteWatch(3, probe)
+    _watch_runs(watch, [(True, False), (True, False), (False, True), (True, False),
+                        (False, False), (True, False)])   # a refusal resets nothing
+    assert (watch.probes, watch.broken) == (0, False)
+    verdicts[:] = [True]   # the next fault makes three: the model is fine, the prompts are not
+    _watch_runs(watch, [(True, False)])
+    assert (watch.probes, watch.broken, watch.run) == (1, False, 0)
+    verdicts[:] = [RuntimeError("the engine is stopping")]   # no verdict: the next one probes
+    _watch_runs(watch, [(True, False)] * 3)
+    assert (watch.probes, watch.broken) == (2, False)
+    verdicts[:] = [False]
+    with caplog.at_level("ERROR", logger="radixpool.worker.server"):
+        _watch_runs(watch, [(True, False)] * 5 + [(False, True)])   # broken for good
+    assert (watch.probes, watch.broken) == (3, True)
+    assert len([r for r in caplog.records if "model is broken" in r.getMessage()]) == 1
+    off = NonfiniteWatch(0, probe)
+    _watch_runs(off, [(True, False)] * 100)
+    assert (off.probes, off.broken) == (0, False)

@@ -67,6 +67,11 @@ NONFINITE_LOGITS = MetricSpec(
     "radixpool_nonfinite_logits_total", "counter",
     "Requests aborted because the model produced NaN or infinite logits for them (fp16 "
     "overflow, a bad checkpoint, a kernel bug).")
+NONFINITE_BROKEN = MetricSpec(
+    "radixpool_nonfinite_logits_broken", "gauge",
+    "1 once the last --unhealthy-after-nonfinite requests and a self-check request all ended "
+    "with non-finite logits: the model is broken on this worker, /health and /livez answer 503 "
+    "until it restarts.")
 NUM_REQUESTS_RUNNING = MetricSpec(
     "radixpool_num_requests_running", "gauge", "Requests in the running batch.")
 NUM_REQUESTS_WAITING = MetricSpec(
@@ -103,7 +108,8 @@ WORKER_INFO = MetricSpec(
 
 WORKER_METRICS: tuple[MetricSpec, ...] = (
     PROMPT_TOKENS, CACHED_PROMPT_TOKENS, GENERATION_TOKENS, REQUESTS, RETRACTED_REQUESTS,
-    RADIX_EVICTED_TOKENS, KV_DOUBLE_FREES, NONFINITE_LOGITS, NUM_REQUESTS_RUNNING,
+    RADIX_EVICTED_TOKENS, KV_DOUBLE_FREES, NONFINITE_LOGITS, NONFINITE_BROKEN,
+    NUM_REQUESTS_RUNNING,
     NUM_REQUESTS_WAITING, KV_CACHE_USAGE, KV_CACHE_CAPACITY, RADIX_CACHE_TOKENS, CACHE_HIT_RATE,
     TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY, QUEUE_TIME,
     GRAMMAR_COMPILE_SECONDS, GRAMMAR_CACHE_HITS, WORKER_INFO,

@@ -12,10 +12,14 @@ with the clock passed in (tests step it without sleeping).
   outcome is never recorded (its client left, its task was cancelled) holds the slot for at most
   `open_seconds`; then another probe goes, so the breaker never sticks half-open and a worker
   that answers again is never excluded for good.
+- An error the worker says is its request's alone (`record_request_error`: the model's logits
+  for that prompt were NaN) is neither: the state and the failure run stand, and a half-open
+  probe's slot is freed for the next probe, which decides. One client repeating a poison prompt
+  thus opens no breaker; a worker that fails every request so takes itself out (its `/health`).
 
 The proxy's whole interface: `allows(now)` (may a new request go there), `dispatched(now)` (one
-went), `record_success(now)`, `record_failure(kind, now)`; the health monitor calls `reset()`
-when the worker's checks bring it back up.
+went), `record_success(now)`, `record_failure(kind, now)`, `record_request_error(now)`; the
+health monitor calls `reset()` when the worker's checks bring it back up.
 """
 
 from __future__ import annotations
@@ -70,6 +74,11 @@ class CircuitBreaker:
         if state == "half_open" or self._failures >= self.failures_needed:
             self._state, self._probe_until = "open", None
             self._half_open_at = now + self.open_seconds
+
+    def record_request_error(self, now: float) -> None:
+        """An answer that failed its own request alone: no outcome for the worker."""
+        if self.state(now) == "half_open":
+            self._probe_until = None
 
     def reset(self) -> None:
         self._state, self._failures, self._probe_until = "closed", 0, None

@@ -15,7 +15,10 @@ Deadlines: a worker that sends no headers within `upstream_first_byte_timeout`, 
 within `upstream_timeout`, is cut: 504 (or, mid-stream, a last error event), counted in
 `radixpool_gateway_upstream_timeouts_total`, and its breaker records a failure. So does a 200
 stream the worker ends with an error event of its own (`stream_errors`); any stream that ends in
-an error event is counted in the metrics under the error's status, not its 200. A client that
+an error event is counted in the metrics under the error's status, not its 200. An error whose
+code says the worker failed that one request alone (`nonfinite_logits`) is passed through and
+counted in the metrics, but is neither a failure nor a success for the breaker: one client's
+poison prompt must not take the workers out one by one. A client that
 leaves cancels its handler (see `http_edge`): the worker connection closes on the way out, the
 worker aborts the request, and the in-flight count drops. A large body is parsed and its route
 key built in a child process (`body_parsing`), over at most `max_route_prompt_chars` of the
@@ -56,7 +59,7 @@ from radixpool.gateway.route_key import (
     KeyBuilder,
     RouteKey,
 )
-from radixpool.gateway.stream_errors import error_status
+from radixpool.gateway.stream_errors import WorkerError, answer_error, error_event
 from radixpool.gateway.upstream import (
     HOP_BY_HOP,
     UpstreamError,
@@ -73,6 +76,7 @@ log = logging.getLogger("radixpool.gateway")
 READ_ONLY_PATHS = ("/livez", "/health", "/metrics", "/v1/models")
 FORGET_EVERY_S = 60.0   # gone workers' counters are dropped on membership changes this often
 QUARANTINED = object()   # _dispatch's answer for a request a second dying engine held
+WORKER_TIMEOUT = "worker_timeout"   # the code of a 504 (and of a stream cut) for a slow worker
 MODEL_PATH = "/v1/models/"   # + a model id
 
 
@@ -225,7 +229,7 @@ class Gateway:
             body = await upstream.body()
         except UpstreamTimeout as exc:
             self._timed_out(worker, sent)
-            return error_body(504, f"worker {worker.url} timed out: {exc}")
+            return error_body(504, f"worker {worker.url} timed out: {exc}", WORKER_TIMEOUT)
         except UpstreamError as exc:
             return error_body(502, f"worker {worker.url} failed: {exc}")
         return upstream.status, _response_headers(upstream, worker), body
@@ -261,6 +265,7 @@ class Gateway:
         if len(picked) == 2:
             status, message = picked
             await self._refuse(respond, started, status, message,
+                               WORKER_TIMEOUT if status == 504 else None,
                                headers=[(b"retry-after", b"1")])
             return
         worker, decision, upstream = picked
@@ -375,6 +380,8 @@ class Gateway:
                 data = await upstream.body()
                 await respond.send(status, headers, data)
                 usage = answer_usage(data) if status == 200 else None
+                if status >= 500:
+                    seen.error = answer_error(status, data)
                 if status == 503:
                     self._engine_died(data, body)
             else:
@@ -390,7 +397,7 @@ class Gateway:
             code = 504 if timed_out else 502
             if not respond.started:
                 await respond.send_error(code, f"worker {worker.url} failed before answering: "
-                                               f"{exc}")
+                                               f"{exc}", _cut_code(exc))
             else:
                 # A cut stream: one last event says why (the openai SDK raises it as an APIError
                 # instead of a bare "Connection error"), and no [DONE] follows.
@@ -406,9 +413,12 @@ class Gateway:
         if respond.disconnected:  # noticed by a failed write rather than by cancellation
             self._left(worker.url, started, seen.first_event_s)
             return
-        if status >= 500:
+        if seen.error is not None and seen.error.request_specific:
+            worker.breaker.record_request_error(self.clock())
+            worker.answered_at = self.clock()   # it answers: not hung
+        elif status >= 500:
             worker.breaker.record_failure("server_error", self.clock())
-        elif (seen.error_status or 0) >= 500:   # a 200 whose stream the worker failed itself
+        elif seen.error is not None and seen.error.status >= 500:   # a 200 it failed itself
             worker.breaker.record_failure("stream_error", self.clock())
         else:
             worker.breaker.record_success(self.clock())
@@ -416,7 +426,7 @@ class Gateway:
         if status >= 400:   # refused (a wrong model, a prompt too long, ...): nothing was cached
             self.policy.failed(decision, key)
         worker.requests += 1
-        self.metrics.answered(worker.url, seen.error_status or status,
+        self.metrics.answered(worker.url, seen.error.status if seen.error else status,
                               time.perf_counter() - started, seen.first_event_s)
         if usage is not None:
             prompt, cached, other_prompts, other_cached = usage
@@ -428,7 +438,7 @@ class Gateway:
                             ) -> tuple[int, int | None, int, int] | None:
         """Forward whole SSE events the moment they arrive; note the last usage report (as
         `answer_usage` gives it: a stream is one answer), and in `seen` when the first event
-        went and the status of the error event that ended the stream, if one did."""
+        went and the error event that ended the stream, if one did."""
         usage, pending = None, b""
         while (chunk := await upstream.read()) is not None:
             if respond.disconnected:
@@ -444,12 +454,12 @@ class Gateway:
                 if strip_usage:
                     ready = b"".join(e + b"\n\n" for e in ready.split(b"\n\n")[:-1]
                                      if not is_usage_only_event(e))
-            seen.error_status = seen.error_status or error_status(ready)
+            seen.error = seen.error or error_event(ready)
             if seen.first_event_s is None:
                 seen.first_event_s = time.perf_counter() - started
             await respond.write(ready)
         if pending and not respond.disconnected:
-            seen.error_status = seen.error_status or error_status(pending)
+            seen.error = seen.error or error_event(pending)
             await respond.write(pending)
         return None if usage is None else (*usage, 0, 0)
 
@@ -497,14 +507,18 @@ class StreamSeen:
     so it counts in the request duration alone."""
 
     first_event_s: float | None = None   # seconds from the request's start to its first event
-    error_status: int | None = None   # an error event ended the stream: its status
+    error: WorkerError | None = None   # the worker's error: its 5xx body, or a stream's event
+
+
+def _cut_code(exc: UpstreamError) -> str:
+    return WORKER_TIMEOUT if isinstance(exc, UpstreamTimeout) else "worker_failed"
 
 
 def _cut_stream_event(worker_url: str, exc: UpstreamError) -> bytes:
     timed_out = isinstance(exc, UpstreamTimeout)
     error = {"message": f"worker {worker_url} {'timed out' if timed_out else 'failed'} "
                         f"mid-stream ({exc}); the answer is incomplete",
-             "type": "server_error", "code": "worker_timeout" if timed_out else "worker_failed"}
+             "type": "server_error", "code": _cut_code(exc)}
     return b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
 
 

@@ -25,3 +25,12 @@ class RidInUse(ValueError):
 class EngineStartCancelled(RuntimeError):
     """The caller gave up on an engine still starting (`Engine(cancel=...)` was set): its core
     process was stopped."""
+
+
+class RequestFault(RuntimeError):
+    """The engine, not the input, failed this one request (and no other): a 500 whose `code`
+    says so (`radixpool.protocol.errors`), e.g. its logits were NaN or infinite."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code

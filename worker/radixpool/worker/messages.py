@@ -69,6 +69,7 @@ class TokenDelta:
     queue_time: float | None = None               # seconds waited before first admission
     error: str | None = None                      # set when the core refused the request
     internal_error: bool = False                  # the error is the engine's, not the input's
+    error_code: str | None = None                 # machine-readable reason (protocol.errors)
     core_seconds: float | None = None             # on the last delta: arrival in core → done
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from radixpool.worker.detokenizer import IncrementalDetokenizer
+from radixpool.worker.engine_errors import RequestFault
 from radixpool.worker.messages import GenerateRequest, TokenDelta
 from radixpool.worker.sampling_params import SamplingParams
 from radixpool.worker.stop_strings import StopMatcher
@@ -37,11 +38,15 @@ class StreamChunk:
     queue_time: float | None = None
     error: str | None = None        # the core refused the request (bad input) or was lost
     internal_error: bool = False    # True when the engine, not the input, was at fault
+    error_code: str | None = None   # an engine fault of this request alone (protocol.errors)
     core_seconds: float | None = None   # on the last chunk: time in the engine core
 
     def raise_error(self) -> None:
-        if self.error is not None:
-            raise (RuntimeError if self.internal_error else ValueError)(self.error)
+        if self.error is None:
+            return
+        if self.internal_error and self.error_code is not None:
+            raise RequestFault(self.error, self.error_code)
+        raise (RuntimeError if self.internal_error else ValueError)(self.error)
 
 
 @dataclass
@@ -63,7 +68,7 @@ class RequestOutput:
         """The chunk for this delta, and whether a stop string just ended the output."""
         if delta.error is not None:
             return self.fail("abort", delta.error, internal=delta.internal_error,
-                             prompt_tokens=delta.prompt_tokens), False
+                             prompt_tokens=delta.prompt_tokens, code=delta.error_code), False
         tokens = delta.token_ids
         if tokens and self.first_token_time is None:
             self.first_token_time = time.time()
@@ -101,14 +106,14 @@ class RequestOutput:
             core_seconds=delta.core_seconds), stopped
 
     def fail(self, reason: str, error: str | None, internal: bool,
-             prompt_tokens: int = 0) -> StreamChunk:
+             prompt_tokens: int = 0, code: str | None = None) -> StreamChunk:
         """The final chunk of a request the core refused or lost."""
         self.finished = True
         return StreamChunk(
             rid=self.rid, index=self.index, text="", token_ids=[], finished=True,
             finish_reason=reason, completion_tokens=len(self.output_ids),
             prompt_tokens=prompt_tokens, arrival_time=self.arrival_time,
-            error=error, internal_error=internal)
+            error=error, internal_error=internal, error_code=code)
 
 
 def result_from_chunks(chunks: list[StreamChunk]) -> dict:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixpool.protocol.errors import NONFINITE_LOGITS
 from radixpool.worker.config import EngineConfig
 from radixpool.worker.forward_batch import ForwardMode
 from radixpool.worker.grammar.draft import commit, propose_draft
@@ -242,7 +243,7 @@ class Scheduler:
                   "output token %d; the request is aborted", req.rid, len(req.output_ids))
         delta = self._ended(req, "abort", "the model produced non-finite logits (NaN or "
                                           "infinity) for this request; it was aborted")
-        delta.internal_error = True
+        delta.internal_error, delta.error_code = True, NONFINITE_LOGITS
         return delta
 
     def _retract(self, req: Req) -> None:

@@ -38,6 +38,7 @@ class ServerConfig:
     drain_timeout: float = 30.0      # seconds
     log_level: str = "info"
     tool_call_format: str = "auto"   # "auto": from the chat template
+    unhealthy_after_nonfinite: int = 8   # consecutive non-finite requests that break it; 0: off
     edge: EdgeLimits = field(default_factory=EdgeLimits)
 
     def __post_init__(self) -> None:
@@ -49,6 +50,9 @@ class ServerConfig:
             raise ValueError(f"drain_timeout must be ≥ 0 seconds, got {self.drain_timeout}")
         if self.tool_call_format not in TOOL_FORMAT_FLAGS:
             raise ValueError(f"tool_call_format must be one of {', '.join(TOOL_FORMAT_FLAGS)}")
+        if self.unhealthy_after_nonfinite < 0:
+            raise ValueError("unhealthy_after_nonfinite must be ≥ 0 (0: never), got "
+                             f"{self.unhealthy_after_nonfinite}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
         if self.api_key is not None and not self.api_key:
@@ -168,6 +172,13 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                         f"{', '.join(TOOL_FORMATS)}, or auto: read from the chat template "
                         "(<tool_call> → hermes, [TOOL_CALLS] → mistral, Llama 3's JSON calls → "
                         "llama3, else hermes) (default: auto)")
+    p.add_argument("--unhealthy-after-nonfinite", type=int,
+                   default=ServerConfig.unhealthy_after_nonfinite, metavar="N",
+                   help="once the last N requests that reached output all ended with "
+                        "non-finite logits (NaN or infinity) and so does a self-check request "
+                        "on a fixed prompt, /health and /livez answer 503 until the worker "
+                        "restarts: the model, not a prompt, is broken; 0: never (default: "
+                        f"{ServerConfig.unhealthy_after_nonfinite})")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                    help="log level (default: info)")
 
@@ -229,6 +240,7 @@ def _config_from_args(args: argparse.Namespace) -> ServerConfig:
         drain_timeout=args.drain_timeout,
         log_level=args.log_level,
         tool_call_format=args.tool_call_format,
+        unhealthy_after_nonfinite=args.unhealthy_after_nonfinite,
         edge=EdgeLimits(header_read_timeout=args.header_read_timeout,
                         max_header_bytes=args.max_header_bytes,
                         body_read_timeout=args.body_read_timeout,

@@ -18,7 +18,8 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from radixpool.worker.engine_errors import RidInUse
+from radixpool.protocol.errors import NONFINITE_LOGITS
+from radixpool.worker.engine_errors import RequestFault, RidInUse
 from radixpool.worker.sampling_params import SamplingParams
 from radixpool.worker.server.errors import APIError, bad_request, unavailable
 from radixpool.worker.server.state import WorkerState
@@ -112,6 +113,7 @@ class EngineRun:
                                            namespace=namespace, rid=rid)
         self._engine = state.engine
         self._metrics = state.metrics
+        self._watch = state.nonfinite_watch
         self._active = state.active_rids
         self._active[rid] += 1
         self._holds_rid = True
@@ -132,6 +134,8 @@ class EngineRun:
             if isinstance(exc, RidInUse):
                 raise bad_request(str(exc), param="rid", code="duplicate_rid") from None
             raise engine_error(exc, self._renames, self._prompt_param) from None
+        except RequestFault as exc:
+            raise self._faulted(exc) from None
         except RuntimeError:
             if self._engine.alive:
                 raise
@@ -159,10 +163,16 @@ class EngineRun:
                 self._metrics.record_token_gap((now - prev) / tokens, tokens)
             self._last[chunk.index] = now
         if chunk.finished:
+            self._watch.finished(nonfinite=False, produced=chunk.completion_tokens > 0)
             self._open.discard(chunk.index)
             self._metrics.record_finished(chunk.finish_reason, chunk.prompt_tokens,
                                           chunk.cached_tokens, chunk.completion_tokens,
                                           now - chunk.arrival_time)
+
+    def _faulted(self, exc: RequestFault) -> APIError:
+        """The engine failed this request alone: a 500 whose code tells a gateway so."""
+        self._watch.finished(nonfinite=exc.code == NONFINITE_LOGITS, produced=False)
+        return APIError(500, str(exc), code=exc.code)
 
     async def __aiter__(self) -> AsyncIterator[Any]:
         try:
@@ -174,6 +184,8 @@ class EngineRun:
                     yield chunk
         except ValueError as exc:   # refused after its first tokens (its grammar failed on it)
             raise engine_error(exc, self._renames, self._prompt_param) from None
+        except RequestFault as exc:
+            raise self._faulted(exc) from None
         except RuntimeError:
             if self._engine.alive:
                 raise

@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -123,7 +123,8 @@ def grammar_compile_histogram(stats: Any) -> HistogramMetricFamily:
 
 class WorkerMetrics:
     def __init__(self, model: str, version: str, engine_fn: Callable[[], Any],
-                 stats_fn: Callable[[], Any]) -> None:
+                 stats_fn: Callable[[], Any], broken_fn: Callable[[], bool] = lambda: False
+                 ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         self.prompt_tokens = _counter(spec.PROMPT_TOKENS, r)
@@ -135,6 +136,8 @@ class WorkerMetrics:
         self.e2e = _histogram(spec.E2E_REQUEST_LATENCY, r)
         self.queue_time = _histogram(spec.QUEUE_TIME, r)
         self.hit_rate = HitRateWindow()
+        broken = Gauge(spec.NONFINITE_BROKEN.name, spec.NONFINITE_BROKEN.help, registry=r)
+        broken.set_function(lambda: float(broken_fn()))
         r.register(EngineCollector(engine_fn, stats_fn, model, version, self.hit_rate))
         ProcessCollector(registry=r)   # process_cpu_seconds_total etc. of the HTTP front end
 

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, model_validator
 from starlette.responses import JSONResponse
 
+from radixpool.protocol.errors import NONFINITE_LOGITS
 from radixpool.protocol.server_info import ServerInfo
 from radixpool.worker.engine_errors import EngineBusy
 from radixpool.worker.sampling_params import CONSTRAINT_FIELDS, SamplingParams
@@ -197,6 +198,9 @@ def router(state: WorkerState) -> APIRouter:
     @r.get("/health")
     async def health() -> JSONResponse:
         lifecycle = state.lifecycle
+        if lifecycle.serving and state.nonfinite_watch.broken:
+            return JSONResponse({"status": "failed", "code": NONFINITE_LOGITS,
+                                 "message": state.nonfinite_watch.reason}, status_code=503)
         if lifecycle.serving and state.engine.alive:
             return JSONResponse({"status": "ok"})
         if lifecycle.serving or lifecycle.phase is Phase.FAILED:
@@ -209,7 +213,11 @@ def router(state: WorkerState) -> APIRouter:
     @r.get("/livez")
     async def livez() -> JSONResponse:
         """Liveness: fails only once the engine is gone for good (loading and draining are
-        alive), so an orchestrator restarts a worker whose core died."""
+        alive), so an orchestrator restarts a worker whose core died, or whose model gives
+        nothing but non-finite logits (`nonfinite_watch`)."""
+        if state.nonfinite_watch.broken:
+            return JSONResponse({"status": "dead", "code": NONFINITE_LOGITS,
+                                 "message": state.nonfinite_watch.reason}, status_code=503)
         if state.lifecycle.phase is not Phase.FAILED and (state.engine is None
                                                           or state.engine.alive):
             return JSONResponse({"status": "alive"})

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixpool.child_pool import ChildPool
+from radixpool.protocol.errors import NONFINITE_LOGITS
+from radixpool.worker.engine_errors import RequestFault
 from radixpool.worker.messages import EngineStats
 from radixpool.worker.server.config import ServerConfig
 from radixpool.worker.server.errors import bad_request
@@ -17,6 +19,11 @@ from radixpool.worker.server.fast_path import BODY_MEMORY_BYTES, BODY_MODULES, B
 from radixpool.worker.server.lifecycle import Lifecycle
 from radixpool.worker.server.logprobs import TokenText
 from radixpool.worker.server.metrics import WorkerMetrics
+from radixpool.worker.server.nonfinite_watch import (
+    PROBE_OUTPUT_TOKENS,
+    NonfiniteWatch,
+    probe_prompt,
+)
 from radixpool.worker.server.request_checks import Served
 from radixpool.worker.server.tool_format import ToolFormat, resolve_tool_format
 
@@ -26,6 +33,7 @@ INLINE_TOKENIZE_CHARS = 8192
 # tokenizes to (the margin is for normalizers that drop characters): refused before tokenizing,
 # which takes ~250 bytes a character (16 MiB of text took the worker from 0.25 to 4.3 GiB).
 TEXT_LENGTH_MARGIN = 4
+PROBE_TIMEOUT_S = 30.0   # the model's self-check (it waits its turn in the batch like any)
 
 
 def radixpool_version() -> str:
@@ -50,10 +58,14 @@ class WorkerState:
     bodies: ChildPool = field(
         default_factory=lambda: ChildPool(BODY_PROCESSES, BODY_MEMORY_BYTES, BODY_MODULES))
     metrics: WorkerMetrics = field(init=False)
+    nonfinite_watch: NonfiniteWatch = field(init=False)
 
     def __post_init__(self) -> None:
+        self.nonfinite_watch = NonfiniteWatch(self.config.unhealthy_after_nonfinite,
+                                              self.probe_model)
         self.metrics = WorkerMetrics(self.config.served_model_name, self.version,
-                                     lambda: self.engine, self.engine_stats)
+                                     lambda: self.engine, self.engine_stats,
+                                     lambda: self.nonfinite_watch.broken)
 
     def attach(self, engine: Any) -> None:
         self.engine = engine
@@ -61,6 +73,21 @@ class WorkerState:
         self.tool_format = resolve_tool_format(self.config.tool_call_format,
                                                getattr(engine.tokenizer, "chat_template", None))
         self.lifecycle.mark_ready()
+
+    async def probe_model(self) -> bool:
+        """The model's self-check (`nonfinite_watch`): are its logits finite for a fixed,
+        harmless prompt? Raises when it cannot tell."""
+        engine = self.engine
+        try:
+            await asyncio.wait_for(engine.generate_async(
+                input_ids=probe_prompt(engine.info.vocab_size),
+                sampling_params={"max_new_tokens": PROBE_OUTPUT_TOKENS, "temperature": 0,
+                                 "ignore_eos": True}), PROBE_TIMEOUT_S)
+        except RequestFault as exc:
+            if exc.code != NONFINITE_LOGITS:
+                raise
+            return False
+        return True
 
     def engine_stats(self) -> EngineStats | None:
         """The engine's latest stats (the core reports them after every step, with every abort
