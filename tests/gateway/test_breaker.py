@@ -214,18 +214,18 @@ def poison(stack, error: dict, stream: bool = False) -> None:
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/generate"])
 @pytest.mark.parametrize("stream", [False, True])
-def test_one_clients_nonfinite_requests_keep_the_breaker_closed(make_stack, path, stream):
+@pytest.mark.parametrize("code", ["nonfinite_logits", "output_decode_failed"])
+def test_one_clients_nonfinite_requests_keep_the_breaker_closed(make_stack, path, stream, code):
     """A client that sends a prompt overflowing the model again and again gets each 500 as the
     worker gave it, counted in the metrics; the worker's breaker stays closed (it used to open
     after `--breaker-failures` of them: one client could take every worker out)."""
     stack = make_stack(1, breaker_failures=FAILURES, breaker_open_seconds=3600)
-    poison(stack, {"code": "nonfinite_logits", "message": "the model produced non-finite "
-                                                          "logits"}, stream)
+    poison(stack, {"code": code, "message": "this request failed alone"}, stream)
     for i in range(3 * FAILURES):
         body = streamed(path, i) if stream else {**streamed(path, i), "stream": False}
         r = stack.client.post(path, json=body)
         assert r.status_code == (200 if stream else 500)
-        assert "nonfinite_logits" in r.text and "non-finite logits" in r.text
+        assert code in r.text and "this request failed alone" in r.text
     stack.settle()
     worker = stack.client.get("/workers").json()["workers"][0]
     assert worker["circuit_breaker"] == "closed" and worker["breaker_failures"] == {}

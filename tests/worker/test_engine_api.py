@@ -9,7 +9,7 @@ import time
 import pytest
 
 from radixpool.worker import Engine
-from radixpool.worker.engine_errors import EngineBusy, RidInUse
+from radixpool.worker.engine_errors import EngineBusy, RequestFault, RidInUse
 
 
 @pytest.fixture(scope="module")
@@ -389,8 +389,10 @@ def test_a_request_whose_output_fails_to_decode_ends_alone(engine, monkeypatch):
     doomed, other = asyncio.run(both())   # before: a TimeoutError, both waiting for good
     results = {"doomed": doomed,
                "other": other if isinstance(other, BaseException) else other["output_ids"]}
-    assert isinstance(results["doomed"], RuntimeError), results["doomed"]
+    assert isinstance(results["doomed"], RequestFault), results["doomed"]
     assert "simulated decoding failure" in str(results["doomed"])
+    # a 500 whose code keeps it out of a gateway's breaker: that request's failure alone
+    assert results["doomed"].code == "output_decode_failed"
     assert results["other"] == expected
     monkeypatch.undo()
     assert engine.generate("a request that finishes", greedy)["output_ids"] == expected

@@ -11,5 +11,8 @@ takes itself out instead (its `/health` and `/livez`, see docs/worker.md).
 from __future__ import annotations
 
 NONFINITE_LOGITS = "nonfinite_logits"   # 500 server_error: the model's logits were NaN / inf
+# 500 server_error: turning the request's tokens into text (detokenizing, stop strings) failed,
+# a bug meeting odd tokens; the other requests go on
+OUTPUT_DECODE_FAILED = "output_decode_failed"
 
-REQUEST_SPECIFIC_CODES = frozenset({NONFINITE_LOGITS})
+REQUEST_SPECIFIC_CODES = frozenset({NONFINITE_LOGITS, OUTPUT_DECODE_FAILED})

@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import fields
 from typing import Any
 
+from radixpool.protocol.errors import OUTPUT_DECODE_FAILED
 from radixpool.tokenization import PromptTokenizer
 from radixpool.worker.config import EngineConfig
 from radixpool.worker.core_process import Shutdown
@@ -323,7 +324,8 @@ class Engine:
                 self._send(AbortRequest(fork.core_rid))
         self._drop(fork)
         _deliver(fork, fork.fail("abort", f"the engine failed to decode this request's output "
-                                          f"({type(exc).__name__}: {exc})", internal=True))
+                                          f"({type(exc).__name__}: {exc})", internal=True,
+                                 code=OUTPUT_DECODE_FAILED))
 
     def _release_forks(self, first: RequestOutput, delta: TokenDelta) -> None:
         """Send the sibling forks held back behind `first`, or end them if it ended early."""
