@@ -34,6 +34,13 @@ def template_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 GIL_FREE_ENCODE_CHARS = 16 << 10   # longer texts are tokenized with the GIL released
+# What every chat template gets from `render_chat` (and Jinja's own globals): a request's
+# `chat_template_kwargs` may not replace one, or a client's value would stand in for its messages,
+# its special tokens or the template's own checks.
+RENDERER_VARIABLES = frozenset({
+    "messages", "add_generation_prompt", "bos_token", "eos_token", "tools",
+    "raise_exception", "strftime_now",
+    "range", "dict", "lipsum", "cycler", "joiner", "namespace"})   # jinja2.defaults
 
 
 class ChatTemplateError(ValueError):

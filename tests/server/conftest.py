@@ -10,12 +10,17 @@ Servers, each started once per session and only if a collected test needs it:
 - `slow_prefill`: 8-token prefill chunks and pages (long prompts take seconds to a first
   token), and KV for 1,600 tokens, less than the 2,048-token context;
 - `edge`: 0.5 s header and body read timeouts and a 1 s write stall timeout, for the
-  HTTP edge's limits.
+  HTTP edge's limits;
+- `templated`: the tiny model with a 65,536-token context and a chat template that prints the
+  `preamble` template variable (`chat_template_kwargs`).
 They are launched together (startup is mostly waiting on imports and model loading) and stopped
 together, each by its own PID.
 """
 
 from __future__ import annotations
+
+import json
+import shutil
 
 import httpx
 import pytest
@@ -34,7 +39,22 @@ SERVERS: dict[str, tuple[str, ...]] = {
                      "--page-size", "8", "--kv-cache-tokens", "1600"),
     "edge": ("--header-read-timeout", "0.5", "--body-read-timeout", "0.5",
              "--write-stall-timeout", "1"),
+    "templated": (),
 }
+
+
+@pytest.fixture(scope="session")
+def templated_model(tiny_model, tmp_path_factory):
+    model = tmp_path_factory.mktemp("templated") / "model"
+    shutil.copytree(tiny_model, model)
+    for name, edit in (
+            ("tokenizer_config.json", lambda c: c.update(
+                chat_template="{{ preamble or '' }}" + c["chat_template"])),
+            ("config.json", lambda c: c.update(max_position_embeddings=65536))):
+        doc = json.loads((model / name).read_text())
+        edit(doc)
+        (model / name).write_text(json.dumps(doc))
+    return model
 
 
 @pytest.fixture(scope="session")
@@ -42,7 +62,10 @@ def worker_pool(request, tiny_model, tmp_path_factory):
     needed = [name for name in SERVERS
               if any(name in item.fixturenames for item in request.session.items)]
     logs = tmp_path_factory.mktemp("workers")
-    procs = {name: WorkerProcess(tiny_model, logs / f"{name}.log", *SERVERS[name])
+    models = {name: tiny_model for name in needed}
+    if "templated" in needed:
+        models["templated"] = request.getfixturevalue("templated_model")
+    procs = {name: WorkerProcess(models[name], logs / f"{name}.log", *SERVERS[name])
              for name in needed}
     try:
         yield procs
@@ -91,6 +114,11 @@ def slow_prefill(worker_pool) -> WorkerProcess:
 @pytest.fixture(scope="session")
 def edge(worker_pool) -> WorkerProcess:
     return worker_pool["edge"].wait_ready()
+
+
+@pytest.fixture(scope="session")
+def templated(worker_pool) -> WorkerProcess:
+    return worker_pool["templated"].wait_ready()
 
 
 @pytest.fixture(scope="session")

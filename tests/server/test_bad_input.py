@@ -62,6 +62,20 @@ BAD = [
     ("/v1/chat/completions", {"messages": MSG, "tools": [{"type": "function"}]}, 400,
      "tools[0].function"),
     ("/v1/chat/completions", {"messages": MSG, "bogus_field": 1}, 400, "bogus_field"),
+    # chat_template_kwargs may not stand in for what the renderer gives the template (bos_token
+    # was a 400 naming messages; tools and raise_exception were taken silently), nor be
+    # hundreds of variables, nor text the context cannot hold (a 1 MiB value was taken whole)
+    ("/v1/chat/completions", {"messages": MSG, "chat_template_kwargs": {"bos_token": "<s>"}}, 400,
+     "chat_template_kwargs.bos_token"),
+    ("/v1/chat/completions", {"messages": MSG, "chat_template_kwargs": {"tools": [
+        {"type": "function", "function": {"name": "unchecked"}}]}}, 400,
+     "chat_template_kwargs.tools"),
+    ("/v1/chat/completions", {"messages": MSG, "chat_template_kwargs": {
+        "raise_exception": "off"}}, 400, "chat_template_kwargs.raise_exception"),
+    ("/v1/chat/completions", {"messages": MSG, "chat_template_kwargs": {
+        f"k{i}": i for i in range(1000)}}, 400, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"messages": MSG, "chat_template_kwargs": {
+        "enable_thinking": False, "notes": "x" * (1 << 20)}}, 400, "chat_template_kwargs.notes"),
     ("/v1/chat/completions", {"messages": MSG, "stream": "yes"}, 400, "stream"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 5000}]}, 400,
      "messages"),
@@ -199,55 +213,89 @@ def test_text_far_over_the_context_is_refused_before_it_is_tokenized(http):
         "max_new_tokens": 2}}).status_code == 200
 
 
-def test_a_huge_body_does_not_stall_other_streams(client, http):
-    # 8 MiB of one-id prompts takes seconds to validate, with the GIL held throughout: on the
-    # event loop that streams every request's tokens, each stream stood still that long. Then
-    # the validated batch came back from its child as 1.6M lists, unpickled with the GIL held:
-    # the loop stood still for the last 2 s of the request's 7 s, only to refuse the batch. The
-    # loop's own answers (`/livez`) show whether it was held; a stream's token gaps also count
-    # the CPU the validating child takes from the engine on a small machine, so they are not
-    # the measure here.
+def _stall_while(base_url: str, send, stream) -> tuple[httpx.Response, list[float], float]:
+    """`send()`'s response, the token arrival times of `stream()` (started first and running
+    across it), and the longest the worker's event loop left `/livez` unanswered while `send`
+    was in the worker, as a share of `send`'s time: a loaded machine stretches both. A stream's
+    token gaps also count the CPU the request takes from the engine on a small machine, so
+    they are not the measure here."""
     arrivals: list[float] = []
     answered: list[float] = []   # when each /livez was answered
     done = threading.Event()
 
-    def stream() -> None:
-        for _ in client.completions.create(model="tiny", prompt="a long story", stream=True,
-                                           max_tokens=1500, temperature=0,
-                                           extra_body={"ignore_eos": True}):
+    def run_stream() -> None:
+        for _ in stream():
             arrivals.append(time.monotonic())
 
     def probe() -> None:
-        with httpx.Client(base_url=http.base_url, timeout=60) as prober:
+        with httpx.Client(base_url=base_url, timeout=60) as prober:
             while not done.is_set():
                 assert prober.get("/livez").status_code == 200
                 answered.append(time.monotonic())
                 time.sleep(0.02)
 
-    thread = threading.Thread(target=stream)
+    thread = threading.Thread(target=run_stream)
     thread.start()
     while len(arrivals) < 5 and thread.is_alive():
         time.sleep(0.01)
     prober = threading.Thread(target=probe)
     prober.start()
-    hostile = json.dumps({"input_ids": [[1]] * 1_600_000}).encode()
     started = time.monotonic()
-    r = http.post("/generate", content=hostile, headers={"content-type": "application/json"},
-                  timeout=120)
+    r = send()
     took = time.monotonic() - started
     done.set()
     prober.join(60)
     thread.join(120)
-    assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_choices"
-    # the stream ran across the parse (on a loaded machine it may end before the 400 arrives)
+    # the stream ran across the request (on a loaded machine it may end before the answer)
     assert not thread.is_alive(), "the stream never ended"
     assert any(started < t < started + took for t in arrivals), \
-        "no token arrived while the big body was in the worker"
-    # the longest the loop left /livez unanswered while the body was in the worker, against
-    # the request's time: a loaded machine stretches both (the old stall: 2.6 s of 7.2 s)
+        "no token arrived while the request was in the worker"
     inside = [started, *(t for t in answered if started < t < started + took), started + took]
     stall = max(later - earlier for earlier, later in itertools.pairwise(inside))
-    assert stall < 0.15 * took, f"/livez unanswered for {stall:.2f} s of the request's {took:.1f} s"
+    return r, arrivals, stall / took
+
+
+def _long_stream(client):
+    return lambda: client.completions.create(model="tiny", prompt="a long story", stream=True,
+                                             max_tokens=1500, temperature=0,
+                                             extra_body={"ignore_eos": True})
+
+
+def test_a_huge_body_does_not_stall_other_streams(client, http):
+    # 8 MiB of one-id prompts takes seconds to validate, with the GIL held throughout: on the
+    # event loop that streams every request's tokens, each stream stood still that long. Then
+    # the validated batch came back from its child as 1.6M lists, unpickled with the GIL held:
+    # the loop stood still for the last 2 s of the request's 7 s, only to refuse the batch.
+    hostile = json.dumps({"input_ids": [[1]] * 1_600_000}).encode()
+    r, _, stall = _stall_while(http.base_url, lambda: http.post(
+        "/generate", content=hostile, headers={"content-type": "application/json"},
+        timeout=120), _long_stream(client))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_choices"
+    assert stall < 0.15, f"/livez unanswered for {stall:.0%} of the request's time"
+
+
+def test_a_long_template_variable_does_not_stall_other_streams(templated):
+    # A template that prints a `chat_template_kwargs` value got it uncounted: 1 MiB of it was
+    # rendered and tokenized on the event loop (/livez unanswered 2.4 s of the request's 5 s),
+    # and the refusal named `messages`, which held one word.
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{templated.url}/v1", api_key="unused", max_retries=0,
+                    timeout=120)
+    with httpx.Client(base_url=templated.url, timeout=120) as http:
+        r, _, stall = _stall_while(http.base_url, lambda: http.post(
+            "/v1/chat/completions", json={"messages": MSG, "chat_template_kwargs": {
+                "preamble": "hello world " * 87_381}}), _long_stream(client))
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["code"] == "context_length_exceeded", error
+        assert stall < 0.15, f"/livez unanswered for {stall:.0%} of the request's time"
+        assert error["param"] == "chat_template_kwargs.preamble", error
+        r = http.post("/v1/chat/completions", json={
+            "messages": MSG, "max_tokens": 2,
+            "chat_template_kwargs": {"preamble": "You are terse."}})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] > http.post("/v1/chat/completions", json={
+            "messages": MSG, "max_tokens": 2}).json()["usage"]["prompt_tokens"]
 
 
 def keys(count: int, prefix: str = "k") -> str:

@@ -17,6 +17,7 @@ from radixpool.worker.server.app import create_app
 from radixpool.worker.server.config import ServerConfig
 from radixpool.worker.server.errors import APIError
 from radixpool.worker.server.fast_path import FastRoutes
+from radixpool.worker.server.openai_protocol import ChatCompletionRequest
 from radixpool.worker.server.state import WorkerState
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -31,6 +32,9 @@ INVALID = [
     ("/v1/chat/completions", {"messages": MSG, "n": 0}),
     ("/v1/chat/completions", {"messages": MSG, "bogus_field": 1}),
     ("/v1/chat/completions", {"messages": MSG, "tools": [{"type": "function"}]}),
+    ("/v1/chat/completions", {"messages": MSG, "chat_template_kwargs": {"bos_token": "x"}}),
+    ("/v1/chat/completions", {"messages": MSG, "chat_template_kwargs": {
+        f"k{i}": 0 for i in range(65)}}),
     ("/v1/completions", {"prompt": 7}),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}),
     ("/v1/completions", {"prompt": [[1], "x"]}),
@@ -125,6 +129,8 @@ def test_one_bad_id_in_a_long_prompt_is_refused_as_fast_as_an_unknown_field(gate
     ("/generate", {"input_ids": [[1]] * 100_000 + [[-1]]}),
     ("/v1/completions", {"prompt": "w " * 200_000, "temperature": "hot"}),
     ("/v1/chat/completions", {"messages": [*MSG * 20_000, {"role": "wizard", "content": "x"}]}),
+    ("/v1/chat/completions", {"messages": MSG, "chat_template_kwargs": {
+        f"k{i}": 0 for i in range(100_000)}}),
 ])
 def test_a_large_body_validated_in_a_child_process_gets_the_same_answer(gate, path, body):
     raw = json.dumps(body).encode()
@@ -175,6 +181,20 @@ def test_many_large_tool_schemas_are_checked_within_a_childs_time_limit():
         assert status == 400 and doc["error"]["param"] == "temperature"
     finally:
         state.bodies.close()
+
+
+def test_template_variables_are_measured_in_the_validating_child():
+    """A large `chat_template_kwargs` is measured where the body is validated, so the event
+    loop adds numbers instead of serializing the document again."""
+    state = WorkerState(ServerConfig(EngineConfig(model_path="/nowhere"), "tiny"))
+    raw = json.dumps({"messages": MSG, "chat_template_kwargs": {
+        "preamble": "é" * 300_000, "documents": [{"text": "x"}]}}).encode()
+    assert len(raw) > fast_path.INLINE_BODY_BYTES
+    try:
+        body = asyncio.run(state.bodies.run(fast_path.validated, ChatCompletionRequest, raw))
+    finally:
+        state.bodies.close()
+    assert body.template_kwarg_chars == {"preamble": 300_000, "documents": 14}   # [{"text":"x"}]
 
 
 def test_only_post_to_the_generation_paths_takes_the_fast_path(gate):

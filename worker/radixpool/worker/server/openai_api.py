@@ -27,6 +27,7 @@ from radixpool.worker.server.generation import (
 )
 from radixpool.worker.server.logprobs import TextOffset, chat_logprobs, completion_logprobs
 from radixpool.worker.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from radixpool.worker.server.request_checks import chat_prompt_field
 from radixpool.worker.server.sse import DONE, EventStream, sse
 from radixpool.worker.server.state import WorkerState
 from radixpool.worker.server.tool_use import ToolUse, stream_finish_reason
@@ -97,9 +98,11 @@ def router(state: WorkerState) -> APIRouter:
         template_kwargs = dict(body.chat_template_kwargs or {})
         if tools.rendered is not None:
             template_kwargs["tools"] = tools.rendered
-        input_ids = await state.encode_chat(messages, body.add_generation_prompt, template_kwargs)
+        input_ids = await state.encode_chat(messages, body.add_generation_prompt, template_kwargs,
+                                            body.template_kwarg_chars)
         max_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-        max_new = state.token_budget(len(input_ids), body.requested_max_tokens, "messages",
+        prompt_field = chat_prompt_field(messages, body.template_kwarg_chars)
+        max_new = state.token_budget(len(input_ids), body.requested_max_tokens, prompt_field,
                                      max_param)
         tools = await tools.with_grammar(body)
         sampling = body.sampling_dict(max_new, body.logprobs_k)
@@ -108,7 +111,7 @@ def router(state: WorkerState) -> APIRouter:
         params = build_params(sampling, state.vocab_size, CHAT_RENAMES)
         skipped = state.token_text.skipped(params.skip_special_tokens)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        run = EngineRun(state, input_ids, params, body.cache_salt, rid, CHAT_RENAMES, "messages")
+        run = EngineRun(state, input_ids, params, body.cache_salt, rid, CHAT_RENAMES, prompt_field)
         await start_all(request, [run])
         created = int(time.time())
         head = {"id": rid, "created": created, "model": state.config.served_model_name}

@@ -260,10 +260,13 @@ class ChatCompletionRequest(SamplingFields):
         return value
 
     _template_messages: list[dict[str, Any]] = PrivateAttr(default_factory=list)
+    _template_kwarg_chars: dict[str, int] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="after")
     def _render_messages(self) -> ChatCompletionRequest:
         self._template_messages = [m.template_dict() for m in self.messages]
+        self._template_kwarg_chars = request_checks.template_kwarg_chars(
+            self.chat_template_kwargs or {})
         return self
 
     def __getstate__(self) -> dict[str, Any]:
@@ -273,6 +276,11 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def template_messages(self) -> list[dict[str, Any]]:
         return self._template_messages
+
+    @property
+    def template_kwarg_chars(self) -> dict[str, int]:
+        """`chat_template_kwargs`' lengths, by key (`request_checks.template_kwarg_chars`)."""
+        return self._template_kwarg_chars
 
     @property
     def requested_max_tokens(self) -> int | None:

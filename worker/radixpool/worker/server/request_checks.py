@@ -11,9 +11,11 @@ validators as pydantic's validation context, a `Served`.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
+from radixpool.tokenization import RENDERER_VARIABLES
 from radixpool.worker.server.errors import APIError, bad_request
 
 # Completions one request may ask for (prompts × n): each is an engine request, so a few hundred
@@ -26,6 +28,42 @@ def check_choices(total: int, param: str) -> None:
         raise bad_request(f"the request asks for {total} completions (prompts × n); this worker "
                           f"takes at most {MAX_CHOICES} per request", param=param,
                           code="too_many_choices")
+
+
+# Variables one request may give its chat template (`chat_template_kwargs`): templates read a
+# handful, and each is a keyword of the render call (131k of them held the event loop 0.15 s).
+MAX_TEMPLATE_KWARGS = 64
+
+
+def template_kwarg_chars(kwargs: dict[str, Any]) -> dict[str, int]:
+    """Each `chat_template_kwargs` value's length in characters as a template prints it (a
+    string as itself, anything else as JSON), counted where the body is validated so a large
+    document is measured off the event loop; the prompt's length check adds them. Refuses too
+    many variables, and names the renderer gives the template itself."""
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise bad_request(f"chat_template_kwargs has {len(kwargs)} keys; this worker takes at "
+                          f"most {MAX_TEMPLATE_KWARGS}", param="chat_template_kwargs",
+                          code="too_many_template_kwargs")
+    for key in kwargs:
+        if key in RENDERER_VARIABLES:
+            source = "the tools field" if key == "tools" else "the worker"
+            raise bad_request(f"chat_template_kwargs may not set '{key}': the chat template "
+                              f"gets it from {source}", param=f"chat_template_kwargs.{key}",
+                              code="reserved_template_variable")
+    return {key: len(value) if isinstance(value, str)
+            else len(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
+            for key, value in kwargs.items()}
+
+
+def chat_prompt_field(messages: list[dict[str, Any]], kwarg_chars: dict[str, int]) -> str:
+    """The field a chat prompt too long for the context is refused by: `messages`, unless a
+    `chat_template_kwargs` value brings more of its characters."""
+    if not kwarg_chars:
+        return "messages"
+    largest = max(kwarg_chars, key=kwarg_chars.__getitem__)
+    if kwarg_chars[largest] > sum(len(str(m.get("content", ""))) for m in messages):
+        return f"chat_template_kwargs.{largest}"
+    return "messages"
 
 
 @dataclass(frozen=True)

@@ -147,20 +147,26 @@ class WorkerState:
         return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
 
     async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                          template_kwargs: dict | None = None) -> list[int]:
+                          template_kwargs: dict | None = None,
+                          kwarg_chars: dict[str, int] | None = None) -> list[int]:
+        """The rendered, tokenized chat prompt. `template_kwargs` are the request's validated
+        `chat_template_kwargs` (and the tools as the template gets them), `kwarg_chars` their
+        lengths as validation measured them: everything the template may print counts toward
+        the prompt's length, is refused naming its field before rendering when the context
+        cannot hold it, and is rendered off the event loop when long."""
         from radixpool.tokenization import ChatTemplateError
 
         tokenizer = self.engine.tokenizer
         kwargs = dict(template_kwargs or {})
-        for reserved in ("messages", "add_generation_prompt"):
-            if reserved in kwargs:
-                raise bad_request(f"chat_template_kwargs may not set '{reserved}'",
-                                  param=f"chat_template_kwargs.{reserved}")
         size = sum(len(str(m.get("content", ""))) for m in messages)
         self.check_text_length(size, "messages")
         if kwargs.get("tools"):   # rendered as JSON: at least this many characters
             size += len(json.dumps(kwargs["tools"], separators=(",", ":")))
             self.check_text_length(size, "tools")
+        if kwarg_chars:
+            size += sum(kwarg_chars.values())
+            largest = max(kwarg_chars, key=kwarg_chars.__getitem__)
+            self.check_text_length(size, f"chat_template_kwargs.{largest}")
         try:
             if size <= INLINE_TOKENIZE_CHARS:
                 return tokenizer.encode_chat(messages, add_generation_prompt, **kwargs)

@@ -46,9 +46,6 @@ class ToolUse:
                         not (field == "response_format" and body.response_format.type == "text"):
                     raise bad_request(f"{field} cannot be combined with tools unless "
                                       "tool_choice is 'none'", param=field)
-        if body.chat_template_kwargs and "tools" in body.chat_template_kwargs:
-            raise bad_request("chat_template_kwargs may not set 'tools'; use the tools field",
-                              param="chat_template_kwargs.tools")
         return cls(choice, frozenset(t.function.name for t in body.tools),
                    template_tools([t.model_dump() for t in body.tools]), None, fmt)
 
