@@ -36,7 +36,8 @@ def _state(context_length: int) -> tuple[WorkerState, CountingTokenizer]:
     state = WorkerState(ServerConfig(EngineConfig(model_path="/nowhere"), "tiny"))
     tokenizer = CountingTokenizer()
     state.engine = SimpleNamespace(tokenizer=tokenizer,
-                                   info=SimpleNamespace(context_length=context_length))
+                                   info=SimpleNamespace(context_length=context_length,
+                                                        vocab_size=1000))
     return state, tokenizer
 
 

@@ -24,7 +24,7 @@ from radixpool.worker.server.nonfinite_watch import (
     NonfiniteWatch,
     probe_prompt,
 )
-from radixpool.worker.server.request_checks import Served
+from radixpool.worker.server.request_checks import Served, message_chars
 from radixpool.worker.server.tool_format import ToolFormat, resolve_tool_format
 
 # Prompts longer than this (characters) are tokenized off the event loop.
@@ -115,9 +115,13 @@ class WorkerState:
 
     @property
     def served(self) -> Served:
-        info = self.engine.info if self.engine is not None else None
+        if self.engine is None:
+            return Served(self.config.served_model_name, self.config.engine.model_path)
+        info = self.engine.info
         return Served(self.config.served_model_name, self.config.engine.model_path,
-                      info and info.vocab_size, info and info.context_length)
+                      info.vocab_size, info.context_length,
+                      info.context_length * self.engine.tokenizer.longest_token_chars
+                      * TEXT_LENGTH_MARGIN)
 
     def check_model(self, model: str | None) -> None:
         self.served.check_model(model)
@@ -131,13 +135,7 @@ class WorkerState:
         return self.served.token_budget(prompt_len, requested, prompt_param, max_param)
 
     def check_text_length(self, chars: int, param: str) -> None:
-        limit = self.context_length * self.engine.tokenizer.longest_token_chars \
-            * TEXT_LENGTH_MARGIN
-        if chars > limit:
-            raise bad_request(
-                f"the prompt is {chars} characters, too long for this model's context length of "
-                f"{self.context_length} tokens (at most {limit} characters)", param=param,
-                code="context_length_exceeded")
+        self.served.check_text_length(chars, param)
 
     async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         self.check_text_length(len(text), param)
@@ -158,7 +156,7 @@ class WorkerState:
 
         tokenizer = self.engine.tokenizer
         kwargs = dict(template_kwargs or {})
-        size = sum(len(str(m.get("content", ""))) for m in messages)
+        size = message_chars(messages)
         self.check_text_length(size, "messages")
         if kwargs.get("tools"):   # rendered as JSON: at least this many characters
             size += len(json.dumps(kwargs["tools"], separators=(",", ":")))
