@@ -29,6 +29,9 @@ from radixpool.worker.server.tool_format import ToolFormat, resolve_tool_format
 
 # Prompts longer than this (characters) are tokenized off the event loop.
 INLINE_TOKENIZE_CHARS = 8192
+# Chats of more messages are rendered off the event loop, however short their text: the template
+# prints each one's role and markers (65k empty messages rendered in place held the loop 1.2 s).
+INLINE_CHAT_MESSAGES = 256
 # Text over context × longest token × this many characters cannot fit the context, whatever it
 # tokenizes to (the margin is for normalizers that drop characters): refused before tokenizing,
 # which takes ~250 bytes a character (16 MiB of text took the worker from 0.25 to 4.3 GiB).
@@ -166,7 +169,7 @@ class WorkerState:
             largest = max(kwarg_chars, key=kwarg_chars.__getitem__)
             self.check_text_length(size, f"chat_template_kwargs.{largest}")
         try:
-            if size <= INLINE_TOKENIZE_CHARS:
+            if size <= INLINE_TOKENIZE_CHARS and len(messages) <= INLINE_CHAT_MESSAGES:
                 return tokenizer.encode_chat(messages, add_generation_prompt, **kwargs)
             return await asyncio.to_thread(tokenizer.encode_chat, messages,
                                            add_generation_prompt, **kwargs)
