@@ -47,6 +47,8 @@ def bodies() -> dict[str, tuple[str, bytes]]:
         "completions 1 x 16M": ("/v1/completions", doc(prompt=[1] * 16_000_000)),
         "generate 1024 x 7.5k ids": ("/generate", doc(input_ids=[[1] * 7_500] * 1024)),
         "chat 65k messages": ("/v1/chat/completions", doc(messages=[msg] * 65_000)),
+        "chat 65k empty messages": ("/v1/chat/completions",
+                                    doc(messages=[{"role": "user", "content": ""}] * 65_000)),
         "chat 65k parts": ("/v1/chat/completions",
                            doc(messages=[{"role": "user", "content": [part] * 65_000}])),
         # legal, or refused only for other reasons

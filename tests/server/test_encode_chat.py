@@ -36,7 +36,8 @@ def _state(context_length: int) -> tuple[WorkerState, CountingTokenizer]:
     state = WorkerState(ServerConfig(EngineConfig(model_path="/nowhere"), "tiny"))
     tokenizer = CountingTokenizer()
     state.engine = SimpleNamespace(tokenizer=tokenizer,
-                                   info=SimpleNamespace(context_length=context_length))
+                                   info=SimpleNamespace(context_length=context_length,
+                                                        vocab_size=1000))
     return state, tokenizer
 
 
@@ -61,6 +62,19 @@ def test_a_large_tool_list_with_a_short_message_is_rendered_off_the_event_loop()
 
     async def encode() -> int:
         await state.encode_chat(MESSAGES, True, {"tools": _tools(8, 100)})
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(encode())
+    assert len(tokenizer.threads) == 1 and tokenizer.threads[0] != loop_thread
+
+
+def test_many_empty_messages_are_rendered_off_the_event_loop():
+    # Their text is 0 characters, so 65k of them were rendered and tokenized on the event loop:
+    # every other request stood still 1.2 s (the template prints each message's markers).
+    state, tokenizer = _state(2048)
+
+    async def encode() -> int:
+        await state.encode_chat([{"role": "user", "content": ""}] * 65_000, True)
         return threading.get_ident()
 
     loop_thread = asyncio.run(encode())

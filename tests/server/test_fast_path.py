@@ -18,6 +18,7 @@ from radixpool.worker.server.config import ServerConfig
 from radixpool.worker.server.errors import APIError
 from radixpool.worker.server.fast_path import FastRoutes
 from radixpool.worker.server.openai_protocol import ChatCompletionRequest
+from radixpool.worker.server.request_checks import Served
 from radixpool.worker.server.state import WorkerState
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -139,6 +140,19 @@ def test_a_large_body_validated_in_a_child_process_gets_the_same_answer(gate, pa
         fast_path.validated(gate.app.routes[path][0], raw)
     status, doc = call(gate.app, path, raw)
     assert status == in_place.value.status == 400 and doc == in_place.value.body()
+
+
+def test_a_chat_too_long_for_the_context_is_refused_where_its_body_is_validated():
+    # 65k short messages came back from their validating child as 65k dicts, unpickled, checked
+    # and summed on the event loop only to be refused there as too long.
+    served = Served("tiny", "/nowhere", vocab_size=1000, context_length=2048, text_chars=98_304)
+    raw = json.dumps({"messages": MSG * 65_000}).encode()
+    with pytest.raises(APIError) as refused:
+        fast_path.validated(ChatCompletionRequest, raw, served)
+    error = refused.value.body()["error"]
+    assert refused.value.status == 400 and error["code"] == "context_length_exceeded", error
+    assert error["param"] == "messages" and error["message"].startswith(
+        "the prompt is 130000 characters"), error
 
 
 def test_a_body_too_big_to_validate_gets_413_and_the_next_one_is_answered():

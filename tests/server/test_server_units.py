@@ -356,6 +356,7 @@ class _FailingMidStream(_StreamingEngine):
         super().__init__()
         self.failure = failure
         self.info = type("Info", (), {"context_length": 4096, "vocab_size": 100})()
+        self.tokenizer = type("Tokenizer", (), {"longest_token_chars": 16})()
 
     def stream(self, input_ids, sampling_params, namespace, rid):
         from radixpool.worker.request_output import StreamChunk

@@ -13,7 +13,8 @@ validation holds the GIL for as long as it takes, and a body of millions of tiny
 of one-id prompts, a million chat messages) would otherwise stall every stream on this event loop
 for seconds. What comes back is unpickled on the loop's side with the GIL held, so the body
 models refuse in the child what the handler would refuse anyway for its size (`request_checks`):
-a million prompts come back as one error, not as a million lists. A body that needs more than
+a million prompts come back as one error, not as a million lists, and 65k chat messages too
+long for the context as one error, not as 65k dicts. A body that needs more than
 `BODY_MEMORY_BYTES` to validate gets 413. A body whose objects hold more than
 `json_members.MAX_OBJECT_MEMBERS` keys in all is refused (400) before validation: a million
 unknown keys made a million validation errors, and held a child for its 30 s limit.

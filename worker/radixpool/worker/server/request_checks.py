@@ -5,8 +5,9 @@ returns is unpickled on the event loop's side with the GIL held: two million one
 back as two million lists, and every stream on the worker stood still for two seconds, only for
 the handler to refuse the batch (`too_many_choices`). The body models make that refusal
 themselves, in the handler's order and with its exact error, so such a body comes back as an
-error of a few hundred bytes. What a refusal needs from the worker (its model names) reaches the
-validators as pydantic's validation context, a `Served`.
+error of a few hundred bytes. The same goes for a chat whose messages' text alone is too long for
+the context (65k short messages held the loop 0.2 s). What a refusal needs from the worker (its
+model names and sizes) reaches the validators as pydantic's validation context, a `Served`.
 """
 
 from __future__ import annotations
@@ -55,13 +56,18 @@ def template_kwarg_chars(kwargs: dict[str, Any]) -> dict[str, int]:
             for key, value in kwargs.items()}
 
 
+def message_chars(messages: list[dict[str, Any]]) -> int:
+    """What a chat's messages bring to its prompt's length: their contents' characters."""
+    return sum(len(str(m.get("content", ""))) for m in messages)
+
+
 def chat_prompt_field(messages: list[dict[str, Any]], kwarg_chars: dict[str, int]) -> str:
     """The field a chat prompt too long for the context is refused by: `messages`, unless a
     `chat_template_kwargs` value brings more of its characters."""
     if not kwarg_chars:
         return "messages"
     largest = max(kwarg_chars, key=kwarg_chars.__getitem__)
-    if kwarg_chars[largest] > sum(len(str(m.get("content", ""))) for m in messages):
+    if kwarg_chars[largest] > message_chars(messages):
         return f"chat_template_kwargs.{largest}"
     return "messages"
 
@@ -75,6 +81,7 @@ class Served:
     model_path: str
     vocab_size: int | None = None
     context_length: int | None = None
+    text_chars: int | None = None   # the most characters a prompt's text may have
 
     def check_model(self, model: str | None) -> None:
         if model is None or model in (self.model_name, self.model_path):
@@ -88,6 +95,13 @@ class Served:
             bad = next(t for t in ids if t >= vocab)
             raise bad_request(f"token id {bad} is outside the vocabulary (size {vocab})",
                               param=param)
+
+    def check_text_length(self, chars: int, param: str) -> None:
+        if chars > self.text_chars:
+            raise bad_request(
+                f"the prompt is {chars} characters, too long for this model's context length of "
+                f"{self.context_length} tokens (at most {self.text_chars} characters)",
+                param=param, code="context_length_exceeded")
 
     def token_budget(self, prompt_len: int, requested: int | None, prompt_param: str,
                      max_param: str) -> int:

@@ -24,11 +24,14 @@ from radixpool.worker.server.nonfinite_watch import (
     NonfiniteWatch,
     probe_prompt,
 )
-from radixpool.worker.server.request_checks import Served
+from radixpool.worker.server.request_checks import Served, message_chars
 from radixpool.worker.server.tool_format import ToolFormat, resolve_tool_format
 
 # Prompts longer than this (characters) are tokenized off the event loop.
 INLINE_TOKENIZE_CHARS = 8192
+# Chats of more messages are rendered off the event loop, however short their text: the template
+# prints each one's role and markers (65k empty messages rendered in place held the loop 1.2 s).
+INLINE_CHAT_MESSAGES = 256
 # Text over context × longest token × this many characters cannot fit the context, whatever it
 # tokenizes to (the margin is for normalizers that drop characters): refused before tokenizing,
 # which takes ~250 bytes a character (16 MiB of text took the worker from 0.25 to 4.3 GiB).
@@ -115,9 +118,13 @@ class WorkerState:
 
     @property
     def served(self) -> Served:
-        info = self.engine.info if self.engine is not None else None
+        if self.engine is None:
+            return Served(self.config.served_model_name, self.config.engine.model_path)
+        info = self.engine.info
         return Served(self.config.served_model_name, self.config.engine.model_path,
-                      info and info.vocab_size, info and info.context_length)
+                      info.vocab_size, info.context_length,
+                      info.context_length * self.engine.tokenizer.longest_token_chars
+                      * TEXT_LENGTH_MARGIN)
 
     def check_model(self, model: str | None) -> None:
         self.served.check_model(model)
@@ -131,13 +138,7 @@ class WorkerState:
         return self.served.token_budget(prompt_len, requested, prompt_param, max_param)
 
     def check_text_length(self, chars: int, param: str) -> None:
-        limit = self.context_length * self.engine.tokenizer.longest_token_chars \
-            * TEXT_LENGTH_MARGIN
-        if chars > limit:
-            raise bad_request(
-                f"the prompt is {chars} characters, too long for this model's context length of "
-                f"{self.context_length} tokens (at most {limit} characters)", param=param,
-                code="context_length_exceeded")
+        self.served.check_text_length(chars, param)
 
     async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         self.check_text_length(len(text), param)
@@ -158,7 +159,7 @@ class WorkerState:
 
         tokenizer = self.engine.tokenizer
         kwargs = dict(template_kwargs or {})
-        size = sum(len(str(m.get("content", ""))) for m in messages)
+        size = message_chars(messages)
         self.check_text_length(size, "messages")
         if kwargs.get("tools"):   # rendered as JSON: at least this many characters
             size += len(json.dumps(kwargs["tools"], separators=(",", ":")))
@@ -168,7 +169,7 @@ class WorkerState:
             largest = max(kwarg_chars, key=kwarg_chars.__getitem__)
             self.check_text_length(size, f"chat_template_kwargs.{largest}")
         try:
-            if size <= INLINE_TOKENIZE_CHARS:
+            if size <= INLINE_TOKENIZE_CHARS and len(messages) <= INLINE_CHAT_MESSAGES:
                 return tokenizer.encode_chat(messages, add_generation_prompt, **kwargs)
             return await asyncio.to_thread(tokenizer.encode_chat, messages,
                                            add_generation_prompt, **kwargs)

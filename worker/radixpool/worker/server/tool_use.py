@@ -9,7 +9,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from radixpool.tokenization import template_tools
-from radixpool.worker.server.errors import bad_request
 from radixpool.worker.server.tool_format import ToolFormat
 from radixpool.worker.server.tool_parsers import (
     ArgumentsPiece,
@@ -19,7 +18,7 @@ from radixpool.worker.server.tool_parsers import (
     ToolEvent,
     parse_tool_calls,
 )
-from radixpool.worker.server.tools import check_tool_messages, resolve_choice, tool_grammar
+from radixpool.worker.server.tools import checked_tool_choice, tool_grammar
 
 
 @dataclass(frozen=True)
@@ -36,16 +35,9 @@ class ToolUse:
         """Validates the request's tools against each other, its tool choice and its history;
         raises 400 naming the field. No grammar yet (`with_grammar`): the prompt is checked
         against the context first, so tools too large for it never reach the compiler."""
-        check_tool_messages(messages)
-        choice = resolve_choice(body.tools, body.tool_choice)
+        choice = checked_tool_choice(body, messages)
         if choice is None:
             return cls(None, frozenset(), None, None, fmt)
-        if choice != "none":
-            for field in ("response_format", "regex", "ebnf"):
-                if getattr(body, field) is not None and \
-                        not (field == "response_format" and body.response_format.type == "text"):
-                    raise bad_request(f"{field} cannot be combined with tools unless "
-                                      "tool_choice is 'none'", param=field)
         return cls(choice, frozenset(t.function.name for t in body.tools),
                    template_tools([t.model_dump() for t in body.tools]), None, fmt)
 

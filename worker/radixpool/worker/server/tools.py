@@ -142,6 +142,20 @@ def resolve_choice(tools: list[Tool] | None, choice: Any) -> str | None:
     return name
 
 
+def checked_tool_choice(body: Any, messages: list[dict[str, Any]]) -> str | None:
+    """A chat request's tool choice (`resolve_choice`) once its tool history, its tools and
+    their combination with other output constraints are checked. Raises 400 naming the field."""
+    check_tool_messages(messages)
+    choice = resolve_choice(body.tools, body.tool_choice)
+    if choice not in (None, "none"):
+        for field in ("response_format", "regex", "ebnf"):
+            if getattr(body, field) is not None and \
+                    not (field == "response_format" and body.response_format.type == "text"):
+                raise bad_request(f"{field} cannot be combined with tools unless "
+                                  "tool_choice is 'none'", param=field)
+    return choice
+
+
 def check_tool_messages(messages: list[dict[str, Any]]) -> None:
     """Every `tool` message answers a call an earlier assistant message made, and every
     assistant call is well-formed. Raises 400 naming the message's field."""
