@@ -63,7 +63,8 @@ def test_stop_finishes_answers_closes_idle_connections_and_ends_every_handler(lo
         stopping = threading.Thread(target=stop)
         stopping.start()
         started = time.monotonic()
-        assert read_until_closed(idle, 5) == b"" and time.monotonic() - started < 0.5
+        # closed at once, not at the end of the 1 s grace (the bound leaves room for a busy CPU)
+        assert read_until_closed(idle, 5) == b"" and time.monotonic() - started < 0.9
         assert Responses(read_until_closed(slow, 5)).messages == [(200, b"done")]
         stopping.join(10)
         assert stopped["after"] < 3.0   # the grace period, then the rest is cut
