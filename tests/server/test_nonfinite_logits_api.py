@@ -211,18 +211,44 @@ def test_one_client_repeating_a_poison_prompt_leaves_the_worker_healthy(broken, 
 
 
 @pytest.fixture(scope="module")
-def all_nan(tiny_model, tmp_path_factory):
+def all_nan_checkpoint(tiny_model, tmp_path_factory):
     """A checkpoint whose every embedding is NaN: every request's logits are NaN."""
     path = tmp_path_factory.mktemp("all-nan-checkpoint")
     shutil.copytree(tiny_model, path, dirs_exist_ok=True)
     weights = load_file(path / "model.safetensors")
     weights["model.embed_tokens.weight"].fill_(float("nan"))
     save_file(weights, path / "model.safetensors")
+    return path
+
+
+@pytest.fixture(scope="module")
+def all_nan(all_nan_checkpoint):
+    path = all_nan_checkpoint
     proc = WorkerProcess(path, path / "worker.log", "--unhealthy-after-nonfinite", "3")
     try:
         yield proc.wait_ready()
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="module")
+def all_nan_short(all_nan_checkpoint):
+    """The all-NaN checkpoint with a 6-token context: the self-check must fit it."""
+    path = all_nan_checkpoint
+    proc = WorkerProcess(path, path / "short.log", "--unhealthy-after-nonfinite", "2",
+                         "--context-length", "6")
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop()
+
+
+def test_the_self_check_fits_a_tiny_context(all_nan_short):
+    for i in range(2):
+        r = httpx.post(f"{all_nan_short.url}/generate", json={
+            "input_ids": [10 + i, 11], "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code == 500 and r.json()["error"]["code"] == "nonfinite_logits"
+    eventually(lambda: health(all_nan_short.url) == (503, 503), "the worker reports itself broken")
 
 
 def test_a_worker_whose_every_request_is_nan_reports_itself_unhealthy(all_nan):

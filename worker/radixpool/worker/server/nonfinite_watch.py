@@ -34,8 +34,10 @@ PROBE_OUTPUT_TOKENS = 4   # greedy, EOS ignored: a prefill and three decode step
 Probe = Callable[[], Awaitable[bool]]
 
 
-def probe_prompt(vocab_size: int) -> list[int]:
-    return [(7 * i + 3) % vocab_size for i in range(PROBE_TOKENS)]
+def probe_prompt(vocab_size: int, context_length: int | None = None) -> list[int]:
+    """The self-check's prompt; shorter when the context cannot hold it and an output token."""
+    room = PROBE_TOKENS if context_length is None else context_length - 1
+    return [(7 * i + 3) % vocab_size for i in range(max(1, min(PROBE_TOKENS, room)))]
 
 
 class NonfiniteWatch:

@@ -80,12 +80,13 @@ class WorkerState:
     async def probe_model(self) -> bool:
         """The model's self-check (`nonfinite_watch`): are its logits finite for a fixed,
         harmless prompt? Raises when it cannot tell."""
-        engine = self.engine
+        info = self.engine.info
+        prompt = probe_prompt(info.vocab_size, info.context_length)   # a tiny context fits it
+        outputs = max(1, min(PROBE_OUTPUT_TOKENS, info.context_length - len(prompt)))
         try:
-            await asyncio.wait_for(engine.generate_async(
-                input_ids=probe_prompt(engine.info.vocab_size),
-                sampling_params={"max_new_tokens": PROBE_OUTPUT_TOKENS, "temperature": 0,
-                                 "ignore_eos": True}), PROBE_TIMEOUT_S)
+            await asyncio.wait_for(self.engine.generate_async(
+                input_ids=prompt, sampling_params={"max_new_tokens": outputs, "temperature": 0,
+                                                   "ignore_eos": True}), PROBE_TIMEOUT_S)
         except RequestFault as exc:
             if exc.code != NONFINITE_LOGITS:
                 raise
