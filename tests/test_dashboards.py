@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 # Counters whose rate is requests per second (the rest count tokens or events).
 REQUEST_COUNTERS = {s.name for s in (
     m.REQUESTS, m.RETRACTED_REQUESTS, m.GW_REQUESTS, m.GW_ROUTE_DECISIONS, m.GW_RETRIES,
-    m.GW_QUARANTINED, m.GW_UPSTREAM_TIMEOUTS, m.GW_WAIT_QUEUE_OUTCOMES)}
+    m.GW_QUARANTINED, m.GW_UPSTREAM_TIMEOUTS, m.GW_WAIT_QUEUE_OUTCOMES, m.NONFINITE_LOGITS)}
 
 
 def queries(board: dict) -> list[tuple[str, str]]:

@@ -248,6 +248,17 @@ def worker_dashboard() -> dict[str, Any]:
              "legendFormat": "{{pod}}"}], "ops",
             "KV pages freed while already free: an engine bug (counted and ignored). "
             "Anything above zero deserves a bug report."),
+        _panel("Non-finite logits (requests / s)", [
+            {"expr": f"sum by (pod) ({_rate(m.NONFINITE_LOGITS.name, WORKER)})",
+             "legendFormat": "{{pod}}"}], "reqps",
+            "Requests ended with 500 nonfinite_logits: the model gave NaN or infinite logits "
+            "for their prompt (fp16 overflow, a bad checkpoint, a kernel bug). The gateway's "
+            "breaker leaves them out."),
+        _panel("Model broken (non-finite)", [
+            {"expr": f"max by (pod) ({m.NONFINITE_BROKEN.name}{{{WORKER}}})",
+             "legendFormat": "{{pod}}"}], "short",
+            "1: a run of non-finite requests and the worker's own self-check all gave NaN or "
+            "infinite logits; its /health and /livez answer 503 until the kubelet restarts it."),
         _panel("Finished requests / s", [
             {"expr": f"sum by (pod, finish_reason) ({_rate(m.REQUESTS.name, WORKER)})",
              "legendFormat": "{{finish_reason}} {{pod}}"}], "reqps", "By finish reason."),
