@@ -10,13 +10,13 @@ GPU: prefills run one at a time and cost `prefill_us_per_token` per *uncached* p
 routing quality shows as latency; decode costs `decode_ms_per_token` per output token and
 overlaps freely. With both at zero a request is answered at once (the gateway-overhead
 benchmark). `/sim/fail` makes a worker answer
-503 to requests and/or health (retry and drain tests), or end every stream after its first token
-with the error event a worker sends when generation fails mid-stream (`stream_error`: the
-event's `error` fields, e.g. `{"type": "server_error"}`), or answer every request 500 with an
-error body (`error`: its `error` fields, e.g. `{"code": "nonfinite_logits"}`); `SimFleet` runs
-N workers in one loop, counts samples where one worker sat idle while another had prefills
-queued, and serves its fleet-wide numbers at `GET /sim/stats` on every worker (`DELETE
-/sim/stats` reads and resets).
+503 to requests and/or health (retry and drain tests; `health` may be the 503's body), or end
+every stream after its first token with the error event a worker sends when generation fails
+mid-stream (`stream_error`: the event's `error` fields, e.g. `{"type": "server_error"}`), or
+answer every request 500 with an error body (`error`: its `error` fields, e.g. `{"code":
+"nonfinite_logits"}`); `SimFleet` runs N workers in one loop, counts samples where one worker
+sat idle while another had prefills queued, and serves its fleet-wide numbers at `GET
+/sim/stats` on every worker (`DELETE /sim/stats` reads and resets).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class SimWorker:
         self.running = 0
         self.waiting = 0
         self.fail_requests = False
-        self.fail_health = False
+        self.fail_health: bool | dict = False   # a dict: the body of its 503
         self.stream_error: dict | None = None   # streams end after a token with this error
         self.error: dict | None = None   # every request is answered 500 with this error
         self.prompt_tokens = 0
@@ -114,8 +114,8 @@ class SimWorker:
             await self.generate(request, respond)
         elif path == "/health":
             bad = self.fail_health
-            await respond.send(*json_body(503 if bad else 200,
-                                          {"status": "draining" if bad else "ok"}))
+            await respond.send(*json_body(503 if bad else 200, bad if isinstance(bad, dict)
+                                          else {"status": "draining" if bad else "ok"}))
         elif path == "/server_info":
             await respond.send(*json_body(200, self.info().to_json()))
         elif path == "/tokenizer":
@@ -143,7 +143,8 @@ class SimWorker:
         elif path == "/sim/fail":
             doc = json.loads(request.body or b"{}")
             self.fail_requests = bool(doc.get("requests"))
-            self.fail_health = bool(doc.get("health"))
+            health = doc.get("health")   # a dict: the 503's body
+            self.fail_health = health if isinstance(health, dict) else bool(health)
             self.stream_error = doc.get("stream_error")
             self.error = doc.get("error")
             await respond.send(*json_body(200, doc))

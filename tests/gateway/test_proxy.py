@@ -245,6 +245,23 @@ def test_active_health_checks_take_a_worker_out_after_n_failures(make_stack):
     assert stack.gateway.workers.get(bad).health.healthy
 
 
+def test_workers_view_says_why_a_worker_failed_its_health_check(make_stack):
+    # a worker whose model gives only NaN answers /health 503 with code nonfinite_logits: the
+    # gateway's view names it, so "down" is not read as a slow start or a drain
+    stack = make_stack(2, health_failures=1)
+    bad = stack.fleet.urls[1]
+    stack.client.post(bad + "/sim/fail", json={"health": {
+        "status": "failed", "code": "nonfinite_logits", "message": "the model is broken"}})
+    stack.check_all()
+    view = {w["url"]: w for w in stack.client.get("/workers").json()["workers"]}
+    assert view[bad]["health_failure"] == {"status": 503, "code": "nonfinite_logits"}
+    assert not view[bad]["healthy"] and not view[bad]["eligible"]
+    assert view[stack.fleet.urls[0]]["health_failure"] is None
+    stack.client.post(bad + "/sim/fail", json={})
+    stack.check_all()
+    assert stack.client.get("/workers").json()["workers"][1]["health_failure"] is None
+
+
 def test_admin_adds_and_removes_workers_and_removal_lets_streams_finish(make_stack):
     stack = make_stack(1, sim=SimConfig(decode_ms_per_token=20.0), admin_api_key="admin")
     admin = {"authorization": "Bearer admin"}

@@ -39,6 +39,7 @@ def describe(fleet: WorkerSet, worker: Worker, now: float) -> dict:
         "eligible": worker.eligible(now),
         "healthy": worker.health.healthy,
         "draining": worker.draining,
+        "health_failure": worker.health_failure,
         "terminating": worker.terminating,
         "circuit_breaker": worker.breaker.state(now),
         "breaker_failures": dict(worker.breaker.failures_by_kind),

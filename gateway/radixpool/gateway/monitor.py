@@ -102,13 +102,17 @@ class Monitor:
         """One round of active checks (also callable directly by tests and at startup)."""
         timeout = self.config.health_timeout
         try:
-            status, _ = await self._get_json(worker, "/health", timeout)
+            status, doc = await self._get_json(worker, "/health", timeout)
         except (asyncio.TimeoutError, OSError):
-            status = 0
+            status, doc = 0, None
         ok = status == 200
         worker.draining = status == 503
+        code = doc.get("code") if isinstance(doc, dict) else None
+        worker.health_failure = None if ok else {
+            "status": status or None, "code": code if isinstance(code, str) else None}
         if worker.health.record(ok):   # True only when the verdict flipped
-            log.warning("worker %s is now %s", worker.url, "healthy" if ok else "down")
+            log.warning("worker %s is now %s%s", worker.url, "healthy" if ok else "down",
+                        f" ({status} {code})" if not ok and isinstance(code, str) else "")
             if ok:
                 worker.breaker.reset()
             elif not status and self.hung is not None:   # unanswered, not draining (503)

@@ -36,6 +36,9 @@ class Worker:
     port: int = 0
     inflight: int = 0
     draining: bool = False      # the worker said so (503 from /health or a request)
+    # why its last /health check failed: {"status": 503 or None (no answer), "code": the error
+    # code its body gave, e.g. "nonfinite_logits"}; None once it answers 200
+    health_failure: dict | None = None
     terminating: bool = False   # discovery said so (a terminating endpoint)
     removed: bool = False
     info: ServerInfo | None = None
