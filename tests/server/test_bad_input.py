@@ -77,6 +77,12 @@ BAD = [
     ("/v1/chat/completions", {"messages": MSG, "chat_template_kwargs": {
         "enable_thinking": False, "notes": "x" * (1 << 20)}}, 400, "chat_template_kwargs.notes"),
     ("/v1/chat/completions", {"messages": MSG, "stream": "yes"}, 400, "stream"),
+    ("/v1/chat/completions", {"messages": MSG, "include_stop_str_in_output": "yes"}, 400,
+     "include_stop_str_in_output"),
+    ("/v1/completions", {"prompt": "x", "include_stop_str_in_output": 1}, 400,
+     "include_stop_str_in_output"),
+    ("/generate", {"text": "x", "sampling_params": {"no_stop_trim": "true"}}, 400,
+     "sampling_params.no_stop_trim"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 5000}]}, 400,
      "messages"),
     ("/v1/completions", {"prompt": 7}, 400, "prompt"),

@@ -117,6 +117,58 @@ def test_stop_string_spanning_tokens_is_trimmed(client, http):
     assert "".join(c.choices[0].text for c in streamed) == expected
 
 
+def test_a_stop_token_text_is_left_out_unless_asked_for(client, http):
+    # vLLM and SGLang leave the text of a matched stop_token_id (and of a shown EOS) out of the
+    # answer, streamed or not, while usage counts the token: it was appended to the text here.
+    prompt = "the river and the garden"
+    base = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    free = http.post("/generate", json={"text": prompt, "sampling_params": base}).json()
+    token = free["output_ids"][2]
+    before, upto = (http.post("/generate", json={"text": prompt, "sampling_params": {
+        **base, "max_new_tokens": k}}).json()["text"] for k in (2, 3))
+    assert upto != before
+    kw = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0}
+    stop = {"ignore_eos": True, "stop_token_ids": [token]}
+    r = client.completions.create(n=2, logprobs=1, extra_body=stop, **kw)
+    for choice in r.choices:
+        assert choice.text == before and choice.finish_reason == "stop"
+        lp = choice.logprobs   # the stop token keeps its entry, taking no room in the text
+        assert len(lp.tokens) == 3 and lp.text_offset[-1] <= len(before)
+    assert r.usage.completion_tokens == 6
+    streamed = list(client.completions.create(stream=True, extra_body=stop, **kw))
+    assert "".join(c.choices[0].text for c in streamed) == before
+    assert streamed[-1].choices[0].finish_reason == "stop"
+    kept = client.completions.create(extra_body={**stop, "include_stop_str_in_output": True},
+                                     **kw)
+    assert kept.choices[0].text == upto
+    native = http.post("/generate", json={"text": prompt, "sampling_params": {
+        **base, "stop_token_ids": [token]}}).json()
+    assert native["text"] == before and native["output_ids"][-1] == token
+    native = http.post("/generate", json={"text": prompt, "sampling_params": {
+        **base, "stop_token_ids": [token], "no_stop_trim": True}}).json()
+    assert native["text"] == upto
+
+
+def test_a_shown_eos_that_ends_the_output_is_left_out_of_the_message(client):
+    eos_first = {"2": 100}   # </s>, the tiny model's EOS, made certain after min_tokens
+    kw = {"max_tokens": 6, "temperature": 0, "logit_bias": eos_first, "logprobs": True}
+    shown = {"skip_special_tokens": False, "min_tokens": 2}
+    r = chat(client, "the cat", extra_body=shown, **kw)
+    content = r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 3
+    assert not content.endswith("</s>")
+    entries = r.choices[0].logprobs.content   # they spell the message: none for the trimmed EOS
+    assert b"".join(bytes(e.bytes) for e in entries).decode(errors="replace") == content
+    chunks = list(chat(client, "the cat", stream=True, extra_body=shown, **kw))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == content
+    kept = chat(client, "the cat", extra_body={**shown, "include_stop_str_in_output": True},
+                **kw)
+    assert kept.choices[0].message.content == content + "</s>"
+    stops = chat(client, "the cat", stop=[content[-2:]], max_tokens=6, temperature=0,
+                 extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert stops.choices[0].message.content.endswith(content[-2:])
+
+
 def test_logprobs(client):
     r = chat(client, "hello", max_tokens=5, temperature=0, logprobs=True, top_logprobs=3,
              extra_body={"ignore_eos": True})

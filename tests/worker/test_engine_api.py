@@ -92,6 +92,46 @@ def test_stop_token_ids_end_generation(engine):
     assert out["meta_info"]["matched_stop"] == token
 
 
+def test_a_matched_stop_token_or_eos_leaves_its_text_out_unless_kept(engine):
+    # As in vLLM and SGLang, the token that ended the output stays in output_ids but its text
+    # is not in the text ("no_stop_trim" keeps it); its text (" on", "</s>") was appended.
+    base = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    free = engine.generate("stop here", base)
+    token = free["output_ids"][2]
+    before = engine.generate("stop here", {**base, "max_new_tokens": 2})["text"]
+    upto = engine.generate("stop here", {**base, "max_new_tokens": 3})["text"]
+    assert upto != before
+    stopped = {**base, "stop_token_ids": [token]}
+    out = engine.generate("stop here", stopped)
+    assert out["text"] == before and out["output_ids"][-1] == token
+    assert out["meta_info"]["completion_tokens"] == 3
+    assert engine.generate("stop here", {**stopped, "no_stop_trim": True})["text"] == upto
+
+    async def streamed(params: dict) -> str:
+        return "".join([c.text async for c in engine.stream("stop here", sampling_params=params)])
+
+    assert asyncio.run(streamed(stopped)) == before
+    eos = engine.tokenizer.eos_token_id
+    shown = {"max_new_tokens": 6, "temperature": 0, "skip_special_tokens": False,
+             "min_new_tokens": 2, "logit_bias": {str(eos): 100}}
+    out = engine.generate("stop here", shown)
+    assert out["output_ids"][-1] == eos and out["meta_info"]["matched_stop"] == eos
+    assert out["text"] == before and asyncio.run(streamed(shown)) == before
+    kept = engine.generate("stop here", {**shown, "no_stop_trim": True})["text"]
+    assert kept == before + engine.tokenizer.decode([eos], skip_special_tokens=False)
+
+
+def test_no_stop_trim_keeps_a_matched_stop_string(engine):
+    base = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    text = engine.generate("stop strings here", base)["text"]
+    stop = text.strip()[1:3]
+    cut = text.index(stop)
+    assert engine.generate("stop strings here", {**base, "stop": [stop]})["text"] == text[:cut]
+    kept = engine.generate("stop strings here", {**base, "stop": [stop], "no_stop_trim": True})
+    assert kept["text"] == text[:cut + len(stop)]
+    assert kept["meta_info"]["matched_stop"] == stop
+
+
 @pytest.mark.parametrize("params, field", [
     ({"max_new_tokens": 0}, "max_new_tokens"),
     ({"top_p": 0}, "top_p"),
@@ -100,6 +140,7 @@ def test_stop_token_ids_end_generation(engine):
     ({"bogus": 1}, "bogus"),
     ({"max_new_tokens": "ten"}, "max_new_tokens"),
     ({"logit_bias": {"5000": 1}}, "logit_bias"),
+    ({"no_stop_trim": 1}, "no_stop_trim"),
 ])
 def test_bad_sampling_params_name_the_field_and_engine_keeps_serving(engine, params, field):
     with pytest.raises(ValueError, match=field):

@@ -420,10 +420,11 @@ class Engine:
         now = time.time()
         forks, requests = [], []
         for i, core_rid in enumerate(core_rids):
+            stop = StopMatcher(params.stop, params.no_stop_trim) if params.stop else None
             fork = RequestOutput(core_rid, rid, i, params,
                                  IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
                                                         ids),
-                                 StopMatcher(params.stop) if params.stop else None, sink, now)
+                                 stop, sink, now)
             self._forks[core_rid] = fork
             forks.append(fork)
             requests.append(GenerateRequest(core_rid, ids, params, request_seed(params.seed, i),

@@ -4,6 +4,11 @@ One `RequestOutput` per core request (one of a request's n choices) lives where 
 the core's output (its receiver thread, or a server's event loop). It detokenizes incrementally
 (never a partial UTF-8 character), applies stop strings (held back while they might still match,
 trimmed when they do) and builds `StreamChunk`s.
+
+A stop token (`stop_token_ids`, or EOS when not ignored) that ends the output stays in its token
+ids and counts, but its text is not in the text (as in vLLM and SGLang), unless `no_stop_trim`:
+the text is that of the tokens before it, so bytes the detokenizer held for a character the stop
+token would have completed come out as they decode alone (U+FFFD), as SGLang decodes them.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ class StreamChunk:
     finished: bool = False
     finish_reason: str | None = None
     matched_stop: str | int | None = None
+    trimmed_stop_token: int | None = None   # ended the output (the last id); its text is not here
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_tokens: int = 0
@@ -72,13 +78,17 @@ class RequestOutput:
         tokens = delta.token_ids
         if tokens and self.first_token_time is None:
             self.first_token_time = time.time()
+        # The core ends a delta with the stop token it matched: its text is left out.
+        trimmed = (delta.finished and bool(tokens) and not self.params.no_stop_trim
+                   and delta.matched_stop_token == tokens[-1])
+        shown = tokens[:-1] if trimmed else tokens
         # The first min_new_tokens - 1 tokens cannot end the output with a stop string (the
         # core already bans EOS and stop tokens there): their text is fed as "may not stop".
-        quiet = min(len(tokens), max(0, self.params.min_new_tokens - 1 - len(self.output_ids)))
+        quiet = min(len(shown), max(0, self.params.min_new_tokens - 1 - len(self.output_ids)))
         self.output_ids.extend(tokens)
-        parts = [[self.detok.push(tokens[:quiet]), False]] if quiet else []
-        if quiet < len(tokens) or not parts:
-            parts.append([self.detok.push(tokens[quiet:]), True])
+        parts = [[self.detok.push(shown[:quiet]), False]] if quiet else []
+        if quiet < len(shown) or not parts:
+            parts.append([self.detok.push(shown[quiet:]), True])
         if delta.finished:
             parts[-1][0] += self.detok.flush()
         reason, matched, stopped = delta.finish_reason, delta.matched_stop_token, False
@@ -99,6 +109,7 @@ class RequestOutput:
             rid=self.rid, index=self.index, text=text, token_ids=list(delta.token_ids),
             finished=self.finished, finish_reason=reason if self.finished else None,
             matched_stop=matched if self.finished else None,
+            trimmed_stop_token=tokens[-1] if trimmed and not stopped else None,
             logprobs=delta.logprobs, top_logprobs=delta.top_logprobs,
             prompt_tokens=delta.prompt_tokens, cached_tokens=delta.cached_tokens,
             completion_tokens=len(self.output_ids), arrival_time=self.arrival_time,

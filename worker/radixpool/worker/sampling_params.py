@@ -31,6 +31,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()        # stop strings: matched on text by the front end
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    no_stop_trim: bool = False        # keep the matched stop string / stop token's text
     n: int = 1
     logprobs: int | None = None       # None: no logprobs; k >= 0: chosen token + top k
     skip_special_tokens: bool = True
@@ -83,7 +84,7 @@ class SamplingParams:
             check_type(name, (int, float), "a number")
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be finite, got {getattr(self, name)!r}")
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "no_stop_trim", "skip_special_tokens"):
             check_type(name, (bool,), "true or false")
         if self.seed is not None:
             check_type("seed", (int,), "an integer")

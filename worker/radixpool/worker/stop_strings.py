@@ -1,7 +1,9 @@
 """Stop strings over streamed text, with OpenAI semantics: the output ends right *before* the stop
-string that is completed first, which itself is not returned. "First completed" (earliest end,
-then the longest of those) is what a token-by-token stream sees, so the result does not depend on
-how the text was chunked: with stops ("a", "xaa") the text "xaa" stops at "x".
+string that is completed first, which itself is not returned (unless `keep`: then the output ends
+right after it, as vLLM's `include_stop_str_in_output` and SGLang's `no_stop_trim` do). "First
+completed" (earliest end, then the longest of those) is what a token-by-token stream sees, so the
+result does not depend on how the text was chunked: with stops ("a", "xaa") the text "xaa" stops
+at "x".
 
 Text arrives in chunks (one per detokenizer push), and a stop string may straddle chunks
 ("Obs" + "erv" + "ation:"). So the matcher holds back the longest tail of what it has seen that
@@ -26,10 +28,11 @@ class StopCheck(NamedTuple):
 
 
 class StopMatcher:
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], keep: bool = False) -> None:
         if any(not isinstance(s, str) or not s for s in stops):
             raise ValueError("stop strings must be non-empty strings")
         self.stops = tuple(dict.fromkeys(stops))
+        self.keep = keep
         self.matched: str | None = None
         self._held = ""
         self._held_quiet = 0   # leading characters of `_held` fed with may_stop=False
@@ -52,7 +55,7 @@ class StopMatcher:
                 best, stop = (at + len(s), at), s
         if best is not None:
             self.matched, self._held, self._held_quiet = stop, "", 0
-            return StopCheck(text[:best[1]], stop)
+            return StopCheck(text[:best[0] if self.keep else best[1]], stop)
         cut = len(text) - self._open_prefix(text)
         self._held = text[cut:]
         self._held_quiet = max(0, quiet - cut)

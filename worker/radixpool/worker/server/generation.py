@@ -75,6 +75,7 @@ class ForkOutput:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
     matched_stop: str | int | None = None
+    trimmed_stop_token: int | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
@@ -94,6 +95,7 @@ class ForkOutput:
         if chunk.finished:
             self.finish_reason = chunk.finish_reason
             self.matched_stop = chunk.matched_stop
+            self.trimmed_stop_token = chunk.trimmed_stop_token
             self.core_seconds = chunk.core_seconds
 
     @property

@@ -47,9 +47,14 @@ class TokenText:
         self._anchor = tokenizer.encode("a", add_special_tokens=False)[-1:]
         self._anchor_text = tokenizer.decode(self._anchor, skip_special_tokens=False)
 
-    def skipped(self, skip_special_tokens: bool) -> frozenset[int]:
-        """The token ids a request's text leaves out."""
-        return self.tokenizer.special_ids if skip_special_tokens else frozenset()
+    def skipped(self, skip_special_tokens: bool,
+                trimmed_stop_token: int | None = None) -> frozenset[int]:
+        """The token ids a request's text leaves out: the special tokens unless shown, and the
+        stop token whose text was trimmed. That one is the output's last token and occurs
+        nowhere before it (a stop token ends the output, and is banned until `min_new_tokens`),
+        so leaving its id out leaves out that one token."""
+        skipped = self.tokenizer.special_ids if skip_special_tokens else frozenset()
+        return skipped if trimmed_stop_token is None else skipped | {trimmed_stop_token}
 
     def __call__(self, token_id: int) -> tuple[str, bytes]:
         known = self._cache.get(token_id)

@@ -109,7 +109,6 @@ def router(state: WorkerState) -> APIRouter:
         if tools.grammar is not None:
             sampling["ebnf"] = tools.grammar
         params = build_params(sampling, state.vocab_size, CHAT_RENAMES)
-        skipped = state.token_text.skipped(params.skip_special_tokens)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         run = EngineRun(state, input_ids, params, body.cache_salt, rid, CHAT_RENAMES, prompt_field)
         await start_all(request, [run])
@@ -127,7 +126,9 @@ def router(state: WorkerState) -> APIRouter:
                 "index": fork.index,
                 "message": message,
                 "logprobs": (chat_logprobs(state.token_text, fork.token_ids, fork.logprobs,
-                                           fork.top_logprobs, skipped)
+                                           fork.top_logprobs,
+                                           state.token_text.skipped(params.skip_special_tokens,
+                                                                    fork.trimmed_stop_token))
                              if params.logprobs is not None else None),
                 "finish_reason": finish_reason,
             })
@@ -177,7 +178,8 @@ def router(state: WorkerState) -> APIRouter:
                 if params.logprobs is not None:
                     logprobs, _ = completion_logprobs(
                         state.token_text, fork.token_ids, fork.logprobs, fork.top_logprobs,
-                        skipped=state.token_text.skipped(params.skip_special_tokens))
+                        skipped=state.token_text.skipped(params.skip_special_tokens,
+                                                         fork.trimmed_stop_token))
                 choices.append({
                     "index": p * params.n + fork.index,
                     "text": echo[p] + text if body.echo else text,
@@ -219,7 +221,6 @@ def _chat_events(state: WorkerState, run: EngineRun, body: ChatCompletionRequest
                  head: dict, prompt_len: int, tools: ToolUse) -> AsyncIterator[bytes]:
     chunk_head = {**head, "object": "chat.completion.chunk", "system_fingerprint": None}
     want_logprobs = body.logprobs_k is not None
-    skipped = state.token_text.skipped(body.skip_special_tokens)
     tally = UsageTally([prompt_len])
     preamble = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                  "finish_reason": None} for i in range(body.n)]
@@ -239,7 +240,9 @@ def _chat_events(state: WorkerState, run: EngineRun, body: ChatCompletionRequest
                 if chunk.finished:
                     deltas += parser.finish()
             logprobs = (chat_logprobs(state.token_text, chunk.token_ids, chunk.logprobs or [],
-                                      chunk.top_logprobs, skipped)
+                                      chunk.top_logprobs,
+                                      state.token_text.skipped(body.skip_special_tokens,
+                                                               chunk.trimmed_stop_token))
                         if want_logprobs else None)
             for i, delta in enumerate(deltas[:-1]):
                 yield {"index": chunk.index, "delta": delta,
@@ -262,7 +265,6 @@ def _completion_events(state: WorkerState, runs: list[EngineRun], body: Completi
                        echo: list[str]) -> AsyncIterator[bytes]:
     chunk_head = {**head, "object": "text_completion"}
     want_logprobs = body.logprobs is not None
-    skipped = state.token_text.skipped(body.skip_special_tokens)
     tally = UsageTally([len(ids) for ids in inputs])
     n = body.n
     preamble = [{"index": p * n + i, "text": text, "logprobs": None, "finish_reason": None}
@@ -279,7 +281,8 @@ def _completion_events(state: WorkerState, runs: list[EngineRun], body: Completi
             if want_logprobs:
                 logprobs, offsets[index] = completion_logprobs(
                     state.token_text, chunk.token_ids, chunk.logprobs or [], chunk.top_logprobs,
-                    offsets.get(index), skipped)
+                    offsets.get(index),
+                    state.token_text.skipped(body.skip_special_tokens, chunk.trimmed_stop_token))
             yield {"index": index, "text": chunk.text, "logprobs": logprobs,
                    "finish_reason": chunk.finish_reason if chunk.finished else None}
 

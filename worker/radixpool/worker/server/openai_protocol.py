@@ -108,6 +108,7 @@ class SamplingFields(BaseModel):
     min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
     cache_salt: Annotated[str, Field(max_length=256)] | None = None
     # structured output: at most one of these
     response_format: ResponseFormat | None = None
@@ -156,6 +157,7 @@ class SamplingFields(BaseModel):
             "logit_bias": self.logit_bias,
             "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
+            "no_stop_trim": self.include_stop_str_in_output,
             "logprobs": logprobs,
             "json_schema": self.response_format and self.response_format.schema_text(),
             "regex": self.regex,
