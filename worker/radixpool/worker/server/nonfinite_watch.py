@@ -41,7 +41,7 @@ def probe_prompt(vocab_size: int, context_length: int | None = None) -> list[int
 
 
 class NonfiniteWatch:
-    def __init__(self, window: int, probe: Probe | None = None) -> None:
+    def __init__(self, window: int, probe: Probe) -> None:
         self.window = window      # 0: never broken
         self.probe = probe
         self.run = 0              # consecutive counted requests that ended non-finite
@@ -58,10 +58,7 @@ class NonfiniteWatch:
         self.run += 1
         if (self.window and self.run >= self.window and not self.broken
                 and self._probing is None):
-            if self.probe is None:
-                self._judge(model_finite=False)
-            else:
-                self._probing = asyncio.get_running_loop().create_task(self._check())
+            self._probing = asyncio.get_running_loop().create_task(self._check())
 
     async def _check(self) -> None:
         run = self.run
@@ -76,8 +73,7 @@ class NonfiniteWatch:
         finally:
             self._probing = None
 
-    def _judge(self, model_finite: bool, run: int | None = None) -> None:
-        run = self.run if run is None else run
+    def _judge(self, model_finite: bool, run: int) -> None:
         if model_finite:
             log.warning("the last %d requests ended with non-finite logits, but the model's "
                         "self-check is finite: their prompts are at fault, not the model; "
