@@ -43,6 +43,11 @@ Workloads (token counts exact: the simulated tokenizer is one token per word):
                  before its turn and prefill where it waits): the idleness routing could avoid.
                  `--capacity-hot-share S` gives one group S of the requests (a group too hot
                  for one worker when S x rate x N x its cached prefill time > 1).
+                 `--capacity-schedules fifo engine`: the workers compute prefill one at a time
+                 in arrival order (fifo, the issue's workload), or as the engine schedules it
+                 (engine: steps of at most 8,192 prompt tokens, at most 2,048 per prompt,
+                 prompts mid-prefill first, then the longest cached prefix first, a prompt
+                 whose uncached start another is computing waiting for it).
 
 `overhead` measures, with zero-service-time workers: p50 added latency of a non-streamed request
 (via gateway minus direct; one request at a time, the two paths taken in turn so a drift in
@@ -66,7 +71,7 @@ import httpx
 from fleet_procs import cpu_seconds, decision_counts, spawn_fleet, spawn_gateway, stop
 from loadgen import Sample, Workload, closed_loop, interleaved, pct, words
 from simfleet.sglang_eviction import BENCH_EVICTION_POLICIES
-from simfleet.virtual import FleetModel, Request, percentile, simulate
+from simfleet.virtual import SCHEDULES, FleetModel, Request, percentile, simulate
 
 from radixpool.gateway.config import GatewayConfig
 
@@ -169,10 +174,21 @@ def capacity_bound(workers: int, kv_tokens: int) -> float | None:
     return held / GROUPS * SYSTEM_TOKENS / (SYSTEM_TOKENS + QUESTION_TOKENS)
 
 
+SCHEDULE_TEXT = {
+    "fifo": "FIFO, one at a time",
+    "engine": "the engine's steps: chunks of 2048, 8192 tokens a step, cached prefix first",
+}
+
+
 def capacity(args: argparse.Namespace) -> None:
+    for schedule in args.capacity_schedules:
+        capacity_table(args, schedule)
+
+
+def capacity_table(args: argparse.Namespace, schedule: str) -> None:
     print(f"# capacity-bound, virtual time (deterministic, seed {args.seed}): "
           f"{args.capacity_requests} requests, prefill {args.capacity_prefill_us} us/uncached "
-          f"token (FIFO, one at a time), decode {args.capacity_decode_ms} ms/token x 32, "
+          f"token ({SCHEDULE_TEXT[schedule]}), decode {args.capacity_decode_ms} ms/token x 32, "
           f"KV {args.capacity_kv_tokens} tokens/worker, {args.capacity_rate} req/s per worker"
           + (f", group 0 takes {args.capacity_hot_share:.0%} of the requests"
              if args.capacity_hot_share else ""))
@@ -184,7 +200,7 @@ def capacity(args: argparse.Namespace) -> None:
         for eviction in args.eviction_policies:
             model = FleetModel(n, args.capacity_kv_tokens, eviction,
                                prefill_us_per_token=args.capacity_prefill_us,
-                               decode_ms_per_token=args.capacity_decode_ms)
+                               decode_ms_per_token=args.capacity_decode_ms, schedule=schedule)
             unbounded = FleetModel(1, 1 << 40, eviction, prefill_us_per_token=0,
                                    decode_ms_per_token=0)
             rows = [("ref:capacity", simulate(requests, unbounded, sticky=lambda r: 0)),
@@ -340,6 +356,10 @@ def main() -> None:
     q.add_argument("--capacity-kv-tokens", type=int, default=131072)
     q.add_argument("--capacity-prefill-us", type=float, default=20.0)
     q.add_argument("--capacity-decode-ms", type=float, default=5.0)
+    q.add_argument("--capacity-schedules", nargs="+", default=["fifo"], choices=SCHEDULES,
+                   help="how the simulated workers order prefill: fifo (issue 18's workload: one "
+                   "at a time, in arrival order) and/or engine (the engine's chunked steps, "
+                   "longest cached prefix first)")
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--binding", nargs="+", default=["early", "late"], choices=["early", "late"],
                    help="capacity-bound: cache_aware rows with early and/or late binding "

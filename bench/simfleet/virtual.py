@@ -6,18 +6,28 @@ What is real: `make_policy` / `PrefixIndex` / `KeyBuilder` / `Worker` (in-flight
 uncached tokens, backlog, the queued prefill that KV events end) from the gateway, the trim on a
 short `cached_tokens` report (`first_missing_block` + `trim_through`, as the proxy does), the
 workers' KV events applied to every gateway's index and queue (as the monitor does), and
-`SimKV` (`RadixCache` with its eviction policy) on the workers. What is modelled: a worker
-computes one prefill at a time, in arrival order, at `prefill_us_per_token` per uncached token;
-decode then takes
-`decode_ms_per_token` per output token and overlaps freely; KV events reach the gateways the
-instant the prefill ends (a real stream takes a few milliseconds).
+`SimKV` (`RadixCache` with its eviction policy) on the workers. What is modelled: prefill
+costs `prefill_us_per_token` per uncached token, and a worker schedules it one of two ways
+(`FleetModel.schedule`):
+- `fifo` (issue 18's workload): one prefill at a time, in arrival order;
+- `engine`, the engine's own scheduler (`worker/scheduler`) in outline: steps of at most
+  `step_tokens` prompt tokens (`max_prefill_tokens`), each costing its tokens; a prompt takes at
+  most `chunk_tokens` a step (`chunked_prefill_size`); prompts mid-prefill go first, then waiting
+  ones in longest-cached-prefix order (ties by arrival), at most one of them cut short a step; a
+  waiting prompt whose uncached blocks a prompt mid-prefill is computing waits for it (the
+  engine's in-batch de-duplication), then hits.
+Decode then takes `decode_ms_per_token` per output token and overlaps freely; KV events reach
+the gateways the instant a prompt's prefill ends (a real stream takes a few milliseconds; the
+engine also stores each chunk as it goes).
 
 Idleness: `idle_while_queued` is the time some worker has nothing to do (no prefill running or
-queued) while a request waits: in another worker's prefill queue, or held by a gateway (late
-binding); `idle_avoidable` is the part of it when some waiting request would get its first
-token sooner on an idle worker, cold or not (a held one is compared with the tail of the busy
-worker where it would start soonest). The rest is idleness no routing decision could have
-turned into an earlier first token.
+queued) while a request waits: in another worker's prefill queue (not yet started), or held
+by a gateway (late binding); `idle_avoidable` is the part of it when some waiting request would
+get its first token sooner on an idle worker, cold or not (a held one is compared with the tail
+of the busy worker where it would start soonest). With the `engine` schedule a waiting prompt's
+own finish is taken at its earliest (the running step's end plus its own uncached tokens), so
+`idle_avoidable` errs towards counting idleness as avoidable. The rest is idleness no routing
+decision could have turned into an earlier first token.
 
 Several gateways: each request goes to one of them at random (clients spread over replicas);
 each knows only the in-flight requests it sent itself, while all of them receive every KV event.
@@ -55,6 +65,10 @@ class Request:
     output_tokens: int = 32
 
 
+SCHEDULES = ("fifo", "engine")
+DEDUP_MIN_TOKENS = 32   # the engine's DEDUP_MIN_BLOCKS (2) blocks of 16
+
+
 @dataclass(frozen=True)
 class FleetModel:
     workers: int
@@ -63,6 +77,13 @@ class FleetModel:
     block_size: int = 16
     prefill_us_per_token: float = 20.0
     decode_ms_per_token: float = 5.0
+    schedule: str = "fifo"           # or "engine": chunked steps in cached-prefix order
+    chunk_tokens: int = 2048         # engine: EngineConfig.chunked_prefill_size
+    step_tokens: int = 8192          # engine: EngineConfig.max_prefill_tokens
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
 
 
 @dataclass
@@ -138,49 +159,101 @@ class _Job:
     worker: int
     cached: int = 0
     match: object = None
+    left: int = 0           # engine: uncached tokens not computed yet (set when admitted)
 
 
 class _SimWorker:
     def __init__(self, model: FleetModel) -> None:
         self.kv = SimKV(model.kv_capacity_tokens, model.block_size, model.eviction_policy,
                         event_buffer=1)
-        self.queue: deque[_Job] = deque()
-        self.running: _Job | None = None
-        self.running_until = 0.0
+        self.queue: deque[_Job] = deque()     # waiting, not started
+        self.running: _Job | None = None      # fifo: the prefill under way
+        self.running_until = 0.0              # when the prefill (fifo) or step (engine) ends
+        self.started: list[_Job] = []         # engine: prompts mid-prefill, admission order
+        self.step: list[tuple[_Job, int]] = []   # engine: the step under way, tokens each
 
     @property
     def idle(self) -> bool:
-        return self.running is None and not self.queue
+        return self.running is None and not self.queue and not self.started
+
+    def form_step(self, model: FleetModel) -> list[tuple[_Job, int]]:
+        """The engine's admission (`PrefillAdder`), for one step: prompts mid-prefill first,
+        then waiting ones by longest cached prefix, within the step's and each prompt's token
+        budget, at most one prompt cut short."""
+        budget, step, cut = model.step_tokens, [], False
+        for job in self.started:
+            take = min(job.left, model.chunk_tokens, budget)
+            if take <= 0:
+                break
+            cut = cut or take < job.left
+            step.append((job, take))
+            budget -= take
+        ranked = sorted(self.queue, key=lambda j: -self.kv.probe(j.request.tokens, None))
+        for job in ranked:
+            if budget <= 0:
+                break
+            if self._computed_by_another(job):
+                continue
+            cached, match = self.kv.start(job.request.tokens, None)
+            need = len(job.request.tokens) - cached
+            take = min(need, model.chunk_tokens, budget)
+            if take < need and cut:
+                self.kv.cache.unlock(match.node)
+                break
+            cut = cut or take < need
+            job.cached, job.match, job.left = cached, match, need
+            self.queue.remove(job)
+            self.started.append(job)
+            step.append((job, take))
+            budget -= take
+        return step
+
+    def _computed_by_another(self, job: _Job) -> bool:
+        """A prompt mid-prefill is computing the start of `job`'s uncached part."""
+        tokens = job.request.tokens
+        cached = self.kv.probe(tokens, None)
+        ahead = tokens[cached:cached + DEDUP_MIN_TOKENS]
+        return len(ahead) == DEDUP_MIN_TOKENS and any(
+            other.request.tokens[cached:cached + DEDUP_MIN_TOKENS] == ahead
+            for other in self.started)
 
 
 def _avoidable(workers: list[_SimWorker], held: list[Request], now: float,
-               us_per_token: float) -> bool:
+               model: FleetModel) -> bool:
     """Some worker idles while a waiting request would get its first token sooner on it: its
     prefill there (cold or partly cached) would end before its own prefill ends where it waits.
     A request held by the gateway waits, at best, behind the queue of the busy worker where its
-    prefill would end soonest. Costs read each cache as it is now."""
+    prefill would end soonest. Costs read each cache as it is now. fifo: a queued prompt ends
+    after everything ahead of it; engine: at the earliest, the running step's end plus its own
+    uncached tokens (steps batch prompts, so what is ahead may share its step)."""
     idle = [w for w in workers if w.idle]
     if not idle:
         return False
+    per_token = model.prefill_us_per_token / 1e6
+
+    def uncached(w: _SimWorker, tokens: list[int]) -> float:
+        return (len(tokens) - w.kv.probe(tokens, None)) * per_token
 
     def sooner_on_idle(tokens: list[int], ready: float) -> bool:
-        return any(now + (len(tokens) - i.kv.probe(tokens, None)) * us_per_token / 1e6 < ready
-                   for i in idle)
+        return any(now + uncached(i, tokens) < ready for i in idle)
 
+    fifo = model.schedule == "fifo"
     tails = {}
     for w in workers:
         ready = max(now, w.running_until)
+        step_end = ready
         for job in w.queue:
             tokens = job.request.tokens
-            ready += (len(tokens) - w.kv.probe(tokens, None)) * us_per_token / 1e6
-            if sooner_on_idle(tokens, ready):
+            end = (ready if fifo else step_end) + uncached(w, tokens)
+            if fifo:
+                ready = end
+            if sooner_on_idle(tokens, end):
                 return True
         if not w.idle:
             tails[w] = ready
     for request in held:
         tokens = request.tokens
-        best = min(tail + (len(tokens) - w.kv.probe(tokens, None)) * us_per_token / 1e6
-                   for w, tail in tails.items())
+        best = min(tail + uncached(w, tokens) for w, tail in tails.items())
         if sooner_on_idle(tokens, best):
             return True
     return False
@@ -218,6 +291,16 @@ def simulate(requests: list[Request], model: FleetModel, policy: str | None = "c
         out.per_worker[w] += 1
         start_next(w)
 
+    def prefilled(job: _Job) -> None:
+        """A prompt's prefill ended: cache it, tell every gateway, start its decode."""
+        events = workers[job.worker].kv.finish(job.request.tokens, None, job.match)
+        for g in replicas:
+            for event in events:
+                g.stored(names[job.worker], event)
+        out.ttfts.append(now - job.request.arrival)
+        decode = job.request.output_tokens * model.decode_ms_per_token / 1e3
+        heapq.heappush(heap, (now + decode, next(order), "done", job))
+
     def release() -> None:
         for g in replicas:
             for h in g.release(now):
@@ -226,6 +309,15 @@ def simulate(requests: list[Request], model: FleetModel, policy: str | None = "c
 
     def start_next(w: int) -> None:
         worker = workers[w]
+        if model.schedule == "engine":
+            if worker.step or not (worker.queue or worker.started):
+                return
+            worker.step = worker.form_step(model)
+            assert worker.step, "an engine with prompts to compute always makes progress"
+            cost = sum(take for _, take in worker.step) * model.prefill_us_per_token / 1e6
+            worker.running_until = now + cost
+            heapq.heappush(heap, (now + cost, next(order), "stepped", w))  # type: ignore[arg-type]
+            return
         if worker.running is not None or not worker.queue:
             return
         job = worker.queue.popleft()
@@ -242,7 +334,7 @@ def simulate(requests: list[Request], model: FleetModel, policy: str | None = "c
             out.busy_time += t - now
             if (held or any(w.queue for w in workers)) and not all(busy):
                 out.idle_while_queued += t - now
-                if _avoidable(workers, list(held.values()), now, model.prefill_us_per_token):
+                if _avoidable(workers, list(held.values()), now, model):
                     out.idle_avoidable += t - now
         now = t
         if kind == "arrive":
@@ -263,16 +355,20 @@ def simulate(requests: list[Request], model: FleetModel, policy: str | None = "c
             release()
         elif kind == "prefilled":
             job: _Job = item  # type: ignore[no-redef]
-            worker = workers[job.worker]
-            events = worker.kv.finish(job.request.tokens, None, job.match)
-            for g in replicas:
-                for event in events:
-                    g.stored(names[job.worker], event)
-            out.ttfts.append(now - job.request.arrival)
-            decode = job.request.output_tokens * model.decode_ms_per_token / 1e3
-            heapq.heappush(heap, (now + decode, next(order), "done", job))
-            worker.running = None
+            prefilled(job)
+            workers[job.worker].running = None
             start_next(job.worker)
+            release()
+        elif kind == "stepped":
+            w: int = item  # type: ignore[no-redef]
+            worker = workers[w]
+            for job, take in worker.step:
+                job.left -= take
+                if job.left <= 0:
+                    worker.started.remove(job)
+                    prefilled(job)
+            worker.step = []
+            start_next(w)
             release()
         else:
             job = item  # type: ignore[assignment]

@@ -89,3 +89,34 @@ def test_late_binding_leaves_no_worker_idle_while_a_request_waits_that_it_could_
     assert late.reasons.get("late", 0) >= 1
     # the short prompts' first tokens: one at 160 ms with early binding, all within 5 ms late
     assert sorted(early.ttfts)[-2] > 0.15 and sorted(late.ttfts)[-2] < 0.005
+
+
+def test_engine_schedule_batches_a_hit_past_a_long_prefill_and_deduplicates_a_shared_one():
+    # 1 ms per token: a 4,096-token cold prompt is two 2,048-token chunks (2.048 s each), a
+    # cached prompt 16 ms. Both schedules on one worker, sticky.
+    def run(schedule: str, requests: list[Request]):
+        model = FleetModel(1, 1 << 20, "lru", prefill_us_per_token=1000.0,
+                           decode_ms_per_token=0.0, schedule=schedule)
+        return simulate(requests, model, sticky=lambda r: 0)
+
+    system = list(range(100, 1100))
+    warm = Request(0.0, system + [1] * 16, 0, 1)
+    cold = Request(2.0, list(range(5000, 9096)), 1, 1)
+    hit = Request(2.5, system + [2] * 16, 0, 1)
+    fifo, engine = run("fifo", [warm, cold, hit]), run("engine", [warm, cold, hit])
+    # fifo: the hit waits out the whole cold prefill (ends at 6.096 s); engine: it joins the
+    # cold prompt's second chunk, the step from 4.048 s to 6.112 s (ttfts in finishing order)
+    assert fifo.ttfts[2] == pytest.approx(6.096 + 0.016 - 2.5)
+    assert engine.ttfts[1:] == [pytest.approx(6.112 - 2.0), pytest.approx(6.112 - 2.5)]
+    assert engine.cached_tokens == fifo.cached_tokens == 1000
+    # the same cold prompt asked again mid-prefill waits for it, then hits (in-batch
+    # de-duplication), instead of computing it a second time beside it
+    again = Request(2.5, cold.tokens[:-1] + [7], 1, 1)
+    dedup = run("engine", [warm, cold, again])
+    assert dedup.cached_tokens == 4095
+    assert dedup.ttfts[2] == pytest.approx(6.096 + 0.001 - 2.5)
+    # a prompt mid-prefill is cut into chunks of at most 2,048 tokens, one step each
+    alone = run("engine", [Request(0.0, list(range(5000, 10000)), 1, 1)])
+    assert alone.ttfts == [pytest.approx(5.0)]
+    with pytest.raises(ValueError, match="schedule"):
+        FleetModel(1, 1024, schedule="lifo")
