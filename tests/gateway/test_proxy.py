@@ -134,6 +134,11 @@ def test_bad_input_gets_a_4xx_without_reaching_a_worker(make_stack):
          "prompt", None),
         (c.post("/generate", content=b'{"text": ["w1 \\udc80"]}'), 400, "lone UTF-16 surrogate",
          "text", None),
+        # nested past Python's parser (its RecursionError was a 400 naming nothing)
+        (c.post("/v1/chat/completions", content=b'{"model": "sim-model", "messages": [{"role": '
+                b'"user", "content": ' + b"[" * 3000 + b"]" * 3000 + b"}]}"), 400,
+         "nests more than 200 levels deep (line 1, column", "messages[0].content[0][0][0][0][0]",
+         "invalid_json"),
         (c.post("/v2/everything", json={}), 404, "unknown path", None, None),
         (c.get("/v1/chat/completions"), 405, "accepts POST", None, None),
         (c.post("/generate", json={"text": "x" * 20_000}), 413, "exceeds the limit", None,

@@ -104,6 +104,11 @@ BAD = [
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a \\udc80"}]}', 400,
      "messages[0].content"),
     ("/generate", b'{"text": ["w1", "w2 \\udc80"]}', 400, "text[1]"),
+    # nested past the parser's depth: the field where it passes 200 levels, as the gateway
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": ' + b"[" * 300
+     + b"]" * 300 + b"}]}", 400, "messages[0].content[0][0][0][0][0]"),
+    ("/generate", b'{"text": "x", "sampling_params": {"json_schema": ' + b'{"a":' * 300 + b"1"
+     + b"}" * 300 + b"}}", 400, "sampling_params.json_schema.a.a.a.a.a.a"),
     # ... and one that Python's parser cannot read again (nested past its stack): a 500 before
     ("/v1/completions", b'{"prompt": "\\ud800", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400,
      None),

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from radixpool.child_pool import ChildPool, TooBig
 from radixpool.gateway.route_key import BadRequest, KeyBuilder, RouteKey
+from radixpool.json_depth import too_deep
 from radixpool.json_members import MAX_OBJECT_MEMBERS, members_exceed, too_many_members_message
 
 INLINE_BODY_BYTES = 16 * 1024  # worst case in place: a few ms of parsing and tokenization
@@ -47,10 +48,13 @@ def parse_body(keys: KeyBuilder, path: str, body: bytes) -> ParsedBody:
         # UTF-8 only (RFC 8259): `json.loads(bytes)` would also take UTF-16 and -32, which the
         # splice below and the workers do not
         doc = json.loads(body.decode("utf-8"))
-    except (ValueError, RecursionError) as exc:  # (UnicodeDecodeError is a ValueError)
-        reason = "nested too deeply" if isinstance(exc, RecursionError) else exc
-        raise BadRequest(f"request body is not valid JSON: {reason}",
-                         code="invalid_json") from None
+    except RecursionError:
+        found = too_deep(body.decode("utf-8"))
+        raise BadRequest(found.message() if found else
+                         "request body is not valid JSON: it nests too deeply",
+                         param=found.param if found else None, code="invalid_json") from None
+    except ValueError as exc:  # (UnicodeDecodeError is a ValueError)
+        raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if body.count(b":") > MAX_OBJECT_MEMBERS and members_exceed(doc, MAX_OBJECT_MEMBERS):
         raise BadRequest(too_many_members_message(), code="too_many_members")
     key = keys.build(path, doc)

@@ -16,6 +16,8 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
+from radixpool.json_depth import too_deep
+
 log = logging.getLogger("radixpool.worker.server")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -98,6 +100,15 @@ def field_path(loc: tuple[Any, ...] | list[Any]) -> str | None:
         else:
             path += f".{part}" if path else str(part)
     return path or None
+
+
+def nested_too_deep(body: bytes) -> APIError | None:
+    """The error naming the field where a body the parser found too deep passes
+    `json_depth.MAX_DEPTH` levels, as the gateway words it; None when the scan cannot tell."""
+    found = too_deep(body.decode("utf-8", errors="replace"))
+    if found is None:
+        return None
+    return bad_request(found.message(), param=found.param, code="invalid_json")
 
 
 def lone_surrogate(body: bytes) -> APIError | None:

@@ -39,6 +39,7 @@ from radixpool.worker.server.errors import (
     APIError,
     bad_request,
     lone_surrogate,
+    nested_too_deep,
     unknown_field,
     validation_error,
 )
@@ -119,9 +120,11 @@ def validated(model: type[BaseModel], body: bytes, served: Served | None = None)
         return model.model_validate_json(body, context=served)
     except ValidationError as exc:   # the same locations FastAPI would report
         errors = exc.errors()
-        # pydantic calls a lone surrogate an error in a "hex escape": only then parse again
-        if errors[0]["type"] == "json_invalid" and "escape" in str(errors[0].get("ctx")):
-            error = lone_surrogate(body)
+        if errors[0]["type"] == "json_invalid":
+            detail = str(errors[0].get("ctx"))
+            # pydantic calls a lone surrogate an error in a "hex escape": only then parse again
+            error = lone_surrogate(body) if "escape" in detail else \
+                nested_too_deep(body) if "recursion limit" in detail else None
             if error is not None:
                 raise error from None
         raise validation_error(RequestValidationError(
