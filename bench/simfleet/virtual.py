@@ -52,6 +52,7 @@ from radixpool.gateway.route_key import KeyBuilder, RouteKey
 from radixpool.gateway.wait_queue import Held, LateBinding
 from radixpool.gateway.workers import Worker, candidates
 from radixpool.protocol.kv_blocks import KVEvent
+from radixpool.protocol.server_info import ServerInfo
 
 from .kv import SimKV
 from .sglang_eviction import reported
@@ -111,9 +112,13 @@ class _Gateway:
         self.policy = make_policy(config, self.index)
         self.workers = {n: Worker(n, HealthHysteresis(1, 1), CircuitBreaker(5, 10.0),
                                   kv_events_live=True) for n in names}
+        schedule = "lpm" if model.schedule == "engine" else "fcfs"
         for n in names:  # what the monitor learns from each worker's /server_info
             self.index.add_worker(n, model.kv_capacity_tokens // model.block_size)
             self.index.set_eviction_policy(n, reported(model.eviction_policy))
+            self.workers[n].info = ServerInfo(
+                "sim", "sim", 1 << 20, model.kv_capacity_tokens, 1, model.block_size, n, "sim",
+                eviction_policy=reported(model.eviction_policy), schedule_policy=schedule)
         self.binding = LateBinding(self.policy, config.hold_queued_tokens,
                                    config.hold_max_requests, config.hold_max_seconds
                                    ) if config.late_binding else None
@@ -123,7 +128,7 @@ class _Gateway:
         ready = list(self.workers.values())
         decision = self.policy.select(candidates(ready, key), key)
         worker = self.workers[decision.worker]
-        if self.binding is not None and self.binding.holds(worker.queued(key.tokens)):
+        if self.binding is not None and self.binding.holds(worker, decision, key):
             self.policy.failed(decision, key)
             return self.binding.queue.hold(key, now)
         worker.take(prefill_wait(decision, key))

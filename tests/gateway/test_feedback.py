@@ -107,6 +107,9 @@ def test_sglang_server_info_gives_the_kv_capacity():
 
 def test_sglang_server_info_names_its_eviction_policy_and_slru_protects_reuse():
     assert parse_server_info(SGLANG_INFO).eviction_policy == "lru"  # SGLang's default
+    # and its scheduler's order: an lpm one runs cache hits ahead, as ours does
+    assert parse_server_info(SGLANG_INFO).schedule_policy == "fcfs"
+    assert parse_server_info({**SGLANG_INFO, "schedule_policy": "lpm"}).schedule_policy == "lpm"
     index = PrefixIndex()
     history = chain(list(range(80)))  # 20 blocks, reused by a later request
     for policy, protects in (("slru", True), ("lfu", True), ("fifo", False), ("lru", False)):

@@ -120,3 +120,30 @@ def test_engine_schedule_batches_a_hit_past_a_long_prefill_and_deduplicates_a_sh
     assert alone.ttfts == [pytest.approx(5.0)]
     with pytest.raises(ValueError, match="schedule"):
         FleetModel(1, 1024, schedule="lifo")
+
+
+def test_a_cache_hit_goes_straight_to_an_engine_that_runs_cached_prompts_first():
+    # Late binding on, one worker. A long continuation of a cached system prompt (8,000
+    # uncached tokens, 1 ms each) is being computed when a short question on the same prompt
+    # arrives. Our engine (`engine`, reporting schedule_policy lpm) computes the question in its
+    # next step: the gateway sends it at once. Before, the gateway held it until the long
+    # prefill ended, as it still does for arrival-order workers (`fifo`).
+    system = list(range(100, 1100))
+    requests = [Request(0.0, system + [1] * 16, 0, 1),
+                Request(2.0, system + list(range(5000, 13000)), 0, 1),
+                Request(2.5, system + [2] * 16, 0, 1)]
+
+    def run(schedule: str):
+        model = FleetModel(1, 1 << 20, "lru", prefill_us_per_token=1000.0,
+                           decode_ms_per_token=0.0, schedule=schedule)
+        return simulate(requests, model, "cache_aware",
+                        gateway_config=GatewayConfig(late_binding=True))
+
+    engine, fifo = run("engine"), run("fifo")
+    # (one worker: every prefix is on every worker, so no request has an owner)
+    assert engine.reasons == {"cache_miss": 3}
+    # its 16 tokens join the long prompt's second chunk: the step 4.048 s - 6.112 s
+    assert engine.ttfts[1] == pytest.approx(6.112 - 2.5)
+    assert fifo.reasons == {"cache_miss": 2, "late": 1}
+    assert fifo.ttfts[2] == pytest.approx(10.0 + 0.016 - 2.5)
+    assert engine.cached_tokens == fifo.cached_tokens == 2000

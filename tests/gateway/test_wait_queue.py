@@ -11,11 +11,12 @@ from hypothesis import strategies as st
 from radixpool.gateway.breaker import CircuitBreaker
 from radixpool.gateway.config import GatewayConfig
 from radixpool.gateway.health import HealthHysteresis
-from radixpool.gateway.policies import make_policy
+from radixpool.gateway.policies import Decision, make_policy
 from radixpool.gateway.prefix_index import PrefixIndex
 from radixpool.gateway.route_key import KeyBuilder
 from radixpool.gateway.wait_queue import LateBinding, WaitQueue
 from radixpool.gateway.workers import Worker
+from radixpool.protocol.server_info import ServerInfo
 
 BLOCK = 16
 
@@ -96,12 +97,41 @@ def test_every_held_request_leaves_exactly_once(ops):
 def test_holds_only_behind_a_saturated_pick_then_first_come_first_placed_up_to_the_bound():
     binding = LateBinding(make_policy(GatewayConfig(), PrefixIndex()), threshold=100,
                           max_held=2, max_wait=5.0)
-    assert not binding.holds(100)          # the fast path: nothing held, pick not saturated
-    assert binding.holds(101)
+    (worker,) = fleet(1)[1]
+    miss = Decision(worker.url, "cache_miss")
+    worker.prefill_sent(1, 100.0)
+    assert not binding.holds(worker, miss, KEY)    # the fast path: nothing held, not saturated
+    worker.prefill_sent(2, 1.0)
+    assert binding.holds(worker, miss, KEY)
     binding.queue.hold(KEY, 0.0)
-    assert binding.holds(0)                # something held: later arrivals queue behind it
+    worker.prefill_stored((1, 2))
+    assert binding.holds(worker, miss, KEY)        # something held: later arrivals queue behind it
     binding.queue.hold(KEY, 0.0)
-    assert not binding.holds(10_000)       # full: bind at once (early binding)
+    worker.prefill_sent(3, 10_000.0)
+    assert not binding.holds(worker, miss, KEY)    # full: bind at once (early binding)
+
+
+def test_a_cache_hit_is_not_held_on_a_worker_that_runs_cached_prompts_first():
+    # Behind a cold 8,000-token prefill a worker that runs the longest cached prefix first
+    # (ours: /server_info schedule_policy lpm) computes a hit in its next step; held at the
+    # gateway it would wait out the whole cold prefill, its prefix unlocked. An arrival-order
+    # worker (fcfs, or one that does not say) makes it wait there too: held as before.
+    binding = LateBinding(make_policy(GatewayConfig(), PrefixIndex()), threshold=1024,
+                          max_held=8, max_wait=5.0)
+    lpm, fcfs = fleet(2)[1]
+    lpm.info = ServerInfo("m", "m", 4096, 65536, 1, BLOCK, "i", "v", schedule_policy="lpm")
+    for worker in (lpm, fcfs):
+        worker.prefill_sent(1, 8000.0)
+    assert lpm.cached_first and not fcfs.cached_first
+    key = key_of(list(range(2048)))                       # 128 blocks
+    hit = Decision(lpm.url, "cache_hit", predicted_blocks=64)  # 1,024 tokens left to compute
+    assert not binding.holds(lpm, hit, key)
+    assert binding.holds(fcfs, Decision(fcfs.url, "cache_hit", predicted_blocks=64), key)
+    # a prompt cold there, or with more than the threshold left to compute, still waits
+    assert binding.holds(lpm, Decision(lpm.url, "cache_miss"), key)
+    assert binding.holds(lpm, Decision(lpm.url, "cache_hit", predicted_blocks=63), key)
+    binding.queue.hold(KEY, 0.0)
+    assert not binding.holds(lpm, hit, key)               # nor behind held ones
 
 
 def fleet(n: int, policy: str = "cache_aware"):

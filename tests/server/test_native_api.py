@@ -98,6 +98,7 @@ def test_server_info_and_tokenizer(http, worker):
     assert info.page_size >= 1 and info.kv_block_size >= info.page_size
     assert info.instance_id and info.version
     assert info.eviction_policy == "lru"  # the engine default, reported to the gateway
+    assert info.schedule_policy == "lpm"  # ... which then sends its cache hits at once
     files = http.get("/tokenizer").json()["files"]
     tokenizer = PromptTokenizer(files)
     assert tokenizer.chat_template

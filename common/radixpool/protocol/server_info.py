@@ -17,6 +17,9 @@ class ServerInfo:
     version: str                  # radixpool version
     kv_events: bool = True        # whether `/kv_events` is served
     eviction_policy: str = "lru"  # radix cache eviction: lru | lfu | probation (reuse-aware)
+    # Which waiting prompts the scheduler runs first: lpm (longest cached prefix: a prompt that
+    # hits the cache goes ahead of colder ones queued there) | fcfs (arrival order).
+    schedule_policy: str = "fcfs"
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from radixpool.gateway.feedback import prefill_wait
 from radixpool.gateway.metrics import GatewayMetrics
+from radixpool.gateway.policies import Decision
 from radixpool.gateway.route_key import RouteKey
 from radixpool.gateway.wait_queue import Held, LateBinding
 from radixpool.gateway.workers import Worker, WorkerSet
@@ -30,8 +31,8 @@ class Holding:
         """Whether any request is held."""
         return bool(self.binding.queue)
 
-    def holds(self, queued_at_pick: float) -> bool:
-        return self.binding.holds(queued_at_pick)
+    def holds(self, worker: Worker, decision: Decision, key: RouteKey) -> bool:
+        return self.binding.holds(worker, decision, key)
 
     async def wait(self, key: RouteKey) -> Held | None:
         """Hold the request until the wait queue places it (the worker already taken for it);

@@ -312,7 +312,7 @@ class Gateway:
             worker = by_url[decision.worker]
             wait = prefill_wait(decision, key)
             if (not attempt and self.holding is not None
-                    and self.holding.holds(worker.queued(key.tokens))):
+                    and self.holding.holds(worker, decision, key)):
                 self.policy.failed(decision, key)
                 try:
                     held = await self.holding.wait(key)

@@ -99,12 +99,21 @@ class LateBinding:
         self.threshold = threshold
         self.queue = WaitQueue(max_held, max_wait)
 
-    def holds(self, queued_at_pick: float) -> bool:
-        """Whether a request just routed to a worker with `queued_at_pick` tokens of prefill
-        queued waits here instead: the fast path is this one comparison when nothing is held."""
+    def holds(self, worker: Worker, decision: Decision, key: RouteKey) -> bool:
+        """Whether a request just routed to `worker` waits here instead: when that worker has
+        more than `threshold` tokens of prefill queued, or others are held already. Not a
+        request that hits the worker's cache, with at most `threshold` tokens left to compute,
+        on a worker that runs cached prompts first: the queued prefill there is colder and
+        does not delay it past the worker's next step, while waiting here would (and leave its
+        prefix unlocked for evictions meanwhile). The fast path is one comparison when nothing
+        is held."""
+        if worker.cached_first and decision.predicted_blocks:
+            wait = prefill_wait(decision, key)
+            if wait is not None and wait[1] <= self.threshold:
+                return False
         if self.queue:
             return self.queue.admits()
-        return queued_at_pick > self.threshold and self.queue.admits()
+        return worker.queued(key.tokens) > self.threshold and self.queue.admits()
 
     def release(self, now: float, eligible: Callable[[str | None], Sequence[Worker]]
                 ) -> list[Held]:

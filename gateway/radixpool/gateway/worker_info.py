@@ -34,7 +34,8 @@ def parse_server_info(doc: object) -> ServerInfo | None:
             kv_capacity_tokens=capacity, page_size=int(doc.get("page_size") or 1),
             kv_block_size=DEFAULT_BLOCK_SIZE, instance_id="",
             version=f"sglang {doc.get('version', '')}".strip(), kv_events=False,
-            eviction_policy=str(doc.get("radix_eviction_policy") or "lru").lower())
+            eviction_policy=str(doc.get("radix_eviction_policy") or "lru").lower(),
+            schedule_policy=str(doc.get("schedule_policy") or "fcfs").lower())
     except (TypeError, ValueError):
         return None
 

@@ -92,6 +92,13 @@ class Worker:
         mean = prompt_tokens if self.mean_uncached is None else self.mean_uncached
         return self.inflight * mean
 
+    @property
+    def cached_first(self) -> bool:
+        """Its scheduler runs the waiting prompts with the longest cached prefix first (ours by
+        default, `/server_info` `schedule_policy: lpm`): a request that hits its cache there
+        goes ahead of the colder prefill queued there."""
+        return self.info is not None and self.info.schedule_policy == "lpm"
+
     def queued(self, prompt_tokens: float) -> float:
         """Uncached prompt tokens waiting for their prefill here. With its KV events followed:
         those of the requests whose prompt no event has stored yet; else `backlog`."""

@@ -261,6 +261,7 @@ def router(state: WorkerState) -> APIRouter:
             instance_id=state.engine.instance_id,
             version=state.version,
             eviction_policy=state.config.engine.eviction_policy,
+            schedule_policy=state.config.engine.schedule_policy,
         ).to_json()
 
     @r.get("/tokenizer")
