@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import itertools
 import os
 import platform
 import random
@@ -142,14 +143,21 @@ class Run:
     steps: list          # (wall seconds, forward entry or None, bookkeeping seconds)
 
 
+SAMPLING = {   # the small rows' sampling (--small-sampling)
+    "greedy": {"temperature": 0},
+    # top-p without top-k: the sampler reads the window's mass back to decide its width
+    "top-p": {"temperature": 0.8, "top_p": 0.95},
+}
+
+
 def run_requests(core, log: ForwardLog, prompts: list[list[int]], outputs: list[int],
-                 namespaces: list[str | None] | None = None) -> Run:
+                 namespaces: list[str | None] | None = None, sampling: str = "greedy") -> Run:
     from radixpool.worker.messages import GenerateRequest
     from radixpool.worker.sampling_params import SamplingParams
 
     namespaces = namespaces or [None] * len(prompts)
     for i, (ids, out, ns) in enumerate(zip(prompts, outputs, namespaces)):
-        params = SamplingParams(max_new_tokens=out, temperature=0, ignore_eos=True)
+        params = SamplingParams(max_new_tokens=out, ignore_eos=True, **SAMPLING[sampling])
         core.add_request(GenerateRequest(f"r{i}", ids, params, seed=i, namespace=ns))
     steps, generated = [], 0
     start = time.perf_counter()
@@ -325,12 +333,13 @@ def bench_small(args, table: Table, rng: random.Random) -> None:
     for overlap in (False, True):
         core, log = make_core(model_dir, args, overlap=overlap,
                               max_running=max(args.small_batches))
-        for batch in args.small_batches:
+        for batch, sampling in itertools.product(args.small_batches, args.small_sampling):
             run = run_requests(core, log,
                                random_prompts(rng, [args.context] * batch, core.runner.vocab_size),
-                               [args.decode_steps] * batch)
+                               [args.decode_steps] * batch, sampling=sampling)
             wall, device, host = decode_phase(core, log, run, batch)
-            table.add(f"{label} decode, batch {batch}, overlap {'on' if overlap else 'off'}",
+            how = "" if args.small_sampling == ["greedy"] else f", {sampling}"
+            table.add(f"{label} decode, batch {batch}{how}, overlap {'on' if overlap else 'off'}",
                       f"step {wall * 1e3:.2f} ms: host {host * 1e3:.2f} ms, "
                       f"device {device * 1e3:.2f} ms", "", None,
                       "host hidden under device at batch 256" if batch > 1 else "")
@@ -367,6 +376,8 @@ def main() -> int:
     p.add_argument("--cpu-kv-tokens", type=int, default=32768, help="KV pool size on CPU")
     p.add_argument("--profile", action="store_true", help="profile decode steps (batch 64)")
     p.add_argument("--skip-small", action="store_true", help="skip the Qwen3-0.6B rows")
+    p.add_argument("--small-sampling", nargs="+", choices=tuple(SAMPLING), default=["greedy"],
+                   help="the Qwen3-0.6B rows' sampling: greedy and/or top-p (0.95, no top-k)")
     p.add_argument("--skip-llama", action="store_true",
                    help="skip the Llama-3.1-8B rows (decode, prefill, serving, shared prefix)")
     p.add_argument("--out", help="also write the table to this file")
