@@ -113,6 +113,8 @@ def test_structured_output_through_the_gateway(fleet, sdk):
     assert bad.value.body["param"] == "response_format" and "nope" in bad.value.body["message"]
 
     view = gateway_view(fleet.gateway.url)[owner]
+    # our workers run cached prompts first: the gateway sends them their cache hits at once
+    assert view["schedule_policy"] == "lpm" and view["eviction_policy"]
     turn = messages + [{"role": "assistant", "content": content},
                        {"role": "user", "content": "and once more"}]
     raw = sdk.chat.completions.with_raw_response.create(

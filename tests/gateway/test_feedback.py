@@ -152,6 +152,7 @@ def test_an_sglang_worker_sizes_its_tree_from_max_total_num_tokens(make_stack):
         stack.loop.run(stack.server.monitor.check(worker))
         row = next(r for r in stack.client.get("/workers").json()["workers"] if r["url"] == url)
         assert row["kv_capacity_tokens"] == 123456 and row["model"] == "qwen"
+        assert (row["eviction_policy"], row["schedule_policy"]) == ("lru", "fcfs")  # SGLang's
         assert row["tree_capacity_blocks"] > 1000  # from its capacity, not the 1000-token fallback
     finally:
         server.shutdown()

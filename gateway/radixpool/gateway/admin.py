@@ -47,6 +47,9 @@ def describe(fleet: WorkerSet, worker: Worker, now: float) -> dict:
         "instance_id": worker.instance_id,
         "model": worker.model,
         "kv_capacity_tokens": info.kv_capacity_tokens if info else None,
+        # what routing assumes of it: reuse-aware eviction gives it room, lpm gets hits at once
+        "eviction_policy": info.eviction_policy if info else None,
+        "schedule_policy": info.schedule_policy if info else None,
         "tree_blocks": fleet.index.size(worker.url),
         "tree_capacity_blocks": fleet.index.capacity(worker.url),
         "requests": worker.requests,
