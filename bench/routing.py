@@ -262,7 +262,8 @@ def gateways(args: argparse.Namespace) -> None:
           f"to a random gateway; every gateway gets every worker's KV events; "
           f"{args.requests_per_worker} req/worker at {args.rate} req/s per worker, prefill "
           f"{args.prefill_us_per_token} us/uncached token, decode 1 ms/token x 8, KV "
-          f"{args.kv_capacity_tokens} tokens/worker, worker eviction {args.eviction_policy}")
+          f"{args.kv_capacity_tokens} tokens/worker, worker eviction {args.eviction_policy}, "
+          f"prefill {SCHEDULE_TEXT[args.schedule]}")
     print("  N workload      gateways         hit  lat50ms  lat99  min/max per worker")
     for n in args.workers:
         for workload in ("shared-prefix", "multi-turn"):
@@ -270,7 +271,7 @@ def gateways(args: argparse.Namespace) -> None:
                                         args.seed)
             model = FleetModel(n, args.kv_capacity_tokens, args.eviction_policy,
                                prefill_us_per_token=args.prefill_us_per_token,
-                               decode_ms_per_token=1.0)
+                               decode_ms_per_token=1.0, schedule=args.schedule)
             for g, (late, config) in itertools.product(args.gateways, bindings(args)):
                 o = simulate(requests, model, "cache_aware", gateways=g, seed=args.seed,
                              gateway_config=config)
@@ -380,6 +381,9 @@ def main() -> None:
     m.add_argument("--prefill-us-per-token", type=float, default=100.0)
     m.add_argument("--kv-capacity-tokens", type=int, default=8192)
     m.add_argument("--eviction-policy", default="lru", choices=BENCH_EVICTION_POLICIES)
+    m.add_argument("--schedule", default="fifo", choices=SCHEDULES,
+                   help="how the simulated workers order prefill (see quality's "
+                   "--capacity-schedules)")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--binding", nargs="+", default=["early", "late"], choices=["early", "late"])
     m.add_argument("--hold-queued-tokens", type=int, default=GatewayConfig.hold_queued_tokens)
