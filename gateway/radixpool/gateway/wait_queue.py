@@ -105,8 +105,8 @@ class LateBinding:
         request that hits the worker's cache, with at most `threshold` tokens left to compute,
         on a worker that runs cached prompts first: the queued prefill there is colder and
         does not delay it past the worker's next step, while waiting here would (and leave its
-        prefix unlocked for evictions meanwhile). The fast path is one comparison when nothing
-        is held."""
+        prefix unlocked for evictions meanwhile). When nothing is held this is a couple of
+        comparisons."""
         if worker.cached_first and decision.predicted_blocks:
             wait = prefill_wait(decision, key)
             if wait is not None and wait[1] <= self.threshold:
