@@ -193,11 +193,12 @@ class _SimWorker:
             cut = cut or take < job.left
             step.append((job, take))
             budget -= take
-        ranked = sorted(self.queue, key=lambda j: -self.kv.probe(j.request.tokens, None))
-        for job in ranked:
+        # (admitting only locks: the cache, and so each prompt's cached length, stays as it is)
+        cached_now = {id(j): self.kv.probe(j.request.tokens, None) for j in self.queue}
+        for job in sorted(self.queue, key=lambda j: -cached_now[id(j)]):
             if budget <= 0:
                 break
-            if self._computed_by_another(job):
+            if self._computed_by_another(job, cached_now[id(job)]):
                 continue
             cached, match = self.kv.start(job.request.tokens, None)
             need = len(job.request.tokens) - cached
@@ -213,10 +214,9 @@ class _SimWorker:
             budget -= take
         return step
 
-    def _computed_by_another(self, job: _Job) -> bool:
+    def _computed_by_another(self, job: _Job, cached: int) -> bool:
         """A prompt mid-prefill is computing the start of `job`'s uncached part."""
         tokens = job.request.tokens
-        cached = self.kv.probe(tokens, None)
         ahead = tokens[cached:cached + DEDUP_MIN_TOKENS]
         return len(ahead) == DEDUP_MIN_TOKENS and any(
             other.request.tokens[cached:cached + DEDUP_MIN_TOKENS] == ahead

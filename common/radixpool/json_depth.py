@@ -25,7 +25,7 @@ _TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[{}\[\],]')
 @dataclass(slots=True)
 class _Level:
     is_object: bool
-    member: str | int | None = None   # the member being read: a key, or an array index
+    member: str | int | None   # the member being read: a key (None before the first), an index
     wants_key: bool = True
 
 
@@ -57,14 +57,12 @@ def too_deep(text: str, limit: int = MAX_DEPTH, budget: int = SCAN_TOKENS) -> To
                     return None
                 top.wants_key = False
         elif first in "{[":
-            if levels and not levels[-1].is_object and levels[-1].member is None:
-                levels[-1].member = 0
             if len(levels) >= limit:
                 start = match.start()
                 line = text.count("\n", 0, start) + 1
                 column = start - (text.rfind("\n", 0, start) + 1) + 1
                 return TooDeep(_path(levels), line, column)
-            levels.append(_Level(is_object=first == "{"))
+            levels.append(_Level(first == "{", None if first == "{" else 0))
         elif first in "}]":
             if not levels:
                 return None
@@ -74,7 +72,7 @@ def too_deep(text: str, limit: int = MAX_DEPTH, budget: int = SCAN_TOKENS) -> To
             if top.is_object:
                 top.wants_key = True
             else:
-                top.member = (top.member or 0) + 1
+                top.member += 1
     return None
 
 

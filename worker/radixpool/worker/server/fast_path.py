@@ -122,9 +122,11 @@ def validated(model: type[BaseModel], body: bytes, served: Served | None = None)
         errors = exc.errors()
         if errors[0]["type"] == "json_invalid":
             detail = str(errors[0].get("ctx"))
-            # pydantic calls a lone surrogate an error in a "hex escape": only then parse again
-            error = lone_surrogate(body) if "escape" in detail else \
-                nested_too_deep(body) if "recursion limit" in detail else None
+            error = None
+            if "escape" in detail:   # pydantic's word for a lone surrogate: only then parse again
+                error = lone_surrogate(body)
+            elif "recursion limit" in detail:
+                error = nested_too_deep(body)
             if error is not None:
                 raise error from None
         raise validation_error(RequestValidationError(
