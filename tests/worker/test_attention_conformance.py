@@ -158,6 +158,27 @@ def test_backend_matches_dense_attention(backend, case, page_size, heads, kv_hea
 
 
 @pytest.mark.parametrize("backend", backend_names())
+@pytest.mark.parametrize("case", CASES)
+def test_stale_slots_past_a_request_do_not_leak_into_it(backend, case):
+    # Past a request's length its table row still names slots of the row's earlier requests.
+    # One of those ended with NaN K/V (a poisoned embedding) and its slots were freed with the
+    # NaN in them: a masked column weighs 0, but 0 x NaN is NaN. The torch backend read them
+    # for every shorter row of a decode or padded batch, and a request beside the poisoned one
+    # got NaN logits too (aborted as non-finite, on CPU, in 1 CI run of many).
+    device = backend_device(backend)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    mode, reqs = CASES[case]
+    step = Step(mode, reqs, 1, 8, 2, dtype, device)
+    stale = int(step.pool._free_pages[0])      # a free slot (page size 1), poisoned
+    step.pool.k_buffers[0][stale] = float("nan")
+    step.pool.v_buffers[0][stale] = float("nan")
+    for row, r in enumerate(reqs):
+        step.table[row, r.prefix + r.extend:] = stale
+    out = run_backend(backend, step, device, step.batch, step.q, step.k, step.v)
+    torch.testing.assert_close(out.float(), step.expected(), **tolerance(dtype))
+
+
+@pytest.mark.parametrize("backend", backend_names())
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_padded_decode_lanes_leave_real_lanes_unchanged(backend, page_size):
     """A decode batch padded to a CUDA-graph size: the real lanes equal the dense reference,

@@ -71,6 +71,16 @@ class DecodePlan:
     mask: torch.Tensor        # [batch, 1, 1, max_seq_len]
 
 
+def _own_slots(batch: ForwardBatch, own: torch.Tensor) -> torch.Tensor:
+    """Each request's KV slots, `[batch, max_len]`, with the columns past its own length (`own`
+    False) on the pool's padding slot 0, which is never allocated and stays zero. Past its
+    length a row of `req_to_token` still names slots of the row's earlier requests, and a
+    masked column weighs 0 but its value still counts: 0 x NaN is NaN. A request whose model
+    gave NaN K/V left them in its freed slots, and the next batch's shorter rows read them."""
+    slots = batch.req_to_token[batch.req_rows, :own.shape[1]]
+    return torch.where(own, slots, torch.zeros((), dtype=slots.dtype, device=slots.device))
+
+
 class TorchAttentionBackend(AttentionBackend):
     def plan(self, batch: ForwardBatch) -> None:
         if batch.mode is ForwardMode.DECODE:
@@ -83,9 +93,8 @@ class TorchAttentionBackend(AttentionBackend):
     def _plan_decode(self, batch: ForwardBatch) -> DecodePlan:
         max_len = max(batch.prefix_lens) + 1
         cols = torch.arange(max_len, device=batch.req_to_token.device)
-        kv_slots = batch.req_to_token[batch.req_rows, :max_len]
         mask = cols[None, :] < batch.seq_lens[:, None]
-        return DecodePlan(kv_slots, mask[:, None, None, :])
+        return DecodePlan(_own_slots(batch, mask), mask[:, None, None, :])
 
     def _plan_padded_extend(self, batch: ForwardBatch) -> PaddedExtendPlan:
         device = batch.req_to_token.device
@@ -102,7 +111,8 @@ class TorchAttentionBackend(AttentionBackend):
         # Queries are laid [kv_heads, group * max_extend]: the mask repeats for every group.
         mask = mask[:, None].expand(-1, group, -1, -1).reshape(len(extend), 1, -1, max_len)
         rows = torch.arange(real.numel(), device=device)[real.flatten()]
-        return PaddedExtendPlan(batch.req_to_token[batch.req_rows, :max_len], mask, rows, longest)
+        own = cols[None, :] < batch.seq_lens[:, None]
+        return PaddedExtendPlan(_own_slots(batch, own), mask, rows, longest)
 
     def _plan_extend(self, batch: ForwardBatch) -> list[ExtendSpan]:
         device = batch.req_to_token.device
