@@ -71,7 +71,14 @@ import httpx
 from fleet_procs import cpu_seconds, decision_counts, spawn_fleet, spawn_gateway, stop
 from loadgen import Sample, Workload, closed_loop, interleaved, pct, words
 from simfleet.sglang_eviction import BENCH_EVICTION_POLICIES
-from simfleet.virtual import SCHEDULES, FleetModel, Request, percentile, simulate
+from simfleet.virtual import (
+    SCHEDULES,
+    FleetModel,
+    Request,
+    percentile,
+    simulate,
+    virtual_workload,
+)
 
 from radixpool.gateway.config import GatewayConfig
 
@@ -233,51 +240,33 @@ def bindings(args: argparse.Namespace) -> list[tuple[str, GatewayConfig]]:
 
 
 # --- several gateways (virtual time) --------------------------------------------------------------
-def virtual_workload(name: str, workers: int, count: int, rate: float, seed: int
-                     ) -> list[Request]:
-    """shared-prefix and multi-turn as in `Workload`, as token ids with Poisson arrivals."""
-    rng = random.Random(seed)
-    common = random.Random(-1).choices(range(32000), k=128)
-    groups = [random.Random(g).choices(range(32000), k=768) for g in range(2 * workers)]
-    sessions: dict[int, list[int]] = {}
-    t, out = 0.0, []
-    for _ in range(count):
-        t += rng.expovariate(rate * workers)
-        if name == "shared-prefix":
-            g = rng.randrange(2 * workers)
-            out.append(Request(t, common + groups[g] + rng.choices(range(32000), k=32), g, 8))
-            continue
-        sid = rng.randrange(4 * workers)
-        history = sessions.setdefault(sid, [])
-        if len(history) >= 8 * 72:
-            history.clear()
-        history += rng.choices(range(32000), k=64)
-        out.append(Request(t, list(history), sid, 8))
-        history += random.Random(-2).choices(range(32000), k=8)  # the (fixed) answer
-    return out
-
-
 def gateways(args: argparse.Namespace) -> None:
     print(f"# several gateways, virtual time (deterministic, seed {args.seed}): each request goes "
           f"to a random gateway; every gateway gets every worker's KV events; "
           f"{args.requests_per_worker} req/worker at {args.rate} req/s per worker, prefill "
           f"{args.prefill_us_per_token} us/uncached token, decode 1 ms/token x 8, KV "
           f"{args.kv_capacity_tokens} tokens/worker, worker eviction {args.eviction_policy}, "
-          f"prefill {SCHEDULE_TEXT[args.schedule]}")
-    print("  N workload      gateways         hit  lat50ms  lat99  min/max per worker")
+          f"prefill {SCHEDULE_TEXT[args.schedule]}; load: whether the workers' KV streams say "
+          f"their load")
+    print("  N workload      gateways       load   hit  lat50ms  lat99 idle-q idle-av  "
+          "min/max per worker")
     for n in args.workers:
         for workload in ("shared-prefix", "multi-turn"):
             requests = virtual_workload(workload, n, args.requests_per_worker * n, args.rate,
                                         args.seed)
-            model = FleetModel(n, args.kv_capacity_tokens, args.eviction_policy,
-                               prefill_us_per_token=args.prefill_us_per_token,
-                               decode_ms_per_token=1.0, schedule=args.schedule)
-            for g, (late, config) in itertools.product(args.gateways, bindings(args)):
+            for g, (late, config), reports in itertools.product(
+                    args.gateways, bindings(args), args.load_reports):
+                model = FleetModel(n, args.kv_capacity_tokens, args.eviction_policy,
+                                   prefill_us_per_token=args.prefill_us_per_token,
+                                   decode_ms_per_token=1.0, schedule=args.schedule,
+                                   load_reports=reports == "on")
                 o = simulate(requests, model, "cache_aware", gateways=g, seed=args.seed,
                              gateway_config=config)
                 lat = [x * 1e3 for x in o.latencies]
-                print(f"{n:>3} {workload:<13} {g:>8}{late:<6} {o.hit_rate:6.3f} "
-                      f"{percentile(lat, 0.5):7.1f} {percentile(lat, 0.99):7.1f}  "
+                busy = o.busy_time or 1.0
+                print(f"{n:>3} {workload:<13} {g:>8}{late:<6} {reports:>4} {o.hit_rate:6.3f} "
+                      f"{percentile(lat, 0.5):7.1f} {percentile(lat, 0.99):7.1f} "
+                      f"{o.idle_while_queued / busy:6.1%} {o.idle_avoidable / busy:7.1%}  "
                       f"{min(o.per_worker)}/{max(o.per_worker)}", flush=True)
 
 
@@ -387,6 +376,9 @@ def main() -> None:
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--binding", nargs="+", default=["early", "late"], choices=["early", "late"])
     m.add_argument("--hold-queued-tokens", type=int, default=GatewayConfig.hold_queued_tokens)
+    m.add_argument("--load-reports", nargs="+", default=["on"], choices=["on", "off"],
+                   help="whether the workers' KV streams say their load (ours do; off: each "
+                   "gateway knows only the requests it sent)")
     o = sub.add_parser("overhead", help="what the gateway adds, with zero-time workers")
     o.add_argument("--sequential", type=int, default=2000)
     o.add_argument("--concurrency", type=int, default=32)

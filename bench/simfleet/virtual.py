@@ -30,7 +30,11 @@ own finish is taken at its earliest (the running step's end plus its own uncache
 decision could have turned into an earlier first token.
 
 Several gateways: each request goes to one of them at random (clients spread over replicas);
-each knows only the in-flight requests it sent itself, while all of them receive every KV event.
+each knows the in-flight requests it sent itself, while all of them receive every KV event and,
+with `FleetModel.load_reports` (as our workers do), each worker's load: the requests it holds,
+said with each answer that carries events and `LOAD_LINGER_S` after it changes (the `/kv_events`
+long poll's own timing). A gateway counts a worker's load as its own requests there plus the
+others' as of the last report (`Worker.load`).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from radixpool.gateway.wait_queue import Held, LateBinding
 from radixpool.gateway.workers import Worker, candidates
 from radixpool.protocol.kv_blocks import KVEvent
 from radixpool.protocol.server_info import ServerInfo
+from radixpool.worker.kv_event_log import LOAD_LINGER_S
 
 from .kv import SimKV
 from .sglang_eviction import reported
@@ -79,6 +84,7 @@ class FleetModel:
     prefill_us_per_token: float = 20.0
     decode_ms_per_token: float = 5.0
     schedule: str = "fifo"           # or "engine": chunked steps in cached-prefix order
+    load_reports: bool = True        # the KV stream says each worker's load (ours does)
     chunk_tokens: int = 2048         # engine: EngineConfig.chunked_prefill_size
     step_tokens: int = 8192          # engine: EngineConfig.max_prefill_tokens
 
@@ -140,6 +146,10 @@ class _Gateway:
         ready = list(self.workers.values())
         return self.binding.release(now, lambda model: ready)
 
+    def reported(self, name: str, load: int) -> None:
+        """A `/kv_events` answer said the worker holds `load` requests."""
+        self.workers[name].observe_load(load)
+
     def stored(self, name: str, event: KVEvent) -> None:
         self.index.apply_event(name, event)
         if event.type == "stored":
@@ -175,6 +185,8 @@ class _SimWorker:
         self.running: _Job | None = None      # fifo: the prefill under way
         self.running_until = 0.0              # when the prefill (fifo) or step (engine) ends
         self.started: list[_Job] = []         # engine: prompts mid-prefill, admission order
+        self.load = 0                         # requests here, prefill to last token
+        self.report_due = False               # a load answer is lingering (LOAD_LINGER_S)
         self.step: list[tuple[_Job, int]] = []   # engine: the step under way, tokens each
 
     @property
@@ -294,14 +306,32 @@ def simulate(requests: list[Request], model: FleetModel, policy: str | None = "c
             out.reasons[decision.reason] = out.reasons.get(decision.reason, 0) + 1
         workers[w].queue.append(_Job(request, key, gateway, decision, w))
         out.per_worker[w] += 1
+        load_changed(w, +1)
         start_next(w)
 
+    def load_changed(w: int, change: int) -> None:
+        """A request arrived at or left worker `w`: its KV stream answers the gateways watching
+        its load `LOAD_LINGER_S` later (one answer for a burst)."""
+        worker = workers[w]
+        worker.load += change
+        if model.load_reports and not worker.report_due:
+            worker.report_due = True
+            heapq.heappush(heap, (now + LOAD_LINGER_S, next(order), "load", w))  # type: ignore
+
+    def report_load(w: int) -> None:
+        if model.load_reports:
+            for g in replicas:
+                g.reported(names[w], workers[w].load)
+
     def prefilled(job: _Job) -> None:
-        """A prompt's prefill ended: cache it, tell every gateway, start its decode."""
+        """A prompt's prefill ended: cache it, tell every gateway (the answer carrying its
+        events says the worker's load too), start its decode."""
         events = workers[job.worker].kv.finish(job.request.tokens, None, job.match)
         for g in replicas:
             for event in events:
                 g.stored(names[job.worker], event)
+        if events:
+            report_load(job.worker)
         out.ttfts.append(now - job.request.arrival)
         decode = job.request.output_tokens * model.decode_ms_per_token / 1e3
         heapq.heappush(heap, (now + decode, next(order), "done", job))
@@ -358,6 +388,10 @@ def simulate(requests: list[Request], model: FleetModel, policy: str | None = "c
                 enqueue(request, key, gateway, routed, names.index(routed.worker))
         elif kind == "overdue":
             release()
+        elif kind == "load":
+            w: int = item  # type: ignore[no-redef]
+            workers[w].report_due = False
+            report_load(w)
         elif kind == "prefilled":
             job: _Job = item  # type: ignore[no-redef]
             prefilled(job)
@@ -381,6 +415,7 @@ def simulate(requests: list[Request], model: FleetModel, policy: str | None = "c
             out.prompt_tokens += prompt
             out.cached_tokens += job.cached
             out.latencies.append(now - job.request.arrival)
+            load_changed(job.worker, -1)
             if job.gateway is not None:
                 job.gateway.learn(names[job.worker], job.decision, job.key, prompt, job.cached)
                 release()
@@ -390,3 +425,30 @@ def simulate(requests: list[Request], model: FleetModel, policy: str | None = "c
 def percentile(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def virtual_workload(name: str, workers: int, count: int, rate: float, seed: int
+                     ) -> list[Request]:
+    """`bench/routing.py`'s shared-prefix and multi-turn workloads, as token ids with Poisson
+    arrivals at `rate` per worker: shared-prefix, a 128-token prefix common to all + one of 2N
+    768-token group prompts + 32 tokens of its own; multi-turn, 4N conversations, each turn
+    adding 64 tokens to the whole history (and an 8-token answer after it)."""
+    rng = random.Random(seed)
+    common = random.Random(-1).choices(range(32000), k=128)
+    groups = [random.Random(g).choices(range(32000), k=768) for g in range(2 * workers)]
+    sessions: dict[int, list[int]] = {}
+    t, out = 0.0, []
+    for _ in range(count):
+        t += rng.expovariate(rate * workers)
+        if name == "shared-prefix":
+            g = rng.randrange(2 * workers)
+            out.append(Request(t, common + groups[g] + rng.choices(range(32000), k=32), g, 8))
+            continue
+        sid = rng.randrange(4 * workers)
+        history = sessions.setdefault(sid, [])
+        if len(history) >= 8 * 72:
+            history.clear()
+        history += rng.choices(range(32000), k=64)
+        out.append(Request(t, list(history), sid, 8))
+        history += random.Random(-2).choices(range(32000), k=8)  # the (fixed) answer
+    return out

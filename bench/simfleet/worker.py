@@ -70,6 +70,7 @@ class SimWorker:
         self.prefill_lock = asyncio.Lock()
         self.running = 0
         self.waiting = 0
+        self.live = 0   # requests being served (prefill, decode or streaming): the reported load
         self.fail_requests = False
         self.fail_health: bool | dict = False   # a dict: the body of its 503
         self.stream_error: dict | None = None   # streams end after a token with this error
@@ -160,10 +161,11 @@ class SimWorker:
         query = parse_qs(request.query)
         since = int(query.get("since", ["0"])[0])
         timeout = float(query.get("timeout", ["10"])[0])
+        seen = query.get("load")
         log = self.cache.events
         events = None if since > log.last_seq else log.events_since(since)
         if events == [] and timeout > 0:
-            await log.wait(since, timeout)
+            await log.wait(since, timeout, lambda: self.live, int(seen[0]) if seen else None)
             events = log.events_since(since)
         if events is None:
             await respond.send(*json_body(409, {"error": {
@@ -172,7 +174,8 @@ class SimWorker:
             return
         await respond.send(*json_body(200, {
             "instance_id": self.instance_id, "events": [e.to_json() for e in events],
-            "next": events[-1].seq if events else since}))
+            "next": events[-1].seq if events else since,
+            "load": {"requests": self.live}}))
 
     # --- requests -----------------------------------------------------------------------------
     def prompt_ids(self, path: str, doc: dict) -> list[int]:
@@ -219,20 +222,29 @@ class SimWorker:
             await respond.send(*error_body(400, "max_tokens must be a non-negative integer",
                                            "invalid_max_tokens"))
             return
-        cached = await self._prefill(ids, doc.get("cache_salt"))
-        self.requests += 1
-        self.prompt_tokens += len(ids)
-        self.cached_tokens += cached
-        usage = {"prompt_tokens": len(ids), "completion_tokens": max_tokens,
-                 "total_tokens": len(ids) + max_tokens,
-                 "prompt_tokens_details": {"cached_tokens": cached}}
-        words = [f"w{i % 97}" for i in range(max_tokens)]
-        if doc.get("stream"):
-            await self._stream(request.path, doc, words, usage, respond)
-        else:
-            await self._decode_wait(max_tokens)
-            await respond.send(*json_body(200, _final(request.path, self.config.model, words,
-                                                      usage)))
+        self._count_live(+1)
+        try:
+            cached = await self._prefill(ids, doc.get("cache_salt"))
+            self.requests += 1
+            self.prompt_tokens += len(ids)
+            self.cached_tokens += cached
+            usage = {"prompt_tokens": len(ids), "completion_tokens": max_tokens,
+                     "total_tokens": len(ids) + max_tokens,
+                     "prompt_tokens_details": {"cached_tokens": cached}}
+            words = [f"w{i % 97}" for i in range(max_tokens)]
+            if doc.get("stream"):
+                await self._stream(request.path, doc, words, usage, respond)
+            else:
+                await self._decode_wait(max_tokens)
+                await respond.send(*json_body(200, _final(request.path, self.config.model,
+                                                          words, usage)))
+        finally:
+            self._count_live(-1)
+
+    def _count_live(self, change: int) -> None:
+        """A request starts or ends here: the load the KV stream reports changes."""
+        self.live += change
+        self.cache.events.touch()
 
     async def _prefill(self, ids: list[int], namespace: str | None) -> int:
         cost = self.config.prefill_us_per_token

@@ -73,3 +73,40 @@ def test_a_prefix_cached_through_one_gateway_is_routed_to_its_holder_by_another(
         for server in (a, b):
             loop_thread.run(server.stop())
         loop_thread.run(fleet.stop())
+
+
+def test_each_gateway_counts_the_requests_another_sent_from_the_workers_kv_stream(loop_thread):
+    """A gateway counts the requests it sent itself; the ones another replica sent reach it as
+    each worker's load on the KV stream. While A's long request runs on one worker, B sends
+    every new conversation to the other one: without the stream's load both look idle to B,
+    and it would alternate between them."""
+    fleet = SimFleet(2, SimConfig(decode_ms_per_token=10.0))
+    loop_thread.run(fleet.start())
+    a, b = start_gateway(loop_thread, fleet.urls), start_gateway(loop_thread, fleet.urls)
+    try:
+        assert wait_until(loop_thread, lambda: all(
+            w.kv_events_live for g in (a, b) for w in g.gateway.workers))
+        via_a = openai.OpenAI(base_url=f"http://127.0.0.1:{a.port}/v1", api_key="unused",
+                              max_retries=0)
+        via_b = openai.OpenAI(base_url=f"http://127.0.0.1:{b.port}/v1", api_key="unused",
+                              max_retries=0)
+        stream = via_a.chat.completions.with_raw_response.create(
+            model="sim-model", max_tokens=400, stream=True,
+            messages=[{"role": "user", "content": words(0, 40)}])
+        busy = stream.http_response.headers["x-radixpool-worker"]
+        chunks = stream.parse()
+        next(iter(chunks))
+        seen_by_b = next(w for w in b.gateway.workers if w.url == busy)
+        assert wait_until(loop_thread, lambda: seen_by_b.reported_load == 1)
+        assert seen_by_b.inflight == 0 and seen_by_b.load == 1
+        placed = [chat(via_b, words(1000 * (i + 1), 30), words(5000 + i, 6))
+                  .http_response.headers["x-radixpool-worker"] for i in range(4)]
+        assert placed == [u for u in fleet.urls if u != busy] * 4, placed
+        for _ in chunks:   # A's request ends: the stream says so
+            pass
+        assert wait_until(loop_thread, lambda: seen_by_b.reported_load == 0)
+        assert seen_by_b.load == 0
+    finally:
+        for server in (a, b):
+            loop_thread.run(server.stop())
+        loop_thread.run(fleet.stop())

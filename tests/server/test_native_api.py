@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import random
+import threading
+import time
 
 import pytest
 
@@ -158,6 +160,48 @@ def test_kv_events_resync_and_flush(http):
     if events.status_code == 200:
         assert "cleared" in [e["type"] for e in events.json()["events"]]
     assert http.get("/kv_events/snapshot").json()["blocks"] == []
+
+
+def test_the_kv_stream_says_the_load_and_answers_a_reader_when_it_changes(http):
+    """Several gateways follow one worker's KV stream; each counts only the requests it sent, so
+    the stream says how many the worker holds, and answers a reader (`load=` what it last saw)
+    when that changes, not only when the cache does."""
+    seq = http.get("/kv_events/snapshot").json()["seq"]
+    idle = http.get("/kv_events", params={"since": seq, "timeout": 0}).json()
+    assert idle["load"] == {"requests": 0}
+    start = time.monotonic()   # a reader that saw 0: nothing changes, it waits its timeout
+    quiet = http.get("/kv_events", params={"since": seq, "timeout": 0.5, "load": 0}).json()
+    assert time.monotonic() - start >= 0.45 and quiet["events"] == []
+    answers: list[tuple[float, dict]] = []
+
+    def reader() -> None:   # parked before the request arrives
+        doc = http.get("/kv_events", params={"since": seq, "timeout": 20, "load": 0},
+                       timeout=30).json()
+        answers.append((time.monotonic(), doc))
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    time.sleep(0.3)
+    assert not answers, "a reader whose load is current waits"
+    body = {"input_ids": fresh_ids(10), "stream": True,
+            "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}}
+    with http.stream("POST", "/generate", json=body) as r:
+        sent = time.monotonic()
+        events = _stream_events(r)
+        next(events)
+        thread.join(20)
+        assert answers, "the reader was not answered when the request arrived"
+        answered, doc = answers[0]
+        assert answered - sent < 5 and doc["load"]["requests"] >= 1
+        during = http.get("/kv_events", params={"since": doc["next"], "timeout": 0}).json()
+        assert during["load"] == {"requests": 1}
+        start = time.monotonic()   # a reader that saw another figure is answered at once
+        stale = http.get("/kv_events", params={"since": during["next"], "timeout": 10,
+                                               "load": 0}).json()
+        assert time.monotonic() - start < 2 and stale["load"] == {"requests": 1}
+        list(events)
+    assert http.get("/kv_events", params={"since": seq, "timeout": 0}).json()["load"] == {
+        "requests": 0}
 
 
 def _stream_events(response):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from radixpool.protocol.kv_blocks import KVEvent
-from radixpool.worker.kv_event_log import KVEventLog
+from radixpool.worker.kv_event_log import LOAD_LINGER_S, KVEventLog
 
 
 def events(first: int, last: int) -> list[KVEvent]:
@@ -63,3 +63,33 @@ def test_every_long_polling_reader_is_woken_and_reads_every_event():
     seen = asyncio.run(scenario())
     assert seen == [list(range(1, 10)), list(range(4, 10)), list(range(4, 10))]
     assert not log._waiters
+
+
+def test_a_reader_watching_the_load_is_answered_once_it_changes_and_only_then():
+    """`touch` says the worker's load changed. A reader that said which load it saw is answered
+    once it differs, `LOAD_LINGER_S` later (one answer for a burst); a reader that did not ask
+    for the load, or whose load is current again, keeps waiting for events."""
+    log = KVEventLog()
+    load = [0]
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        watcher = asyncio.create_task(log.wait(0, 30, lambda: load[0], 0))
+        plain = asyncio.create_task(log.wait(0, 30))
+        await asyncio.sleep(0.01)
+        load[0] = 1                     # a request arrived and left again: nothing to say
+        load[0] = 0
+        log.touch()
+        await asyncio.sleep(0.05)
+        assert not watcher.done() and not plain.done()
+        load[0] = 2                     # two arrived
+        start = loop.time()
+        log.touch()
+        await asyncio.wait_for(watcher, 2)
+        assert loop.time() - start >= LOAD_LINGER_S * 0.9
+        assert not plain.done(), "a reader that did not ask for the load waits for events"
+        log.append(events(1, 1))
+        await asyncio.wait_for(plain, 2)
+        assert not log._waiters
+
+    asyncio.run(scenario())

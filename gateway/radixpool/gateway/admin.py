@@ -44,6 +44,8 @@ def describe(fleet: WorkerSet, worker: Worker, now: float) -> dict:
         "circuit_breaker": worker.breaker.state(now),
         "breaker_failures": dict(worker.breaker.failures_by_kind),
         "inflight": worker.inflight,
+        # requests it holds, all gateways', as its KV-event stream says (null: not said)
+        "reported_load": worker.reported_load,
         "instance_id": worker.instance_id,
         "model": worker.model,
         "kv_capacity_tokens": info.kv_capacity_tokens if info else None,

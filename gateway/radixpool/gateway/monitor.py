@@ -18,6 +18,10 @@ capacity, the model's tokenizer, and the KV-event stream. All of them feed the p
   followed, `Worker.kv_events_live` is set. A snapshot of a new instance is that instance's
   tree: it takes the new id, so the identity check does not empty the tree a second time
   (losing what the new instance stored meanwhile).
+- Load, on the same stream: each answer says how many requests the worker holds
+  (`Worker.reported_load`), and each poll says the figure it last saw, so the worker also answers
+  when it changes (about 10 ms later). Several gateways then count each other's requests, not
+  only their own; a stream that stops being followed forgets the figure.
 """
 
 from __future__ import annotations
@@ -190,6 +194,8 @@ class Monitor:
         while not worker.removed:
             usable = self._kv_usable(worker)
             worker.kv_events_live = usable and since is not None
+            if not worker.kv_events_live:
+                worker.observe_load(None)
             if not usable:
                 since = None
                 self.index.stop_following(worker.url)
@@ -200,12 +206,15 @@ class Monitor:
                     since, instance = await self._resync(worker, count=synced)
                     synced, polled = True, False
                     continue
+                seen = worker.reported_load
                 status, doc = await self._get_json(
-                    worker, f"/kv_events?since={since}&timeout={KV_POLL_SECONDS}",
+                    worker, f"/kv_events?since={since}&timeout={KV_POLL_SECONDS}"
+                            + ("" if seen is None else f"&load={seen}"),
                     KV_POLL_SECONDS + self.config.health_timeout + 5)
                 if status == 404:
                     log.info("worker %s serves no /kv_events; relying on cached_tokens", worker.url)
                     worker.kv_events_live = False
+                    worker.observe_load(None)
                     self.index.stop_following(worker.url)
                     return
                 if status != 200 or not isinstance(doc, dict) or doc["instance_id"] != instance:
@@ -214,6 +223,7 @@ class Monitor:
                     since = None
                     continue
                 polled = True
+                worker.observe_load(_reported_load(doc))
                 stored = False
                 for event in doc["events"]:
                     kv_event = KVEvent.from_json(event)
@@ -228,6 +238,7 @@ class Monitor:
                 log.debug("kv events from %s: %r", worker.url, exc)
                 since = None
                 worker.kv_events_live = False
+                worker.observe_load(None)
                 self.index.stop_following(worker.url)
                 await asyncio.sleep(min(self.config.health_interval, KV_RETRY_SECONDS))
 
@@ -250,3 +261,13 @@ class Monitor:
             worker.corrected("kv_resync")
             self.metrics.corrected(worker.url, "kv_resync")
         return int(doc["seq"]), instance
+
+
+def _reported_load(doc: dict) -> int | None:
+    """The requests a `/kv_events` answer says the worker holds; None from a worker that does not
+    say (an older one, or SGLang), or says something else than a count."""
+    load = doc.get("load")
+    requests = load.get("requests") if isinstance(load, dict) else None
+    if isinstance(requests, int) and not isinstance(requests, bool) and requests >= 0:
+        return requests
+    return None

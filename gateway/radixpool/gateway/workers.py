@@ -53,6 +53,10 @@ class Worker:
     reports_cached: bool | None = None  # whether its last answer said how much was cached
     unreported_answers: int = 0         # answers without cached_tokens (left out of hit rates)
     kv_events_live: bool = False        # the monitor is following its KV-event stream
+    # requests it holds, as its KV-event stream last said (None: not said, or not followed),
+    # and how many of them were not this gateway's then (other gateways' requests)
+    reported_load: int | None = None
+    others_load: int = 0
     # Requests sent here whose prefill has not ended, by the hash of their prompt's last whole
     # block: the uncached tokens the gateway expected each to compute. A worker caches a prompt
     # the moment its prefill ends, so the KV event storing that block ends the wait.
@@ -78,6 +82,19 @@ class Worker:
         if self.kv_events_live:
             return "kv_events"
         return "cached_tokens" if self.reports_cached else "lru"
+
+    def observe_load(self, requests: int | None) -> None:
+        """The worker's KV-event stream said it holds `requests` (None: it stopped saying)."""
+        self.reported_load = requests
+        self.others_load = 0 if requests is None else max(0, requests - self.inflight)
+
+    @property
+    def load(self) -> int:
+        """Requests in flight there: this gateway's own, counted as they come and go, plus the
+        others' as of the worker's last report (its figure less this gateway's count then). The
+        report lags by up to ~10 ms, so it never replaces the fresher count of its own; with one
+        gateway the others' part is zero but for that lag."""
+        return self.inflight + self.others_load
 
     def observe_uncached(self, tokens: int) -> None:
         if self.mean_uncached is None:
@@ -143,7 +160,7 @@ class Worker:
 def candidates(workers: Sequence[Worker], key: RouteKey) -> list[Candidate]:
     """What a policy sees of `workers` for a request keyed `key`."""
     tokens = key.tokens
-    return [Candidate(w.url, w.inflight, w.backlog(tokens), w.queued(tokens)) for w in workers]
+    return [Candidate(w.url, w.load, w.backlog(tokens), w.queued(tokens)) for w in workers]
 
 
 MembershipHook = Callable[[Worker, bool], None]   # (worker, joined)

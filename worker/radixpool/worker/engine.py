@@ -216,6 +216,12 @@ class Engine:
         self.shutdown()
 
     @property
+    def live_requests(self) -> int:
+        """Sequences submitted and not finished (each choice of an `n` > 1 request is one): the
+        load the `/kv_events` stream reports."""
+        return len(self._forks)
+
+    @property
     def alive(self) -> bool:
         return not (self._closed or self._dead) and self._process.poll() is None
 
@@ -347,7 +353,8 @@ class Engine:
             _deliver(fork, fork.fail(reason, error, internal))
 
     def _drop(self, fork: RequestOutput) -> None:
-        self._forks.pop(fork.core_rid, None)
+        if self._forks.pop(fork.core_rid, None) is not None:
+            self.kv_events.touch()
         self._release_rid(fork)
 
     def _release_rid(self, fork: RequestOutput) -> None:
@@ -434,6 +441,7 @@ class Engine:
         self._open_rids[rid] = set(core_rids)
         forks[0].deferred = requests[1:]
         self._send(requests[0])
+        self.kv_events.touch()
         return forks
 
     def abort(self, rid: str) -> None:

@@ -3,6 +3,12 @@
 Events arrive from the core process on the engine's receiver thread (or, in a server, on its
 event loop); HTTP handlers read them on the event loop. A reader that fell behind the ring's start
 gets `None` from `events_since` and must resync from a snapshot (`Engine.kv_snapshot`).
+
+The stream also carries the worker's load (how many requests it holds), so that several gateways,
+each of which counts only the requests it sent itself, see the same load: `touch` says the load
+changed, and a reader that said which load it last saw is answered once it differs,
+`LOAD_LINGER_S` later, so a burst of arrivals is one answer and a reader polls at most about
+1 / `LOAD_LINGER_S` times a second for load alone.
 """
 
 from __future__ import annotations
@@ -12,10 +18,12 @@ import contextlib
 import itertools
 import threading
 from collections import deque
+from collections.abc import Callable
 
 from radixpool.protocol.kv_blocks import KVEvent
 
 DEFAULT_CAPACITY = 65536
+LOAD_LINGER_S = 0.01
 
 
 class KVEventLog:
@@ -47,8 +55,31 @@ class KVEventLog:
             newest = list(itertools.islice(reversed(self._events), self.last_seq - seq))
             return newest[::-1]
 
-    async def wait(self, seq: int, timeout: float) -> None:
-        """Return once an event after `seq` exists, or after `timeout` seconds."""
+    def touch(self) -> None:
+        """The load changed: wake the readers waiting, those watching the load answer."""
+        with self._lock:
+            waiters, self._waiters = self._waiters, []
+        for loop, fut in waiters:
+            loop.call_soon_threadsafe(_wake, fut)
+
+    async def wait(self, seq: int, timeout: float, load: Callable[[], int] | None = None,
+                   seen: int | None = None) -> None:
+        """Return once an event after `seq` exists, or after `timeout` seconds; with `seen`
+        (the load the reader last saw), also once `load()` differs from it, `LOAD_LINGER_S`
+        later."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.last_seq <= seq:
+            if seen is not None and load is not None and load() != seen:
+                await asyncio.sleep(LOAD_LINGER_S)
+                return
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            await self._wait_once(seq, left)
+
+    async def _wait_once(self, seq: int, timeout: float) -> None:
+        """Return at the next append or `touch`, or after `timeout` seconds."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         with self._lock:

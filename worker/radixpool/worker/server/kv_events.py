@@ -5,6 +5,11 @@ client that asks for events the worker's bounded log has already dropped, or for
 number this worker never reached (it restarted or flushed), gets 409 `resync_required` and
 starts again from a snapshot. The log lives in the engine front end, so serving it never
 touches the engine core.
+
+Every answer also says the worker's load, `{"requests": N}` (sequences submitted and not
+finished). A reader that passes `load=` (the N it last saw) is also answered, with or without
+events, once N differs from it (`kv_event_log.LOAD_LINGER_S` later): every gateway following the
+stream sees the requests the other gateways sent, within about 10 ms.
 """
 
 from __future__ import annotations
@@ -36,13 +41,17 @@ def router(state: WorkerState) -> APIRouter:
         timeout: Annotated[float, Query(ge=0, le=MAX_WAIT_S,
                                         description="seconds to wait when there are none")] = 10,
         limit: Annotated[int, Query(ge=1, le=MAX_EVENTS)] = MAX_EVENTS,
+        load: Annotated[int | None, Query(ge=0, description=(
+            "the load (requests) this reader last saw: also answer once it differs"))] = None,
     ) -> dict:
-        log = state.engine.kv_events
+        engine = state.engine
+        log = engine.kv_events
         if since > log.last_seq:
             raise _resync(since, log.last_seq)
         events = log.events_since(since)
         if events is not None and not events and timeout > 0:
-            await state.lifecycle.until_stopping(log.wait(since, timeout))
+            await state.lifecycle.until_stopping(
+                log.wait(since, timeout, lambda: engine.live_requests, load))
             events = log.events_since(since)
         if events is None:
             raise _resync(since, log.last_seq)
@@ -51,6 +60,7 @@ def router(state: WorkerState) -> APIRouter:
             "instance_id": state.engine.instance_id,
             "events": [event.to_json() for event in events],
             "next": events[-1].seq if events else since,
+            "load": {"requests": engine.live_requests},
         }
 
     @r.get("/kv_events/snapshot")

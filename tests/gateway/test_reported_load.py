@@ -1,0 +1,65 @@
+"""A worker's load as one gateway of several counts it: its own requests there as they come and
+go, plus the other gateways' as of the worker's last report on its KV stream."""
+
+from __future__ import annotations
+
+from bench.simfleet.virtual import FleetModel, simulate, virtual_workload
+from radixpool.gateway.breaker import CircuitBreaker
+from radixpool.gateway.config import GatewayConfig
+from radixpool.gateway.health import HealthHysteresis
+from radixpool.gateway.monitor import _reported_load
+from radixpool.gateway.route_key import KeyBuilder
+from radixpool.gateway.workers import Worker, candidates
+
+
+def worker(url: str = "http://w:1") -> Worker:
+    return Worker(url, HealthHysteresis(1, 1), CircuitBreaker(5, 10.0), kv_events_live=True)
+
+
+def test_the_others_requests_are_the_report_less_this_gateways_own_then():
+    w = worker()
+    w.inflight = 2
+    assert w.load == 2                         # no report yet: its own count
+    w.observe_load(5)                          # the worker holds 5: 3 are other gateways'
+    assert (w.reported_load, w.load) == (5, 5)
+    w.inflight += 1                            # its own count moves at once
+    assert w.load == 6
+    w.inflight -= 3
+    assert w.load == 3                         # the others' 3 until the next report
+    w.observe_load(1)                          # a report lagging its own count: never below it
+    assert w.load == 1 and w.others_load == 1
+    w.observe_load(0)
+    assert w.load == 0
+    w.inflight = 4
+    w.observe_load(None)                       # the stream stopped: its own count alone
+    assert (w.reported_load, w.load) == (None, 4)
+
+
+def test_a_policy_sees_the_load_the_worker_reported():
+    busy, idle = worker("http://a:1"), worker("http://b:1")
+    busy.observe_load(3)
+    key = KeyBuilder(64, 8).build("/generate", {"input_ids": list(range(40))})
+    assert [c.load for c in candidates([busy, idle], key)] == [3, 0]
+
+
+def test_a_kv_stream_answer_is_read_for_a_count_and_nothing_else():
+    assert _reported_load({"load": {"requests": 7}}) == 7
+    for doc in ({}, {"load": None}, {"load": {"requests": -1}}, {"load": {"requests": True}},
+                {"load": {"requests": "3"}}, {"load": [3]}, {"load": {"requests": 2.5}}):
+        assert _reported_load(doc) is None, doc
+
+
+def test_with_three_gateways_no_worker_is_left_without_requests():
+    """8 workers, 16 groups of a shared prefix, light load (bench/routing.py gateways): each
+    gateway counting only its own requests placed the groups as if at random, and one worker got
+    none at all; with the workers' reported load every worker gets some."""
+    requests = virtual_workload("shared-prefix", 8, 3200, 10.0, 0)
+    config = GatewayConfig(late_binding=True)
+    per_worker = {}
+    for reports in (True, False):
+        model = FleetModel(8, 8192, "lru", prefill_us_per_token=100.0, decode_ms_per_token=1.0,
+                           schedule="engine", load_reports=reports)
+        out = simulate(requests, model, "cache_aware", gateways=3, seed=0, gateway_config=config)
+        per_worker[reports] = out.per_worker
+    assert min(per_worker[False]) == 0, per_worker   # what the reports mend
+    assert min(per_worker[True]) >= 100, per_worker
