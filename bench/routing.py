@@ -246,25 +246,26 @@ def gateways(args: argparse.Namespace) -> None:
           f"{args.requests_per_worker} req/worker at {args.rate} req/s per worker, prefill "
           f"{args.prefill_us_per_token} us/uncached token, decode 1 ms/token x 8, KV "
           f"{args.kv_capacity_tokens} tokens/worker, worker eviction {args.eviction_policy}, "
-          f"prefill {SCHEDULE_TEXT[args.schedule]}; load: whether the workers' KV streams say "
-          f"their load")
-    print("  N workload      gateways       load   hit  lat50ms  lat99 idle-q idle-av  "
+          f"prefill {SCHEDULE_TEXT[args.schedule]}; load / queued: whether the workers' KV "
+          f"streams say their load / name the prompts they queue")
+    print("  N workload      gateways       load queued   hit  lat50ms  lat99 idle-q idle-av  "
           "min/max per worker")
     for n in args.workers:
         for workload in ("shared-prefix", "multi-turn"):
             requests = virtual_workload(workload, n, args.requests_per_worker * n, args.rate,
                                         args.seed)
-            for g, (late, config), reports in itertools.product(
-                    args.gateways, bindings(args), args.load_reports):
+            for g, (late, config), reports, queued in itertools.product(
+                    args.gateways, bindings(args), args.load_reports, args.announcements):
                 model = FleetModel(n, args.kv_capacity_tokens, args.eviction_policy,
                                    prefill_us_per_token=args.prefill_us_per_token,
                                    decode_ms_per_token=1.0, schedule=args.schedule,
-                                   load_reports=reports == "on")
+                                   load_reports=reports == "on", announcements=queued == "on")
                 o = simulate(requests, model, "cache_aware", gateways=g, seed=args.seed,
                              gateway_config=config)
                 lat = [x * 1e3 for x in o.latencies]
                 busy = o.busy_time or 1.0
-                print(f"{n:>3} {workload:<13} {g:>8}{late:<6} {reports:>4} {o.hit_rate:6.3f} "
+                print(f"{n:>3} {workload:<13} {g:>8}{late:<6} {reports:>4} {queued:>6} "
+                      f"{o.hit_rate:6.3f} "
                       f"{percentile(lat, 0.5):7.1f} {percentile(lat, 0.99):7.1f} "
                       f"{o.idle_while_queued / busy:6.1%} {o.idle_avoidable / busy:7.1%}  "
                       f"{min(o.per_worker)}/{max(o.per_worker)}", flush=True)
@@ -379,6 +380,9 @@ def main() -> None:
     m.add_argument("--load-reports", nargs="+", default=["on"], choices=["on", "off"],
                    help="whether the workers' KV streams say their load (ours do; off: each "
                    "gateway knows only the requests it sent)")
+    m.add_argument("--announcements", nargs="+", default=["on"], choices=["on", "off"],
+                   help="whether the workers' KV streams name each prompt they queue (ours do; "
+                   "off: a gateway learns where another sent a prompt when its prefill ends)")
     o = sub.add_parser("overhead", help="what the gateway adds, with zero-time workers")
     o.add_argument("--sequential", type=int, default=2000)
     o.add_argument("--concurrency", type=int, default=32)

@@ -131,6 +131,14 @@ class SimKV:
         self.events.append(events)
         return events
 
+    def announce(self, token_ids: list[int], namespace: str | None) -> list[KVEvent]:
+        """A request was queued here: the `queued` event naming its prompt's blocks, as the
+        engine's scheduler emits it (`RadixCache.announce`)."""
+        self.cache.announce(token_ids, namespace)
+        events = self.cache.drain_events()
+        self.events.append(events)
+        return events
+
     def prefill(self, token_ids: list[int], namespace: str | None) -> int:
         cached, match = self.start(token_ids, namespace)
         self.finish(token_ids, namespace, match)

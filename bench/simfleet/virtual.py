@@ -34,7 +34,10 @@ each knows the in-flight requests it sent itself, while all of them receive ever
 with `FleetModel.load_reports` (as our workers do), each worker's load: the requests it holds,
 said with each answer that carries events and `LOAD_LINGER_S` after it changes (the `/kv_events`
 long poll's own timing). A gateway counts a worker's load as its own requests there plus the
-others' as of the last report (`Worker.load`).
+others' as of the last report (`Worker.load`). With `FleetModel.announcements` (ours do), each
+worker also says which prompt it queued (a `queued` event from the engine's own
+`RadixCache.announce`), `ANNOUNCE_DELAY_S` after it arrived: every gateway puts it in that
+worker's tree, as its own routing decisions go there.
 """
 
 from __future__ import annotations
@@ -72,6 +75,8 @@ class Request:
 
 
 SCHEDULES = ("fifo", "engine")
+# A `queued` event leaves the engine with the step output after the request arrives: about a step.
+ANNOUNCE_DELAY_S = 0.01
 DEDUP_MIN_TOKENS = 32   # the engine's DEDUP_MIN_BLOCKS (2) blocks of 16
 
 
@@ -85,6 +90,7 @@ class FleetModel:
     decode_ms_per_token: float = 5.0
     schedule: str = "fifo"           # or "engine": chunked steps in cached-prefix order
     load_reports: bool = True        # the KV stream says each worker's load (ours does)
+    announcements: bool = True       # ... and each prompt it queues (`queued` events)
     chunk_tokens: int = 2048         # engine: EngineConfig.chunked_prefill_size
     step_tokens: int = 8192          # engine: EngineConfig.max_prefill_tokens
 
@@ -307,6 +313,10 @@ def simulate(requests: list[Request], model: FleetModel, policy: str | None = "c
         workers[w].queue.append(_Job(request, key, gateway, decision, w))
         out.per_worker[w] += 1
         load_changed(w, +1)
+        if model.announcements and replicas:
+            events = workers[w].kv.announce(request.tokens, None)
+            heapq.heappush(heap, (now + ANNOUNCE_DELAY_S, next(order), "queued",  # type: ignore
+                                  (w, events)))
         start_next(w)
 
     def load_changed(w: int, change: int) -> None:
@@ -388,6 +398,11 @@ def simulate(requests: list[Request], model: FleetModel, policy: str | None = "c
                 enqueue(request, key, gateway, routed, names.index(routed.worker))
         elif kind == "overdue":
             release()
+        elif kind == "queued":
+            w, events = item  # type: ignore[misc]
+            for g in replicas:
+                for event in events:
+                    g.index.apply_event(names[w], event)
         elif kind == "load":
             w: int = item  # type: ignore[no-redef]
             workers[w].report_due = False

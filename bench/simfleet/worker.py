@@ -162,6 +162,7 @@ class SimWorker:
         since = int(query.get("since", ["0"])[0])
         timeout = float(query.get("timeout", ["10"])[0])
         seen = query.get("load")
+        queued = query.get("queued", ["0"])[0] in ("1", "true")
         log = self.cache.events
         events = None if since > log.last_seq else log.events_since(since)
         if events == [] and timeout > 0:
@@ -172,8 +173,9 @@ class SimWorker:
                 "code": "resync_required", "message": f"events after {since} are no longer "
                                                       f"available (latest is {log.last_seq})"}}))
             return
+        shown = events if queued else [e for e in events if e.type != "queued"]
         await respond.send(*json_body(200, {
-            "instance_id": self.instance_id, "events": [e.to_json() for e in events],
+            "instance_id": self.instance_id, "events": [e.to_json() for e in shown],
             "next": events[-1].seq if events else since,
             "load": {"requests": self.live}}))
 
@@ -223,6 +225,7 @@ class SimWorker:
                                            "invalid_max_tokens"))
             return
         self._count_live(+1)
+        self.cache.announce(ids, doc.get("cache_salt"))
         try:
             cached = await self._prefill(ids, doc.get("cache_salt"))
             self.requests += 1

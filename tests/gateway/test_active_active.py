@@ -5,6 +5,7 @@ prefix cached through one gateway is routed to its holder by the others."""
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 
@@ -106,6 +107,39 @@ def test_each_gateway_counts_the_requests_another_sent_from_the_workers_kv_strea
             pass
         assert wait_until(loop_thread, lambda: seen_by_b.reported_load == 0)
         assert seen_by_b.load == 0
+    finally:
+        for server in (a, b):
+            loop_thread.run(server.stop())
+        loop_thread.run(fleet.stop())
+
+
+def test_a_gateway_learns_where_another_sent_a_prompt_before_its_prefill_ends(loop_thread):
+    """The worker names each prompt it queues (`queued` on its KV stream): while A's request
+    is still in its (slow) prefill, B already counts its blocks on that worker, and sends a
+    request sharing the prompt there instead of starting the same prefill elsewhere."""
+    fleet = SimFleet(2, SimConfig(prefill_us_per_token=4000.0))   # 300 tokens: ~1.2 s
+    loop_thread.run(fleet.start())
+    a, b = start_gateway(loop_thread, fleet.urls), start_gateway(loop_thread, fleet.urls)
+    try:
+        assert wait_until(loop_thread, lambda: all(
+            w.kv_events_live for g in (a, b) for w in g.gateway.workers))
+        via_a = openai.OpenAI(base_url=f"http://127.0.0.1:{a.port}/v1", api_key="unused",
+                              max_retries=0)
+        via_b = openai.OpenAI(base_url=f"http://127.0.0.1:{b.port}/v1", api_key="unused",
+                              max_retries=0)
+        system = words(700, 300)
+        first = ThreadPoolExecutor(1).submit(chat, via_a, system, words(9000, 6))
+
+        def b_knows_the_prompt() -> bool:
+            return any(b.gateway.index.size(url) > 10 for url in fleet.urls)
+
+        assert wait_until(loop_thread, b_knows_the_prompt, 1.0), "not before the prefill ended"
+        assert all(w.cache.blocks == [] for w in fleet.workers), "the prefill already ended"
+        holder = next(url for url in fleet.urls if b.gateway.index.size(url) > 10)
+        second = chat(via_b, system, words(9100, 6))
+        assert second.http_response.headers["x-radixpool-worker"] == holder
+        assert first.result(10).http_response.headers["x-radixpool-worker"] == holder
+        assert second.parse().usage.prompt_tokens_details.cached_tokens >= 290
     finally:
         for server in (a, b):
             loop_thread.run(server.stop())

@@ -104,6 +104,24 @@ def test_kv_events_apply_exact_stores_removals_and_clears():
     assert index.match(hashes) == {"a": 5}
 
 
+def test_a_queued_prompt_joins_the_tree_unless_it_is_already_predicted_there():
+    """A `queued` event names a prompt another gateway sent to the worker: its blocks join that
+    worker's tree as a prediction. This gateway's own request, already predicted there, changes
+    nothing, not even the clock that ages reused prefixes."""
+    index = PrefixIndex()
+    index.add_worker("a", 100)
+    index.add_worker("b", 100)
+    theirs, ours = chain(list(range(24))), chain(list(range(100, 124)))
+    index.apply_event("a", KVEvent(1, "queued", tuple(theirs)))
+    assert index.match(theirs) == {"a": 6}
+    index.insert("b", ours)
+    epoch = index._epoch
+    index.apply_event("b", KVEvent(2, "queued", tuple(ours)))
+    assert index._epoch == epoch and index.match(ours) == {"b": 6}
+    index.apply_event("b", KVEvent(3, "queued", tuple(theirs)))   # also queued on b
+    assert index.match(theirs) == {"a": 6, "b": 6}
+
+
 prompts = st.lists(st.lists(st.integers(0, 3), min_size=0, max_size=24), min_size=1, max_size=30)
 
 

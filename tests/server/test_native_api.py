@@ -135,10 +135,19 @@ def test_probe_and_events_agree_with_cache(http):
                                          "sampling_params": {"max_new_tokens": 1}}).json()
     assert again["meta_info"]["cached_tokens"] == min(cached, len(ids) - 1)
     # the event stream announced exactly the prompt's blocks, in the salt's namespace
-    r = http.get("/kv_events", params={"since": snap["seq"], "timeout": 0}).json()
+    r = http.get("/kv_events", params={"since": snap["seq"], "timeout": 0, "queued": 1}).json()
     assert r["instance_id"] == snap["instance_id"]
     events = [KVEvent.from_json(e) for e in r["events"]]
     assert [e.seq for e in events] == list(range(snap["seq"] + 1, r["next"] + 1))
+    # each request was announced (queued) with its prompt's blocks before its prefill ended;
+    # a reader that does not ask for them (an older gateway) never sees one, and skips them
+    queued = [e for e in events if e.type == "queued"]
+    assert len(queued) == 2 and queued[0].blocks[:5] == tuple(
+        int(h) for h in prefix_block_hashes(ids, block, salt)[:5])
+    plain = http.get("/kv_events", params={"since": snap["seq"], "timeout": 0}).json()
+    assert plain["next"] == r["next"]
+    assert [e for e in plain["events"] if e["type"] == "queued"] == []
+    assert len(plain["events"]) == len(events) - 2
     stored = {h for e in events if e.type == "stored" for h in e.blocks}
     hashes = [int(h) for h in prefix_block_hashes(ids, block, salt)]
     assert set(hashes[:5]) <= stored

@@ -212,9 +212,27 @@ def test_events_probe_and_snapshot_agree_with_the_cache(engine):
             replayed |= set(event.blocks)
         elif event.type == "removed":
             replayed -= set(event.blocks)
-        else:
+        elif event.type == "cleared":
             replayed.clear()
-    assert replayed == set(blocks)
+    assert replayed == set(blocks)   # `queued` events name blocks, they do not store them
+
+
+def test_a_queued_request_is_announced_before_its_prefill_stores_it(engine):
+    """Several gateways follow one worker: a `queued` event tells them where a prompt went a
+    step after it arrived, where the `stored` event comes only once its prefill ends."""
+    prompt_ids = [1, *range(400, 450)]   # 51 tokens: three whole 16-token blocks
+    since = engine.kv_events.last_seq
+    engine.generate(input_ids=prompt_ids, sampling_params={"max_new_tokens": 1})
+    from radixpool.protocol.kv_blocks import prefix_block_hashes
+
+    hashes = tuple(prefix_block_hashes(prompt_ids, engine.info.kv_block_size).tolist())
+    assert len(hashes) == 3
+    events = engine.kv_events.events_since(since)
+    queued = [e for e in events if e.type == "queued"]
+    assert [e.blocks for e in queued] == [hashes]
+    stored = [e.seq for e in events if e.type == "stored" and set(e.blocks) & set(hashes)]
+    assert stored and queued[0].seq < min(stored)
+    assert set(hashes) <= set(engine.kv_snapshot()[1])
 
 
 def test_flush_empties_cache_and_changes_instance_id(engine):

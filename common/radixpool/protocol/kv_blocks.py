@@ -17,8 +17,12 @@ Events (the worker's `/kv_events` stream) are JSON objects, one per radix-cache 
     {"seq": 7, "type": "stored",  "blocks": ["9f0c…", …], "parent": "1a2b…" | null}
     {"seq": 8, "type": "removed", "blocks": ["9f0c…", …]}
     {"seq": 9, "type": "cleared"}
+and one per request the worker has queued, naming its prompt's whole blocks before its prefill
+computes them (the cache does not hold them yet; the `stored` event follows):
+    {"seq": 10, "type": "queued", "blocks": ["9f0c…", …]}
 `seq` increases by one per event; hashes are 16 lowercase hex digits. `parent` is the hash of the
-block just before the first stored one (null when the first stored block is block 0).
+block just before the first stored one (null when the first stored block is block 0). A reader
+gets `queued` events only when it asks for them (`/kv_events?queued=1`).
 """
 
 from __future__ import annotations
@@ -183,7 +187,8 @@ def from_hex(values: Sequence[str]) -> list[int]:
     return [int(v, 16) for v in values]
 
 
-EventType = Literal["stored", "removed", "cleared"]
+EventType = Literal["stored", "removed", "cleared", "queued"]
+EVENT_TYPES = ("stored", "removed", "cleared", "queued")
 
 
 @dataclass(frozen=True)
@@ -206,7 +211,7 @@ class KVEvent:
     @classmethod
     def from_json(cls, doc: dict) -> KVEvent:
         kind = doc["type"]
-        if kind not in ("stored", "removed", "cleared"):
+        if kind not in EVENT_TYPES:
             raise ValueError(f"unknown KV event type {kind!r}")
         parent = doc.get("parent")
         return cls(

@@ -18,6 +18,10 @@ capacity, the model's tokenizer, and the KV-event stream. All of them feed the p
   followed, `Worker.kv_events_live` is set. A snapshot of a new instance is that instance's
   tree: it takes the new id, so the identity check does not empty the tree a second time
   (losing what the new instance stored meanwhile).
+- Placement, on the same stream: a `queued` event names the blocks of a prompt the worker has
+  just queued, before its prefill computes them; they go into its tree as this gateway's own
+  routing decisions do, so a prompt another gateway sent there is known within a step, not only
+  when its prefill ends (`stored`).
 - Load, on the same stream: each answer says how many requests the worker holds
   (`Worker.reported_load`), and each poll says the figure it last saw, so the worker also answers
   when it changes (about 10 ms later). Several gateways then count each other's requests, not
@@ -208,7 +212,7 @@ class Monitor:
                     continue
                 seen = worker.reported_load
                 status, doc = await self._get_json(
-                    worker, f"/kv_events?since={since}&timeout={KV_POLL_SECONDS}"
+                    worker, f"/kv_events?since={since}&timeout={KV_POLL_SECONDS}&queued=1"
                             + ("" if seen is None else f"&load={seen}"),
                     KV_POLL_SECONDS + self.config.health_timeout + 5)
                 if status == 404:

@@ -219,6 +219,11 @@ class PrefixIndex:
             self.reset(worker)
         elif event.type == "removed":
             self.remove(worker, event.blocks)
+        elif event.type == "queued":
+            # A prompt the worker queued: a prediction, as this gateway's routing makes. One it
+            # already predicts there (its own request) changes nothing, not even the clock.
+            if tree is not None and event.blocks and event.blocks[-1] not in tree.lru:
+                self.insert(worker, event.blocks)
         else:
             self.insert(worker, event.blocks)
 

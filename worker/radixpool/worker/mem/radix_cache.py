@@ -46,6 +46,7 @@ from radixpool.protocol.kv_blocks import (
     as_token_array,
     chain_states,
     namespace_seed,
+    prefix_block_hashes,
     publish,
 )
 from radixpool.worker.mem.eviction import EvictionPolicy, make_eviction_policy
@@ -377,6 +378,14 @@ class RadixCache:
         return len(leaf.key)
 
     # ------------------------------------------------------------------ events
+    def announce(self, tokens: list[int], namespace: str | None) -> None:
+        """A request joined the queue: say which whole blocks its prompt names (`queued`), so
+        that every gateway following the events knows where it went before its prefill ends.
+        The tree does not change."""
+        hashes = prefix_block_hashes(tokens, self.block_size, namespace)
+        if len(hashes):
+            self._emit("queued", tuple(hashes.tolist()))
+
     def _emit(self, kind: str, blocks: tuple[int, ...] = (), parent: int | None = None) -> None:
         self._seq += 1
         self.events.append(KVEvent(self._seq, kind, blocks, parent))  # type: ignore[arg-type]

@@ -6,6 +6,11 @@ number this worker never reached (it restarted or flushed), gets 409 `resync_req
 starts again from a snapshot. The log lives in the engine front end, so serving it never
 touches the engine core.
 
+A reader that passes `queued=1` also gets a `queued` event for each request the worker queues,
+naming its prompt's whole blocks before its prefill computes them: every gateway then knows where
+another one sent a prompt within a step, not only when its prefill ends. Others never see them
+(their `next` still passes them).
+
 Every answer also says the worker's load, `{"requests": N}` (sequences submitted and not
 finished). A reader that passes `load=` (the N it last saw) is also answered, with or without
 events, once N differs from it (`kv_event_log.LOAD_LINGER_S` later): every gateway following the
@@ -43,6 +48,9 @@ def router(state: WorkerState) -> APIRouter:
         limit: Annotated[int, Query(ge=1, le=MAX_EVENTS)] = MAX_EVENTS,
         load: Annotated[int | None, Query(ge=0, description=(
             "the load (requests) this reader last saw: also answer once it differs"))] = None,
+        queued: Annotated[bool, Query(description=(
+            "also return `queued` events: a request's prompt blocks, before its prefill"
+        ))] = False,
     ) -> dict:
         engine = state.engine
         log = engine.kv_events
@@ -56,9 +64,10 @@ def router(state: WorkerState) -> APIRouter:
         if events is None:
             raise _resync(since, log.last_seq)
         events = events[:limit]
+        shown = events if queued else [e for e in events if e.type != "queued"]
         return {
             "instance_id": state.engine.instance_id,
-            "events": [event.to_json() for event in events],
+            "events": [event.to_json() for event in shown],
             "next": events[-1].seq if events else since,
             "load": {"requests": engine.live_requests},
         }

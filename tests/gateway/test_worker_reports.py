@@ -1,5 +1,6 @@
-"""A worker's load as one gateway of several counts it: its own requests there as they come and
-go, plus the other gateways' as of the worker's last report on its KV stream."""
+"""What several gateways learn of each other's traffic from the workers' KV streams: a worker's
+load (each gateway's own requests there as they come and go, plus the others' as of the worker's
+last report) and the prompts it queued (`queued` events)."""
 
 from __future__ import annotations
 
@@ -63,3 +64,19 @@ def test_with_three_gateways_no_worker_is_left_without_requests():
         per_worker[reports] = out.per_worker
     assert min(per_worker[False]) == 0, per_worker   # what the reports mend
     assert min(per_worker[True]) >= 100, per_worker
+
+
+def test_with_queued_events_a_second_gateway_does_not_start_a_prompt_another_just_placed():
+    """30 req/s per worker, 8 workers, 3 gateways: without `queued` events a gateway learns
+    where another sent a new group's prompt only when its prefill ends, and meanwhile sends
+    the group's next request elsewhere cold; with them, the cold decisions are one gateway's."""
+    requests = virtual_workload("shared-prefix", 8, 3200, 30.0, 0)
+    config = GatewayConfig(late_binding=True)
+    cold = {}
+    for gateways, announce in ((1, True), (3, True), (3, False)):
+        model = FleetModel(8, 8192, "lru", prefill_us_per_token=100.0, decode_ms_per_token=1.0,
+                           schedule="engine", announcements=announce)
+        out = simulate(requests, model, "cache_aware", gateways=gateways, seed=0,
+                       gateway_config=config)
+        cold[gateways, announce] = out.reasons.get("cache_miss", 0)
+    assert cold[3, True] == cold[1, True] < cold[3, False], cold
