@@ -5,6 +5,7 @@ prefix cached through one gateway is routed to its holder by the others."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -32,6 +33,28 @@ def wait_until(loop_thread, condition, seconds: float = 10.0) -> bool:
     return loop_thread.call(condition)
 
 
+def client(server: GatewayServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused",
+                         max_retries=0)
+
+
+@contextlib.contextmanager
+def two_gateways(loop_thread, workers: int, config: SimConfig):
+    """A simulated fleet with gateways A and B in front, both following every worker's KV
+    stream: (fleet, B, a client of A, a client of B). The tests look into B."""
+    fleet = SimFleet(workers, config)
+    loop_thread.run(fleet.start())
+    a, b = start_gateway(loop_thread, fleet.urls), start_gateway(loop_thread, fleet.urls)
+    try:
+        assert wait_until(loop_thread, lambda: all(
+            w.kv_events_live for g in (a, b) for w in g.gateway.workers))
+        yield fleet, b, client(a), client(b)
+    finally:
+        for server in (a, b):
+            loop_thread.run(server.stop())
+        loop_thread.run(fleet.stop())
+
+
 def chat(client: openai.OpenAI, system: str, question: str):
     return client.chat.completions.with_raw_response.create(
         model="sim-model", max_tokens=2,
@@ -39,16 +62,7 @@ def chat(client: openai.OpenAI, system: str, question: str):
 
 
 def test_a_prefix_cached_through_one_gateway_is_routed_to_its_holder_by_another(loop_thread):
-    fleet = SimFleet(3, SimConfig())
-    loop_thread.run(fleet.start())
-    a, b = start_gateway(loop_thread, fleet.urls), start_gateway(loop_thread, fleet.urls)
-    try:
-        assert wait_until(loop_thread, lambda: all(
-            w.tree_source == "kv_events" for g in (a, b) for w in g.gateway.workers))
-        via_a = openai.OpenAI(base_url=f"http://127.0.0.1:{a.port}/v1", api_key="unused",
-                              max_retries=0)
-        via_b = openai.OpenAI(base_url=f"http://127.0.0.1:{b.port}/v1", api_key="unused",
-                              max_retries=0)
+    with two_gateways(loop_thread, 3, SimConfig()) as (fleet, b, via_a, via_b):
         systems = [words(g * 500, 300) for g in range(3)]
         holders = [fleet.urls.index(chat(via_a, system, words(3000 + g, 6))
                                     .http_response.headers["x-radixpool-worker"])
@@ -70,10 +84,6 @@ def test_a_prefix_cached_through_one_gateway_is_routed_to_its_holder_by_another(
             assert raw.parse().usage.prompt_tokens_details.cached_tokens >= 300
         # (counted once the answer has left: the client may see it first)
         assert wait_until(loop_thread, lambda: sum(w.requests for w in b.gateway.workers) == 3)
-    finally:
-        for server in (a, b):
-            loop_thread.run(server.stop())
-        loop_thread.run(fleet.stop())
 
 
 def test_each_gateway_counts_the_requests_another_sent_from_the_workers_kv_stream(loop_thread):
@@ -81,16 +91,8 @@ def test_each_gateway_counts_the_requests_another_sent_from_the_workers_kv_strea
     each worker's load on the KV stream. While A's long request runs on one worker, B sends
     every new conversation to the other one: without the stream's load both look idle to B,
     and it would alternate between them."""
-    fleet = SimFleet(2, SimConfig(decode_ms_per_token=10.0))
-    loop_thread.run(fleet.start())
-    a, b = start_gateway(loop_thread, fleet.urls), start_gateway(loop_thread, fleet.urls)
-    try:
-        assert wait_until(loop_thread, lambda: all(
-            w.kv_events_live for g in (a, b) for w in g.gateway.workers))
-        via_a = openai.OpenAI(base_url=f"http://127.0.0.1:{a.port}/v1", api_key="unused",
-                              max_retries=0)
-        via_b = openai.OpenAI(base_url=f"http://127.0.0.1:{b.port}/v1", api_key="unused",
-                              max_retries=0)
+    config = SimConfig(decode_ms_per_token=10.0)
+    with two_gateways(loop_thread, 2, config) as (fleet, b, via_a, via_b):
         stream = via_a.chat.completions.with_raw_response.create(
             model="sim-model", max_tokens=400, stream=True,
             messages=[{"role": "user", "content": words(0, 40)}])
@@ -107,26 +109,14 @@ def test_each_gateway_counts_the_requests_another_sent_from_the_workers_kv_strea
             pass
         assert wait_until(loop_thread, lambda: seen_by_b.reported_load == 0)
         assert seen_by_b.load == 0
-    finally:
-        for server in (a, b):
-            loop_thread.run(server.stop())
-        loop_thread.run(fleet.stop())
 
 
 def test_a_gateway_learns_where_another_sent_a_prompt_before_its_prefill_ends(loop_thread):
     """The worker names each prompt it queues (`queued` on its KV stream): while A's request
     is still in its (slow) prefill, B already counts its blocks on that worker, and sends a
     request sharing the prompt there instead of starting the same prefill elsewhere."""
-    fleet = SimFleet(2, SimConfig(prefill_us_per_token=4000.0))   # 300 tokens: ~1.2 s
-    loop_thread.run(fleet.start())
-    a, b = start_gateway(loop_thread, fleet.urls), start_gateway(loop_thread, fleet.urls)
-    try:
-        assert wait_until(loop_thread, lambda: all(
-            w.kv_events_live for g in (a, b) for w in g.gateway.workers))
-        via_a = openai.OpenAI(base_url=f"http://127.0.0.1:{a.port}/v1", api_key="unused",
-                              max_retries=0)
-        via_b = openai.OpenAI(base_url=f"http://127.0.0.1:{b.port}/v1", api_key="unused",
-                              max_retries=0)
+    config = SimConfig(prefill_us_per_token=4000.0)   # 300 tokens: ~1.2 s
+    with two_gateways(loop_thread, 2, config) as (fleet, b, via_a, via_b):
         system = words(700, 300)
         first = ThreadPoolExecutor(1).submit(chat, via_a, system, words(9000, 6))
 
@@ -140,7 +130,3 @@ def test_a_gateway_learns_where_another_sent_a_prompt_before_its_prefill_ends(lo
         assert second.http_response.headers["x-radixpool-worker"] == holder
         assert first.result(10).http_response.headers["x-radixpool-worker"] == holder
         assert second.parse().usage.prompt_tokens_details.cached_tokens >= 290
-    finally:
-        for server in (a, b):
-            loop_thread.run(server.stop())
-        loop_thread.run(fleet.stop())
