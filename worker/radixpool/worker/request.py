@@ -63,6 +63,8 @@ class Req:
     queue_time: float | None = None
     retractions: int = 0
 
+    # The prompt's block hashes, as its `queued` event named them (the waiting queue reuses them).
+    prompt_hashes: np.ndarray | None = None
     # Incremental longest-prefix-match bookkeeping (owned by the waiting queue).
     block_hashes: np.ndarray | None = None
     match_blocks: int = 0

@@ -378,13 +378,14 @@ class RadixCache:
         return len(leaf.key)
 
     # ------------------------------------------------------------------ events
-    def announce(self, tokens: list[int], namespace: str | None) -> None:
+    def announce(self, tokens: list[int], namespace: str | None) -> np.ndarray:
         """A request joined the queue: say which whole blocks its prompt names (`queued`), so
         that every gateway following the events knows where it went before its prefill ends.
-        The tree does not change."""
+        The tree does not change. Returns the hashes (the waiting queue ranks by them)."""
         hashes = prefix_block_hashes(tokens, self.block_size, namespace)
         if len(hashes):
             self._emit("queued", tuple(hashes.tolist()))
+        return hashes
 
     def _emit(self, kind: str, blocks: tuple[int, ...] = (), parent: int | None = None) -> None:
         self._seq += 1

@@ -93,7 +93,7 @@ class Scheduler:
                                      f"takes at most {limit - 1}")
         self._seq += 1
         req.seq = self._seq
-        self.cache.announce(req.input_ids, req.namespace)
+        req.prompt_hashes = self.cache.announce(req.input_ids, req.namespace)
         self.waiting.push(req)
         return None
 

@@ -165,8 +165,11 @@ class WaitingQueue:
 
     # ------------------------------------------------------------------ incremental LPM
     def _rank(self, req: Req) -> None:
-        req.block_hashes = prefix_block_hashes(req.fill_ids, self.cache.block_size,
-                                               req.namespace)
+        size = self.cache.block_size
+        hashes = req.prompt_hashes   # the prompt's, hashed once when it was queued
+        if hashes is None or len(hashes) != (len(req.input_ids) + len(req.output_ids)) // size:
+            hashes = prefix_block_hashes(req.fill_ids, size, req.namespace)   # it has grown
+        req.block_hashes = hashes
         req.match_blocks = self._exact_blocks(req)
 
     def _rank_unranked(self) -> None:

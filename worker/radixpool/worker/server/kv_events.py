@@ -66,7 +66,7 @@ def router(state: WorkerState) -> APIRouter:
         events = events[:limit]
         shown = events if queued else [e for e in events if e.type != "queued"]
         return {
-            "instance_id": state.engine.instance_id,
+            "instance_id": engine.instance_id,
             "events": [event.to_json() for event in shown],
             "next": events[-1].seq if events else since,
             "load": {"requests": engine.live_requests},
