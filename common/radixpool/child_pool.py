@@ -109,9 +109,8 @@ class ChildPool:
     def _discard(self, pool: ProcessPoolExecutor, kill: bool = False) -> None:
         if pool is self._pool:
             self._pool = None
-        if kill:   # the executor has no public way to stop a running call
-            for process in list(getattr(pool, "_processes", {}).values()):
-                process.kill()
+        if kill:
+            _kill_children(pool)
         pool.shutdown(wait=False, cancel_futures=True)
 
     def _current(self) -> ProcessPoolExecutor:
@@ -123,9 +122,20 @@ class ChildPool:
         return self._pool
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        """For good, at shutdown: the children are killed (what they hold is abandoned) and the
+        executor's manager thread has ended when this returns. Left running, that thread can
+        be closing its wake-up pipe just as the interpreter's exit hook writes to it (Python
+        3.11): a traceback (EBADF) in the log of a server that stopped cleanly."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            _kill_children(pool)
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _kill_children(pool: ProcessPoolExecutor) -> None:
+    """The executor has no public way to stop a running call: kill its processes."""
+    for process in list(getattr(pool, "_processes", {}).values()):
+        process.kill()
 
 
 def _start_child(memory_bytes: int, preload: tuple[str, ...],
