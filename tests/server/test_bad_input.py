@@ -45,6 +45,10 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "presence_penalty": False}, 400, "presence_penalty"),
     ("/v1/completions", {"prompt": "x", "min_p": "0.1"}, 400, "min_p"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": "10"}}, 400, "logit_bias.5"),
+    # a penalty so small a positive logit divided by it overflowed: a 500 "non-finite logits"
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 5e-324}, 400, "repetition_penalty"),
+    ("/generate", {"text": "x", "sampling_params": {"repetition_penalty": 1e-40}}, 400,
+     "sampling_params.repetition_penalty"),
     # combinations OpenAI and vLLM refuse rather than ignore
     ("/v1/chat/completions", {"messages": MSG, "top_logprobs": 3}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": MSG, "stream_options": {"include_usage": True}}, 400,

@@ -30,6 +30,8 @@ from radixpool.worker.sampling_params import SamplingParams
     ({"frequency_penalty": 2.5}, "frequency_penalty"),
     ({"presence_penalty": -3}, "presence_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": 5e-324}, "repetition_penalty"),   # overflowed a logit: 500
+    ({"repetition_penalty": 0.009}, "repetition_penalty"),
     ({"seed": 1.5}, "seed"),
     ({"seed": True}, "seed"),
     ({"n": 0}, "n"),

@@ -12,6 +12,10 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 GREEDY_TEMPERATURE = 1e-5  # below this, logits / T overflows float32 for ordinary logits
+# A positive logit is divided by the repetition penalty: below this it is a 100-fold boost that no
+# use needs, and near float32's smallest normal (1e-38) the quotient overflows and the request
+# ends in non-finite logits (found by the fuzz test: 5e-324).
+MIN_REPETITION_PENALTY = 0.01
 CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf")
 MAX_CONSTRAINT_CHARS = 100_000   # compiles run one at a time: a huge grammar would hold the rest
 
@@ -109,8 +113,8 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 fail(name, "in [-2, 2]")
-        if self.repetition_penalty <= 0:
-            fail("repetition_penalty", "> 0")
+        if self.repetition_penalty < MIN_REPETITION_PENALTY:
+            fail("repetition_penalty", f"≥ {MIN_REPETITION_PENALTY}")
         if self.n < 1:
             fail("n", "≥ 1")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:

@@ -28,6 +28,7 @@ from pydantic import (
     model_validator,
 )
 
+from radixpool.worker.sampling_params import MIN_REPETITION_PENALTY
 from radixpool.worker.server import request_checks
 from radixpool.worker.server.errors import bad_request
 from radixpool.worker.server.request_checks import MAX_CHOICES, check_choices
@@ -103,7 +104,8 @@ class SamplingFields(BaseModel):
     # extensions (SGLang / vLLM names)
     top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
     min_p: Annotated[StrictFloat, Field(ge=0, le=1)] | None = None
-    repetition_penalty: Annotated[StrictFloat, Field(gt=0, le=10)] | None = None
+    repetition_penalty: Annotated[
+        StrictFloat, Field(ge=MIN_REPETITION_PENALTY, le=10)] | None = None
     ignore_eos: StrictBool = False
     min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
     stop_token_ids: list[TokenId] | None = None
