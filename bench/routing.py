@@ -36,7 +36,8 @@ Workloads (token counts exact: the simulated tokenizer is one token per word):
                  system prompts at once and the next request's group is uniform: no router
                  that cannot see the future reuses more) and the partition reference (group g
                  always on worker g mod N, ignoring load), for every `--eviction-policies`
-                 entry. idle-q:
+                 entry. st99: the p99 latency of the requests that arrived after the first
+                 tenth of the run (every cache warm; the virtual runs). idle-q:
                  share of busy time some worker had nothing to do while another had a prefill
                  queued; idle-av: the part of it when some queued request would have got its
                  first token sooner on an idle worker (its prefill there, cold or not, ends
@@ -199,8 +200,8 @@ def capacity_table(args: argparse.Namespace, schedule: str) -> None:
           f"KV {args.capacity_kv_tokens} tokens/worker, {args.capacity_rate} req/s per worker"
           + (f", group 0 takes {args.capacity_hot_share:.0%} of the requests"
              if args.capacity_hot_share else ""))
-    print("  N evict     routing            hit  lat50ms  lat99  ttft50  ttft99 idle-q idle-av  "
-          "min/max per worker  decisions")
+    print("  N evict     routing            hit  lat50ms  lat99  st99  ttft50  ttft99 idle-q "
+          "idle-av  min/max per worker  decisions")
     for n in args.workers:
         requests = capacity_workload(n, args.capacity_requests, args.seed,
                                      args.capacity_hot_share, args.capacity_rate)
@@ -219,8 +220,10 @@ def capacity_table(args: argparse.Namespace, schedule: str) -> None:
                 ttft = [x * 1e3 for x in o.ttfts]
                 idle = o.idle_while_queued / o.busy_time if o.busy_time else 0.0
                 avoidable = o.idle_avoidable / o.busy_time if o.busy_time else 0.0
-                lat_cols = ("      -       -       -       -" if name == "ref:capacity" else
-                            f"{percentile(lat, 0.5):7.0f} {percentile(lat, 0.99):7.0f} "
+                steady = [x * 1e3 for x in o.steady_latencies()]
+                lat_cols = ("      -       -     -       -       -" if name == "ref:capacity"
+                            else f"{percentile(lat, 0.5):7.0f} {percentile(lat, 0.99):7.0f} "
+                            f"{percentile(steady, 0.99):5.0f} "
                             f"{percentile(ttft, 0.5):7.0f} {percentile(ttft, 0.99):7.0f}")
                 reasons = " ".join(f"{k}={v}" for k, v in sorted(o.reasons.items()))
                 print(f"{n:>3} {eviction:<9} {name:<15} {o.hit_rate:6.3f} {lat_cols} "
@@ -248,8 +251,8 @@ def gateways(args: argparse.Namespace) -> None:
           f"{args.kv_capacity_tokens} tokens/worker, worker eviction {args.eviction_policy}, "
           f"prefill {SCHEDULE_TEXT[args.schedule]}; load / queued: whether the workers' KV "
           f"streams say their load / name the prompts they queue")
-    print("  N workload      gateways       load queued   hit  lat50ms  lat99 idle-q idle-av  "
-          "min/max per worker")
+    print("  N workload      gateways       load queued   hit  lat50ms  lat99  st99 idle-q "
+          "idle-av  min/max per worker")
     for n in args.workers:
         for workload in ("shared-prefix", "multi-turn"):
             requests = virtual_workload(workload, n, args.requests_per_worker * n, args.rate,
@@ -263,10 +266,12 @@ def gateways(args: argparse.Namespace) -> None:
                 o = simulate(requests, model, "cache_aware", gateways=g, seed=args.seed,
                              gateway_config=config)
                 lat = [x * 1e3 for x in o.latencies]
+                steady = [x * 1e3 for x in o.steady_latencies()]
                 busy = o.busy_time or 1.0
                 print(f"{n:>3} {workload:<13} {g:>8}{late:<6} {reports:>4} {queued:>6} "
                       f"{o.hit_rate:6.3f} "
                       f"{percentile(lat, 0.5):7.1f} {percentile(lat, 0.99):7.1f} "
+                      f"{percentile(steady, 0.99):5.1f} "
                       f"{o.idle_while_queued / busy:6.1%} {o.idle_avoidable / busy:7.1%}  "
                       f"{min(o.per_worker)}/{max(o.per_worker)}", flush=True)
 

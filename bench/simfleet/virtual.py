@@ -78,6 +78,7 @@ SCHEDULES = ("fifo", "engine")
 # A `queued` event leaves the engine with the step output after the request arrives: about a step.
 ANNOUNCE_DELAY_S = 0.01
 DEDUP_MIN_TOKENS = 32   # the engine's DEDUP_MIN_BLOCKS (2) blocks of 16
+WARMUP_SHARE = 0.1      # `Outcome.steady_latencies` leaves out the first tenth of the arrivals
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,7 @@ class Outcome:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     latencies: list[float] = field(default_factory=list)
+    arrivals: list[float] = field(default_factory=list)   # of the requests in `latencies`
     ttfts: list[float] = field(default_factory=list)
     per_worker: list[int] = field(default_factory=list)
     busy_time: float = 0.0
@@ -114,6 +116,15 @@ class Outcome:
     @property
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def steady_latencies(self, warmup_share: float = WARMUP_SHARE) -> list[float]:
+        """Latencies of the requests that arrived after the first `warmup_share` of the
+        arrivals: the run once every cache has warmed up (at the start every prompt is cold,
+        so a few dozen requests queue behind cold prefills that later ones never see)."""
+        if not self.arrivals:
+            return []
+        cutoff = sorted(self.arrivals)[int(warmup_share * len(self.arrivals))]
+        return [lat for lat, t in zip(self.latencies, self.arrivals) if t >= cutoff]
 
 
 class _Gateway:
@@ -403,6 +414,7 @@ def simulate(requests: list[Request], model: FleetModel, policy: str | None = "c
             for g in replicas:
                 for event in events:
                     g.index.apply_event(names[w], event)
+            report_load(w)   # the answer that carries the events says the load too
         elif kind == "load":
             w: int = item  # type: ignore[no-redef]
             workers[w].report_due = False
@@ -430,6 +442,7 @@ def simulate(requests: list[Request], model: FleetModel, policy: str | None = "c
             out.prompt_tokens += prompt
             out.cached_tokens += job.cached
             out.latencies.append(now - job.request.arrival)
+            out.arrivals.append(job.request.arrival)
             load_changed(job.worker, -1)
             if job.gateway is not None:
                 job.gateway.learn(names[job.worker], job.decision, job.key, prompt, job.cached)

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from bench.simfleet import SimKV
-from bench.simfleet.virtual import FleetModel, Request, simulate
+from bench.simfleet.virtual import FleetModel, Outcome, Request, simulate
 from radixpool.gateway.config import GatewayConfig
 from radixpool.gateway.prefix_index import PrefixIndex
 
@@ -54,6 +54,15 @@ def test_the_virtual_fleet_is_deterministic():
     runs = [simulate(requests, model, "cache_aware", gateways=2, seed=3) for _ in range(2)]
     assert runs[0].latencies == runs[1].latencies and runs[0].reasons == runs[1].reasons
     assert 0 < runs[0].hit_rate < 1
+
+
+def test_the_steady_tail_leaves_out_the_first_tenth_of_the_arrivals():
+    """`st99` in bench/routing.py: the latencies of the requests that arrived once the caches
+    had warmed up, whatever order they finished in."""
+    out = Outcome(latencies=[9.0, 1.0, 2.0] + [0.5] * 17, arrivals=[0.0, 1.0, 1.5] + [2.0] * 17)
+    assert out.steady_latencies() == [2.0] + [0.5] * 17   # the first two arrivals are the tenth
+    assert out.steady_latencies(0.0) == out.latencies
+    assert Outcome().steady_latencies() == []
 
 
 def test_idleness_is_avoidable_only_when_an_idle_worker_would_serve_a_waiting_request_sooner():
