@@ -73,6 +73,7 @@ from fleet_procs import cpu_seconds, decision_counts, spawn_fleet, spawn_gateway
 from loadgen import Sample, Workload, closed_loop, interleaved, pct, words
 from simfleet.sglang_eviction import BENCH_EVICTION_POLICIES
 from simfleet.virtual import (
+    ANNOUNCE_AT,
     SCHEDULES,
     FleetModel,
     Request,
@@ -250,19 +251,23 @@ def gateways(args: argparse.Namespace) -> None:
           f"{args.prefill_us_per_token} us/uncached token, decode 1 ms/token x 8, KV "
           f"{args.kv_capacity_tokens} tokens/worker, worker eviction {args.eviction_policy}, "
           f"prefill {SCHEDULE_TEXT[args.schedule]}; load / queued: whether the workers' KV "
-          f"streams say their load / name the prompts they queue")
+          f"streams say their load / name the prompts they queue"
+          + ("" if args.schedule == "fifo" else
+             " (intake: as the core takes them in; step: with the output of the step after "
+             "that)"))
     print("  N workload      gateways       load queued   hit  lat50ms  lat99  st99 idle-q "
           "idle-av  min/max per worker")
     for n in args.workers:
         for workload in ("shared-prefix", "multi-turn"):
             requests = virtual_workload(workload, n, args.requests_per_worker * n, args.rate,
                                         args.seed)
-            for g, (late, config), reports, queued in itertools.product(
-                    args.gateways, bindings(args), args.load_reports, args.announcements):
+            for g, (late, config), reports, (queued, at) in itertools.product(
+                    args.gateways, bindings(args), args.load_reports, queued_modes(args)):
                 model = FleetModel(n, args.kv_capacity_tokens, args.eviction_policy,
                                    prefill_us_per_token=args.prefill_us_per_token,
                                    decode_ms_per_token=1.0, schedule=args.schedule,
-                                   load_reports=reports == "on", announcements=queued == "on")
+                                   load_reports=reports == "on", announcements=queued != "off",
+                                   announce_at=at)
                 o = simulate(requests, model, "cache_aware", gateways=g, seed=args.seed,
                              gateway_config=config)
                 lat = [x * 1e3 for x in o.latencies]
@@ -274,6 +279,18 @@ def gateways(args: argparse.Namespace) -> None:
                       f"{percentile(steady, 0.99):5.1f} "
                       f"{o.idle_while_queued / busy:6.1%} {o.idle_avoidable / busy:7.1%}  "
                       f"{min(o.per_worker)}/{max(o.per_worker)}", flush=True)
+
+
+def queued_modes(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(the queued column, FleetModel.announce_at) of each --announcements x --announce-at run:
+    the fifo workers announce after a fixed delay, so --announce-at means nothing to them."""
+    modes = []
+    for announce in args.announcements:
+        if announce == "off" or args.schedule == "fifo":
+            modes.append((announce, "intake"))
+        else:
+            modes += [(at, at) for at in args.announce_at]
+    return modes
 
 
 # --- overhead -------------------------------------------------------------------------------------
@@ -388,6 +405,10 @@ def main() -> None:
     m.add_argument("--announcements", nargs="+", default=["on"], choices=["on", "off"],
                    help="whether the workers' KV streams name each prompt they queue (ours do; "
                    "off: a gateway learns where another sent a prompt when its prefill ends)")
+    m.add_argument("--announce-at", nargs="+", default=["intake"], choices=ANNOUNCE_AT,
+                   help="engine schedule: a queued event leaves when the core takes the request "
+                   "in (intake, ours) or with the output of the step after that (step, ours "
+                   "before)")
     o = sub.add_parser("overhead", help="what the gateway adds, with zero-time workers")
     o.add_argument("--sequential", type=int, default=2000)
     o.add_argument("--concurrency", type=int, default=32)

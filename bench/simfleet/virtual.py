@@ -36,8 +36,11 @@ said with each answer that carries events and `LOAD_LINGER_S` after it changes (
 long poll's own timing). A gateway counts a worker's load as its own requests there plus the
 others' as of the last report (`Worker.load`). With `FleetModel.announcements` (ours do), each
 worker also says which prompt it queued (a `queued` event from the engine's own
-`RadixCache.announce`), `ANNOUNCE_DELAY_S` after it arrived: every gateway puts it in that
-worker's tree, as its own routing decisions go there.
+`RadixCache.announce`): every gateway puts it in that worker's tree, as its own routing decisions
+go there. When: with the `engine` schedule, the core takes requests in between steps, so the
+event leaves when the step under way ends (at once on an idle worker), or, with
+`FleetModel.announce_at` "step" (our workers before they sent the intake's events at once), with
+the output of the step after that; with `fifo`, `ANNOUNCE_DELAY_S` after the request arrived.
 """
 
 from __future__ import annotations
@@ -75,8 +78,10 @@ class Request:
 
 
 SCHEDULES = ("fifo", "engine")
-# A `queued` event leaves the engine with the step output after the request arrives: about a step.
+# fifo workers (not our engine's steps): a `queued` event reaches the gateways this long after its
+# request reached the worker.
 ANNOUNCE_DELAY_S = 0.01
+ANNOUNCE_AT = ("intake", "step")   # engine: when the taken-in requests' events leave the core
 DEDUP_MIN_TOKENS = 32   # the engine's DEDUP_MIN_BLOCKS (2) blocks of 16
 WARMUP_SHARE = 0.1      # `Outcome.steady_latencies` leaves out the first tenth of the arrivals
 
@@ -92,12 +97,15 @@ class FleetModel:
     schedule: str = "fifo"           # or "engine": chunked steps in cached-prefix order
     load_reports: bool = True        # the KV stream says each worker's load (ours does)
     announcements: bool = True       # ... and each prompt it queues (`queued` events)
+    announce_at: str = "intake"      # engine: at intake (ours), or after the next step (before)
     chunk_tokens: int = 2048         # engine: EngineConfig.chunked_prefill_size
     step_tokens: int = 8192          # engine: EngineConfig.max_prefill_tokens
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.announce_at not in ANNOUNCE_AT:
+            raise ValueError(f"announce_at must be one of {ANNOUNCE_AT}, got {self.announce_at!r}")
 
 
 @dataclass
@@ -205,6 +213,11 @@ class _SimWorker:
         self.load = 0                         # requests here, prefill to last token
         self.report_due = False               # a load answer is lingering (LOAD_LINGER_S)
         self.step: list[tuple[_Job, int]] = []   # engine: the step under way, tokens each
+        # engine: `queued` events of requests that arrived during the step under way (the core
+        # takes them in when it ends), and of those taken in whose events leave with the output
+        # of the step under way (announce_at "step")
+        self.arrived: list[list[KVEvent]] = []
+        self.taken_in: list[list[KVEvent]] = []
 
     @property
     def idle(self) -> bool:
@@ -326,9 +339,25 @@ def simulate(requests: list[Request], model: FleetModel, policy: str | None = "c
         load_changed(w, +1)
         if model.announcements and replicas:
             events = workers[w].kv.announce(request.tokens, None)
-            heapq.heappush(heap, (now + ANNOUNCE_DELAY_S, next(order), "queued",  # type: ignore
-                                  (w, events)))
+            if model.schedule == "fifo":
+                announce(w, events, ANNOUNCE_DELAY_S)
+            elif workers[w].step:
+                workers[w].arrived.append(events)   # taken in when the step under way ends
+            else:
+                intake(w, [events])
         start_next(w)
+
+    def announce(w: int, events: list[KVEvent], delay: float = 0.0) -> None:
+        heapq.heappush(heap, (now + delay, next(order), "queued", (w, events)))  # type: ignore
+
+    def intake(w: int, arrived: list[list[KVEvent]]) -> None:
+        """The engine's core takes in requests between steps: their `queued` events leave at
+        once, or (announce_at "step") with the output of the step it runs next."""
+        for events in arrived:
+            if model.announce_at == "intake":
+                announce(w, events)
+            else:
+                workers[w].taken_in.append(events)
 
     def load_changed(w: int, change: int) -> None:
         """A request arrived at or left worker `w`: its KV stream answers the gateways watching
@@ -428,6 +457,11 @@ def simulate(requests: list[Request], model: FleetModel, policy: str | None = "c
         elif kind == "stepped":
             w: int = item  # type: ignore[no-redef]
             worker = workers[w]
+            for events in worker.taken_in:   # they leave with this step's output
+                announce(w, events)
+            worker.taken_in = []
+            intake(w, worker.arrived)
+            worker.arrived = []
             for job, take in worker.step:
                 job.left -= take
                 if job.left <= 0:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixpool.protocol.kv_blocks import DEFAULT_BLOCK_SIZE
+from radixpool.protocol.kv_blocks import DEFAULT_BLOCK_SIZE, KVEvent
 from radixpool.worker.config import EngineConfig
 from radixpool.worker.device_copy import to_device
 from radixpool.worker.forward_batch import ForwardBatch
@@ -198,6 +198,15 @@ class EngineCore:
             return None
         return self.scheduler.add(req)
 
+    def drain_events(self) -> list[KVEvent]:
+        """The cache's events since the last drain, for the front end's KV stream; the waiting
+        queue hears which blocks were stored (it ranks requests by their cached prefix)."""
+        events = self.cache.drain_events()
+        for event in events:
+            if event.type == "stored":
+                self.scheduler.waiting.on_stored(event.blocks)
+        return events
+
     def _admit_compiled(self) -> list[TokenDelta]:
         """Constrained requests whose grammar is ready join the scheduler (or are refused)."""
         deltas = []
@@ -249,10 +258,7 @@ class EngineCore:
         # finishes the scheduler decided with no batch to process them (it outgrew the KV)
         out.deltas += self._release_finished(self.scheduler.take_deltas())
         t = time.perf_counter()
-        out.events = self.cache.drain_events()
-        for event in out.events:
-            if event.type == "stored":
-                self.scheduler.waiting.on_stored(event.blocks)
+        out.events = self.drain_events()
         out.stats = self.stats()
         self.times.process += time.perf_counter() - t
         return out
