@@ -168,7 +168,7 @@ class _Loop:
             return busy
         deltas = self.core.flush_cache()
         # The "cleared" event must reach the front end before the reply does.
-        self.send(StepOutput(deltas=deltas, events=self.core.cache.drain_events(),
+        self.send(StepOutput(deltas=deltas, events=self.core.drain_events(),
                              stats=self.core.stats()))
         return None
 
