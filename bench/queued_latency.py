@@ -18,7 +18,6 @@ import asyncio
 import random
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -68,7 +67,7 @@ async def measure(url: str, info: dict, args: argparse.Namespace) -> list[float]
     vocab = info.get("vocab_size") or 256
     rng = random.Random(0)
     seen: dict[str, float] = {}   # last block hash (hex) of each queued event -> when read
-    stop = threading.Event()
+    stop = asyncio.Event()
 
     async def reader(client: httpx.AsyncClient) -> None:
         since = (await client.get("/kv_events/snapshot")).json()["seq"]
@@ -82,7 +81,7 @@ async def measure(url: str, info: dict, args: argparse.Namespace) -> list[float]
                     seen.setdefault(event["blocks"][-1], now)
             since = doc["next"]
 
-    async def busy(client: httpx.AsyncClient, i: int) -> None:
+    async def busy(client: httpx.AsyncClient) -> None:
         ids = [rng.randrange(3, vocab) for _ in range(args.prompt_tokens)]
         while not stop.is_set():
             await client.post("/generate", json={"input_ids": ids, "sampling_params": {
@@ -91,7 +90,7 @@ async def measure(url: str, info: dict, args: argparse.Namespace) -> list[float]
     limits = httpx.Limits(max_connections=args.busy + 8)
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
         tasks = [asyncio.create_task(reader(client))]
-        tasks += [asyncio.create_task(busy(client, i)) for i in range(args.busy)]
+        tasks += [asyncio.create_task(busy(client)) for _ in range(args.busy)]
         await asyncio.sleep(1.0)   # the worker is generating for them
         sent: dict[str, float] = {}
         probes = []

@@ -40,8 +40,7 @@ class KVEventLog:
             self._events.extend(events)
             self.last_seq = events[-1].seq
             waiters, self._waiters = self._waiters, []
-        for loop, fut in waiters:
-            loop.call_soon_threadsafe(_wake, fut)
+        _wake_all(waiters)
 
     def events_since(self, seq: int) -> list[KVEvent] | None:
         """Events with `seq` greater than the argument, or None if some were already dropped."""
@@ -59,8 +58,7 @@ class KVEventLog:
         """The load changed: wake the readers waiting, those watching the load answer."""
         with self._lock:
             waiters, self._waiters = self._waiters, []
-        for loop, fut in waiters:
-            loop.call_soon_threadsafe(_wake, fut)
+        _wake_all(waiters)
 
     async def wait(self, seq: int, timeout: float, load: Callable[[], int] | None = None,
                    seen: int | None = None) -> None:
@@ -92,6 +90,11 @@ class KVEventLog:
         finally:
             with self._lock:  # a waiter that timed out or was cancelled must not linger
                 self._waiters = [w for w in self._waiters if w[1] is not fut]
+
+
+def _wake_all(waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]) -> None:
+    for loop, fut in waiters:
+        loop.call_soon_threadsafe(_wake, fut)
 
 
 def _wake(fut: asyncio.Future) -> None:
