@@ -4,6 +4,8 @@ last report) and the prompts it queued (`queued` events)."""
 
 from __future__ import annotations
 
+import pytest
+
 from bench.simfleet.virtual import FleetModel, percentile, simulate, virtual_workload
 from radixpool.gateway.breaker import CircuitBreaker
 from radixpool.gateway.config import GatewayConfig
@@ -53,17 +55,30 @@ def test_a_kv_stream_answer_is_read_for_a_count_and_nothing_else():
 def test_with_three_gateways_no_worker_is_left_without_requests():
     """8 workers, 16 groups of a shared prefix, light load (bench/routing.py gateways): each
     gateway counting only its own requests placed the groups as if at random, and one worker got
-    none at all; with the workers' reported load every worker gets some."""
+    none at all; with the workers' reported load every worker gets some. (A new group now also
+    prefers a worker that holds nothing, which alone mends this seed: the load reports' own
+    effect is in bench/results/routing_capacity_2cpu.txt 000m.)"""
     requests = virtual_workload("shared-prefix", 8, 3200, 10.0, 0)
     config = GatewayConfig(late_binding=True)
-    per_worker = {}
-    for reports in (True, False):
-        model = FleetModel(8, 8192, "lru", prefill_us_per_token=100.0, decode_ms_per_token=1.0,
-                           schedule="engine", load_reports=reports)
-        out = simulate(requests, model, "cache_aware", gateways=3, seed=0, gateway_config=config)
-        per_worker[reports] = out.per_worker
-    assert min(per_worker[False]) == 0, per_worker   # what the reports mend
-    assert min(per_worker[True]) >= 100, per_worker
+    model = FleetModel(8, 8192, "lru", prefill_us_per_token=100.0, decode_ms_per_token=1.0,
+                       schedule="engine")
+    out = simulate(requests, model, "cache_aware", gateways=3, seed=0, gateway_config=config)
+    assert min(out.per_worker) >= 100, out.per_worker
+
+
+@pytest.mark.parametrize("seed", [1, 4])
+def test_a_new_group_goes_to_a_worker_that_holds_nothing_before_one_that_holds_the_common_prompt(
+        seed):
+    """8 workers, 16 groups behind a common system prompt, 10 req/s per worker, 2 gateways: a
+    new group's placement broke load ties towards the workers already holding the common prompt
+    until it counted as hot, which each gateway decides from its own share of the traffic; the
+    groups were all placed on 7 workers, and at that load they stayed there (seeds 1 and 4)."""
+    requests = virtual_workload("shared-prefix", 8, 3200, 10.0, seed)
+    model = FleetModel(8, 8192, "lru", prefill_us_per_token=100.0, decode_ms_per_token=1.0,
+                       schedule="engine")
+    out = simulate(requests, model, "cache_aware", gateways=2, seed=seed,
+                   gateway_config=GatewayConfig(late_binding=True))
+    assert min(out.per_worker) >= 100, out.per_worker
 
 
 def test_with_queued_events_a_second_gateway_does_not_start_a_prompt_another_just_placed():

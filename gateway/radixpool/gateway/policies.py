@@ -315,6 +315,10 @@ class CacheAware(Policy):
                       beyond: list[int], by_room: bool = True) -> int:
         low = min(candidates[i].load for i in among)
         ties = [i for i in among if candidates[i].load == low]
+        if len(ties) > 1 and not by_room:
+            empty = [i for i in ties if not self.index.size(candidates[i].name)]
+            if empty:
+                ties = empty
         if len(ties) > 1:
             top = max(beyond[i] for i in ties)
             ties = [i for i in ties if beyond[i] == top]
