@@ -88,6 +88,29 @@ def test_the_workers_view_names_each_trees_source(make_stack):
     assert all(len(workers) <= 1 for workers in served.values()), served
 
 
+def test_a_stream_that_ends_without_any_usage_counts_as_unreported(make_stack):
+    """A server that never sends the usage event a stream was asked for (an OpenAI-compatible
+    server without usage in streams): each whole answer is counted as unreported, not passed
+    over as if it had not happened."""
+    stack = make_stack(1, kv_events=False)
+    worker = stack.fleet.workers[0]
+    stream = worker._stream
+
+    async def stream_without_usage(path, doc, *args):
+        await stream(path, {k: v for k, v in doc.items() if k != "stream_options"}, *args)
+
+    worker._stream = stream_without_usage
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+    for q in range(3):
+        chunks = list(client.chat.completions.create(
+            model="sim-model", max_tokens=2, stream=True,
+            messages=[{"role": "user", "content": words(q * 50, 20)}]))
+        assert chunks and all(c.usage is None for c in chunks)
+    stack.settle()
+    row = stack.client.get("/workers").json()["workers"][0]
+    assert (row["unreported_answers"], row["prompt_tokens"]) == (3, 0), row
+
+
 SGLANG_INFO = {"model_path": "Qwen/Qwen2.5-0.5B-Instruct", "served_model_name": "qwen",
                "context_length": None, "page_size": 1, "tp_size": 1,
                "max_total_num_tokens": 123456, "max_req_input_len": 32000,

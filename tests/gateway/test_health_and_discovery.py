@@ -14,11 +14,21 @@ from radixpool.gateway.proxy import Gateway
 
 def test_hysteresis_needs_n_failures_down_and_m_successes_up():
     h = HealthHysteresis(failures=3, successes=2)
+    assert not h.record(True) and h.proven   # its first check passed
     assert [h.record(ok) for ok in (False, False, True, False, False)] == [False] * 5
     assert h.healthy  # a success in between reset the run
     assert h.record(False) and not h.healthy
     assert not h.record(True) and not h.healthy
     assert h.record(True) and h.healthy
+
+
+def test_until_a_check_passes_each_check_decides_at_once():
+    h = HealthHysteresis(failures=3, successes=2)
+    assert h.healthy and not h.proven        # listed: tried before its first check
+    assert h.record(False) and not h.healthy   # never answered: down at once, not after 3
+    assert not h.record(False)
+    assert h.record(True) and h.healthy and h.proven   # came up: one good check is enough
+    assert not h.record(False) and h.healthy   # from now on, the hysteresis
 
 
 def eps(name, endpoints, port=8000, port_name="http"):

@@ -41,9 +41,17 @@ def test_streams_pass_through_and_the_added_usage_event_is_stripped(make_stack):
         stream_options={"include_usage": True}))
     assert with_usage[-1].choices == [] and with_usage[-1].usage.prompt_tokens_details \
         .cached_tokens > 0
+    # a client that writes unset fields as null: the option is still added (a splice before
+    # the client's own member was overridden by it) and its event still stripped
+    with stack.client.stream("POST", "/v1/chat/completions", json={
+            "model": "sim-model", "messages": messages, "max_tokens": 2, "stream": True,
+            "stream_options": None}) as r:
+        events = [line for line in r.iter_lines() if line.startswith("data: {")]
+    assert len(events) == 2 and all('"usage"' not in e or '"choices":[]' not in e.replace(
+        " ", "") for e in events), events
     stack.settle()
     fleet = stack.client.get("/workers").json()["fleet"]
-    assert fleet["prompt_tokens"] == 3 * with_usage[-1].usage.prompt_tokens  # all learned
+    assert fleet["prompt_tokens"] == 4 * with_usage[-1].usage.prompt_tokens  # all learned
     text = list(client.completions.create(model="sim-model", prompt=words(5, 40), max_tokens=3,
                                           stream=True))
     assert "".join(c.choices[0].text for c in text) == "w0 w1 w2 "
@@ -139,7 +147,13 @@ def test_bad_input_gets_a_4xx_without_reaching_a_worker(make_stack):
                 b'"user", "content": ' + b"[" * 3000 + b"]" * 3000 + b"}]}"), 400,
          "nests more than 200 levels deep (line 1, column", "messages[0].content[0][0][0][0][0]",
          "invalid_json"),
+        # nested past the workers' parser but not Python's: refused here as well
+        (c.post("/v1/completions", content=b'{"model": "sim-model", "prompt": "w1", "stop": '
+                + b"[" * 250 + b"]" * 250 + b"}"), 400,
+         "nests more than 200 levels deep (line 1, column", "stop[0][0][0][0][0][0][0]",
+         "invalid_json"),
         (c.post("/v2/everything", json={}), 404, "unknown path", None, None),
+        (c.get("/workers/anything"), 404, "unknown path", None, None),
         (c.get("/v1/chat/completions"), 405, "accepts POST", None, None),
         (c.post("/generate", json={"text": "x" * 20_000}), 413, "exceeds the limit", None,
          "request_too_large"),

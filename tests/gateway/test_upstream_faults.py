@@ -217,7 +217,12 @@ def test_a_request_waiting_on_a_worker_found_hung_is_retried_at_once(make_stack,
     listener = loop_thread.run(_listen(SilentWorker))
     hung_url = f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}"
     try:
-        hung = loop_thread.call(stack.gateway.workers.add, hung_url)
+        def listed_and_seen_up():   # it answered a check before it hung (SIGSTOP)
+            worker = stack.gateway.workers.add(hung_url)
+            worker.health.record(True)
+            return worker
+
+        hung = loop_thread.call(listed_and_seen_up)
         assert wait_for(lambda: hung.health._run == 1, 5)   # its first check went unanswered
         good.draining = True   # the request can only go to the hung worker
         answer: list[httpx.Response] = []
@@ -234,6 +239,28 @@ def test_a_request_waiting_on_a_worker_found_hung_is_retried_at_once(make_stack,
         assert time.monotonic() - started < 3
         assert hung.inflight == 0 and not hung.health.healthy
     finally:
+        loop_thread.call(listener.close)
+
+
+def test_a_listed_worker_that_never_answers_is_down_from_its_first_check(loop_thread):
+    """A gateway whose only worker is listed but silent (not up yet, a wrong address) is not
+    ready: /health waits for a worker to pass a check, and the first unanswered check takes the
+    worker down, not --health-failures of them (6 s by default), so requests get a clear 503."""
+    listener = loop_thread.run(_listen(SilentWorker))
+    url = f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}"
+    server = GatewayServer(GatewayConfig(host="127.0.0.1", port=0, worker_urls=(url,),
+                                         health_interval=30.0, health_timeout=0.3))
+    loop_thread.run(server.start())
+    try:
+        worker = server.gateway.workers.get(url)
+        with httpx.Client(base_url=f"http://127.0.0.1:{server.port}", timeout=10) as client:
+            r = client.get("/health")
+            assert r.status_code == 503 and r.json()["eligible_workers"] == 0, r.text
+            assert wait_for(lambda: not worker.health.healthy, 3)
+            r = client.post("/v1/completions", json={"prompt": "w1", "max_tokens": 1})
+            assert r.status_code == 503 and "no healthy worker" in r.json()["error"]["message"]
+    finally:
+        loop_thread.run(server.stop())
         loop_thread.call(listener.close)
 
 

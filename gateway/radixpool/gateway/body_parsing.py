@@ -21,11 +21,12 @@ from dataclasses import dataclass
 
 from radixpool.child_pool import ChildPool, TooBig
 from radixpool.gateway.route_key import BadRequest, KeyBuilder, RouteKey
-from radixpool.json_depth import too_deep
+from radixpool.json_depth import MAX_DEPTH, too_deep
 from radixpool.json_members import MAX_OBJECT_MEMBERS, members_exceed, too_many_members_message
 
 INLINE_BODY_BYTES = 16 * 1024  # worst case in place: a few ms of parsing and tokenization
 USAGE_OPTION = b'"stream_options":{"include_usage":true},'
+DEPTH_WALK_VALUES = 50_000  # values a depth check looks at: ~20 ms, in a parse process (> 16 KiB)
 
 
 class BodyTooComplex(Exception):
@@ -58,16 +59,44 @@ def parse_body(keys: KeyBuilder, path: str, body: bytes) -> ParsedBody:
     if body.count(b":") > MAX_OBJECT_MEMBERS and members_exceed(doc, MAX_OBJECT_MEMBERS):
         raise BadRequest(too_many_members_message(), code="too_many_members")
     key = keys.build(path, doc)
+    if body.count(b"[") + body.count(b"{") > MAX_DEPTH and _deeper_than(doc, MAX_DEPTH):
+        # parsed here (Python's limit is near 1,000), but no endpoint takes it: the workers'
+        # parser stops past 200, so it is refused here, as they would word it
+        found = too_deep(body.decode("utf-8"))
+        raise BadRequest(found.message() if found else
+                         f"request body is not valid JSON: it nests more than {MAX_DEPTH} "
+                         "levels deep", param=found.param if found else None,
+                         code="invalid_json")
     if doc.get("stream") is not True or path == "/generate":
         return ParsedBody(key, body, False)
-    options = doc.get("stream_options")
-    if options is None:  # the object has a "stream" member: open it with the option
+    if "stream_options" not in doc:  # the object has a "stream" member: open it with the option
         start = body.index(b"{") + 1
         return ParsedBody(key, body[:start] + USAGE_OPTION + body[start:], True)
-    if isinstance(options, dict) and not options.get("include_usage"):
-        doc["stream_options"] = {**options, "include_usage": True}
+    options = doc["stream_options"]
+    if options is None or (isinstance(options, dict) and not options.get("include_usage")):
+        # re-encoded: a member the client wrote after a spliced one would override it
+        doc["stream_options"] = {**(options or {}), "include_usage": True}
         return ParsedBody(key, json.dumps(doc).encode(), True)
     return ParsedBody(key, body, False)
+
+
+def _deeper_than(doc: object, limit: int, budget: int = DEPTH_WALK_VALUES) -> bool:
+    """Whether some object or array in `doc` sits more than `limit` levels deep (the body
+    itself is level 1), looking at `budget` values at most (deepest first): past them the
+    worker's parser refuses it, in the same words."""
+    stack = [(doc, 1)]
+    while stack:
+        value, depth = stack.pop()
+        children = value.values() if isinstance(value, dict) else value
+        budget -= len(children)
+        if budget < 0:
+            return False
+        for child in children:
+            if isinstance(child, (dict, list)):
+                if depth == limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
 
 
 class BodyParser:

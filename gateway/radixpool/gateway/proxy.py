@@ -184,14 +184,15 @@ class Gateway:
         elif path == "/livez":  # the process serves; workers do not matter here
             await respond.send(200, [(b"content-type", b"application/json")], b'{"status":"ok"}')
         elif path == "/health":
-            ready = len(self.workers.eligible(self.clock()))
+            # ready once a worker has passed a check: one merely listed may not be there
+            ready = sum(w.health.proven for w in self.workers.eligible(self.clock()))
             await respond.send(*admin.health_body(ready, len(self.workers), self.draining))
         elif path == "/metrics":
             body = self.metrics.render(self.workers, self.index, self.clock())
             await respond.send(200, [(b"content-type", b"text/plain; version=0.0.4")], body)
         elif path == "/v1/models" or path.startswith(MODEL_PATH):
             await self.forward_models(request, respond)
-        elif path == "/workers" or path.startswith("/workers/"):
+        elif path == "/workers":
             await respond.send(*admin.workers_endpoint(self.workers, self.metrics.fleet, request,
                                                        self.clock()))
         else:
@@ -432,6 +433,9 @@ class Gateway:
             prompt, cached, other_prompts, other_cached = usage
             learn(worker, self.index, self.metrics, decision, key, prompt, cached, self.predicts,
                   (other_prompts, other_cached))
+        elif status == 200 and seen.error is None:   # a whole answer that reports no usage
+            worker.reports_cached = False
+            worker.unreported_answers += 1
 
     async def _relay_events(self, upstream: UpstreamResponse, respond: Responder,
                             strip_usage: bool, started: float, seen: StreamSeen
