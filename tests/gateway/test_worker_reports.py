@@ -11,7 +11,7 @@ from radixpool.gateway.breaker import CircuitBreaker
 from radixpool.gateway.config import GatewayConfig
 from radixpool.gateway.health import HealthHysteresis
 from radixpool.gateway.monitor import _reported_load
-from radixpool.gateway.route_key import KeyBuilder
+from radixpool.gateway.route_key import MAX_SEQUENCES, KeyBuilder
 from radixpool.gateway.workers import Worker, candidates
 
 
@@ -21,23 +21,57 @@ def worker(url: str = "http://w:1") -> Worker:
 
 def test_the_others_requests_are_the_report_less_this_gateways_own_then():
     w = worker()
-    w.inflight = 2
+    w.take(None)
+    w.take(None)
     assert w.load == 2                         # no report yet: its own count
     w.observe_load(5)                          # the worker holds 5: 3 are other gateways'
     assert (w.reported_load, w.load) == (5, 5)
-    w.inflight += 1                            # its own count moves at once
+    w.take(None)                               # its own count moves at once
     assert w.load == 6
-    w.inflight -= 3
+    for _ in range(3):
+        w.give_back(None)
     assert w.load == 3                         # the others' 3 until the next report
     w.observe_load(1)                          # a report lagging its own count: never below it
     assert w.load == 1 and w.others_load == 1
     w.observe_load(0)
     assert w.load == 0
-    w.inflight = 4
+    for _ in range(4):
+        w.take(None)
     w.observe_load(None)                       # the stream stopped: its own count alone
     assert (w.reported_load, w.load) == (None, 4)
 
 
+def test_the_choices_of_its_own_n_requests_are_not_taken_for_another_gateways():
+    """A worker's report counts sequences, each choice of an `n` > 1 request: with one gateway,
+    its own `n=8` request must not look like 7 requests of other gateways."""
+    w = worker()
+    key = KeyBuilder(64, 8).build("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "w1 w2"}], "n": 8})
+    w.take(None, key.sequences)
+    w.observe_load(8)
+    assert (w.load, w.others_load) == (1, 0)
+    w.observe_load(11)                         # 3 sequences are another gateway's
+    assert (w.load, w.others_load) == (4, 3)
+    w.give_back(None, key.sequences)
+    assert (w.inflight, w.inflight_sequences) == (0, 0)
+
+
+@pytest.mark.parametrize("path, body, sequences", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, 1),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3}, 3),
+    ("/v1/completions", {"prompt": ["a", "b"], "n": 3}, 6),
+    ("/v1/completions", {"prompt": [[1, 2], [3]], "n": 2}, 4),
+    ("/v1/completions", {"prompt": [1, 2, 3], "n": 2}, 2),            # one prompt of ids
+    ("/v1/completions", {"prompt": "a", "n": True}, 1),              # the worker refuses these
+    ("/v1/completions", {"prompt": "a", "n": -4}, 1),
+    ("/v1/completions", {"prompt": "a", "n": 10**9}, MAX_SEQUENCES),
+    ("/generate", {"text": "a", "sampling_params": {"n": 4}}, 4),
+    ("/generate", {"text": ["a", "b", "c"], "sampling_params": {"n": 2}}, 6),
+    ("/generate", {"input_ids": [[1], [2]], "sampling_params": [{"n": 2}, {}]}, 3),
+    ("/generate", {"input_ids": [1, 2, 3]}, 1),
+])
+def test_a_route_key_counts_the_sequences_its_body_asks_for(path, body, sequences):
+    assert KeyBuilder(64, 8).build(path, body).sequences == sequences
 def test_a_policy_sees_the_load_the_worker_reported():
     busy, idle = worker("http://a:1"), worker("http://b:1")
     busy.observe_load(3)

@@ -13,7 +13,7 @@ from radixpool.gateway.route_key import RouteKey
 from radixpool.gateway.wait_queue import Held, LateBinding
 from radixpool.gateway.workers import Worker, WorkerSet
 
-Release = Callable[[Worker, "tuple[int, float] | None"], None]
+Release = Callable[[Worker, "tuple[int, float] | None", int], None]
 
 
 class Holding:
@@ -58,7 +58,7 @@ class Holding:
                 outcome = "overdue"
         except asyncio.CancelledError:
             if not queue.withdraw(held):  # placed as the client left: give it back
-                self.release(held.worker, prefill_wait(held.decision, key))
+                self.release(held.worker, prefill_wait(held.decision, key), key.sequences)
                 self.binding.policy.failed(held.decision, key)
             outcome = "left"
             raise

@@ -274,7 +274,7 @@ class Gateway:
             await self._relay(worker, decision, key, upstream, respond, parsed.strip_usage,
                               started, parsed.body)
         finally:
-            self._release(worker, prefill_wait(decision, key))
+            self._release(worker, prefill_wait(decision, key), key.sequences)
 
     async def _quarantined(self, respond: Responder, started: float) -> None:
         self.metrics.quarantined += 1
@@ -325,7 +325,7 @@ class Gateway:
                 worker, decision = held.worker, held.decision
                 wait = prefill_wait(decision, key)
             else:
-                worker.take(wait)
+                worker.take(wait, key.sequences)
             self.metrics.decision(worker.url, "retry" if attempt else decision.reason)
             if attempt:
                 self.metrics.retry()
@@ -335,23 +335,23 @@ class Gateway:
                     "POST", path, headers, body, self.config.upstream_first_byte_timeout,
                     self.config.upstream_timeout)
             except UpstreamTimeout as exc:  # a hung worker: no retry (it may still be working)
-                self._release(worker, wait)
+                self._release(worker, wait, key.sequences)
                 self._timed_out(worker, now)
                 self.policy.failed(decision, key)
                 return 504, f"worker {worker.url} timed out: {exc}"
             except UpstreamError as exc:
-                self._release(worker, wait)
+                self._release(worker, wait, key.sequences)
                 worker.breaker.record_failure("connect_error", self.clock())
                 errors.append(f"{worker.url}: {exc}")
             except BaseException as exc:
-                self._release(worker, wait)
+                self._release(worker, wait, key.sequences)
                 if isinstance(exc, asyncio.CancelledError):  # the client left meanwhile
                     self._left(worker.url, started)
                 raise
             else:
                 if upstream.status != 503 or attempt == self.config.max_retries:
                     return worker, decision, upstream
-                self._release(worker, wait)
+                self._release(worker, wait, key.sequences)
                 worker.breaker.record_failure("server_error", self.clock())
                 answer = b""
                 with contextlib.suppress(UpstreamError):
@@ -471,9 +471,9 @@ class Gateway:
         """Count a request whose client went away before its answer was whole."""
         self.metrics.answered(worker_url, 499, time.perf_counter() - started, ttfb)
 
-    def _release(self, worker: Worker, wait: tuple[int, float] | None) -> None:
+    def _release(self, worker: Worker, wait: tuple[int, float] | None, sequences: int) -> None:
         """A dispatched request is over at `worker` (answered, failed or given up)."""
-        worker.give_back(wait)
+        worker.give_back(wait, sequences)
         if worker.removed and not worker.inflight:
             # its last request ended: a held request placed there just before it left made it
             # a pool anew after removal closed its own

@@ -16,6 +16,7 @@ prompt's, so the last block is dropped), and its length is estimated for load ba
 from __future__ import annotations
 
 import hashlib
+import itertools
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from radixpool.tokenization import PromptTokenizer, template_tools
 
 ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate")
 BYTES_PER_TOKEN = 4  # text-mode estimate: sizing byte trees, comparing bytes with tokens
+MAX_SEQUENCES = 1024  # a worker refuses a request for more choices (prompts x n) than this
 
 
 class BadRequest(ValueError):
@@ -56,6 +58,7 @@ class RouteKey:
     model: str | None
     head: bytes | np.ndarray | Sequence[int]  # the first `prefix_token_count` units
     salt: str | None
+    sequences: int = 1  # what the worker runs for the body: each choice of each prompt
 
     @property
     def blocks(self) -> int:
@@ -118,6 +121,11 @@ class KeyBuilder:
         """The route key of a request body (a parsed JSON document); raises `BadRequest`."""
         if not isinstance(doc, dict):
             raise BadRequest("request body must be a JSON object")
+        key = self._build(path, doc)
+        key.sequences = _sequences(path, doc)
+        return key
+
+    def _build(self, path: str, doc: dict) -> RouteKey:
         model = doc.get("model")
         if model is not None and not isinstance(model, str):
             raise BadRequest("'model' must be a string", "model")
@@ -213,6 +221,38 @@ class KeyBuilder:
         length = len(data) + len(text) - len(head)  # bytes, estimated past the cut
         return RouteKey(hashes, self.text_block_bytes, length, False, model,
                         data[: self.prefix_token_count * BYTES_PER_TOKEN], salt)
+
+
+def _sequences(path: str, doc: dict) -> int:
+    """The sequences a worker runs for the body, as its load report counts them: `n` choices of
+    each prompt of a batch (`/generate`: each prompt's own `sampling_params.n` when they are a
+    list). Values the worker will refuse count as 1; the count is capped at `MAX_SEQUENCES`."""
+    if path == "/generate":
+        batch = doc.get("input_ids")
+        batch = doc.get("text") if batch is None else batch
+        params = doc.get("sampling_params")
+        if isinstance(params, list):
+            total = sum(_choices(p.get("n") if isinstance(p, dict) else None)
+                        for p in itertools.islice(params, MAX_SEQUENCES + 1))
+        else:
+            total = _choices(params.get("n") if isinstance(params, dict) else None)
+            total *= _batch_size(batch)
+    else:
+        total = _choices(doc.get("n"))
+        if path == "/v1/completions":
+            total *= _batch_size(doc.get("prompt"))
+    return max(1, min(total, MAX_SEQUENCES))
+
+
+def _choices(n: object) -> int:
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+
+
+def _batch_size(prompts: object) -> int:
+    """Prompts in a prompt field: a list of strings or of id lists is a batch, else one."""
+    if isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list)):
+        return len(prompts)
+    return 1
 
 
 def _first(value: object, field: str) -> object:

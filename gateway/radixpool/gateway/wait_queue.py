@@ -126,7 +126,7 @@ class LateBinding:
             if decision is None:
                 return False
             worker = next(w for w in ready if w.url == decision.worker)
-            worker.take(prefill_wait(decision, key))
+            worker.take(prefill_wait(decision, key), key.sequences)
             held.worker, held.decision = worker, decision
             return True
 

@@ -35,6 +35,7 @@ class Worker:
     host: str = ""
     port: int = 0
     inflight: int = 0
+    inflight_sequences: int = 0   # the same requests' sequences (each choice of each prompt)
     draining: bool = False      # the worker said so (503 from /health or a request)
     # why its last /health check failed: {"status": 503 or None (no answer), "code": the error
     # code its body gave, e.g. "nonfinite_logits"}; None once it answers 200
@@ -86,12 +87,13 @@ class Worker:
     def observe_load(self, requests: int | None) -> None:
         """The worker's KV-event stream said it holds `requests` (None: it stopped saying)."""
         self.reported_load = requests
-        self.others_load = 0 if requests is None else max(0, requests - self.inflight)
+        self.others_load = 0 if requests is None else max(0, requests - self.inflight_sequences)
 
     @property
     def load(self) -> int:
         """Requests in flight there: this gateway's own, counted as they come and go, plus the
-        others' as of the worker's last report (its figure less this gateway's count then). The
+        others' as of the worker's last report (the sequences it holds less this gateway's then:
+        another gateway's `n` > 1 request counts each choice, this gateway's count none). The
         report lags by up to ~10 ms, so it never replaces the fresher count of its own; with one
         gateway the others' part is zero but for that lag."""
         return self.inflight + self.others_load
@@ -123,15 +125,18 @@ class Worker:
             return sum(map(sum, self.awaiting_prefill.values()))
         return self.backlog(prompt_tokens)
 
-    def take(self, wait: tuple[int, float] | None) -> None:
-        """A request is dispatched here; `wait` is `feedback.prefill_wait` of its decision."""
+    def take(self, wait: tuple[int, float] | None, sequences: int = 1) -> None:
+        """A request is dispatched here; `wait` is `feedback.prefill_wait` of its decision,
+        `sequences` its `RouteKey.sequences` (the worker's load report counts those)."""
         self.inflight += 1
+        self.inflight_sequences += sequences
         if wait is not None:
             self.prefill_sent(*wait)
 
-    def give_back(self, wait: tuple[int, float] | None) -> None:
+    def give_back(self, wait: tuple[int, float] | None, sequences: int = 1) -> None:
         """A request taken here is over (answered, failed or given up)."""
         self.inflight -= 1
+        self.inflight_sequences -= sequences
         if wait is not None:
             self.prefill_ended(*wait)
 
