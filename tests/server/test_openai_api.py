@@ -262,6 +262,23 @@ def test_extensions_are_accepted(client):
     assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
 
 
+def test_fields_openai_makes_nullable_take_null_as_their_default(client):
+    """The SDK sends a parameter given as None as JSON null, and OpenAI's API makes `n`,
+    `stream`, `logprobs` and `echo` nullable: they were refused with a 400."""
+    r = chat(client, "hi", max_tokens=3, n=None, stream=None, logprobs=None, top_logprobs=None,
+             temperature=0)
+    assert len(r.choices) == 1 and r.choices[0].logprobs is None
+    assert r.choices[0].message.content == chat(client, "hi", max_tokens=3,
+                                                temperature=0).choices[0].message.content
+    r = client.completions.create(model="tiny", prompt="hi", max_tokens=2, n=None, stream=None,
+                                  echo=None, logprobs=None, temperature=0)
+    plain = client.completions.create(model="tiny", prompt="hi", max_tokens=2, temperature=0)
+    echoed = client.completions.create(model="tiny", prompt="hi", max_tokens=2, temperature=0,
+                                       echo=True)
+    assert len(r.choices) == 1 and r.choices[0].text == plain.choices[0].text
+    assert echoed.choices[0].text == "hi" + plain.choices[0].text   # null is not echo
+
+
 def test_logit_bias_steers_the_output(client, http):
     from radixpool.tokenization import PromptTokenizer
 
