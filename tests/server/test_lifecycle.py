@@ -94,12 +94,26 @@ def test_sigterm_drains_running_requests_then_exits_zero(secured):
 
 
 def test_drain_timeout_ends_running_streams_cleanly(impatient):
+    """Past the drain timeout a stream ends with finish_reason "abort" and its usage; a whole
+    answer is a 503 `draining`, so a gateway (or the SDK) sends it again elsewhere instead of
+    passing on a truncated text as if it were done."""
+    whole: list[httpx.Response] = []
+    asked = threading.Thread(target=lambda: whole.append(httpx.post(
+        f"{impatient.url}/v1/completions", timeout=300, json={
+            "model": "tiny", "prompt": "too long as well", "max_tokens": 1500,
+            "temperature": 0, "ignore_eos": True})))
+    asked.start()
     thread, chunks = _streaming(impatient.url, "unused", "too long")
+    wait_until(lambda: _metric(httpx.Client(base_url=impatient.url),
+                               "radixpool_num_requests_running") >= 2, what="both to run")
     impatient.proc.send_signal(signal.SIGTERM)
     thread.join(300)
+    asked.join(300)
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finishes[-1] == "abort"
     assert chunks[-1].usage.completion_tokens < 1500   # the stream ended properly, with usage
+    assert whole and whole[0].status_code == 503, whole and whole[0].text
+    assert whole[0].json()["error"]["code"] == "draining" and whole[0].headers["retry-after"]
     assert impatient.proc.wait(60) == 0
 
 

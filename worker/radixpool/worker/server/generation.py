@@ -116,6 +116,7 @@ class EngineRun:
         self._engine = state.engine
         self._metrics = state.metrics
         self._watch = state.nonfinite_watch
+        self._lifecycle = state.lifecycle
         self._active = state.active_rids
         self._active[rid] += 1
         self._holds_rid = True
@@ -218,9 +219,17 @@ class EngineRun:
         return not self._open
 
     async def collect(self) -> list[ForkOutput]:
+        """The whole answer (for a response that is not streamed). One the worker's shutdown cut
+        short is a 503 `draining`: a gateway (or the SDK) sends it again, to another worker,
+        instead of taking a truncated text for a finished one."""
         forks: dict[int, ForkOutput] = {}
         async for chunk in self:
             forks.setdefault(chunk.index, ForkOutput(chunk.index)).add(chunk)
+        if self._lifecycle.drain_expired and any(
+                fork.finish_reason == "abort" for fork in forks.values()):
+            raise unavailable("this worker shut down before the request finished (its drain "
+                              "timeout passed); send it again", retry_after_s=1,
+                              code="draining")
         return [forks[i] for i in sorted(forks)]
 
 

@@ -50,6 +50,7 @@ class Lifecycle:
         self.phase = Phase.LOADING
         self.failure: str | None = None
         self.inflight = 0
+        self.drain_expired = False   # the drain timeout passed: what still ran was aborted
         self._idle = asyncio.Event()
         self._idle.set()
         self._stopping = asyncio.Event()

@@ -70,9 +70,11 @@ class WorkerServer(uvicorn.Server):
         if await lifecycle.wait_idle(timeout):
             log.info("drained; shutting down")
         else:
+            lifecycle.drain_expired = True
             aborted = self.state.abort_all()
             log.warning("drain timeout: aborted %d running request(s)", aborted)
-            # their streams end with finish_reason "abort"; the rest is cut at shutdown
+            # their streams end with finish_reason "abort", whole answers with a 503 (a gateway
+            # sends them again elsewhere); the rest is cut at shutdown
             await lifecycle.wait_idle(ABORT_GRACE_S)
         self.config.timeout_graceful_shutdown = 1
         self.should_exit = True

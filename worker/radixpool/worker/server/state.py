@@ -103,7 +103,8 @@ class WorkerState:
         return self.lifecycle.failure or "the engine core process died"
 
     def abort_all(self) -> int:
-        """Abort every running request; their streams end with finish_reason "abort"."""
+        """Abort every running request: streams end with finish_reason "abort", whole answers
+        with a 503 `draining` once `lifecycle.drain_expired` is set (`EngineRun.collect`)."""
         rids = list(self.active_rids)
         for rid in rids:
             self.engine.abort(rid)
