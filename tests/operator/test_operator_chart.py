@@ -204,6 +204,10 @@ def test_standalone_with_more_than_one_replica_is_refused():
         render({"peering": {"enabled": False}, "replicaCount": 2})
     deployment = by_kind(render({"peering": {"enabled": False}}))["Deployment"][0]
     assert "--standalone" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    # nor two for a moment: a rolling update's surge pod would reconcile beside the old one
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    peered = by_kind(render({}))["Deployment"][0]
+    assert "strategy" not in peered["spec"]   # peering decides which replica works
 
 
 def test_chart_supports_kubernetes_1_28():
