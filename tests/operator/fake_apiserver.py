@@ -90,6 +90,7 @@ class Store:
         self.version = 0
         self.changed = threading.Condition()
         self.refuse: dict[str, str] = {}  # path → message answered with 422 to any write
+        self.refuse_code: dict[str, int] = {}  # path → another status for `refuse` (apply's 500)
         self.forbid: dict[str, str] = {}  # path → message answered with 403 to any write
 
     def put(self, path: str, obj: dict[str, Any]) -> dict[str, Any]:
@@ -250,9 +251,10 @@ class Handler(BaseHTTPRequestHandler):
                                     "reason": "Forbidden", "code": 403,
                                     "message": self.store.forbid[path]})
         if path in self.store.refuse:
-            return self._send(422, {"kind": "Status", "apiVersion": "v1", "status": "Failure",
-                                    "reason": "Invalid", "code": 422,
-                                    "message": self.store.refuse[path]})
+            code = self.store.refuse_code.get(path, 422)
+            return self._send(code, {"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                                     "reason": "Invalid" if code == 422 else "InternalError",
+                                     "code": code, "message": self.store.refuse[path]})
         content_type = self.headers.get("Content-Type", "")
         status_only = path.endswith("/status")
         path = path.removesuffix("/status")

@@ -105,6 +105,30 @@ def test_resource_quantities_are_strings(pool_body):
     assert "nvidia.com/gpu" not in cpu_only["resources"]["limits"]
 
 
+@pytest.mark.parametrize(("cpu", "stored"), [("0.5m", "1m"), ("100u", "1m"), ("0.0001", "1m"),
+                                             ("1.0005", "1001m"), ("7500m", "7500m"),
+                                             ("0.5", "0.5"), (4, "4")])
+def test_cpu_finer_than_a_millicore_is_written_as_the_server_stores_it(pool_body, cpu, stored):
+    """The API server rounds a CPU request up to a millicore: written as the spec says it, the
+    stored Deployment never held it, and every pass applied both Deployments again."""
+    objs = objects_of(pool_body(engine={"resources": {"cpu": cpu}}, gateway={
+        "resources": {"cpu": cpu, "memory": "1Gi"}}))
+    assert worker_container(objs)["resources"]["requests"]["cpu"] == stored
+    gateway = objs["Deployment/llama-gateway"]["spec"]["template"]["spec"]["containers"][0]
+    assert gateway["resources"]["requests"]["cpu"] == stored
+
+
+def test_a_rollout_counts_as_stuck_only_after_the_models_startup_budget_and_is_never_paused(
+        pool_body):
+    """The gateway's pods are ready once a worker is: with the default 600 s deadline a model
+    that takes longer to load marked the pool Degraded. A hand-paused Deployment hung a rollout
+    without a word: the operator sets `paused: false`, so drift takes it back."""
+    objs = objects_of(pool_body(lifecycle={"startupTimeoutSeconds": 3600}))
+    for name in ("llama-worker", "llama-gateway"):
+        spec = objs[f"Deployment/{name}"]["spec"]
+        assert spec["progressDeadlineSeconds"] == 3900 and spec["paused"] is False, name
+
+
 def test_full_spec_reaches_the_worker_and_gateway_command_lines(pool_body):
     objs = objects_of(full_body(pool_body))
     args = worker_container(objs, "llama-8b")["args"]

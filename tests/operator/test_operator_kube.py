@@ -122,6 +122,26 @@ def test_a_refusal_is_reported_with_the_servers_message(server, kube_cluster, po
     assert not any(key.startswith("api") and "/services/" in key for key in store.objects)
 
 
+def test_an_object_server_side_apply_cannot_type_is_a_refusal_not_an_api_error(
+        server, kube_cluster, pool_body):
+    """An unknown key in an opaque core/v1 item (affinity) gets apply's 500 "failed to create
+    typed patch object": the spec's fault, lasting, so Accepted=False naming it, not a
+    Degraded APIError retried for ever (a new pool then had no Accepted condition at all)."""
+    store, _ = server
+    path = "apis/apps/v1/namespaces/ml/deployments/llama-worker"
+    store.refuse[path] = ('failed to create typed patch object (ml/llama-worker; apps/v1, '
+                          'Kind=Deployment): .spec.template.spec.affinity.nodeAfinity: field '
+                          'not declared in schema')
+    store.refuse_code[path] = 500
+    outcome = reconcile_pool(pool_body(engine={"affinity": {"nodeAfinity": {}}}), kube_cluster,
+                             OperatorConfig())
+    accepted = outcome.status["conditions"][0]
+    assert (accepted["type"], accepted["status"], accepted["reason"]) == (
+        "Accepted", "False", "RejectedByAPIServer")
+    assert ".spec.engine.affinity.nodeAfinity (spec.template.spec.affinity.nodeAfinity): field " \
+        "not declared in schema" in accepted["message"]   # in the spec's terms
+
+
 def test_an_api_error_names_the_object_and_carries_the_apis_message(server, kube_cluster,
                                                                     pool_body):
     store, _ = server

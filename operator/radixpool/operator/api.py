@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from decimal import ROUND_CEILING
+
+from kubernetes.utils import parse_quantity
+
 GROUP = "radixpool.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -20,6 +24,16 @@ COMPONENT_LABEL = "app.kubernetes.io/component"
 
 WORKER_PORT = 8000
 GATEWAY_PORT = 8080
+# What the operator sets in every worker container itself: a pool's own env and mounts must not
+# name these (server-side apply refuses a duplicate key with a 500 that says nothing of the spec)
+WORKER_HOME = "/home/radixpool"
+MODEL_MOUNT = "/models"
+RESERVED_ENV = frozenset({"HOME", "XDG_CACHE_HOME", "HF_HOME", "TRITON_CACHE_DIR",
+                          "CUDA_CACHE_PATH", "HF_HUB_OFFLINE", "RADIXPOOL_API_KEY",
+                          "RADIXPOOL_CONTROL_API_KEY"})
+RESERVED_MOUNT_PATHS = frozenset({"/tmp", f"{WORKER_HOME}/.cache", "/dev/shm", MODEL_MOUNT})
+# resources a GPU resource name must not stand for (it would overwrite the pod's own request)
+CORE_RESOURCES = frozenset({"cpu", "memory", "ephemeral-storage", "pods"})
 MAX_POOL_NAME = 45  # leaves room for "-workers" and ReplicaSet/pod hashes within 63 characters
 POOL_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"  # a Service name: DNS-1035 label
 
@@ -81,3 +95,14 @@ def selector_labels(pool: str, component: str) -> dict[str, str]:
 
 def selector_string(labels: dict[str, str]) -> str:
     return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
+
+
+def cpu_quantity(value: str | int | float) -> str:
+    """A CPU quantity as the API server stores it: finer than a millicore is rounded up to one
+    (`0.5m`, `100u` are stored as `1m`); the operator writes it so, or every pass would see the
+    stored value differ from the spec's and apply again."""
+    text = str(value)
+    millis = parse_quantity(text) * 1000
+    if millis == millis.to_integral_value():
+        return text
+    return f"{int(millis.to_integral_value(rounding=ROUND_CEILING))}m"

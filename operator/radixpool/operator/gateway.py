@@ -96,7 +96,7 @@ def desired_gateway_deployment(pool: Pool, image: str) -> dict[str, Any]:
         "env": [{"name": "HOME", "value": HOME}, *api_key_env(pool),
                 control_key_env(pool, "RADIXPOOL_WORKER_API_KEY")],
         "resources": {
-            "requests": {"cpu": str(gw["resources"]["cpu"]),
+            "requests": {"cpu": api.cpu_quantity(gw["resources"]["cpu"]),
                          "memory": str(gw["resources"]["memory"])},
             "limits": {"memory": str(gw["resources"]["memory"])}},
         "securityContext": container_security(),
@@ -131,9 +131,13 @@ def desired_gateway_deployment(pool: Pool, image: str) -> dict[str, Any]:
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(pool),
         "spec": {
             "replicas": gw["replicas"],
+            "paused": False,   # a hand-paused rollout would hang without a word: taken back
             "selector": {"matchLabels": gateway_selector(pool)},
             "strategy": {"type": "RollingUpdate",
                          "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            # its pods are ready once a worker is (/health), so its rollout has the workers'
+            # whole startup budget before it counts as stuck
+            "progressDeadlineSeconds": pool.lifecycle["startupTimeoutSeconds"] + 300,
             "revisionHistoryLimit": 5,
             "template": {"metadata": {"labels": gateway_labels(pool)}, "spec": pod_spec},
         },

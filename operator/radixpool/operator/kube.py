@@ -3,7 +3,8 @@
 Server-side apply with `force=True` under the field manager `radixpool-operator` makes every
 apply both a create and a repair: fields someone edited are taken back, fields the pool no longer
 sets are removed, and fields other controllers own (an HPA on the pool, not on the Deployment)
-are left alone. Every API error leaves here as `ObjectRejected` (400 / 422: the spec's fault) or
+are left alone. Every API error leaves here as `ObjectRejected` (400 / 422, or apply's 500 for an
+object it cannot type: the spec's fault) or
 `ApiFailure` naming the request and the object, never as the client's bare exception.
 """
 
@@ -75,6 +76,9 @@ def _naming(action: str, kind: str, namespace: str, name: str) -> Iterator[None]
                          str(error)) from error
 
 
+TYPED_PATCH_FAILED = "failed to create typed patch object"
+
+
 class KubeCluster:
     def __init__(self, api_client: client.ApiClient):
         self.api_client = api_client
@@ -137,8 +141,13 @@ class KubeCluster:
                     namespace=meta["namespace"], field_manager=api.FIELD_MANAGER,
                     force_conflicts=True, dry_run="All" if dry_run else None).to_dict()
             except DynamicApiError as error:
-                if error.status in (400, 422):
-                    raise ObjectRejected(_api_message(error)[2] or error.summary()) from error
+                message = _api_message(error)[2]
+                # 500 "failed to create typed patch object": server-side apply could not read
+                # the object against its schema (an unknown key in an opaque core/v1 item, a
+                # duplicate list key): the spec's fault as much as a 422, and as lasting
+                if error.status in (400, 422) or (error.status == 500
+                                                  and TYPED_PATCH_FAILED in message):
+                    raise ObjectRejected(message or error.summary()) from error
                 raise
 
     def patch_json(self, ref: ObjectRef, operations: list[dict[str, Any]]) -> None:

@@ -163,6 +163,58 @@ def _check_name(name: str) -> list[FieldError]:
     return []
 
 
+def _nonempty(value: Any) -> bool:
+    return isinstance(value, str) and bool(value)
+
+
+def _check_volume_source(volume: Any, path: str) -> list[FieldError]:
+    """The fields of a volume source the operator reads (to check the object exists) must be
+    there: core/v1 items are otherwise passed through as written."""
+    for source, field in (("secret", "secretName"), ("persistentVolumeClaim", "claimName")):
+        if source not in volume:
+            continue
+        item = volume[source]
+        if not isinstance(item, dict) or not _nonempty(item.get(field)):
+            return [FieldError(f"{path}.{source}.{field}", "is required (a non-empty name)")]
+    return []
+
+
+def _check_env(env: list[Any]) -> list[FieldError]:
+    errors, seen = [], set()
+    for index, item in enumerate(env):
+        path = f"spec.engine.env[{index}]"
+        name = item.get("name") if isinstance(item, dict) else None
+        if name in api.RESERVED_ENV:
+            errors.append(FieldError(f"{path}.name", f"{name!r} is set by the operator"))
+        elif name in seen:
+            errors.append(FieldError(f"{path}.name", f"{name!r} is set twice"))
+        seen.add(name)
+        source = (item.get("valueFrom") or {}) if isinstance(item, dict) else {}
+        for kind in ("secretKeyRef", "configMapKeyRef"):
+            if kind in source and not (isinstance(source[kind], dict)
+                                       and _nonempty(source[kind].get("name"))
+                                       and _nonempty(source[kind].get("key"))):
+                errors.append(FieldError(f"{path}.valueFrom.{kind}",
+                                         "needs a non-empty name and key"))
+    return errors
+
+
+def _check_mounts(mounts: list[Any]) -> list[FieldError]:
+    errors, seen = [], set()
+    for index, mount in enumerate(mounts):
+        where = mount.get("mountPath") if isinstance(mount, dict) else None
+        if not isinstance(where, str):
+            continue
+        where = where.rstrip("/") or "/"
+        path = f"spec.engine.volumeMounts[{index}].mountPath"
+        if where in api.RESERVED_MOUNT_PATHS:
+            errors.append(FieldError(path, f"{where!r} is mounted by the operator"))
+        elif where in seen:
+            errors.append(FieldError(path, f"{where!r} is mounted twice"))
+        seen.add(where)
+    return errors
+
+
 def _check_rules(spec: dict[str, Any]) -> list[FieldError]:
     """The CRD's CEL rules, and the constraints only code can state."""
     errors = []
@@ -184,6 +236,13 @@ def _check_rules(spec: dict[str, Any]) -> list[FieldError]:
         if volume.get("name") in reserved:
             errors.append(FieldError(f"spec.engine.volumes[{index}].name",
                                      f"{volume.get('name')!r} is reserved by the operator"))
+        errors += _check_volume_source(volume, f"spec.engine.volumes[{index}]")
+    errors += _check_env(engine.get("env", []))
+    errors += _check_mounts(engine.get("volumeMounts", []))
+    gpu_resource = engine["resources"].get("gpuResourceName")
+    if gpu_resource in api.CORE_RESOURCES or str(gpu_resource).startswith("hugepages-"):
+        errors.append(FieldError("spec.engine.resources.gpuResourceName",
+                                 f"{gpu_resource!r} is no GPU resource (e.g. nvidia.com/gpu)"))
     lifecycle = spec["lifecycle"]
     if lifecycle["maxSurge"] in (0, "0", "0%") and lifecycle["maxUnavailable"] in (0, "0", "0%"):
         errors.append(FieldError("spec.lifecycle", "maxSurge and maxUnavailable cannot both be 0"))

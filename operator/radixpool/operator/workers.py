@@ -21,8 +21,8 @@ from typing import Any
 from . import api
 from .spec import Pool
 
-HOME = "/home/radixpool"
-MODEL_MOUNT = "/models"
+HOME = api.WORKER_HOME
+MODEL_MOUNT = api.MODEL_MOUNT
 ENDPOINT_PROPAGATION_SECONDS = 5
 STARTUP_PERIOD_SECONDS = 10
 
@@ -109,7 +109,7 @@ def pod_security() -> dict[str, Any]:
 
 def _resources(pool: Pool) -> dict[str, Any]:
     res = pool.engine["resources"]
-    requests = {"cpu": str(res["cpu"]), "memory": str(res["memory"])}
+    requests = {"cpu": api.cpu_quantity(res["cpu"]), "memory": str(res["memory"])}
     limits = {"memory": str(res["memory"])}
     if res["gpus"]:
         # Quantities are strings: the Kubernetes client rejects integers before sending.
@@ -239,6 +239,7 @@ def desired_worker_deployment(pool: Pool, image: str) -> dict[str, Any]:
                      "labels": worker_labels(pool)},
         "spec": {
             "replicas": pool.replicas,
+            "paused": False,   # a hand-paused rollout would hang without a word: taken back
             "selector": {"matchLabels": worker_selector(pool)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {
                 "maxSurge": lifecycle["maxSurge"], "maxUnavailable": lifecycle["maxUnavailable"]}},
