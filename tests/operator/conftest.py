@@ -120,11 +120,18 @@ class FakeCluster:
             else:
                 del node[int(last) if isinstance(node, list) else last]
 
-    def create_once(self, obj: dict[str, Any]) -> None:
+    def create_once(self, obj: dict[str, Any]) -> bool:
         key = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
-        if key not in self.objects:
-            self.writes.append(("create", obj["kind"], obj["metadata"]["name"]))
-            self.objects[key] = copy.deepcopy(obj)
+        if key in self.objects:
+            return False
+        self.writes.append(("create", obj["kind"], obj["metadata"]["name"]))
+        self.objects[key] = copy.deepcopy(obj)
+        return True
+
+    def restart(self, ref: ObjectRef, stamp: str) -> None:
+        self.writes.append(("restart", ref.kind, ref.name))
+        template = self.objects[(ref.kind, ref.namespace, ref.name)]["spec"]["template"]
+        template["metadata"].setdefault("annotations", {})[api.RESTARTED_AT_ANNOTATION] = stamp
 
     def delete(self, ref: ObjectRef) -> None:
         self.writes.append(("delete", ref.kind, ref.name))

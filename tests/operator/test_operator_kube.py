@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 from fake_apiserver import FakeAPIServer
 
+from radixpool.operator import api
 from radixpool.operator.desired import OperatorConfig
 from radixpool.operator.reconcile import reconcile_pool
 
@@ -206,9 +207,27 @@ def test_the_control_key_comes_back_for_a_pool_made_again_and_after_a_hand_delet
     reconcile_pool(again, kube_cluster, OperatorConfig())
     assert store.objects[secret]["metadata"]["ownerReferences"][0]["uid"] == "uid-llama-2"
 
+    deployments = [f"apis/apps/v1/namespaces/ml/deployments/llama-{part}"
+                   for part in ("worker", "gateway")]
+
+    def restarted() -> list[str | None]:
+        return [(store.objects[d]["spec"]["template"]["metadata"].get("annotations") or {}).get(
+            api.RESTARTED_AT_ANNOTATION) for d in deployments]
+
+    assert restarted() == [None, None]   # a key made with its pool restarts nothing
+
     # Deleted by hand: made again once the operator asks again (no read permission needed).
+    # The running pods read the old key when they started, pods started now would read the new
+    # one, and gateway and workers would refuse each other: both Deployments roll onto it.
     del store.objects[secret]
     monkeypatch.setattr(kube, "CREATE_RECHECK_SECONDS", 0.0)
     reconcile_pool(again, kube_cluster, OperatorConfig())
     assert secret in store.objects
+    stamps = restarted()
+    assert all(stamps), stamps
+    patches = [r for r in store.requests if r[0] == "PATCH" and r[1] in
+               ["/" + d for d in deployments] and r[2].get("fieldManager") == [
+                   api.RESTART_FIELD_MANAGER]]
+    assert len(patches) == 2, store.requests[-6:]
     reconcile_pool(again, kube_cluster, OperatorConfig())  # present: the 409 is no failure
+    assert restarted() == stamps   # and no second restart; the operator's apply leaves it

@@ -16,6 +16,10 @@ SHORT_NAMES = ("llmpool",)
 CRD_NAME = f"{PLURAL}.{GROUP}"
 
 FIELD_MANAGER = "radixpool-operator"
+# a rollout the operator asks for (its pods must read a remade control key), as `kubectl rollout
+# restart` does it: owned by a manager of its own, so the operator's applies leave it in place
+RESTART_FIELD_MANAGER = "radixpool-operator-restart"
+RESTARTED_AT_ANNOTATION = f"{GROUP}/restartedAt"
 POOL_LABEL = f"{GROUP}/pool"
 # On the worker and gateway Services of a pool that has its own ServiceMonitor: the chart's
 # fleet-wide ServiceMonitor skips them, so no endpoint is scraped twice.

@@ -156,12 +156,13 @@ class KubeCluster:
                 name=ref.name, namespace=ref.namespace, body=operations,
                 content_type="application/json-patch+json", field_manager=api.FIELD_MANAGER)
 
-    def create_once(self, obj: dict[str, Any]) -> None:
+    def create_once(self, obj: dict[str, Any]) -> bool:
         ref = ref_of(obj)
         owner = ",".join(o["uid"] for o in obj["metadata"].get("ownerReferences", []))
         made = self._created.get((ref, owner))
         if made is not None and time.monotonic() - made < CREATE_RECHECK_SECONDS:
-            return
+            return False
+        created = True
         with _naming("create", ref.kind, ref.namespace, ref.name):
             try:
                 self._resource(ref.api_version, ref.kind).create(body=obj,
@@ -169,10 +170,21 @@ class KubeCluster:
             except DynamicApiError as error:
                 if error.status != 409:  # 409: it exists already
                     raise
+                created = False
         now = time.monotonic()
         self._created = {key: at for key, at in self._created.items()
                          if now - at < CREATE_RECHECK_SECONDS}  # pools gone, made again
         self._created[(ref, owner)] = now
+        return created
+
+    def restart(self, ref: ObjectRef, stamp: str) -> None:
+        patch = {"spec": {"template": {"metadata": {"annotations": {
+            api.RESTARTED_AT_ANNOTATION: stamp}}}}}
+        with _naming("patch", ref.kind, ref.namespace, ref.name):
+            self._resource(ref.api_version, ref.kind).patch(
+                name=ref.name, namespace=ref.namespace, body=patch,
+                content_type="application/merge-patch+json",
+                field_manager=api.RESTART_FIELD_MANAGER)
 
     def delete(self, ref: ObjectRef) -> None:
         with _naming("delete", ref.kind, ref.namespace, ref.name), \

@@ -12,6 +12,7 @@ from what is observed *after* applying. Any other API error (403, 404, 5xx) beco
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Protocol
@@ -32,6 +33,8 @@ from .openapi import FieldError
 from .spec import InvalidPool, Pool, parse_pool
 from .spec_paths import in_spec_terms
 from .status import Event, Observed, Verdict, failed_status, pool_status, transition_events
+
+log = logging.getLogger("radixpool.operator")
 
 
 class ObjectRejected(Exception):
@@ -76,10 +79,15 @@ class Cluster(Protocol):
     def patch_json(self, ref: ObjectRef, operations: list[dict[str, Any]]) -> None:
         """Apply a JSON patch to the object."""
 
-    def create_once(self, obj: dict[str, Any]) -> None:
+    def create_once(self, obj: dict[str, Any]) -> bool:
         """Create `obj` unless it exists; never update it (the pool's generated control key).
         Needs no read permission: an existing object is a 409 from the API server. Asked again
-        now and then, and at once for a new owner, so a deleted object comes back."""
+        now and then, and at once for a new owner, so a deleted object comes back. True when
+        this call made it."""
+
+    def restart(self, ref: ObjectRef, stamp: str) -> None:
+        """Roll a Deployment's pods, as `kubectl rollout restart` does: `stamp` in a pod template
+        annotation, under a field manager of its own, so the operator's applies leave it."""
 
     def delete(self, ref: ObjectRef) -> None:
         """Delete the object if it exists."""
@@ -182,9 +190,18 @@ def _apply(pool: Pool, cluster: Cluster, config: OperatorConfig,
         return None
     changed = [obj for obj in objects if not _holds(obj, live[ref_of(obj)])]
     checked = [obj for obj in changed if obj["kind"] not in NOT_DRY_RUN]
+    running = [ref for ref, current in live.items()
+               if ref.kind == "Deployment" and current is not None]
     rejection = _apply_all(checked, cluster, pool, live, dry_run=True)
     if rejection is None:
-        cluster.create_once(control_key_secret(pool))
+        if cluster.create_once(control_key_secret(pool)) and running:
+            # The key was made again (deleted by hand) while pods run: they read the old one
+            # when they started (env from the Secret), and a pod started now would read the new
+            # one, so gateway and workers would refuse each other. Roll them all onto it.
+            log.warning("%s/%s: its control key was made again; restarting its pods",
+                        pool.namespace, pool.name)
+            for ref in running:
+                cluster.restart(ref, _now())
         # admission may still refuse what its dry run let through
         rejection = _apply_all(changed, cluster, pool, live, dry_run=False)
     if rejection is not None:
