@@ -10,6 +10,7 @@ peering objects).
 from __future__ import annotations
 
 import argparse
+import logging
 import random
 import sys
 from typing import Any
@@ -94,6 +95,8 @@ def run_operator(args: argparse.Namespace) -> int:
     handlers.register_periodic_check(args.resync_seconds)
     liveness.register(args.liveness)   # kopf's own binds `::` IPv6-only (liveness.py)
     kopf.configure(verbose=args.verbose)
+    if not args.verbose:
+        logging.getLogger("kopf.objects").addFilter(handlers.QuietPeriodicSuccess())
     try:
         kopf.run(
             clusterwide=not args.namespaces,
