@@ -15,6 +15,9 @@ from . import api
 from .crd import ROOT
 from .openapi import FieldError, apply_defaults, validate
 
+# a Hugging Face repo id: org/name, each of letters, digits, '-', '_' and '.', not '..'
+HF_REPO = r"^(?!.*\.\.)[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*$"
+
 
 class InvalidPool(Exception):
     """The pool cannot be accepted; `errors` name each offending field."""
@@ -229,7 +232,14 @@ def _check_rules(spec: dict[str, Any]) -> list[FieldError]:
         errors.append(FieldError("spec.engine.device", "'cuda' needs spec.engine.resources.gpus "
                                                        "of at least 1: a pod given no GPU would "
                                                        "use one that belongs to another pod"))
-    if "hfTokenSecret" in model and not model.get("uri", "").startswith("hf://"):
+    uri = model.get("uri", "")
+    if uri.startswith("hf://") and not re.match(HF_REPO, uri[len("hf://"):].partition("@")[0]):
+        errors.append(FieldError("spec.model.uri", "hf:// takes a Hugging Face repo id, "
+                                                   "hf://org/name[@revision]"))
+    if uri.startswith("pvc://") and ".." in uri[len("pvc://"):].split("/"):
+        errors.append(FieldError("spec.model.uri", "the directory inside the claim must not "
+                                                   "climb out of it ('..')"))
+    if "hfTokenSecret" in model and not uri.startswith("hf://"):
         errors.append(FieldError("spec.model.hfTokenSecret", "only applies to hf:// models"))
     reserved = {"model", "model-cache", "tmp", "cache", "dshm"}
     for index, volume in enumerate(engine.get("volumes", [])):
