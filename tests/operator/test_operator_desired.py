@@ -118,6 +118,15 @@ def test_cpu_finer_than_a_millicore_is_written_as_the_server_stores_it(pool_body
     assert gateway["resources"]["requests"]["cpu"] == stored
 
 
+def test_the_names_a_pool_may_not_set_are_those_the_operator_sets(pool_body):
+    """`api.RESERVED_ENV` / `RESERVED_MOUNT_PATHS` (what `spec` refuses in engine.env and
+    engine.volumeMounts) must follow what the worker container really gets."""
+    container = worker_container(objects_of(pool_body(model={"uri": "pvc://claim/m"},
+                                                      apiKeySecret={"name": "k"})))
+    assert {e["name"] for e in container["env"]} == api.RESERVED_ENV
+    assert {m["mountPath"] for m in container["volumeMounts"]} <= api.RESERVED_MOUNT_PATHS
+
+
 def test_a_rollout_counts_as_stuck_only_after_the_models_startup_budget_and_is_never_paused(
         pool_body):
     """The gateway's pods are ready once a worker is: with the default 600 s deadline a model

@@ -105,8 +105,7 @@ def learn(worker: Worker, index: PrefixIndex, metrics: GatewayMetrics, decision:
     batch, which only the counters and the load estimate take in."""
     predicted = predicted_tokens(decision, key, prompt) if predicts else None
     if cached is None:
-        worker.reports_cached = False
-        worker.unreported_answers += 1
+        worker.answered_unreported()
         worker.observe_uncached(prompt + others[0] - (predicted or 0))
         return
     worker.reports_cached = True

@@ -434,8 +434,7 @@ class Gateway:
             learn(worker, self.index, self.metrics, decision, key, prompt, cached, self.predicts,
                   (other_prompts, other_cached))
         elif status == 200 and seen.error is None:   # a whole answer that reports no usage
-            worker.reports_cached = False
-            worker.unreported_answers += 1
+            worker.answered_unreported()
 
     async def _relay_events(self, upstream: UpstreamResponse, respond: Responder,
                             strip_usage: bool, started: float, seen: StreamSeen

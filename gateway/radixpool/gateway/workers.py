@@ -98,6 +98,11 @@ class Worker:
         gateway the others' part is zero but for that lag."""
         return self.inflight + self.others_load
 
+    def answered_unreported(self) -> None:
+        """An answer that did not say how much of its prompt was cached: unknown, not zero."""
+        self.reports_cached = False
+        self.unreported_answers += 1
+
     def observe_uncached(self, tokens: int) -> None:
         if self.mean_uncached is None:
             self.mean_uncached = float(tokens)

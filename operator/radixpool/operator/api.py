@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-from decimal import ROUND_CEILING
-
-from kubernetes.utils import parse_quantity
-
 GROUP = "radixpool.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -100,13 +96,3 @@ def selector_labels(pool: str, component: str) -> dict[str, str]:
 def selector_string(labels: dict[str, str]) -> str:
     return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
 
-
-def cpu_quantity(value: str | int | float) -> str:
-    """A CPU quantity as the API server stores it: finer than a millicore is rounded up to one
-    (`0.5m`, `100u` are stored as `1m`); the operator writes it so, or every pass would see the
-    stored value differ from the spec's and apply again."""
-    text = str(value)
-    millis = parse_quantity(text) * 1000
-    if millis == millis.to_integral_value():
-        return text
-    return f"{int(millis.to_integral_value(rounding=ROUND_CEILING))}m"

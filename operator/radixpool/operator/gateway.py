@@ -17,6 +17,7 @@ from .workers import (
     api_key_env,
     container_security,
     control_key_env,
+    cpu_quantity,
     pod_security,
 )
 
@@ -96,7 +97,7 @@ def desired_gateway_deployment(pool: Pool, image: str) -> dict[str, Any]:
         "env": [{"name": "HOME", "value": HOME}, *api_key_env(pool),
                 control_key_env(pool, "RADIXPOOL_WORKER_API_KEY")],
         "resources": {
-            "requests": {"cpu": api.cpu_quantity(gw["resources"]["cpu"]),
+            "requests": {"cpu": cpu_quantity(gw["resources"]["cpu"]),
                          "memory": str(gw["resources"]["memory"])},
             "limits": {"memory": str(gw["resources"]["memory"])}},
         "securityContext": container_security(),

@@ -16,7 +16,10 @@ Worker pods are built to survive real operations:
 from __future__ import annotations
 
 import math
+from decimal import ROUND_CEILING
 from typing import Any
+
+from kubernetes.utils import parse_quantity
 
 from . import api
 from .spec import Pool
@@ -81,6 +84,17 @@ def worker_args(pool: Pool) -> list[str]:
     return args + list(engine.get("args", []))
 
 
+def cpu_quantity(value: str | int | float) -> str:
+    """A CPU quantity as the API server stores it: finer than a millicore is rounded up to one
+    (`0.5m`, `100u` are stored as `1m`); the operator writes it so, or every pass would see the
+    stored value differ from the spec's and apply again."""
+    text = str(value)
+    millis = parse_quantity(text) * 1000
+    if millis == millis.to_integral_value():
+        return text
+    return f"{int(millis.to_integral_value(rounding=ROUND_CEILING))}m"
+
+
 def api_key_env(pool: Pool) -> list[dict[str, Any]]:
     """The client API key from its Secret as $RADIXPOOL_API_KEY: workers and gateway read it
     from the environment themselves, so no key shows in the pod spec or the process list."""
@@ -109,7 +123,7 @@ def pod_security() -> dict[str, Any]:
 
 def _resources(pool: Pool) -> dict[str, Any]:
     res = pool.engine["resources"]
-    requests = {"cpu": api.cpu_quantity(res["cpu"]), "memory": str(res["memory"])}
+    requests = {"cpu": cpu_quantity(res["cpu"]), "memory": str(res["memory"])}
     limits = {"memory": str(res["memory"])}
     if res["gpus"]:
         # Quantities are strings: the Kubernetes client rejects integers before sending.

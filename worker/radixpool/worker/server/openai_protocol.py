@@ -121,12 +121,12 @@ class SamplingFields(BaseModel):
     store: StrictBool | None = None
     service_tier: str | None = None
 
-    @field_validator("n", "stream", mode="before")
+    @field_validator("n", "stream", "logprobs", "echo", mode="before", check_fields=False)
     @classmethod
     def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
         """OpenAI's API makes these nullable, and an SDK sends an explicit None as null: null
         means the default."""
-        return _default_if_null(cls, value, info)
+        return cls.model_fields[info.field_name].default if value is None else value
 
     @field_validator("stream_options")
     @classmethod
@@ -266,11 +266,6 @@ class ChatCompletionRequest(SamplingFields):
         _reject_unsupported(info.field_name, value)
         return value
 
-    @field_validator("logprobs", mode="before")
-    @classmethod
-    def _null_logprobs_is_false(cls, value: Any, info: ValidationInfo) -> Any:
-        return _default_if_null(cls, value, info)
-
     @field_validator("top_logprobs")
     @classmethod
     def _top_logprobs_with_logprobs(cls, value: int | None, info: Any) -> int | None:
@@ -328,11 +323,6 @@ class CompletionRequest(SamplingFields):
     best_of: Annotated[StrictInt, Field(ge=1, le=128)] | None = None
     suffix: str | None = None
 
-    @field_validator("echo", mode="before")
-    @classmethod
-    def _null_echo_is_false(cls, value: Any, info: ValidationInfo) -> Any:
-        return _default_if_null(cls, value, info)
-
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, value: str | None) -> str | None:
@@ -387,7 +377,3 @@ class CompletionRequest(SamplingFields):
         if isinstance(p[0], int):
             return [list(p)]
         return list(p)
-
-
-def _default_if_null(model: type[BaseModel], value: Any, info: ValidationInfo) -> Any:
-    return model.model_fields[info.field_name].default if value is None else value
