@@ -40,7 +40,10 @@ def test_minimal_pool_gets_the_schema_defaults(pool_body):
     ({"gateway": {"balanceRelThreshold": 0.5}}, "spec.gateway.balanceRelThreshold",
      "at least 1"),
     ({"engine": {"pageSize": 0}}, "spec.engine.pageSize", "at least 1"),
+    # the worker refuses these (as memFraction 1): an Accepted pool had every worker exit at start
+    ({"engine": {"pageSize": 12}}, "spec.engine.pageSize", "power of two"),
     ({"engine": {"memFraction": 0}}, "spec.engine.memFraction", "greater than 0"),
+    ({"engine": {"memFraction": 1}}, "spec.engine.memFraction", "less than 1"),
     ({"engine": {"kvCacheTokens": 1000, "memFraction": 0.5}}, "spec.engine", "at most one"),
     ({"engine": {"resources": {"gpus": -1}}}, "spec.engine.resources.gpus", "at least 0"),
     # A pod given no GPU would take one of the node's that belongs to another pod.
@@ -126,3 +129,20 @@ def test_references_name_the_field_that_points_at_them(pool_body):
         ("Secret", "s", "spec.engine.env[0]"),
         ("PersistentVolumeClaim", "data", "spec.engine.volumes[0]"),
     }
+
+
+@pytest.mark.parametrize("fraction", [1e-6, 0.5, 0.999, 1, 1.5])
+def test_pool_takes_a_mem_fraction_exactly_when_its_workers_do(pool_body, fraction):
+    """An Accepted pool whose workers refuse their --mem-fraction would crash-loop every pod."""
+    from radixpool.worker.config import EngineConfig
+    try:
+        EngineConfig(model_path="/m", mem_fraction=fraction)
+        worker_takes_it = True
+    except ValueError:
+        worker_takes_it = False
+    try:
+        parse_pool(pool_body(engine={"memFraction": fraction}))
+        pool_takes_it = True
+    except InvalidPool:
+        pool_takes_it = False
+    assert pool_takes_it == worker_takes_it

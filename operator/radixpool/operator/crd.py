@@ -95,7 +95,8 @@ ENGINE = obj("The worker pods: image, resources, engine knobs and placement.", {
                           "KV cache, per-request tensors, step activations and CUDA graphs "
                           "(the worker uses 0.85 when neither this nor `kvCacheTokens` is "
                           "set); excludes `kvCacheTokens`.",
-                          minimum=0, exclusive_minimum=True, maximum=1),
+                          minimum=0, exclusive_minimum=True, maximum=1,
+                          exclusive_maximum=True),   # the worker's --mem-fraction is in (0, 1)
     "pageSize": integer("Tokens per KV page.", default=1, minimum=1, maximum=256),
     "maxRunningRequests": integer("Most requests in the running batch.", minimum=1),
     "chunkedPrefillSize": integer("Longest prefill chunk in tokens.", minimum=1),
@@ -307,7 +308,7 @@ def _reference_rows(node: Schema, path: str) -> list[str]:
         if "minimum" in child:
             limits.append(f"{'>' if child.get('exclusiveMinimum') else '≥'} {child['minimum']}")
         if "maximum" in child:
-            limits.append(f"≤ {child['maximum']}")
+            limits.append(f"{'<' if child.get('exclusiveMaximum') else '≤'} {child['maximum']}")
         default = child.get("default")
         shown = "" if default is None or default == {} else f"`{json.dumps(default)}`"
         rows.append(f"| `{here}` | {kind} | {shown} | {', '.join(limits)} | "

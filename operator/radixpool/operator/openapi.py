@@ -3,8 +3,9 @@
 The CRD's schema is written once with these builders (`crd.py`). The operator then applies the
 same defaults and checks the same constraints the API server does, so a pool means the same thing
 in a unit test, in `examples/` and in a cluster. Only the subset the CRD uses is implemented:
-types, int-or-string, enum, minimum / maximum (exclusiveMinimum as OpenAPI 3.0's boolean),
-pattern, lengths, required, properties, additionalProperties, items, preserve-unknown-fields.
+types, int-or-string, enum, minimum / maximum (exclusiveMinimum / exclusiveMaximum as OpenAPI
+3.0's booleans), pattern, lengths, required, properties, additionalProperties, items,
+preserve-unknown-fields.
 Unknown fields are reported (the API server would silently prune them: a typo should not be).
 """
 
@@ -44,9 +45,10 @@ def integer(description: str, *, default: int | None = None, minimum: int | None
 
 
 def number(description: str, *, default: float | None = None, minimum: float | None = None,
-           maximum: float | None = None, exclusive_minimum: bool | None = None) -> Schema:
+           maximum: float | None = None, exclusive_minimum: bool | None = None,
+           exclusive_maximum: bool | None = None) -> Schema:
     return _node("number", description, default, minimum=minimum, maximum=maximum,
-                 exclusiveMinimum=exclusive_minimum)
+                 exclusiveMinimum=exclusive_minimum, exclusiveMaximum=exclusive_maximum)
 
 
 def string(description: str, *, default: str | None = None, enum: tuple[str, ...] | None = None,
@@ -163,8 +165,12 @@ def _check_range(schema: Schema, value: float, path: str) -> list[FieldError]:
             return [FieldError(path, f"must be greater than {low}, got {value}")]
         if value < low:
             return [FieldError(path, f"must be at least {low}, got {value}")]
-    if "maximum" in schema and value > schema["maximum"]:
-        return [FieldError(path, f"must be at most {schema['maximum']}, got {value}")]
+    if "maximum" in schema:
+        high = schema["maximum"]
+        if schema.get("exclusiveMaximum") and value >= high:
+            return [FieldError(path, f"must be less than {high}, got {value}")]
+        if value > high:
+            return [FieldError(path, f"must be at most {high}, got {value}")]
     return []
 
 

@@ -232,6 +232,10 @@ def _check_rules(spec: dict[str, Any]) -> list[FieldError]:
         errors.append(FieldError("spec.engine.device", "'cuda' needs spec.engine.resources.gpus "
                                                        "of at least 1: a pod given no GPU would "
                                                        "use one that belongs to another pod"))
+    page = engine["pageSize"]
+    if page & (page - 1):
+        errors.append(FieldError("spec.engine.pageSize", f"must be a power of two (the worker's "
+                                                         f"--page-size), got {page}"))
     uri = model.get("uri", "")
     if uri.startswith("hf://") and not re.match(HF_REPO, uri[len("hf://"):].partition("@")[0]):
         errors.append(FieldError("spec.model.uri", "hf:// takes a Hugging Face repo id, "
