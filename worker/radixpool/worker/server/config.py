@@ -124,8 +124,8 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug-invariants", action="store_true",
                    help="check KV cache invariants whenever the engine goes idle (slow)")
     p.add_argument("--api-key", metavar="KEY", default=os.environ.get(API_KEY_ENV),
-                   help="require `Authorization: Bearer KEY` on every endpoint except /health "
-                        f"and /metrics (default: ${API_KEY_ENV}, else no key)")
+                   help="require `Authorization: Bearer KEY` on every endpoint except /health, "
+                        f"/livez and /metrics (default: ${API_KEY_ENV}, else no key)")
     p.add_argument("--control-api-key-file", metavar="PATH",
                    help="file holding the control key: required on /flush_cache, /kv_events, "
                         "/kv_events/snapshot and /prefix_probe, accepted everywhere (give it "
