@@ -42,6 +42,8 @@ def test_minimal_pool_gets_the_schema_defaults(pool_body):
     ({"engine": {"pageSize": 0}}, "spec.engine.pageSize", "at least 1"),
     # the worker refuses these (as memFraction 1): an Accepted pool had every worker exit at start
     ({"engine": {"pageSize": 12}}, "spec.engine.pageSize", "power of two"),
+    ({"engine": {"pageSize": 16, "chunkedPrefillSize": 8}}, "spec.engine.chunkedPrefillSize",
+     "at least spec.engine.pageSize (16)"),
     ({"engine": {"memFraction": 0}}, "spec.engine.memFraction", "greater than 0"),
     ({"engine": {"memFraction": 1}}, "spec.engine.memFraction", "less than 1"),
     ({"engine": {"kvCacheTokens": 1000, "memFraction": 0.5}}, "spec.engine", "at most one"),

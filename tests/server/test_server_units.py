@@ -89,6 +89,25 @@ def test_flags_become_a_validated_config(tmp_path):
                                    "--mem-fraction", "0.5"])
 
 
+def test_a_long_prefill_chunk_raises_the_step_budget_unless_one_is_given(tmp_path):
+    """The operator's chunkedPrefillSize passes --chunked-prefill-size alone: above the default
+    step budget (8192) every worker pod exited at start, since a step must hold a chunk."""
+    model = tmp_path / "m"
+    model.mkdir()
+
+    def engine(*flags: str):
+        return config_from_args(build_parser().parse_args(
+            ["worker", "--model", str(model), *flags])).engine
+
+    assert engine().max_prefill_tokens == 8192
+    assert engine("--chunked-prefill-size", "16384").max_prefill_tokens == 16384
+    assert engine("--chunked-prefill-size", "512").max_prefill_tokens == 8192
+    assert engine("--chunked-prefill-size", "512",
+                  "--max-prefill-tokens", "1024").max_prefill_tokens == 1024
+    with pytest.raises(ValueError, match="--max-prefill-tokens"):
+        engine("--chunked-prefill-size", "16384", "--max-prefill-tokens", "8192")
+
+
 def test_field_paths():
     assert field_path(("body", "messages", 0, "content")) == "messages[0].content"
     assert field_path(("body",)) is None

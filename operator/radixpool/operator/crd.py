@@ -99,7 +99,9 @@ ENGINE = obj("The worker pods: image, resources, engine knobs and placement.", {
                           exclusive_maximum=True),   # the worker's --mem-fraction is in (0, 1)
     "pageSize": integer("Tokens per KV page.", default=1, minimum=1, maximum=256),
     "maxRunningRequests": integer("Most requests in the running batch.", minimum=1),
-    "chunkedPrefillSize": integer("Longest prefill chunk in tokens.", minimum=1),
+    "chunkedPrefillSize": integer("Longest prefill chunk in tokens; at least `pageSize`. "
+                                  "Above 8192 it also raises the tokens one step may compute.",
+                                  minimum=1),
     "schedulePolicy": string("Waiting-queue order: longest prefix match first, or arrival.",
                              default="lpm", enum=SCHEDULE_POLICIES),
     "logLevel": string("Engine log level.", default="info", enum=LOG_LEVELS),

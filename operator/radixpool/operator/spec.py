@@ -236,6 +236,10 @@ def _check_rules(spec: dict[str, Any]) -> list[FieldError]:
     if page & (page - 1):
         errors.append(FieldError("spec.engine.pageSize", f"must be a power of two (the worker's "
                                                          f"--page-size), got {page}"))
+    chunk = engine.get("chunkedPrefillSize")
+    if chunk is not None and chunk < page:
+        errors.append(FieldError("spec.engine.chunkedPrefillSize",
+                                 f"must be at least spec.engine.pageSize ({page}), got {chunk}"))
     uri = model.get("uri", "")
     if uri.startswith("hf://") and not re.match(HF_REPO, uri[len("hf://"):].partition("@")[0]):
         errors.append(FieldError("spec.model.uri", "hf:// takes a Hugging Face repo id, "

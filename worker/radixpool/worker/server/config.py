@@ -93,9 +93,10 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunked-prefill-size", type=int, default=_default("chunked_prefill_size"),
                    help="prompt tokens computed per request per step; longer prompts are "
                         f"prefilled in chunks (default: {_default('chunked_prefill_size')})")
-    p.add_argument("--max-prefill-tokens", type=int, default=_default("max_prefill_tokens"),
-                   help="new tokens (prefill + decode) one engine step may compute "
-                        f"(default: {_default('max_prefill_tokens')})")
+    p.add_argument("--max-prefill-tokens", type=int, metavar="N",
+                   help="new tokens (prefill + decode) one engine step may compute, at least "
+                        f"--chunked-prefill-size (default: {_default('max_prefill_tokens')}, "
+                        "or --chunked-prefill-size when that is larger)")
     p.add_argument("--schedule-policy", choices=SCHEDULE_POLICIES,
                    default=_default("schedule_policy"),
                    help="waiting-queue order: lpm (longest cached prefix first) or fcfs "
@@ -218,7 +219,8 @@ def _config_from_args(args: argparse.Namespace) -> ServerConfig:
         page_size=args.page_size,
         max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size,
-        max_prefill_tokens=args.max_prefill_tokens,
+        max_prefill_tokens=(args.max_prefill_tokens if args.max_prefill_tokens is not None
+                            else max(_default("max_prefill_tokens"), args.chunked_prefill_size)),
         schedule_policy=args.schedule_policy,
         eviction_policy=args.eviction_policy,
         attention_backend=args.attention_backend,
