@@ -145,6 +145,21 @@ def test_a_body_that_stops_arriving_gets_408_and_the_worker_keeps_serving(edge):
     assert httpx.get(f"{edge.url}/health").status_code == 200
 
 
+def test_a_declared_body_over_the_limit_gets_413_at_once_on_every_route(edge):
+    """It waited for the body (a 408 at the body timeout: 30 s by default), and off the
+    generation routes the framework's answer was plain text."""
+    for path in ("/v1/chat/completions", "/generate", "/prefix_probe", "/flush_cache"):
+        sock = connect(edge)
+        start = time.monotonic()
+        sock.sendall(b"POST %s HTTP/1.1\r\nHost: w\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n{" % (path.encode(), 100 << 20))
+        (status, body), = split_responses(read_until_closed(sock))
+        assert status == 413, (path, status, body)
+        assert json.loads(body)["error"]["code"] == "request_too_large", path
+        assert time.monotonic() - start < 0.4, path   # before the edge's 0.5 s body timeout
+    assert httpx.get(f"{edge.url}/health").status_code == 200
+
+
 def test_a_pipelined_body_that_stops_arriving_is_refused_after_the_answer_ahead(edge):
     start, _ = completion_request(3, split=True)
     sock = connect(edge)

@@ -33,4 +33,5 @@ def create_app(state: WorkerState) -> Gate:
         return Response(state.metrics.exposition(), media_type=PROMETHEUS_CONTENT_TYPE)
 
     fast = FastRoutes(app, routers, GENERATION_PATHS, state.bodies, lambda: state.served)
-    return Gate(fast, state.lifecycle, state.config.api_key, state.config.control_api_key)
+    return Gate(fast, state.lifecycle, state.config.api_key, state.config.control_api_key,
+                MAX_BODY_BYTES)

@@ -151,9 +151,10 @@ async def _send_json(send, status: int, body: dict, headers: list[tuple[bytes, b
 
 class Gate:
     def __init__(self, app, lifecycle: Lifecycle, api_key: str | None,
-                 control_key: str | None = None) -> None:
+                 control_key: str | None = None, max_body_bytes: int | None = None) -> None:
         self.app = app
         self.lifecycle = lifecycle
+        self.max_body_bytes = max_body_bytes
         self.api_key = api_key.encode() if api_key else None
         self.control_key = control_key.encode() if control_key else None
 
@@ -177,6 +178,11 @@ class Gate:
         return 401, "missing or wrong API key: send `Authorization: Bearer <key>`", \
             "invalid_api_key"
 
+    def _declared_too_large(self, scope: dict) -> bool:
+        declared = _header(scope, b"content-length")
+        return (self.max_body_bytes is not None and declared is not None
+                and declared.strip().isdigit() and int(declared) > self.max_body_bytes)
+
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
@@ -190,6 +196,12 @@ class Gate:
                 body = error_body(message, "authentication_error" if status == 401
                                   else "permission_error", None, code)
                 await _send_json(send, status, body, [(b"www-authenticate", b"Bearer")])
+                return
+            # at once, not after waiting for the body; and no 503 a client would retry
+            if self._declared_too_large(scope):
+                body = error_body(f"request body is over {self.max_body_bytes >> 20} MiB",
+                                  "invalid_request_error", None, "request_too_large")
+                await _send_json(send, 413, body, [(b"connection", b"close")])
                 return
             if not self.lifecycle.serving:
                 body = error_body(self.lifecycle.unavailable_reason(), "service_unavailable",
