@@ -279,6 +279,24 @@ def test_fields_openai_makes_nullable_take_null_as_their_default(client):
     assert echoed.choices[0].text == "hi" + plain.choices[0].text   # null is not echo
 
 
+def test_values_openai_accepts_are_accepted(client):
+    """Values inside OpenAI's documented ranges that were refused with a 400: `top_p` 0 (its
+    range is [0, 1]; the nucleus of mass 0 is the likeliest token alone), `modalities`
+    ["text"] (OpenAI's default), and `stream_options.include_obfuscation`."""
+    sampled = {"max_tokens": 6, "temperature": 1.5, "extra_body": {"ignore_eos": True}}
+    greedy = chat(client, "hi", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    for seed in (1, 2):
+        r = chat(client, "hi", top_p=0, seed=seed, **sampled)
+        assert r.choices[0].message.content == greedy.choices[0].message.content
+    r = client.completions.create(model="tiny", prompt="hi", max_tokens=2, top_p=0)
+    assert r.usage.completion_tokens >= 1
+    r = chat(client, "hi", max_tokens=2, modalities=["text"])
+    assert r.choices[0].finish_reason in ("stop", "length")
+    chunks = list(chat(client, "hi", max_tokens=2, stream=True, stream_options={
+        "include_usage": True, "include_obfuscation": False}))
+    assert chunks[-1].usage.completion_tokens >= 1
+
+
 def test_logit_bias_steers_the_output(client, http):
     from radixpool.tokenization import PromptTokenizer
 

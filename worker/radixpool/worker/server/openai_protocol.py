@@ -48,6 +48,9 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False
+    # OpenAI pads its deltas with an `obfuscation` field unless this is false; no effect here,
+    # where deltas carry none
+    include_obfuscation: StrictBool | None = None
 
 
 class JSONSchemaFormat(BaseModel):
@@ -92,7 +95,7 @@ class SamplingFields(BaseModel):
     model: str | None = None
     n: Annotated[StrictInt, Field(ge=1, le=128)] = 1
     temperature: Annotated[StrictFloat, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[StrictFloat, Field(gt=0, le=1)] | None = None
+    top_p: Annotated[StrictFloat, Field(ge=0, le=1)] | None = None   # 0: the likeliest token
     stop: Stop = None
     seed: Seed | None = None
     frequency_penalty: Annotated[StrictFloat, Field(ge=-2, le=2)] | None = None
@@ -177,6 +180,9 @@ class SamplingFields(BaseModel):
             value = getattr(self, name)
             if value is not None:
                 doc[name] = value
+        if self.top_p == 0:   # OpenAI takes [0, 1]; the nucleus of mass 0 is the top token
+            del doc["top_p"]
+            doc["top_k"] = 1
         return doc
 
     @property
@@ -196,8 +202,9 @@ _UNSUPPORTED = {
 
 
 def _reject_unsupported(name: str, value: Any) -> None:
-    if value not in (None, [], {}):
-        raise ValueError(f"{_UNSUPPORTED[name]} is not supported by this server")
+    if value in (None, [], {}) or (name == "modalities" and value == ["text"]):
+        return   # (["text"] is OpenAI's default: what a text model gives anyway)
+    raise ValueError(f"{_UNSUPPORTED[name]} is not supported by this server")
 
 
 class TextPart(BaseModel):
