@@ -70,6 +70,7 @@ def test_a_query_of_death_takes_down_two_workers_at_most(make_stack):
     first = stack.client.post("/v1/completions", json=POISON)
     assert first.status_code == 500, first.text
     assert first.json()["error"]["code"] == "request_quarantined"
+    assert first.headers["x-should-retry"] == "false"   # the OpenAI SDKs then do not retry it
     assert sum(w.poisoned for w in stack.fleet.workers) == 2
     again = stack.client.post("/v1/completions", json=POISON)   # e.g. the SDK's own retry
     assert again.json()["error"]["code"] == "request_quarantined"

@@ -55,6 +55,20 @@ def greedy_outputs(model, prompts: list[list[int]]) -> list[list[int]]:
     return [out[i] for i in range(len(prompts))]
 
 
+def run_alone(core: EngineCore, rid: str, prompt: list[int]
+              ) -> tuple[list[int], str | None, int]:
+    """(tokens, error, cached prompt tokens) of one greedy request run to its end on `core`."""
+    params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    core.add_request(GenerateRequest(rid, prompt, params, seed=0))
+    tokens, error, cached = [], None, 0
+    while core.has_work:
+        for delta in core.step().deltas:
+            tokens += delta.token_ids
+            error = delta.error or error
+            cached = max(cached, delta.cached_tokens)
+    return tokens, error, cached
+
+
 @pytest.fixture(scope="module")
 def poisoned(tiny_model):
     """(poisoned token, a prompt whose greedy output reaches it at its 3rd token): a token that
@@ -183,6 +197,41 @@ def test_generate_fails_cleanly(broken, poisoned, stream):
         assert (error["type"], error["code"]) == ("server_error", "nonfinite_logits")
         ok = http.post("/generate", json={**body, "input_ids": GOOD[0]})
         assert ok.status_code == 200
+    assert faults(broken.url) == before + 1
+
+
+@pytest.mark.parametrize(("chunk", "page_size"), [(64, 1), (4, 1), (8, 4)])
+def test_a_poisoned_prompt_leaves_no_nan_in_the_cache_for_prompts_sharing_its_prefix(
+        checkpoint, poisoned, chunk, page_size):
+    """Its KV went into the tree: attention spreads a NaN to the positions before it too (a
+    masked column weighs 0, and 0 x NaN is NaN), so the next prompt sharing its first tokens
+    reused NaN KV and failed as well; a common system prompt would fail every request after.
+    With chunks of 4 or 8, the poisoned chunk was cached before the last chunk showed the NaN
+    (with pages of 4 the shared page before the poisoned token's is poisoned too)."""
+    shared = GOOD[0][:8] + [20, 21, 22, 23, 24]
+    bad = [*shared, poisoned[0], 25, 26, *range(30, 38)]
+    good = [*shared, *range(40, 52)]
+    alone = greedy_outputs(checkpoint, [good])[0]
+    core = EngineCore(EngineConfig(str(checkpoint), device="cpu", page_size=page_size,
+                                   chunked_prefill_size=chunk, max_prefill_tokens=max(chunk, 8),
+                                   debug_invariants=True))
+    tokens, error, _ = run_alone(core, "bad", bad)
+    assert tokens == [] and "non-finite logits" in error
+    tokens, error, _ = run_alone(core, "good", good)
+    assert (tokens, error) == (alone, None)
+    tokens, error, cached = run_alone(core, "again", good)   # the clean KV is cached as ever
+    assert (tokens, error) == (alone, None) and cached >= len(good) - page_size
+
+
+def test_the_sdk_does_not_retry_a_poison_prompt(broken, poisoned):
+    """The SDK retries a 500 twice by default: the prompt was computed three times and counted
+    three faults towards --unhealthy-after-nonfinite. `x-should-retry: false` stops that."""
+    client = openai.OpenAI(base_url=f"{broken.url}/v1", api_key="unused", max_retries=2,
+                           timeout=120)
+    before = faults(broken.url)
+    with pytest.raises(openai.InternalServerError, match="non-finite logits") as raised:
+        client.completions.create(model="tiny", prompt=[10, 11, poisoned[0], 12], **GREEDY)
+    assert raised.value.response.headers["x-should-retry"] == "false"
     assert faults(broken.url) == before + 1
 
 

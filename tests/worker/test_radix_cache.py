@@ -112,6 +112,7 @@ ops = st.lists(
         st.tuples(st.just("run"), keys, st.booleans()),
         st.tuples(st.just("release"), st.integers(0, 10)),
         st.tuples(st.just("evict"), st.integers(1, 64)),
+        st.tuples(st.just("discard"), keys, st.integers(0, 40)),
     ),
     max_size=60,
 )
@@ -133,6 +134,13 @@ def test_random_workload_keeps_every_invariant(ops, page_size, policy):
             cache.evict(op[1])
             for node in locked_before:
                 assert node.lock_ref > 0
+        elif op[0] == "discard":
+            before = cache.total_size
+            freed = cache.discard(op[1], op[2])
+            assert cache.total_size == before - freed
+            start = op[2] - op[2] % page_size
+            if start < len(op[1]) and not client.held:   # nothing locked: nothing past it stays
+                assert cache.probe(op[1]) <= start
         client.check()
     assert set(cache.block_hashes) == expected_blocks(cache)
     while client.held:
@@ -141,6 +149,26 @@ def test_random_workload_keeps_every_invariant(ops, page_size, policy):
     client.check()
     assert cache.total_size == 0
     assert cache.pool.available_size() == cache.pool.capacity
+
+
+def test_discard_drops_a_prefix_from_a_token_on_with_every_continuation_not_locked():
+    cache = make_cache(block_size=2)
+    client = Client(cache)
+    client.run([1, 2, 3, 4, 5, 6], hold=False)
+    client.run([1, 2, 3, 4, 7, 8], hold=False)   # continues the poisoned part: its KV too
+    client.run([1, 2, 9, 9], hold=True)          # branches off before it: kept
+    client.run([1, 2, 3, 8, 8, 8], hold=True)    # continues it but is held by a request
+    # [4], [5, 6] and [7, 8] go; [3] stays above the held [8, 8, 8]
+    assert cache.discard([1, 2, 3, 4, 5, 6], 2) == 1 + 2 + 2
+    assert cache.probe([1, 2, 3, 4, 5, 6]) == 3 and cache.probe([1, 2, 3, 4, 7, 8]) == 3
+    assert cache.probe([1, 2, 9, 9]) == 4 and cache.probe([1, 2, 3, 8, 8, 8]) == 6
+    client.check()   # invariants, and the events removed exactly what went
+    while client.held:
+        client.release(0)
+    assert cache.discard([1, 2, 3], 2) == 1 + 3
+    assert cache.probe([1, 2, 3, 8, 8, 8]) == 2 and cache.probe([1, 2, 9, 9]) == 4
+    assert cache.discard([7, 7], 0) == 0   # nothing cached there
+    client.check()
 
 
 def test_match_splits_and_reports_shared_length():

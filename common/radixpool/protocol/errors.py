@@ -16,3 +16,8 @@ NONFINITE_LOGITS = "nonfinite_logits"   # 500 server_error: the model's logits w
 OUTPUT_DECODE_FAILED = "output_decode_failed"
 
 REQUEST_SPECIFIC_CODES = frozenset({NONFINITE_LOGITS, OUTPUT_DECODE_FAILED})
+
+# The OpenAI SDKs' own header: "false" stops their automatic retries (by default twice, for a 408,
+# 409, 429 or any 5xx). A request-specific 500 would fail the same way again, and the gateway's
+# refusal of a quarantined request is the same answer for its whole time.
+NO_RETRY = ("x-should-retry", "false")

@@ -69,6 +69,7 @@ from radixpool.gateway.upstream import (
 )
 from radixpool.gateway.wait_queue import LateBinding
 from radixpool.gateway.workers import Worker, WorkerSet, candidates
+from radixpool.protocol.errors import NO_RETRY
 from radixpool.tokenization import PromptTokenizer
 
 log = logging.getLogger("radixpool.gateway")
@@ -282,7 +283,7 @@ class Gateway:
             respond, started, 500, f"this request was in the engines of "
             f"{self.quarantine.deaths_to_refuse} workers when each of them died; it is refused "
             f"for {self.quarantine.ttl_s:g} s so that it cannot take down more",
-            "request_quarantined")
+            "request_quarantined", headers=[(NO_RETRY[0].encode(), NO_RETRY[1].encode())])
 
     async def _refuse(self, respond: Responder, started: float, status: int, message: str,
                       code: str | None = None, param: str | None = None,

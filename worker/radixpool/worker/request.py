@@ -62,6 +62,9 @@ class Req:
     cached_tokens: int = -1               # prompt tokens reused at first admission (-1: not yet)
     queue_time: float | None = None
     retractions: int = 0
+    # Its logits went non-finite: its KV may hold NaN (which a masked attention column still
+    # spreads, 0 x NaN), so none of that goes into the tree and what got there is discarded.
+    kv_suspect: bool = False
 
     # The prompt's block hashes, as its `queued` event named them (the waiting queue reuses them).
     prompt_hashes: np.ndarray | None = None

@@ -161,6 +161,18 @@ class KVPool:
         self._is_free.index_fill_(0, unique, True)
         self._num_free += n
 
+    def first_nonfinite(self, slots: torch.Tensor) -> int | None:
+        """Index in `slots` of the first one whose K or V holds a NaN or an infinity in any
+        layer, or None. Reads every layer: for a request whose logits went non-finite only."""
+        if slots.numel() == 0:
+            return None
+        bad = torch.zeros(slots.numel(), dtype=torch.bool, device=self.device)
+        for buffers in (self.k_buffers, self.v_buffers):
+            for layer in buffers:
+                bad |= ~torch.isfinite(layer[slots]).flatten(1).all(dim=1)
+        found = bad.nonzero()
+        return int(found[0]) if found.numel() else None
+
     def free_slots_set(self) -> set[int]:
         """Every free slot (for invariant checks only: O(capacity))."""
         pages = self._free_pages[:self._num_free].tolist()

@@ -346,6 +346,29 @@ class RadixCache:
         self.evicted_tokens_total += freed
         return freed
 
+    def discard(self, key: list[int], start: int, namespace: str | None = None) -> int:
+        """Drop the cached KV of `key` from token `start` on (from the page it is in), and of
+        every prefix continuing it, whose values were computed attending to it: the nodes
+        below that point that no request holds locked. Returns the tokens freed."""
+        start -= start % self.page_size
+        node, offset, _ = self._walk(key[:start], namespace, split=True, touch=False)
+        top = node.children.get(self._child_key(key, offset)) if offset == start < len(key) \
+            else None
+        if top is None:
+            return 0
+        freed, stack = 0, [top]
+        below: list[TreeNode] = []
+        while stack:   # parents before children; removed in reverse, leaves first
+            below.append(stack.pop())
+            stack.extend(below[-1].children.values())
+        for n in reversed(below):
+            if n.lock_ref == 0 and not n.children:
+                freed += self._remove_leaf(n)
+        if node.parent is not None and not node.children and node.lock_ref == 0:
+            self._leaves.add(node)
+        self.evicted_tokens_total += freed
+        return freed
+
     def _trim_leaf(self, leaf: TreeNode, keep: int) -> int:
         """Free the edge of `leaf` past its first `keep` tokens (page-aligned); the leaf stays.
         Costs only the freed part (no new node, no rehashing of the kept blocks)."""

@@ -134,21 +134,33 @@ class KVManager:
     def release(self, req: Req) -> None:
         """Give back the row and the lock; the computed KV goes into the tree (so a retracted or
         finished request's prefix stays reusable), every other page it owns is freed. A draft
-        still in flight (KV past the sequence) is dropped first: it was never verified."""
+        still in flight (KV past the sequence) is dropped first: it was never verified.
+
+        A request whose logits went non-finite (`kv_suspect`) gives the tree only its KV before
+        the first token whose K or V is not finite, and the tree's own KV from that token on
+        (chunks it cached earlier) is discarded where no other request holds it: attention
+        spreads a NaN to every position whose softmax row sees it, even masked (0 x NaN), so a
+        poisoned prompt would otherwise poison every later request sharing its prefix."""
         if req.kv_len > req.seq_len:
             self.truncate(req, req.seq_len)
         req.draft = []
         slots = self.rows.table[req.row, :req.kv_len].clone()
+        clean = req.kv_len
+        if req.kv_suspect:
+            first_bad = self.pool.first_nonfinite(slots)
+            clean = req.kv_len if first_bad is None else first_bad
         owned_from = req.prefix_len
-        if req.kv_len > req.prefix_len:
+        if clean > req.prefix_len:
             # The tree takes [present, aligned end); duplicates before it and the partial page
             # after it stay ours to free.
-            present = self.cache.insert(req.fill_ids[:req.kv_len], slots, req.namespace)
+            present = self.cache.insert(req.fill_ids[:clean], slots[:clean], req.namespace)
             if present > req.prefix_len:
                 self.pool.free(slots[req.prefix_len:present])
-            owned_from = req.kv_len - req.kv_len % self.page_size
+            owned_from = clean - clean % self.page_size
         self.pool.free(slots[owned_from:])
         self.cache.unlock(req.last_node)
+        if clean < req.prefix_len:
+            self.cache.discard(req.fill_ids[:req.prefix_len], clean, req.namespace)
         self.rows.free(req.row)
         req.row, req.last_node, req.kv_len, req.prefix_len = None, None, 0, 0
         req.pending = 0      # an in-flight token is dropped: a resumed request recomputes it

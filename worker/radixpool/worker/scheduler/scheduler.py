@@ -240,6 +240,7 @@ class Scheduler:
         and its logprobs NaN. It ends with the reason, without that token; the batch goes on
         (its rows were sampled independently)."""
         self.nonfinite_total += 1
+        req.kv_suspect = True
         log.error("request %s: the model produced non-finite logits (NaN or infinity) at "
                   "output token %d; the request is aborted", req.rid, len(req.output_ids))
         delta = self._ended(req, "abort", "the model produced non-finite logits (NaN or "

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from radixpool.protocol.errors import NONFINITE_LOGITS
+from radixpool.protocol.errors import NO_RETRY, NONFINITE_LOGITS
 from radixpool.worker.engine_errors import RequestFault, RidInUse
 from radixpool.worker.sampling_params import SamplingParams
 from radixpool.worker.server.errors import APIError, bad_request, unavailable
@@ -173,9 +173,10 @@ class EngineRun:
                                           now - chunk.arrival_time)
 
     def _faulted(self, exc: RequestFault) -> APIError:
-        """The engine failed this request alone: a 500 whose code tells a gateway so."""
+        """The engine failed this request alone: a 500 whose code tells a gateway so, and that
+        tells the OpenAI SDKs not to send it again (by default they retry a 500 twice)."""
         self._watch.finished(nonfinite=exc.code == NONFINITE_LOGITS, produced=False)
-        return APIError(500, str(exc), code=exc.code)
+        return APIError(500, str(exc), code=exc.code, headers=dict([NO_RETRY]))
 
     async def __aiter__(self) -> AsyncIterator[Any]:
         try:
