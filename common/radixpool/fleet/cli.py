@@ -42,7 +42,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "multi-turn workload through the gateway with cache_aware routing and again "
                     "with round_robin, and print throughput, time to first token, the workers' "
                     "actual cache hit rate, the gateway's predicted hit rate and each worker's "
-                    "share side by side. Takes 1-3 minutes on a 2-core CPU.",
+                    "share side by side. Takes about 30 s on an idle 2-core CPU, a minute on "
+                    "a busy one.",
         formatter_class=HelpFormatter)
     demo.add_argument("--model", metavar="DIR", default=None,
                       help="model directory (default: the built-in tiny model)")
