@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import tracemalloc
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -267,6 +270,34 @@ def test_namespaces_never_share():
     assert cache.probe([1, 2, 3, 4, 5], "tenant-b") == 0
     assert cache.probe([1, 2, 3, 4, 5]) == 0
     assert set(cache.block_hashes) == set(prefix_block_hashes([1, 2, 3, 4], 4, "tenant-a").tolist())
+
+
+def test_a_cache_salt_per_client_does_not_grow_memory_once_its_prompts_are_evicted():
+    """Clients that each send their own `cache_salt` (and probes with salts never stored) churn
+    through a small cache: once their prompts are evicted nothing of them stays behind."""
+    cache = make_cache()
+    client = Client(cache)
+
+    def churn(start: int, count: int) -> None:
+        for i in range(start, start + count):
+            assert client.run([i % 7, 1, 2, 3, 4, 5, 6, 7], hold=False, namespace=f"user-{i}")
+            assert cache.probe([1, 2, 3], f"never-stored-{i}") == 0
+            if i % 100 == 0:
+                client.check()   # drains the events, as the engine does every step
+
+    tracemalloc.start()
+    try:
+        churn(0, 2500)   # past the 4,096 salts whose chain seeds are memoized
+        gc.collect()
+        before = tracemalloc.get_traced_memory()[0]
+        churn(2500, 2000)
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 256 << 10, f"{grown:,} bytes kept for 2,000 salts no longer cached"
+    assert cache.probe([4498 % 7, 1, 2, 3, 4, 5, 6, 7], "user-4498") == 8   # recent ones still hit
+    client.check()
 
 
 def test_events_carry_monotonic_seq_and_clear():

@@ -92,11 +92,12 @@ class TensorSlotRuns:
 
 
 class TreeNode:
-    __slots__ = ("born", "children", "hits", "key", "last_access", "lock_ref", "parent", "priority",
-                 "seed", "start", "states", "value")
+    __slots__ = ("born", "children", "hits", "key", "last_access", "lock_ref", "namespace",
+                 "parent", "priority", "seed", "start", "states", "value")
 
     def __init__(self, key: list[int], value: Any, parent: TreeNode | None,
-                 start: int, states: np.ndarray = _EMPTY_STATES, seed: int = 0) -> None:
+                 start: int, states: np.ndarray = _EMPTY_STATES, seed: int = 0,
+                 namespace: str | None = None) -> None:
         self.children: dict[int | tuple[int, ...], TreeNode] = {}
         self.key = key
         self.value = value
@@ -104,6 +105,7 @@ class TreeNode:
         self.start = start            # absolute position of key[0] in the prefix
         self.states = states          # chain states of blocks ending in (start, start+len(key)]
         self.seed = seed              # the namespace's chain seed (roots only)
+        self.namespace = namespace    # the cache salt it belongs to (roots only)
         self.lock_ref = 0
         self.last_access = 0
         self.hits = 0                 # matches that reused this node (eviction policies)
@@ -171,12 +173,18 @@ class RadixCache:
         if emit:
             self._emit("cleared")
 
-    def _root(self, namespace: str | None) -> TreeNode:
+    def _root(self, namespace: str | None, create: bool) -> TreeNode:
+        """The namespace's root. Only an insert keeps a new one (`create`): a match, probe or
+        discard in a namespace with nothing cached gets a detached empty root, and a root goes
+        when its last child is removed, so cache salts that come and go (one per user) leave
+        nothing behind."""
         root = self._roots.get(namespace)
         if root is None:
-            root = TreeNode([], self.runs.empty(), None, 0, seed=namespace_seed(namespace))
+            root = TreeNode([], self.runs.empty(), None, 0, seed=namespace_seed(namespace),
+                            namespace=namespace)
             root.lock_ref = 1  # roots are never evicted
-            self._roots[namespace] = root
+            if create:
+                self._roots[namespace] = root
         return root
 
     def _child_key(self, key: list[int], offset: int) -> int | tuple[int, ...]:
@@ -198,8 +206,8 @@ class RadixCache:
         return self._walk(key, namespace, split=False, touch=False)[1]
 
     def _walk(self, key: list[int], namespace: str | None, split: bool, touch: bool,
-              hit: bool = False):
-        node = self._root(namespace)
+              hit: bool = False, create: bool = False):
+        node = self._root(namespace, create)
         tick = next(self._tick) if touch else 0
         limit = self._aligned(len(key))
         offset, values = 0, []
@@ -263,7 +271,8 @@ class RadixCache:
         """`insert`, also returning the node now ending at the aligned end of `key` (the one to
         lock) and the tree's slot tensors for the already-present part, edge by edge."""
         length = self._aligned(min(len(key), len(slots)))
-        node, present, values = self._walk(key[:length], namespace, split=True, touch=True)
+        node, present, values = self._walk(key[:length], namespace, split=True, touch=True,
+                                           create=True)
         if present < length:
             node = self._add_leaf(node, key, slots, present, length)
         return present, node, values
@@ -390,7 +399,13 @@ class RadixCache:
     def _remove_leaf(self, leaf: TreeNode) -> int:
         self.policy.evicted(leaf)
         self.pool.free(leaf.value)
-        del leaf.parent.children[self._child_key(leaf.key, 0)]
+        parent = leaf.parent
+        del parent.children[self._child_key(leaf.key, 0)]
+        if parent.parent is None and not parent.children \
+                and self._roots.get(parent.namespace) is parent:
+            # A request that matched nothing here may still hold this root: locks skip roots,
+            # and its insert walks from the namespace's root of that moment.
+            del self._roots[parent.namespace]
         self._leaves.discard(leaf)
         self.evictable_size -= len(leaf.key)
         if len(leaf.states):
