@@ -21,6 +21,16 @@ def test_reads_resume_from_any_seq_and_report_gaps():
     assert log.events_since(1) is None, "events 2.. were dropped: the reader must resync"
 
 
+def test_long_prompts_events_are_bounded_by_blocks_and_a_reader_past_them_resyncs():
+    log = KVEventLog(max_blocks=1000)
+    for seq in range(1, 101):   # 100 prompts of 64 blocks each: 6,400 hashes
+        log.append([KVEvent(seq, "queued", tuple(range(seq * 64, seq * 64 + 64)), None)])
+    assert [e.seq for e in log.events_since(85)] == list(range(86, 101))   # 960 blocks kept
+    assert log.events_since(84) is None, "event 85 was dropped: the reader must resync"
+    log.append([KVEvent(101, "queued", tuple(range(5000)), None)])   # one over the budget alone
+    assert [e.seq for e in log.events_since(100)] == [101]
+
+
 def test_wait_wakes_on_new_events_and_leaves_no_waiters_behind():
     log = KVEventLog()
 

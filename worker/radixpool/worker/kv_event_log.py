@@ -23,12 +23,20 @@ from collections.abc import Callable
 from radixpool.protocol.kv_blocks import KVEvent
 
 DEFAULT_CAPACITY = 65536
+# A queued or stored event names every whole block of its prompt: 65,536 events of 8k-token
+# prompts held ~1.8 GB of hashes. The ring is bounded by blocks too; 2M are ~115 MB, seconds of
+# history at any rate a gateway keeps up with (one that falls behind resyncs from a snapshot).
+DEFAULT_MAX_BLOCKS = 1 << 21
 LOAD_LINGER_S = 0.01
 
 
 class KVEventLog:
-    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
-        self._events: deque[KVEvent] = deque(maxlen=capacity)
+    def __init__(self, capacity: int = DEFAULT_CAPACITY,
+                 max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
+        self._events: deque[KVEvent] = deque()
+        self.capacity = capacity
+        self.max_blocks = max_blocks
+        self._blocks = 0   # block hashes held by the events in the ring
         self._lock = threading.Lock()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self.last_seq = 0
@@ -37,7 +45,11 @@ class KVEventLog:
         if not events:
             return
         with self._lock:
-            self._events.extend(events)
+            ring = self._events
+            ring.extend(events)
+            self._blocks += sum(len(e.blocks) for e in events)
+            while len(ring) > self.capacity or (self._blocks > self.max_blocks and len(ring) > 1):
+                self._blocks -= len(ring.popleft().blocks)
             self.last_seq = events[-1].seq
             waiters, self._waiters = self._waiters, []
         _wake_all(waiters)
