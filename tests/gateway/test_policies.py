@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from radixpool.gateway import policies
 from radixpool.gateway.config import GatewayConfig
 from radixpool.gateway.feedback import first_missing_block, is_usage_only_event, usage_in
 from radixpool.gateway.policies import (
@@ -185,6 +186,23 @@ def test_a_hot_system_prompt_does_not_pin_new_sessions_to_one_worker():
     # what the plain router does (no hot-prefix base): everyone piles onto the first owner
     pinned = sessions_per_worker(cache_aware(("a", "b", "c", "d"), hot_prefix_factor=1e9), system)
     assert max(pinned.values()) >= 55
+
+
+def test_demand_counting_stays_bounded_under_long_unique_prompts_and_still_sees_a_hot_prefix(
+        monkeypatch):
+    """Hot-prefix demand counted every block of the last 1,024 requests: long unique prompts
+    (RAG over long documents) made it hundreds of MB. A window now also ends at a count of
+    distinct blocks (here 2,000 instead of 262,144)."""
+    monkeypatch.setattr(policies, "DEMAND_MAX_BLOCKS", 2_000, raising=False)
+    policy = cache_aware(("a", "b", "c", "d"))
+    system = tokens(0, 40 * BLOCK)
+    for q in range(200):   # half share the system prompt, half are 300 blocks of their own
+        prompt = system + tokens(10_000 + 100 * q, BLOCK) if q % 2 else \
+            tokens(100_000 + 10_000 * q, 300 * BLOCK)
+        policy.select(idle("a", "b", "c", "d"), key_of(prompt))
+        demand = policy._demand[None]
+        assert len(demand.new) < 2_000 + 300 and len(demand.old) < 2_000 + 300
+    assert policy.hot_blocks(key_of(system).hashes, 4) == 40
 
 
 def test_at_low_traffic_new_sessions_spread_instead_of_following_the_system_prompt():

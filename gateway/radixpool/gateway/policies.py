@@ -86,6 +86,10 @@ SPILL_ROOM_SHARE = 0.5  # spill copies only onto workers with this share of thei
 # capacity-bound and multi-gateway figures are unchanged at seed 0.
 HELD_SPILL_MARGIN = 2.0
 DEMAND_WINDOW = 512  # requests per demand window; hot-prefix shares cover the last two windows
+# ... or fewer: a window also ends once it counts this many distinct blocks. 512 requests of
+# unique 64k-token prompts (RAG over long documents) made 2M entries a window, ~400 MB for the
+# two; this keeps them under ~50 MB. Shared prompts repeat their blocks and never reach it.
+DEMAND_MAX_BLOCKS = 1 << 18
 
 
 @dataclass(frozen=True, slots=True)
@@ -363,7 +367,7 @@ class CacheAware(Policy):
         for h in hashes:
             counts[h] = counts.get(h, 0) + 1
         demand.requests += 1
-        if demand.requests >= DEMAND_WINDOW:
+        if demand.requests >= DEMAND_WINDOW or len(counts) >= DEMAND_MAX_BLOCKS:
             demand.old, demand.old_requests = counts, demand.requests
             demand.new, demand.requests = {}, 0
 
