@@ -116,6 +116,9 @@ BAD = [
      + b"]" * 300 + b"}]}", 400, "messages[0].content[0][0][0][0][0]"),
     ("/generate", b'{"text": "x", "sampling_params": {"json_schema": ' + b'{"a":' * 300 + b"1"
      + b"}" * 300 + b"}}", 400, "sampling_params.json_schema.a.a.a.a.a.a"),
+    # the same schema as JSON text, a string the body's parser does not look into: a 500 before
+    ("/generate", {"text": "x", "sampling_params": {
+        "json_schema": '{"a":' * 5000 + "1" + "}" * 5000}}, 400, "sampling_params.json_schema"),
     # ... and one that Python's parser cannot read again (nested past its stack): a 500 before
     ("/v1/completions", b'{"prompt": "\\ud800", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400,
      None),

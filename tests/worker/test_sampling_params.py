@@ -58,6 +58,7 @@ from radixpool.worker.sampling_params import SamplingParams
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"5": float("nan")}}, "logit_bias"),
     ({"temprature": 0.5}, "temprature"),
+    ({"json_schema": '{"a":' * 5000 + "1" + "}" * 5000}, "json_schema"),   # a RecursionError
 ])
 def test_bad_field_is_rejected_by_name(doc, field):
     with pytest.raises(ValueError, match=field):

@@ -155,6 +155,8 @@ class SamplingParams:
                 schema = json.loads(self.json_schema)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"json_schema is not valid JSON: {exc}") from None
+            except RecursionError:   # JSON text carried as a string skips the body's depth check
+                raise ValueError("json_schema nests too deeply for the JSON parser") from None
             if not isinstance(schema, dict):
                 raise ValueError(f"json_schema must be a JSON object (a schema), got "
                                  f"{self.json_schema[:80]!r}")
