@@ -16,6 +16,7 @@ import pytest
 from radixpool.tokenization import PromptTokenizer
 from radixpool.worker.config import EngineConfig
 from radixpool.worker.engine_core import EngineCore
+from radixpool.worker.grammar.compiler import ModelVocab
 from radixpool.worker.messages import GenerateRequest
 from radixpool.worker.sampling_params import SamplingParams
 
@@ -285,6 +286,22 @@ def test_jump_forward_appends_forced_text_in_one_step(tiny_model, tok):
     assert reason == "stop"
     jsonschema.validate(json.loads(text_of(tok, ids)), schema)
     assert core.times.steps < len(ids) / 1.5, (core.times.steps, len(ids))
+
+
+@pytest.mark.parametrize("mode", ["exact", "retokenize"])
+def test_a_long_forced_run_is_tokenized_only_as_far_as_the_request_goes(tiny_model, tok,
+                                                                         monkeypatch, mode):
+    """`a{1000000}` forces a million characters: the engine held every request's step while it
+    tokenized them all for an 8-token answer (seconds; ten million took ~20 s)."""
+    encoded: list[int] = []
+    encode = ModelVocab.encode
+    monkeypatch.setattr(ModelVocab, "encode",
+                        lambda vocab, text: encoded.append(len(text)) or encode(vocab, text))
+    reqs = [("r", prompts(tok)[0], SamplingParams(max_new_tokens=8, regex="a{1000000}"), 0)]
+    out, _ = run(tiny_model, reqs, jump_forward=mode)
+    ids, reason, _ = out["r"]
+    assert (len(ids), reason, set(text_of(tok, ids))) == (8, "length", {"a"})
+    assert encoded and max(encoded) < 1000, encoded   # 8 tokens spell a few dozen characters
 
 
 def test_free_requests_in_a_mixed_batch_are_untouched(tiny_model, tok):

@@ -43,6 +43,7 @@ class ModelVocab:
     decoded: list[bytes]        # the bytes each token id stands for
     banned: frozenset[int]      # special tokens a grammar never emits (stop tokens excepted)
     tokenizer: Any              # tokenizers.Tokenizer: re-tokenizes forced text
+    longest_token: int          # the most bytes one token spells
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -58,7 +59,8 @@ def load_vocab(model_path: str, vocab_size: int, stop_ids: tuple[int, ...]) -> M
     special = set(hf.all_special_ids) | {i for i, t in hf.added_tokens_decoder.items()
                                          if t.special}
     banned = frozenset(i for i in special if i < vocab_size and i not in stop_ids)
-    return ModelVocab(info, list(info.decoded_vocab), banned, hf.backend_tokenizer)
+    decoded = list(info.decoded_vocab)
+    return ModelVocab(info, decoded, banned, hf.backend_tokenizer, max(map(len, decoded)))
 
 
 def _clean(exc: Exception) -> str:

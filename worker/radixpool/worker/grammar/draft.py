@@ -27,7 +27,7 @@ def propose_draft(grammar: RequestGrammar, budget: int, stop_ids: Collection[int
     the first token the grammar refuses. The matcher is left as it was."""
     if budget <= 0:
         return []
-    forced = grammar.forced_text()
+    forced = grammar.forced_text(budget)
     if not forced:
         return []
     vocab = grammar.vocab

@@ -34,15 +34,19 @@ class RequestGrammar:
     def accept(self, token: int) -> bool:
         return self.matcher.accept_token(token)
 
-    def forced_text(self) -> str:
-        """The text the grammar forces next ("" when none). xgrammar hands it over as a Python
-        str and fails when it starts inside a UTF-8 character (the output so far ends with part
-        of one, e.g. the first byte token of an emoji a pattern spells out): nothing is forced
-        then, and the character's remaining bytes are decoded one token at a time."""
+    def forced_text(self, max_tokens: int) -> str:
+        """The text the grammar forces next ("" when none), cut to what `max_tokens` tokens can
+        spell: a 10-character regex `a{10000000}` forces ten million characters, whose
+        tokenization held the engine's step for seconds when only a few tokens were wanted.
+        xgrammar hands it over as a Python str and fails when it starts inside a UTF-8
+        character (the output so far ends with part of one, e.g. the first byte token of an
+        emoji a pattern spells out): nothing is forced then, and the character's remaining
+        bytes are decoded one token at a time."""
         try:
-            return self.matcher.find_jump_forward_string()
+            forced = self.matcher.find_jump_forward_string()
         except UnicodeDecodeError:
             return ""
+        return forced[:max_tokens * self.vocab.longest_token]   # a character is ≥ 1 byte
 
     @property
     def terminated(self) -> bool:
@@ -54,7 +58,7 @@ class RequestGrammar:
         the grammar forces next, at most `budget` (≥ 1) tokens; the matcher accepts them. None
         when nothing is forced or no tokenization of it fits. One token can be the answer: the
         joined text may be a single token other than `last`."""
-        forced = self.forced_text()
+        forced = self.forced_text(budget)
         if not forced:
             return None
         vocab = self.vocab
