@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+import time
 
 import jsonschema
 import pytest
@@ -353,6 +354,29 @@ def test_compile_cache_and_its_metrics(tiny_model, tok):
     assert stats.grammar_compile_buckets[-1] == 2   # two distinct grammars compiled once each
     assert stats.grammar_cache_hits_total == 4
     assert stats.grammar_compile_seconds_sum > 0
+
+
+def test_a_schema_slow_to_compile_does_not_hold_up_the_ordinary_ones(tiny_model):
+    """Compiles ran on one thread: a schema of many optional properties (their compile time
+    grows faster than their square; 800 took 82 s) held every other request's schema behind it."""
+    from radixpool.worker.grammar.compiler import GrammarCompiler, looks_heavy
+
+    slow = json.dumps({"type": "object",
+                       "properties": {f"p{i}": {"type": "integer"} for i in range(200)}})
+    plain = json.dumps(FINITE_SCHEMAS[1])
+    assert looks_heavy("json_schema", slow) and not looks_heavy("json_schema", plain)
+    assert not looks_heavy("json_schema", json.dumps(   # every property required: not slow
+        {"type": "object", "properties": {f"p{i}": {} for i in range(300)},
+         "required": [f"p{i}" for i in range(300)]}))
+    compiler = GrammarCompiler(str(tiny_model), 1024, (2, 4))
+    compiler.prepare().result()
+    heavy = compiler.submit(("json_schema", slow))
+    time.sleep(0.05)   # under way
+    started = time.perf_counter()
+    compiler.submit(("json_schema", plain)).result()
+    waited = time.perf_counter() - started
+    assert not heavy.done(), f"the ordinary schema waited {waited:.2f} s for the slow one"
+    heavy.result()
 
 
 def test_two_constraints_at_once_are_refused():

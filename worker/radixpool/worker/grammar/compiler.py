@@ -1,10 +1,14 @@
 """Compiling constraints into xgrammar grammars: off the engine's step, once per distinct grammar.
 
-`GrammarCompiler.submit((kind, source))` returns a future. Compiles run on one background thread
+`GrammarCompiler.submit((kind, source))` returns a future. Compiles run on background threads
 (the engine core keeps stepping other requests meanwhile); the first one also builds the model's
 `ModelVocab` (xgrammar's tokenizer info, each token's bytes, the special tokens to mask), once per
-model. Futures are cached by (kind, source), least recently used first out, so a repeated schema
-compiles once; a failed compile is cached too (the same bad schema gets the same answer at once).
+model. Two lanes, one thread each: constraints that may take long to compile (`looks_heavy`: an
+object with many optional properties, whose compile time grows faster than their square, or a
+long source) go to their own, so one of them (800 optional properties took 82 s) delays only the
+others like it, never the ordinary schemas of other requests. Futures are cached by (kind,
+source), least recently used first out, so a repeated schema compiles once; a failed compile is
+cached too (the same bad schema gets the same answer at once).
 Every constraint is lowered to EBNF and compiled as a grammar: JSON schemas by `json_schema.py`
 (fixed separators, length-bounded strings mended), and no character class of any kind admits a
 UTF-8-encoded surrogate (`surrogates.py`).
@@ -13,7 +17,9 @@ UTF-8-encoded surrogate (`surrogates.py`).
 from __future__ import annotations
 
 import bisect
+import json
 import re
+import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,6 +31,11 @@ from radixpool.worker.grammar.json_schema import json_schema_ebnf
 from radixpool.worker.grammar.surrogates import exclude_surrogates
 
 CACHE_ENTRIES = 256
+# What makes a constraint go to the heavy lane: an object schema with this many properties not
+# required (on the tiny test model 100 compiled in 0.4 s, 200 in 1.5 s, 400 in 8 s; a real
+# vocabulary costs more), or a source this long.
+HEAVY_OPTIONAL_PROPERTIES = 32
+HEAVY_SOURCE_CHARS = 16384
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: Check failed: (...) is false: ".
 _NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 _KIND_NAMES = {"json_schema": "JSON schema", "regex": "regular expression",
@@ -63,6 +74,33 @@ def load_vocab(model_path: str, vocab_size: int, stop_ids: tuple[int, ...]) -> M
     return ModelVocab(info, decoded, banned, hf.backend_tokenizer, max(map(len, decoded)))
 
 
+def looks_heavy(kind: str, source: str) -> bool:
+    """Whether compiling (kind, source) may take long: a source over `HEAVY_SOURCE_CHARS`, or a
+    JSON schema with an object of at least `HEAVY_OPTIONAL_PROPERTIES` optional properties.
+    (A schema that does not parse is not: its compile fails at once.)"""
+    if len(source) > HEAVY_SOURCE_CHARS:
+        return True
+    if kind != "json_schema":
+        return False
+    try:
+        stack = [json.loads(source)]
+    except (ValueError, RecursionError):
+        return False
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            properties, required = node.get("properties"), node.get("required")
+            if isinstance(properties, dict):
+                named = set(required) if isinstance(required, list) and all(
+                    isinstance(r, str) for r in required) else set()
+                if len(properties.keys() - named) >= HEAVY_OPTIONAL_PROPERTIES:
+                    return True
+            stack.extend(node.values())
+    return False
+
+
 def _clean(exc: Exception) -> str:
     lines = [line for line in str(exc).strip().splitlines() if line.strip()]
     return _NOISE.sub("", lines[0] if lines else type(exc).__name__)
@@ -73,9 +111,11 @@ class GrammarCompiler:
         self.model_path = model_path
         self.vocab_size = vocab_size
         self.stop_ids = stop_ids
-        self.vocab: ModelVocab | None = None    # set by the compile thread on first use
-        self._xgr_compiler: Any = None
+        self.vocab: ModelVocab | None = None    # set by a compile thread on first use
+        self._vocab_lock = threading.Lock()
+        self._lane_compiler = threading.local()   # each lane's thread has its own xgrammar one
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="radixpool-grammar")
+        self._heavy = ThreadPoolExecutor(1, thread_name_prefix="radixpool-grammar-heavy")
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         # compile-time histogram (cumulative per GRAMMAR_COMPILE_BUCKETS bound, then +Inf)
         self.compile_counts = [0] * (len(GRAMMAR_COMPILE_BUCKETS) + 1)
@@ -89,7 +129,8 @@ class GrammarCompiler:
             self._cache.move_to_end(key)
             self.cache_hits += 1
             return fut
-        fut = self._executor.submit(self._compile, key)
+        lane = self._heavy if looks_heavy(*key) else self._executor
+        fut = lane.submit(self._compile, key)
         self._cache[key] = fut
         while len(self._cache) > CACHE_ENTRIES:
             self._cache.popitem(last=False)
@@ -104,13 +145,16 @@ class GrammarCompiler:
 
     # ---------------------------------------------------------------- compile thread
     def _compiler(self) -> Any:
-        if self._xgr_compiler is None:
+        compiler = getattr(self._lane_compiler, "compiler", None)
+        if compiler is None:
             import xgrammar as xgr
 
-            self.vocab = load_vocab(self.model_path, self.vocab_size, self.stop_ids)
-            self._xgr_compiler = xgr.GrammarCompiler(self.vocab.info, max_threads=1,
-                                                     cache_enabled=False)
-        return self._xgr_compiler
+            with self._vocab_lock:
+                if self.vocab is None:
+                    self.vocab = load_vocab(self.model_path, self.vocab_size, self.stop_ids)
+            compiler = self._lane_compiler.compiler = xgr.GrammarCompiler(
+                self.vocab.info, max_threads=1, cache_enabled=False)
+        return compiler
 
     def _compile(self, key: tuple[str, str]) -> Any:
         import xgrammar as xgr
