@@ -87,6 +87,16 @@ BAD = [
      "response_format", "both given"),
     ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema"),
     ({"response_format": {"type": "xml"}}, "response_format.type", "xml"),
+    # what the grammar engine would silently drop, so the output need not validate: refused
+    *[({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": bad}}},
+       "response_format", named) for bad, named in [
+        ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "#/allOf"),
+        ({"type": "object", "properties": {"a": {"$ref": "http://127.0.0.1:1/x.json"}}},
+         "#/properties/a/$ref"),
+        ({"type": "string", "pattern": "(?!x)a+"}, "#/pattern"),
+        ({"type": "object", "properties": {"if": {"type": "integer"}},   # a property, not 'if'
+          "if": {"required": ["if"]}, "then": {"required": ["x"]}}, "#/if"),
+    ]],
 ]
 
 
@@ -99,6 +109,21 @@ def test_bad_constraints_are_400s_naming_the_problem(client, kwargs, param, name
     assert named in error["message"], error
     reply = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=3)
     assert reply.choices[0].message.content is not None   # still serving
+
+
+def test_a_set_field_still_validates_as_a_list(client):
+    """`uniqueItems` (a set type's schema) is not enforced but not refused either: the output
+    is still a list of the items' type."""
+    schema = {"type": "object", "properties": {"tags": {
+        "type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+        "uniqueItems": True, "maxItems": 3}},
+        "required": ["tags"]}
+    reply = client.chat.completions.create(
+        model="tiny", messages=MSG, max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert reply.choices[0].finish_reason == "stop"
+    tags = json.loads(reply.choices[0].message.content)["tags"]
+    assert all(isinstance(t, int) and 0 <= t <= 9 for t in tags) and len(tags) <= 3
 
 
 def test_generate_bad_regex_names_the_field(http):

@@ -31,12 +31,56 @@ _ESCAPE = (rf'{_ESCAPE_RULE} ::= (([\"\\/bfnrt]) | '
            r'("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))')
 
 
+# Keywords xgrammar (0.2.8) drops without a word, whose output then need not validate: refused
+# (a 400 naming the keyword's place) rather than ignored. `uniqueItems` is dropped too, but it is
+# what a set type generates (pydantic's set[str]): it is let through, and documented.
+_NOT_ENFORCED = ("if", "then", "else", "dependentRequired")
+# Keywords whose value maps names (not keywords) to schemas.
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
+                          "dependentSchemas"})
+_LOOKAROUND = re.compile(r"(?<!\\)\(\?<?[=!]")
+
+
+def unenforced(schema: Any) -> str | None:
+    """Where `schema` asks for something the grammar would not enforce, and what: None if
+    nowhere. Walks the schema's structure, not its data (`enum`, `const`, ...) or property names."""
+    stack = [(schema, "#")]
+    while stack:
+        node, path = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        for key, value in node.items():
+            here = f"{path}/{key}"
+            if key in _DATA_KEYWORDS:
+                continue
+            if key in _NOT_ENFORCED:
+                return f"{here}: '{key}' is not enforced by the grammar engine"
+            if key == "allOf" and isinstance(value, list) and len(value) > 1:
+                return (f"{here}: 'allOf' of more than one schema is not enforced by the "
+                        f"grammar engine; merge them into one")
+            if key == "$ref" and isinstance(value, str) and not value.startswith("#"):
+                return f"{here}: only a reference within the schema ('#...') can be followed"
+            if key == "pattern" and isinstance(value, str) and _LOOKAROUND.search(value):
+                return f"{here}: lookahead and lookbehind are not supported in a pattern"
+            if key in _SCHEMA_MAPS and isinstance(value, dict):
+                stack.extend((v, f"{here}/{name}") for name, v in value.items())
+            elif isinstance(value, dict):
+                stack.append((value, here))
+            elif isinstance(value, list):
+                stack.extend((v, f"{here}/{i}") for i, v in enumerate(value))
+    return None
+
+
 def json_schema_ebnf(schema: str) -> str:
     """The EBNF grammar of the JSON text `schema` (a JSON Schema document) allows; raises the
-    xgrammar error of an invalid schema."""
+    xgrammar error of an invalid schema, or a ValueError for what it would not enforce."""
     import xgrammar as xgr
 
-    schema = json.dumps(_mend_patterns(json.loads(schema)))
+    document = json.loads(schema)
+    problem = unenforced(document)
+    if problem is not None:
+        raise ValueError(problem)
+    schema = json.dumps(_mend_patterns(document))
     grammar = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False,
                                                separators=JSON_SEPARATORS, strict_mode=True))
     mended, count = _BARE_CHARACTERS.subn(lambda m: f"{m[1]} ::= {_JSON_CHARACTER}", grammar)
