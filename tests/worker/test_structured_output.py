@@ -292,17 +292,46 @@ def test_jump_forward_appends_forced_text_in_one_step(tiny_model, tok):
 @pytest.mark.parametrize("mode", ["exact", "retokenize"])
 def test_a_long_forced_run_is_tokenized_only_as_far_as_the_request_goes(tiny_model, tok,
                                                                          monkeypatch, mode):
-    """`a{1000000}` forces a million characters: the engine held every request's step while it
-    tokenized them all for an 8-token answer (seconds; ten million took ~20 s)."""
+    """`a{4000}` forces 4,000 characters (`a{1000000}` a million; those, `forced_length` now
+    keeps from jump-forward): the engine held every request's step while it tokenized them all
+    for an 8-token answer (seconds for ten million)."""
     encoded: list[int] = []
     encode = ModelVocab.encode
     monkeypatch.setattr(ModelVocab, "encode",
                         lambda vocab, text: encoded.append(len(text)) or encode(vocab, text))
-    reqs = [("r", prompts(tok)[0], SamplingParams(max_new_tokens=8, regex="a{1000000}"), 0)]
+    reqs = [("r", prompts(tok)[0], SamplingParams(max_new_tokens=8, regex="a{4000}"), 0)]
     out, _ = run(tiny_model, reqs, jump_forward=mode)
     ids, reason, _ = out["r"]
     assert (len(ids), reason, set(text_of(tok, ids))) == (8, "length", {"a"})
     assert encoded and max(encoded) < 1000, encoded   # 8 tokens spell a few dozen characters
+
+
+def test_a_constraint_that_may_force_a_long_run_is_decoded_token_by_token(tiny_model, tok,
+                                                                          monkeypatch):
+    """xgrammar computes a forced run whole, every time it is asked: 30,000 items of one
+    `const` took 164 s and 22.9 GB. Such constraints skip jump-forward (here 100 items, cheap
+    enough to ask for on the old code); an ordinary one beside them still uses it."""
+    import xgrammar as xgr
+
+    from radixpool.worker.grammar.forced_length import forces_long_text
+
+    asked: list[str] = []
+    find = xgr.GrammarMatcher.find_jump_forward_string
+    monkeypatch.setattr(xgr.GrammarMatcher, "find_jump_forward_string",
+                        lambda matcher: asked.append(find(matcher)) or asked[-1])
+    long = json.dumps({"type": "array", "items": {"const": "x"}, "minItems": 100})
+    assert forces_long_text("json_schema", long)
+    assert forces_long_text("regex", "(a{100}){100}")
+    assert forces_long_text("ebnf", 'root ::= "a"{5000}')
+    assert not forces_long_text("json_schema", json.dumps(FINITE_SCHEMAS[1]))
+    out, _ = run(tiny_model, [("long", prompts(tok)[0], SamplingParams(max_new_tokens=12,
+                                                                        json_schema=long), 0)])
+    ids, reason, _ = out["long"]
+    assert (len(ids), reason) == (12, "length") and text_of(tok, ids).startswith('["x", "x"')
+    assert asked == []
+    out, _ = run(tiny_model, [("plain", prompts(tok)[0], SamplingParams(
+        max_new_tokens=40, json_schema=json.dumps(FINITE_SCHEMAS[1])), 0)])
+    assert asked and out["plain"][1] == "stop"
 
 
 def test_free_requests_in_a_mixed_batch_are_untouched(tiny_model, tok):

@@ -20,13 +20,16 @@ from radixpool.worker.grammar.compiler import ModelVocab
 
 
 class RequestGrammar:
-    __slots__ = ("failure", "matcher", "vocab")
+    __slots__ = ("failure", "matcher", "may_jump", "vocab")
 
-    def __init__(self, compiled: Any, vocab: ModelVocab) -> None:
+    def __init__(self, compiled: Any, vocab: ModelVocab, may_jump: bool = True) -> None:
         import xgrammar as xgr
 
         self.matcher = xgr.GrammarMatcher(compiled)
         self.vocab = vocab
+        # False for a constraint that may force a long run (`forced_length`): asking xgrammar
+        # for it could take minutes and gigabytes; its tokens are decoded one by one instead.
+        self.may_jump = may_jump
         # What the grammar library raised on this request (filling its mask): the request is
         # ended with it when its step is processed; the others in the batch go on.
         self.failure: Exception | None = None
@@ -42,6 +45,8 @@ class RequestGrammar:
         character (the output so far ends with part of one, e.g. the first byte token of an
         emoji a pattern spells out): nothing is forced then, and the character's remaining
         bytes are decoded one token at a time."""
+        if not self.may_jump:
+            return ""
         try:
             forced = self.matcher.find_jump_forward_string()
         except UnicodeDecodeError:
