@@ -87,6 +87,9 @@ BAD = [
      "response_format", "both given"),
     ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema"),
     ({"response_format": {"type": "xml"}}, "response_format.type", "xml"),
+    # nothing satisfies them: the answer was a 200 with empty text and finish_reason "stop"
+    ({"extra_body": {"ebnf": "root ::= root"}}, "ebnf", "matches no output"),
+    ({"extra_body": {"regex": "[^\\x00-\\U0010ffff]"}}, "regex", "matches no output"),
     # what the grammar engine would silently drop, so the output need not validate: refused
     *[({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": bad}}},
        "response_format", named) for bad, named in [

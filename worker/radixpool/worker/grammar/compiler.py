@@ -74,6 +74,17 @@ def load_vocab(model_path: str, vocab_size: int, stop_ids: tuple[int, ...]) -> M
     return ModelVocab(info, decoded, banned, hf.backend_tokenizer, max(map(len, decoded)))
 
 
+def _matches_nothing(compiled: Any, vocab: ModelVocab) -> bool:
+    """No token may start the output and the grammar cannot end where it starts (`root ::= root`,
+    a class with every character excluded): the request would get an empty "stop" answer."""
+    import xgrammar as xgr
+
+    matcher = xgr.GrammarMatcher(compiled)
+    mask = xgr.allocate_token_bitmask(1, vocab.info.vocab_size)
+    matcher.fill_next_token_bitmask(mask)
+    return not bool(mask.any()) and not matcher.is_completed()
+
+
 def looks_heavy(kind: str, source: str) -> bool:
     """Whether compiling (kind, source) may take long: a source over `HEAVY_SOURCE_CHARS`, or a
     JSON schema with an object of at least `HEAVY_OPTIONAL_PROPERTIES` optional properties.
@@ -173,6 +184,9 @@ class GrammarCompiler:
         except Exception as exc:   # xgrammar raises RuntimeError / ValueError subclasses
             raise GrammarError(f"{kind} is not a valid {_KIND_NAMES[kind]}: "
                                f"{_clean(exc)}") from None
+        if _matches_nothing(compiled, self.vocab):
+            raise GrammarError(f"{kind} matches no output: no text satisfies this "
+                               f"{_KIND_NAMES[kind]}")
         self._observe(time.perf_counter() - start)
         return compiled
 
