@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixpool.protocol.metrics import GRAMMAR_COMPILE_BUCKETS
+from radixpool.worker.grammar.forced_length import forces_long_text
 from radixpool.worker.grammar.json_schema import json_schema_ebnf
 from radixpool.worker.grammar.surrogates import exclude_surrogates
 
@@ -112,6 +113,12 @@ def looks_heavy(kind: str, source: str) -> bool:
     return False
 
 
+@dataclass(frozen=True)
+class CompiledGrammar:
+    grammar: Any       # xgrammar's compiled grammar
+    may_jump: bool     # False when it may force a long run (`forced_length`): no jump-forward
+
+
 def _clean(exc: Exception) -> str:
     lines = [line for line in str(exc).strip().splitlines() if line.strip()]
     return _NOISE.sub("", lines[0] if lines else type(exc).__name__)
@@ -167,7 +174,7 @@ class GrammarCompiler:
                 self.vocab.info, max_threads=1, cache_enabled=False)
         return compiler
 
-    def _compile(self, key: tuple[str, str]) -> Any:
+    def _compile(self, key: tuple[str, str]) -> CompiledGrammar:
         import xgrammar as xgr
 
         kind, source = key
@@ -188,7 +195,7 @@ class GrammarCompiler:
             raise GrammarError(f"{kind} matches no output: no text satisfies this "
                                f"{_KIND_NAMES[kind]}")
         self._observe(time.perf_counter() - start)
-        return compiled
+        return CompiledGrammar(compiled, not forces_long_text(kind, source))
 
     def _observe(self, seconds: float) -> None:
         self.compile_counts[bisect.bisect_left(GRAMMAR_COMPILE_BUCKETS, seconds)] += 1

@@ -5,8 +5,8 @@ it is asked, and its cost grows faster than the run: an array of 30,000 items of
 (`minItems`) took 164 s and 22.9 GB on the first call, 10,000 items 15.7 s and 3.2 GB; a regex
 `a{10000000}` takes 5 s (linearly, but the run shrinks by one draft per step, so a request pays
 it again at every step). A request whose constraint may force more than `LONG_FORCED_CHARS`
-decodes its output token by token instead (`RequestGrammar(may_jump=False)`), which costs a
-mask per token and nothing that grows with the run.
+decodes its output token by token instead (`CompiledGrammar.may_jump`, decided once per
+compile), which costs a mask per token and nothing that grows with the run.
 
 The estimate errs long: a regex's shortest match (its forced text is a prefix of every match);
 a grammar's repetition counts multiplied together; a JSON schema's `minItems` multiplied along

@@ -14,22 +14,21 @@ after the sampled token, and if that fails too, nothing is forced.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
 
-from radixpool.worker.grammar.compiler import ModelVocab
+from radixpool.worker.grammar.compiler import CompiledGrammar, ModelVocab
 
 
 class RequestGrammar:
     __slots__ = ("failure", "matcher", "may_jump", "vocab")
 
-    def __init__(self, compiled: Any, vocab: ModelVocab, may_jump: bool = True) -> None:
+    def __init__(self, compiled: CompiledGrammar, vocab: ModelVocab) -> None:
         import xgrammar as xgr
 
-        self.matcher = xgr.GrammarMatcher(compiled)
+        self.matcher = xgr.GrammarMatcher(compiled.grammar)
         self.vocab = vocab
         # False for a constraint that may force a long run (`forced_length`): asking xgrammar
         # for it could take minutes and gigabytes; its tokens are decoded one by one instead.
-        self.may_jump = may_jump
+        self.may_jump = compiled.may_jump
         # What the grammar library raised on this request (filling its mask): the request is
         # ended with it when its step is processed; the others in the batch go on.
         self.failure: Exception | None = None

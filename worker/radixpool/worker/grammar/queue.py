@@ -13,7 +13,6 @@ from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 
 from radixpool.worker.grammar.compiler import GrammarCompiler, GrammarError
-from radixpool.worker.grammar.forced_length import forces_long_text
 from radixpool.worker.grammar.matcher import RequestGrammar
 from radixpool.worker.request import Req
 
@@ -43,8 +42,7 @@ class GrammarQueue:
             req, fut = self._waiting.pop(rid)
             exc = fut.exception()
             if exc is None:
-                req.grammar = RequestGrammar(fut.result(), self.compiler.vocab,
-                                             not forces_long_text(*req.params.constraint))
+                req.grammar = RequestGrammar(fut.result(), self.compiler.vocab)
                 out.append((req, None))
             elif isinstance(exc, GrammarError):
                 out.append((req, str(exc)))

@@ -349,8 +349,7 @@ class RadixCache:
                 break
             parent = leaf.parent
             freed += self._remove_leaf(leaf)
-            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
-                self._leaves.add(parent)
+            if self._became_leaf(parent):
                 heapq.heappush(heap, (policy.key(parent, now), id(parent), parent))
         self.evicted_tokens_total += freed
         return freed
@@ -373,10 +372,17 @@ class RadixCache:
         for n in reversed(below):
             if n.lock_ref == 0 and not n.children:
                 freed += self._remove_leaf(n)
-        if node.parent is not None and not node.children and node.lock_ref == 0:
-            self._leaves.add(node)
+        self._became_leaf(node)
         self.evicted_tokens_total += freed
         return freed
+
+    def _became_leaf(self, node: TreeNode) -> bool:
+        """After its children went: an unlocked node other than a root is now an eviction
+        candidate."""
+        if node.parent is None or node.children or node.lock_ref:
+            return False
+        self._leaves.add(node)
+        return True
 
     def _trim_leaf(self, leaf: TreeNode, keep: int) -> int:
         """Free the edge of `leaf` past its first `keep` tokens (page-aligned); the leaf stays.
