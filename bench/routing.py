@@ -34,10 +34,14 @@ Workloads (token counts exact: the simulated tokenizer is one token per word):
                  each policy: the capacity reference (one unbounded cache, no load: the best any
                  routing could do), the fleet bound (N workers hold at most N x 16 of the 64
                  system prompts at once and the next request's group is uniform: no router
-                 that cannot see the future reuses more) and the partition reference (group g
-                 always on worker g mod N, ignoring load), for every `--eviction-policies`
-                 entry. st99: the p99 latency of the requests that arrived after the first
-                 tenth of the run (every cache warm; the virtual runs). idle-q:
+                 that cannot see the future reuses more), the partition reference (group g
+                 always on worker g mod N, ignoring load) and the work-conserving reference
+                 (ref:conserving: no worker ever idles while a request waits; it reads every
+                 cache as it is, sends a request to the idle worker holding most of it, else
+                 queues it fleet-wide for the first worker to fall idle), for every
+                 `--eviction-policies` entry. st99: the p99 latency of the requests that
+                 arrived after the first tenth of the run (every cache warm; the virtual
+                 runs). idle-q:
                  share of busy time some worker had nothing to do while another had a prefill
                  queued; idle-av: the part of it when some queued request would have got its
                  first token sooner on an idle worker (its prefill there, cold or not, ends
@@ -213,7 +217,8 @@ def capacity_table(args: argparse.Namespace, schedule: str) -> None:
             unbounded = FleetModel(1, 1 << 40, eviction, prefill_us_per_token=0,
                                    decode_ms_per_token=0)
             rows = [("ref:capacity", simulate(requests, unbounded, sticky=lambda r: 0)),
-                    ("ref:partition", simulate(requests, model, sticky=lambda r, n=n: r.group % n))]
+                    ("ref:partition", simulate(requests, model, sticky=lambda r, n=n: r.group % n)),
+                    ("ref:conserving", simulate(requests, model, conserving=True))]
             rows += [(p + late, simulate(requests, model, p, gateway_config=config))
                      for p in args.policies for late, config in bindings(args)]
             for name, o in rows:

@@ -311,13 +311,19 @@ Router = Callable[[Request, RouteKey], tuple[_Gateway | None, Decision | None, i
 
 def simulate(requests: list[Request], model: FleetModel, policy: str | None = "cache_aware",
              gateways: int = 1, sticky: Callable[[Request], int] | None = None,
-             seed: int = 0, gateway_config: GatewayConfig | None = None) -> Outcome:
+             seed: int = 0, gateway_config: GatewayConfig | None = None,
+             conserving: bool = False) -> Outcome:
     """Play `requests` (sorted by arrival) through the fleet. Routing: `policy` on `gateways`
-    replicas, or `sticky(request) -> worker index` (a reference that ignores load)."""
+    replicas, `sticky(request) -> worker index` (a reference that ignores load), or, with
+    `conserving`, the work-conserving reference: no worker ever idles while a request waits.
+    It sees every worker's cache as it is: a request that finds a worker idle goes to the idle
+    one holding the longest prefix of it (cold if none holds any), else waits in one queue for
+    the whole fleet, and a worker that falls idle takes the waiting request it holds the
+    longest prefix of (ties: the oldest)."""
     names = [f"w{i}" for i in range(model.workers)]
     base = gateway_config or GatewayConfig()
-    replicas = [] if sticky else [_Gateway(replace(base, policy=policy), model, names)
-                                  for _ in range(gateways)]
+    replicas = [] if sticky or conserving else [
+        _Gateway(replace(base, policy=policy), model, names) for _ in range(gateways)]
     keys = KeyBuilder(64, base.prefix_token_count)
     keys.block_size = model.block_size
     pick_gateway = random.Random(seed)
@@ -329,6 +335,7 @@ def simulate(requests: list[Request], model: FleetModel, policy: str | None = "c
         heapq.heappush(heap, (r.arrival, next(order), "arrive", r))  # type: ignore[arg-type]
     now = 0.0
     held: dict[Held, Request] = {}
+    waiting: list[tuple[Request, RouteKey]] = []   # conserving: the fleet's one queue, by arrival
 
     def enqueue(request: Request, key: RouteKey, gateway: _Gateway | None,
                 decision: Decision | None, w: int) -> None:
@@ -392,6 +399,19 @@ def simulate(requests: list[Request], model: FleetModel, policy: str | None = "c
                 decision = h.decision
                 enqueue(held.pop(h), h.key, g, decision, names.index(decision.worker))
 
+    def feed() -> None:
+        """conserving: while a worker idles and a request waits, the pair with the longest
+        cached prefix starts (ties: the oldest request, then the emptiest cache)."""
+        while waiting:
+            idle = [w for w, worker in enumerate(workers) if worker.idle]
+            if not idle:
+                return
+            _, oldest, _, w = max((workers[w].kv.probe(r.tokens, None), -i,
+                                   -workers[w].kv.usage(), w)
+                                  for i, (r, _) in enumerate(waiting) for w in idle)
+            request, key = waiting.pop(-oldest)
+            enqueue(request, key, None, None, w)
+
     def start_next(w: int) -> None:
         worker = workers[w]
         if model.schedule == "engine":
@@ -417,9 +437,9 @@ def simulate(requests: list[Request], model: FleetModel, policy: str | None = "c
         busy = [not w.idle for w in workers]
         if any(busy):
             out.busy_time += t - now
-            if (held or any(w.queue for w in workers)) and not all(busy):
+            if (held or waiting or any(w.queue for w in workers)) and not all(busy):
                 out.idle_while_queued += t - now
-                if _avoidable(workers, list(held.values()), now, model):
+                if _avoidable(workers, [*held.values(), *(r for r, _ in waiting)], now, model):
                     out.idle_avoidable += t - now
         now = t
         if kind == "arrive":
@@ -427,6 +447,10 @@ def simulate(requests: list[Request], model: FleetModel, policy: str | None = "c
             key = keys.build("/generate", {"input_ids": request.tokens})
             if sticky:
                 enqueue(request, key, None, None, sticky(request))
+                continue
+            if conserving:
+                waiting.append((request, key))
+                feed()
                 continue
             gateway = replicas[pick_gateway.randrange(len(replicas))]
             routed = gateway.route(key, now)
@@ -454,6 +478,7 @@ def simulate(requests: list[Request], model: FleetModel, policy: str | None = "c
             workers[job.worker].running = None
             start_next(job.worker)
             release()
+            feed()
         elif kind == "stepped":
             w: int = item  # type: ignore[no-redef]
             worker = workers[w]
@@ -470,6 +495,7 @@ def simulate(requests: list[Request], model: FleetModel, policy: str | None = "c
             worker.step = []
             start_next(w)
             release()
+            feed()
         else:
             job = item  # type: ignore[assignment]
             prompt = len(job.request.tokens)

@@ -81,6 +81,34 @@ def test_idleness_is_avoidable_only_when_an_idle_worker_would_serve_a_waiting_re
     assert hits.idle_avoidable == 0.0
 
 
+def test_the_work_conserving_reference_never_idles_a_worker_while_a_request_waits():
+    """`ref:conserving` in bench/routing.py: a hit waiting out its owner's short prefill goes cold
+    to the idle worker instead, and a worker that falls idle takes what it holds most of."""
+    model = FleetModel(2, 4096, "lru", prefill_us_per_token=1000.0, decode_ms_per_token=0.0)
+    system = list(range(100, 1100))   # 1,000 tokens: 1 s cold, 16 ms after the first
+    warm, a, b = (Request(0.0, system + [i] * 16, 0, 1) for i in (1, 2, 3))
+    later = [Request(2.0, a.tokens, 0, 1), Request(2.0, b.tokens, 0, 1)]
+    sticky = simulate([warm, *later], model, sticky=lambda r: 0)
+    conserving = simulate([warm, *later], model, conserving=True)
+    assert sticky.idle_while_queued == pytest.approx(0.016)
+    assert conserving.idle_while_queued == 0.0
+    assert sorted(conserving.per_worker) == [1, 2]   # one hit stays; the other goes cold
+    assert conserving.cached_tokens == 1000 < sticky.cached_tokens == 2000
+    assert sorted(conserving.ttfts) == [pytest.approx(0.016), pytest.approx(1.016),
+                                        pytest.approx(1.016)]
+    # Both workers busy: the requests wait in one queue; the worker that falls idle first takes
+    # the one it holds a prefix of, though another arrived before it.
+    other = list(range(5000, 5500))   # 516 ms cold
+    busy = [Request(0.0, system + [1] * 16, 0, 1), Request(0.0, other + [1] * 16, 1, 1),
+            Request(0.3, list(range(7000, 7100)), 2, 1), Request(0.4, other + [2] * 16, 1, 1)]
+    out = simulate(busy, model, conserving=True)
+    assert out.idle_while_queued == 0.0
+    assert out.cached_tokens == 500   # taken at 0.516 s by the worker holding `other`
+    # (first tokens in finishing order) it ends 16 ms later; the older request runs after it
+    assert out.ttfts[:3] == [pytest.approx(0.516), pytest.approx(0.532 - 0.4),
+                             pytest.approx(0.632 - 0.3)]
+
+
 def test_late_binding_leaves_no_worker_idle_while_a_request_waits_that_it_could_serve_sooner():
     model = FleetModel(2, 65536, "lru", prefill_us_per_token=20.0, decode_ms_per_token=5.0)
     # A long prefill (160 ms) on one worker, then short prompts (2 ms each) while it runs: early
