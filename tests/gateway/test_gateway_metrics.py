@@ -304,3 +304,32 @@ def test_a_stream_that_ends_in_an_error_event_is_counted_under_its_errors_status
     requests = "radixpool_gateway_requests_total"
     assert change(before, after, requests, worker=worker, code=code) == 3
     assert change(before, after, requests, worker=worker, code="200") == 0
+
+
+
+def bucket_of(exposition: str, histogram: str, index: int) -> str:
+    """The `le` of the first bucket of `histogram` holding its first `index + 1` observations:
+    where histogram_quantile places them (`+Inf`: only "above the top bound")."""
+    family = next(f for f in text_string_to_metric_families(exposition) if f.name == histogram)
+    return next(s.labels["le"] for s in family.samples
+                if s.name.endswith("_bucket") and s.value > index)
+
+
+def test_latencies_up_to_the_upstream_timeouts_land_in_buckets_that_tell_them_apart():
+    """A request may run for `upstream_timeout` (30 min) and wait `upstream_first_byte_timeout`
+    (5 min) for its first byte: a p99 that long must read so, not as the top bucket's bound (the
+    buckets once stopped at 120 s: a 25-minute p99 showed as 2 minutes)."""
+    from prometheus_client import generate_latest
+
+    from radixpool.gateway.metrics import GatewayMetrics
+
+    config = GatewayConfig()
+    metrics = GatewayMetrics()
+    metrics.answered("http://w", 200, 130.0, 110.0)
+    metrics.answered("http://w", 200, config.upstream_timeout, config.upstream_first_byte_timeout)
+    text = generate_latest(metrics.registry).decode()
+    for histogram, short, longest in ((DURATION, 130.0, config.upstream_timeout),
+                                      (TTFT, 110.0, config.upstream_first_byte_timeout)):
+        first, second = bucket_of(text, histogram, 0), bucket_of(text, histogram, 1)
+        assert second != "+Inf" and float(second) >= longest, (histogram, second)
+        assert short <= float(first) < longest, (histogram, first)

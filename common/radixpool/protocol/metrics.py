@@ -30,9 +30,13 @@ class MetricSpec:
         return (self.name,)
 
 
+# From a token gap (milliseconds) to the longest request the gateway lets run (its default
+# --upstream-timeout, 30 min; the first byte may take 5): above the top bound histogram_quantile
+# can only answer the bound itself, so a 20-minute p99 would read as the bound.
 LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
     1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0,
+    180.0, 300.0, 600.0, 1200.0, 1800.0,
 )
 # Grammar compiles take from well under a millisecond to seconds (large schemas).
 GRAMMAR_COMPILE_BUCKETS = (
