@@ -333,3 +333,25 @@ def test_latencies_up_to_the_upstream_timeouts_land_in_buckets_that_tell_them_ap
         first, second = bucket_of(text, histogram, 0), bucket_of(text, histogram, 1)
         assert second != "+Inf" and float(second) >= longest, (histogram, second)
         assert short <= float(first) < longest, (histogram, first)
+
+
+
+def test_without_a_tokenizer_the_tree_size_is_in_prompt_bytes_as_its_help_says():
+    """Without a tokenizer the gateway keys prompts by UTF-8 bytes: a 2-byte character counts
+    twice. The HELP once said characters, half the size read for such a prompt."""
+    from radixpool.gateway.metrics import GatewayMetrics
+    from radixpool.gateway.prefix_index import PrefixIndex
+    from radixpool.gateway.route_key import KeyBuilder
+    from radixpool.gateway.workers import WorkerSet
+
+    config = GatewayConfig()
+    index, keys = PrefixIndex(), KeyBuilder(config.text_block_bytes, config.prefix_token_count)
+    fleet = WorkerSet(config, index, keys)
+    worker = fleet.add("http://10.0.0.9:8000")
+    prompt = "é" * 320   # 640 bytes: ten 64-byte blocks
+    index.insert(worker.url, keys.build("/v1/completions", {"prompt": prompt}).hashes)
+    text = GatewayMetrics().render(fleet, index, 0.0).decode()
+    family = next(f for f in text_string_to_metric_families(text)
+                  if f.name == "radixpool_gateway_tree_tokens")
+    assert "bytes" in family.documentation and "characters" not in family.documentation
+    assert family.samples[0].value == len(prompt.encode())

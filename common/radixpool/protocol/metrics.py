@@ -152,7 +152,7 @@ GW_PREDICTED_CACHED_TOKENS = MetricSpec(
     "Cached prompt tokens the gateway's prefix tree predicted when it routed.", ("worker",))
 GW_TREE_TOKENS = MetricSpec(
     "radixpool_gateway_tree_tokens", "gauge",
-    "Tokens (or characters, without a tokenizer) in the gateway's tree for the worker.",
+    "Tokens (or prompt bytes, without a tokenizer) in the gateway's tree for the worker.",
     ("worker",))
 GW_RETRIES = MetricSpec(
     "radixpool_gateway_retries_total", "counter", "Requests retried on another worker.")
