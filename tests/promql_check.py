@@ -5,8 +5,10 @@ against the metric specs, the way an SRE reading the panel would.
 - it does not parse;
 - a series no spec exports, or a label (in a matcher, `by`/`without` or the legend) the series
   do not carry;
-- `rate()`/`irate()`/`increase()` over a gauge, or a counter or histogram series plotted raw
-  (an ever-rising line);
+- `rate()`/`irate()`/`increase()` over a gauge or info metric, or a counter or histogram
+  series plotted raw (an ever-rising line);
+- two vectors combined (`/`, `>`, ...) whose labels cannot pair up (an empty panel), or `on()`
+  naming a label one side lacks;
 - a `_bucket` series anywhere but under `histogram_quantile`, or one whose aggregation drops `le`.
 """
 
@@ -23,6 +25,7 @@ TARGET_LABELS = frozenset({"namespace", "pod", "instance", "job", "radixpool_io_
                            "app_kubernetes_io_component", "service", "endpoint", "container"})
 GRAFANA_DURATIONS = {"$__rate_interval": "5m", "$__interval": "1m", "$__range": "1h"}
 RANGE_FUNCTIONS = frozenset({"rate", "irate", "increase"})
+SET_OPERATORS = frozenset({"and", "or", "unless"})
 SERIES: dict[str, tuple[MetricSpec, str]] = {
     series: (spec, series[len(spec.name):]) for spec in ALL_METRICS for series in spec.series}
 
@@ -53,10 +56,9 @@ class _Checker:
         if isinstance(node, pp.BinaryExpr):
             left = self.labels(node.lhs, in_range, in_quantile)
             right = self.labels(node.rhs, in_range, in_quantile)
-            if node.modifier is not None and node.modifier.matching is not None:
-                for label in node.modifier.matching.labels:
-                    self.need(label, left | right, f"on/ignoring in {node}")
-            return left if not isinstance(node.lhs, pp.NumberLiteral) else right
+            if not (_is_scalar(node.lhs) or _is_scalar(node.rhs)):
+                self.matching(node, left, right)
+            return right if _is_scalar(node.lhs) else left
         self.found.append(f"unexpected PromQL node {type(node).__name__}: {node}")
         return frozenset()
 
@@ -68,13 +70,34 @@ class _Checker:
         available = _labels_of_series(node.name)
         for matcher in node.matchers.matchers:
             self.need(matcher.name, available, f"matcher on {node.name}")
-        if spec.kind == "gauge" and in_range:
-            self.found.append(f"rate/increase over the gauge {node.name}")
+        if spec.kind in ("gauge", "info") and in_range:
+            self.found.append(f"rate/increase over the {spec.kind} {node.name}")
         if spec.kind in ("counter", "histogram") and not in_range:
             self.found.append(f"the {spec.kind} series {node.name} is plotted raw (no rate)")
         if suffix == "_bucket" and not in_quantile:
             self.found.append(f"{node.name} outside histogram_quantile")
         return available
+
+    def matching(self, node, left: frozenset[str], right: frozenset[str]) -> None:
+        """Two vectors pair up series by series on their labels (all of them, those `on()`
+        names, or all but those `ignoring()` names): a series with no partner is dropped, and
+        sides that carry different labels give an empty panel."""
+        if str(node.op) in SET_OPERATORS:
+            return
+        modifier = node.modifier
+        matching = modifier.matching if modifier is not None else None
+        if matching is not None and matching.type == pp.LabelModifierType.Include:
+            for label in matching.labels:
+                self.need(label, left, f"on() in {node}, left side")
+                self.need(label, right, f"on() in {node}, right side")
+            return
+        ignored = frozenset(matching.labels) if matching is not None else frozenset()
+        for label in ignored:
+            self.need(label, left | right, f"ignoring() in {node}")
+        one_to_one = modifier is None or modifier.card == pp.VectorMatchCardinality.OneToOne
+        if one_to_one and left - ignored != right - ignored:
+            self.found.append(f"the sides of {node} carry different labels "
+                              f"({sorted((left ^ right) - ignored)}): no series pairs up")
 
     def call(self, node, in_quantile: bool) -> frozenset[str]:
         name = node.func.name
@@ -108,6 +131,19 @@ class _Checker:
     def need(self, label: str, available: frozenset[str], where: str) -> None:
         if label not in available:
             self.found.append(f"label {label!r} ({where}) is not on the series")
+
+
+def _is_scalar(node) -> bool:
+    """Whether `node` is a plain number (which pairs with every series), not a vector."""
+    if isinstance(node, pp.NumberLiteral):
+        return True
+    if isinstance(node, (pp.ParenExpr, pp.UnaryExpr)):
+        return _is_scalar(node.expr)
+    if isinstance(node, pp.Call):
+        return node.func.return_type == pp.ValueType.Scalar
+    if isinstance(node, pp.BinaryExpr):
+        return _is_scalar(node.lhs) and _is_scalar(node.rhs)
+    return False
 
 
 def _grafana_to_promql(expr: str) -> str:

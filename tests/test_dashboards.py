@@ -103,15 +103,31 @@ def test_every_panel_has_the_unit_its_queries_are_in(name):
      "without `le`"),
     ("sum(rate(radixpool_queue_time_seconds_bucket[5m]))", "", "outside histogram_quantile"),
     ("label_values(radixpool_worker_info, worker)", "", "label 'worker'"),
+    ("rate(radixpool_worker_info[5m])", "", "over the info"),
+    ("sum by (pod) (rate(radixpool_cached_prompt_tokens_total[5m])) / "
+     "sum(rate(radixpool_prompt_tokens_total[5m]))", "", "different labels"),
+    ("rate(radixpool_requests_total[5m]) / rate(radixpool_prompt_tokens_total[5m])", "",
+     "different labels"),
+    ("sum by (worker) (rate(radixpool_gateway_cached_tokens_total[5m])) / on (worker) "
+     "sum(rate(radixpool_gateway_prompt_tokens_total[5m]))", "", "label 'worker' (on()"),
 ])
 def test_the_checker_catches_what_a_panel_gets_wrong(expr, legend, complaint):
     assert any(complaint in problem for problem in problems(expr, legend)), problems(expr, legend)
 
 
-def test_the_checker_passes_a_well_formed_query():
-    assert problems('histogram_quantile(0.99, sum by (le, pod) (rate('
-                    'radixpool_time_to_first_token_seconds_bucket{pod=~"$pod"}'
-                    '[$__rate_interval])))', "p99 {{pod}}") == []
+@pytest.mark.parametrize(("expr", "legend"), [
+    ('histogram_quantile(0.99, sum by (le, pod) (rate('
+     'radixpool_time_to_first_token_seconds_bucket{pod=~"$pod"}[$__rate_interval])))',
+     "p99 {{pod}}"),
+    ("sum by (pod) (rate(radixpool_cached_prompt_tokens_total[5m])) / "
+     "sum by (pod) (rate(radixpool_prompt_tokens_total[5m]))", "{{pod}}"),
+    ("sum by (pod, finish_reason) (rate(radixpool_requests_total[5m])) / ignoring "
+     "(finish_reason) group_left sum by (pod) (rate(radixpool_requests_total[5m]))", ""),
+    ("sum(rate(radixpool_queue_time_seconds_sum[5m])) / "
+     "sum(rate(radixpool_queue_time_seconds_count[5m])) * 1000 > 0.5", ""),
+])
+def test_the_checker_passes_a_well_formed_query(expr, legend):
+    assert problems(expr, legend) == []
 
 
 def test_fleet_view_covers_what_operators_watch():

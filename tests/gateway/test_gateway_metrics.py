@@ -304,3 +304,54 @@ def test_a_stream_that_ends_in_an_error_event_is_counted_under_its_errors_status
     requests = "radixpool_gateway_requests_total"
     assert change(before, after, requests, worker=worker, code=code) == 3
     assert change(before, after, requests, worker=worker, code="200") == 0
+
+
+
+def bucket_of(exposition: str, histogram: str, index: int) -> str:
+    """The `le` of the first bucket of `histogram` holding its first `index + 1` observations:
+    where histogram_quantile places them (`+Inf`: only "above the top bound")."""
+    family = next(f for f in text_string_to_metric_families(exposition) if f.name == histogram)
+    return next(s.labels["le"] for s in family.samples
+                if s.name.endswith("_bucket") and s.value > index)
+
+
+def test_latencies_up_to_the_upstream_timeouts_land_in_buckets_that_tell_them_apart():
+    """A request may run for `upstream_timeout` (30 min) and wait `upstream_first_byte_timeout`
+    (5 min) for its first byte: a p99 that long must read so, not as the top bucket's bound (the
+    buckets once stopped at 120 s: a 25-minute p99 showed as 2 minutes)."""
+    from prometheus_client import generate_latest
+
+    from radixpool.gateway.metrics import GatewayMetrics
+
+    config = GatewayConfig()
+    metrics = GatewayMetrics()
+    metrics.answered("http://w", 200, 130.0, 110.0)
+    metrics.answered("http://w", 200, config.upstream_timeout, config.upstream_first_byte_timeout)
+    text = generate_latest(metrics.registry).decode()
+    for histogram, short, longest in ((DURATION, 130.0, config.upstream_timeout),
+                                      (TTFT, 110.0, config.upstream_first_byte_timeout)):
+        first, second = bucket_of(text, histogram, 0), bucket_of(text, histogram, 1)
+        assert second != "+Inf" and float(second) >= longest, (histogram, second)
+        assert short <= float(first) < longest, (histogram, first)
+
+
+
+def test_without_a_tokenizer_the_tree_size_is_in_prompt_bytes_as_its_help_says():
+    """Without a tokenizer the gateway keys prompts by UTF-8 bytes: a 2-byte character counts
+    twice. The HELP once said characters, half the size read for such a prompt."""
+    from radixpool.gateway.metrics import GatewayMetrics
+    from radixpool.gateway.prefix_index import PrefixIndex
+    from radixpool.gateway.route_key import KeyBuilder
+    from radixpool.gateway.workers import WorkerSet
+
+    config = GatewayConfig()
+    index, keys = PrefixIndex(), KeyBuilder(config.text_block_bytes, config.prefix_token_count)
+    fleet = WorkerSet(config, index, keys)
+    worker = fleet.add("http://10.0.0.9:8000")
+    prompt = "é" * 320   # 640 bytes: ten 64-byte blocks
+    index.insert(worker.url, keys.build("/v1/completions", {"prompt": prompt}).hashes)
+    text = GatewayMetrics().render(fleet, index, 0.0).decode()
+    family = next(f for f in text_string_to_metric_families(text)
+                  if f.name == "radixpool_gateway_tree_tokens")
+    assert "bytes" in family.documentation and "characters" not in family.documentation
+    assert family.samples[0].value == len(prompt.encode())

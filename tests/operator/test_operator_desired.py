@@ -277,6 +277,18 @@ def test_service_monitor_scrapes_the_named_http_port_of_both_services(pool_body)
         "NetworkPolicy", "ServiceMonitor"]
 
 
+
+def test_a_pools_service_monitor_carries_the_labels_its_prometheus_selects_by(pool_body):
+    """A Prometheus picks ServiceMonitors by label (kube-prometheus-stack: `release=<name>`
+    only); one the pool cannot label is never scraped, and the chart's fleet-wide monitor skips
+    that pool's Services: its dashboards stay empty."""
+    body = pool_body(monitoring={"serviceMonitor": {"labels": {"release": "kube-prom"}}})
+    monitor = objects_of(body, service_monitors=True)["ServiceMonitor/llama"]
+    assert monitor["metadata"]["labels"]["release"] == "kube-prom"
+    assert api.pool_labels("llama", "monitoring").items() <= monitor["metadata"]["labels"].items()
+    plain = objects_of(pool_body(), service_monitors=True)["ServiceMonitor/llama"]
+    assert plain["metadata"]["labels"] == api.pool_labels("llama", "monitoring")
+
 def test_gateway_liveness_does_not_depend_on_workers_and_its_drain_is_whole(pool_body):
     from radixpool.gateway.server import DRAIN_SECONDS
 

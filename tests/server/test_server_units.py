@@ -533,3 +533,22 @@ def test_the_nonfinite_watch_probes_the_model_after_a_run_of_faults_only(caplog)
     off = NonfiniteWatch(0, probe)
     _watch_runs(off, [(True, False)] * 100)
     assert (off.probes, off.broken) == (0, False)
+
+
+def test_a_long_requests_latency_lands_in_a_finite_bucket_above_it():
+    """A 20-minute generation (which the gateway lets run for 30) must not read as the top
+    bucket's bound: the buckets once stopped at 120 s, pinning every long p99 to 2 minutes."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from radixpool.worker.server.metrics import WorkerMetrics
+
+    metrics = WorkerMetrics("m", "v", engine_fn=lambda: None, stats_fn=lambda: None)
+    metrics.record_first_token(400.0, 390.0)
+    metrics.record_finished("stop", 10, 0, 5, 1200.0)
+    families = {f.name: f for f in text_string_to_metric_families(metrics.exposition().decode())}
+    for name, seconds in (("radixpool_e2e_request_latency_seconds", 1200.0),
+                          ("radixpool_time_to_first_token_seconds", 400.0),
+                          ("radixpool_queue_time_seconds", 390.0)):
+        le = next(s.labels["le"] for s in families[name].samples
+                  if s.name.endswith("_bucket") and s.value)
+        assert le != "+Inf" and float(le) >= seconds, (name, le)

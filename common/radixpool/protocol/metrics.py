@@ -30,9 +30,13 @@ class MetricSpec:
         return (self.name,)
 
 
+# From a token gap (milliseconds) to the longest request the gateway lets run (its default
+# --upstream-timeout, 30 min; the first byte may take 5): above the top bound histogram_quantile
+# can only answer the bound itself, so a 20-minute p99 would read as the bound.
 LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
     1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0,
+    180.0, 300.0, 600.0, 1200.0, 1800.0,
 )
 # Grammar compiles take from well under a millisecond to seconds (large schemas).
 GRAMMAR_COMPILE_BUCKETS = (
@@ -148,7 +152,7 @@ GW_PREDICTED_CACHED_TOKENS = MetricSpec(
     "Cached prompt tokens the gateway's prefix tree predicted when it routed.", ("worker",))
 GW_TREE_TOKENS = MetricSpec(
     "radixpool_gateway_tree_tokens", "gauge",
-    "Tokens (or characters, without a tokenizer) in the gateway's tree for the worker.",
+    "Tokens (or prompt bytes, without a tokenizer) in the gateway's tree for the worker.",
     ("worker",))
 GW_RETRIES = MetricSpec(
     "radixpool_gateway_retries_total", "counter", "Requests retried on another worker.")

@@ -169,6 +169,8 @@ MONITORING = obj("Prometheus scraping.", {
     "serviceMonitor": obj("A prometheus-operator ServiceMonitor for workers and gateway.", {
         "enabled": boolean("Create it when the ServiceMonitor CRD is installed.", default=True),
         "interval": string("Scrape interval.", default="15s", pattern=r"^[0-9]+(ms|s|m)$"),
+        "labels": string_map("Labels of the ServiceMonitor: those your Prometheus selects "
+                             "ServiceMonitors by (kube-prometheus-stack: release=<its release>)."),
     }),
 })
 

@@ -120,11 +120,14 @@ def desired_network_policy(pool: Pool, config: OperatorConfig) -> dict[str, Any]
 
 def desired_service_monitor(pool: Pool) -> dict[str, Any]:
     """One ServiceMonitor scraping `/metrics` of the worker and gateway Services."""
-    interval = pool.spec["monitoring"]["serviceMonitor"]["interval"]
+    monitor = pool.spec["monitoring"]["serviceMonitor"]
+    interval = monitor["interval"]
+    # the pool's own labels win: they say whose monitor this is
+    labels = {**monitor.get("labels", {}), **api.pool_labels(pool.name, "monitoring")}
     return {
         "apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
         "metadata": {"name": api.service_monitor_name(pool.name), "namespace": pool.namespace,
-                     "labels": api.pool_labels(pool.name, "monitoring")},
+                     "labels": labels},
         "spec": {
             "selector": {"matchLabels": {api.POOL_LABEL: pool.name},
                          "matchExpressions": [{"key": api.COMPONENT_LABEL, "operator": "In",
