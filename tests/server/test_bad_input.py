@@ -105,6 +105,7 @@ BAD = [
     ("/generate", {"text": "x", "sampling_params": {"temprature": 1}}, 400,
      "sampling_params.temprature"),
     ("/generate", {"input_ids": []}, 400, "input_ids"),
+    ("/generate", {"text": []}, 400, "text"),
     ("/prefix_probe", {"text": "x", "input_ids": [1]}, 400, None),
     # a lone UTF-16 surrogate is valid JSON syntax but no text: named, as the gateway names it
     ("/v1/completions", b'{"prompt": "w1 \\ud800 w2"}', 400, "prompt"),

@@ -272,6 +272,22 @@ def test_namespaces_never_share():
     assert set(cache.block_hashes) == set(prefix_block_hashes([1, 2, 3, 4], 4, "tenant-a").tolist())
 
 
+def test_an_empty_cache_salt_is_no_salt():
+    """`cache_salt: ""` names the blocks as no salt does (`namespace_seed`): it must share their
+    KV too. As a namespace of its own it held a second copy under the same block hashes, and
+    evicting one copy dropped hashes the other still held (the snapshot and events lied, and
+    `--debug-invariants` stopped the engine core)."""
+    cache = make_cache()
+    client = Client(cache)
+    client.run([1, 2, 3, 4, 5, 6, 7, 8, 9], hold=False)
+    assert cache.probe([1, 2, 3, 4, 5, 6, 7, 8, 9], "") == 9
+    client.run([1, 2, 3, 4, 5, 6, 7, 8, 9], hold=False, namespace="")
+    client.check()
+    cache.evict(CAPACITY)
+    assert cache.probe([1, 2, 3, 4, 5, 6, 7, 8, 9]) == 0
+    client.check()
+
+
 def test_a_cache_salt_per_client_does_not_grow_memory_once_its_prompts_are_evicted():
     """Clients that each send their own `cache_salt` (and probes with salts never stored) churn
     through a small cache: once their prompts are evicted nothing of them stays behind."""

@@ -178,6 +178,9 @@ class RadixCache:
         discard in a namespace with nothing cached gets a detached empty root, and a root goes
         when its last child is removed, so cache salts that come and go (one per user) leave
         nothing behind."""
+        # "" is no salt, as in the block hashes (`namespace_seed`): one tree per chain seed, or
+        # two trees would hold the same hashes and `block_hashes` lose track of them
+        namespace = namespace or None
         root = self._roots.get(namespace)
         if root is None:
             root = TreeNode([], self.runs.empty(), None, 0, seed=namespace_seed(namespace),

@@ -64,9 +64,10 @@ class GenerateBody(BaseModel):
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("give exactly one of 'text' or 'input_ids'")
         prompts, batch = self.prompts()
+        field = "text" if self.text is not None else "input_ids"
         if not prompts:
-            raise bad_request("the batch is empty", param="text" if self.text else "input_ids")
-        check_choices(len(prompts), "text" if self.text is not None else "input_ids")
+            raise bad_request("the batch is empty", param=field)
+        check_choices(len(prompts), field)
         docs = self.params_docs(len(prompts))
         served = request_checks.served(info.context)
         if self.input_ids is None or served is None or served.vocab_size is None:
