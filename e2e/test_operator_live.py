@@ -73,6 +73,11 @@ def namespace(kube) -> Iterator[str]:
             except kube.errors.ApiException as error:
                 if error.status != 409:
                     raise
+                # an older CRD would test an older schema: this checkout's replaces it
+                current = kube.ext.read_custom_resource_definition(doc["metadata"]["name"])
+                kube.ext.replace_custom_resource_definition(doc["metadata"]["name"], {
+                    **doc, "metadata": {**doc["metadata"],
+                                        "resourceVersion": current.metadata.resource_version}})
     wait_for("the InferencePool CRD to be established", lambda: any(
         c.type == "Established" and c.status == "True"
         for c in kube.ext.read_custom_resource_definition(f"{PLURAL}.{GROUP}").status.conditions))
@@ -218,6 +223,23 @@ def test_invalid_pools_are_rejected_by_the_api_server_or_the_operator(kube, name
                                                 pool_manifest("fine"))
     wait_for("the other pool's Deployment", lambda: kube.apps.read_namespaced_deployment(
         "fine-worker", namespace))
+
+
+@pytest.mark.parametrize(("lifecycle", "field"), [
+    ({"maxSurge": "1"}, "spec.lifecycle.maxSurge"),
+    ({"maxSurge": -1}, "spec.lifecycle.maxSurge"),
+    ({"maxUnavailable": "150%"}, "spec.lifecycle.maxUnavailable"),
+    ({"podDisruptionBudget": {"maxUnavailable": -1}},
+     "spec.lifecycle.podDisruptionBudget.maxUnavailable"),
+])
+def test_rollout_counts_a_deployment_refuses_are_refused_naming_the_pool_field(
+        kube, namespace, lifecycle, field):
+    """Once accepted by the CRD, these came back as Accepted=False in the Deployment's terms
+    (spec.strategy.rollingUpdate...), and an `kubectl apply` that had seemed to work."""
+    body = pool_manifest("counts", lifecycle={"drainTimeoutSeconds": 5, **lifecycle})
+    with pytest.raises(kube.errors.ApiException) as rejected:
+        kube.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
+    assert rejected.value.status == 422 and field in rejected.value.body
 
 
 def test_an_object_already_holding_a_pools_name_is_left_alone(kube, namespace, operator):

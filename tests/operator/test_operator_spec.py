@@ -84,6 +84,18 @@ def test_minimal_pool_gets_the_schema_defaults(pool_body):
     ({"lifecycle": {"drainTimeoutSeconds": -5}}, "spec.lifecycle.drainTimeoutSeconds",
      "at least 0"),
     ({"lifecycle": {"maxSurge": 0, "maxUnavailable": 0}}, "spec.lifecycle", "both be 0"),
+    ({"lifecycle": {"maxSurge": "00%", "maxUnavailable": 0}}, "spec.lifecycle", "both be 0"),
+    # what the Deployment or PodDisruptionBudget would refuse, in its own terms (an Accepted=False
+    # naming spec.strategy.rollingUpdate): refused here and by the CRD, naming the pool's field
+    ({"lifecycle": {"maxSurge": "1"}}, "spec.lifecycle.maxSurge", "not a valid"),
+    ({"lifecycle": {"maxSurge": -1}}, "spec.lifecycle.maxSurge", "at least 0"),
+    ({"lifecycle": {"maxUnavailable": "150%"}}, "spec.lifecycle.maxUnavailable", "not a valid"),
+    ({"lifecycle": {"podDisruptionBudget": {"maxUnavailable": -1}}},
+     "spec.lifecycle.podDisruptionBudget.maxUnavailable", "at least 0"),
+    ({"lifecycle": {"podDisruptionBudget": {"maxUnavailable": "2"}}},
+     "spec.lifecycle.podDisruptionBudget.maxUnavailable", "not a valid"),
+    ({"engine": {"resources": {"cpu": -2}}}, "spec.engine.resources.cpu", "at least 0"),
+    ({"gateway": {"resources": {"memory": -1}}}, "spec.gateway.resources.memory", "at least 0"),
     ({"gateway": {"service": {"port": 70000}}}, "spec.gateway.service.port", "at most 65535"),
     ({"replicas": "three"}, "spec.replicas", "type integer"),
 ])
@@ -93,6 +105,14 @@ def test_invalid_field_is_named_with_what_was_expected(pool_body, spec, field, e
     errors = errors_of(body)
     assert field in errors, errors
     assert expected in errors[field]
+
+
+@pytest.mark.parametrize("lifecycle", [
+    {"maxSurge": "250%", "maxUnavailable": "100%"},
+    {"maxSurge": 0, "maxUnavailable": 3, "podDisruptionBudget": {"maxUnavailable": "50%"}},
+])
+def test_rollout_counts_kubernetes_takes_are_accepted(pool_body, lifecycle):
+    assert parse_pool(pool_body(lifecycle=lifecycle)).lifecycle["maxSurge"] == lifecycle["maxSurge"]
 
 
 def test_all_problems_are_reported_at_once(pool_body):

@@ -218,6 +218,10 @@ def _check_mounts(mounts: list[Any]) -> list[FieldError]:
     return errors
 
 
+def _is_zero(count_or_percent: int | str) -> bool:
+    return str(count_or_percent).rstrip("%").strip("0") == ""
+
+
 def _check_rules(spec: dict[str, Any]) -> list[FieldError]:
     """The CRD's CEL rules, and the constraints only code can state."""
     errors = []
@@ -262,6 +266,6 @@ def _check_rules(spec: dict[str, Any]) -> list[FieldError]:
         errors.append(FieldError("spec.engine.resources.gpuResourceName",
                                  f"{gpu_resource!r} is no GPU resource (e.g. nvidia.com/gpu)"))
     lifecycle = spec["lifecycle"]
-    if lifecycle["maxSurge"] in (0, "0", "0%") and lifecycle["maxUnavailable"] in (0, "0", "0%"):
+    if _is_zero(lifecycle["maxSurge"]) and _is_zero(lifecycle["maxUnavailable"]):
         errors.append(FieldError("spec.lifecycle", "maxSurge and maxUnavailable cannot both be 0"))
     return errors
