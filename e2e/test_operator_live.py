@@ -242,6 +242,22 @@ def test_rollout_counts_a_deployment_refuses_are_refused_naming_the_pool_field(
     assert rejected.value.status == 422 and field in rejected.value.body
 
 
+def test_a_refused_volume_is_named_as_the_pools_own_field(kube, namespace, operator):
+    engine = {"device": "cpu", "resources": {"gpus": 0, "cpu": "100m", "memory": "512Mi"},
+              "volumes": [{"name": "data", "emptyDir": {}}],
+              "volumeMounts": [{"name": "data", "mountPath": "/data"},
+                               {"name": "missing", "mountPath": "/other"}]}
+    kube.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+                                                pool_manifest("mounts", engine=engine))
+    pool = wait_for("Accepted=False", lambda: condition(
+        p := get_pool(kube, namespace, "mounts"), "Accepted").get("status") == "False" and p)
+    accepted = condition(pool, "Accepted")
+    assert accepted["reason"] == "RejectedByAPIServer"
+    assert "spec.engine.volumeMounts[1].name (spec.template.spec.containers[0].volumeMounts[" \
+        in accepted["message"]
+    kube.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "mounts")
+
+
 def test_an_object_already_holding_a_pools_name_is_left_alone(kube, namespace, operator):
     # Someone else's Service happens to have the name the pool's gateway Service needs.
     kube.core.create_namespaced_service(namespace, {
