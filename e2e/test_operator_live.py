@@ -225,18 +225,20 @@ def test_invalid_pools_are_rejected_by_the_api_server_or_the_operator(kube, name
         "fine-worker", namespace))
 
 
-@pytest.mark.parametrize(("lifecycle", "field"), [
-    ({"maxSurge": "1"}, "spec.lifecycle.maxSurge"),
-    ({"maxSurge": -1}, "spec.lifecycle.maxSurge"),
-    ({"maxUnavailable": "150%"}, "spec.lifecycle.maxUnavailable"),
-    ({"podDisruptionBudget": {"maxUnavailable": -1}},
+@pytest.mark.parametrize(("spec", "field"), [
+    ({"lifecycle": {"maxSurge": "1"}}, "spec.lifecycle.maxSurge"),
+    ({"lifecycle": {"maxSurge": -1}}, "spec.lifecycle.maxSurge"),
+    ({"lifecycle": {"maxUnavailable": "150%"}}, "spec.lifecycle.maxUnavailable"),
+    ({"lifecycle": {"podDisruptionBudget": {"maxUnavailable": -1}}},
      "spec.lifecycle.podDisruptionBudget.maxUnavailable"),
+    ({"gateway": {"image": "repo/gateway:1 "}}, "spec.gateway.image"),
 ])
-def test_rollout_counts_a_deployment_refuses_are_refused_naming_the_pool_field(
-        kube, namespace, lifecycle, field):
-    """Once accepted by the CRD, these came back as Accepted=False in the Deployment's terms
-    (spec.strategy.rollingUpdate...), and an `kubectl apply` that had seemed to work."""
-    body = pool_manifest("counts", lifecycle={"drainTimeoutSeconds": 5, **lifecycle})
+def test_values_kubernetes_refuses_later_are_refused_at_apply_naming_the_pool_field(
+        kube, namespace, spec, field):
+    """Once accepted by the CRD, these came back later in the generated objects' terms: an
+    Accepted=False naming spec.strategy.rollingUpdate..., or a Deployment that never got a pod
+    (`spec.containers[0].image: must not have leading or trailing whitespace`)."""
+    body = pool_manifest("refused", **spec)
     with pytest.raises(kube.errors.ApiException) as rejected:
         kube.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
     assert rejected.value.status == 422 and field in rejected.value.body

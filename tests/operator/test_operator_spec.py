@@ -95,6 +95,9 @@ def test_minimal_pool_gets_the_schema_defaults(pool_body):
     ({"lifecycle": {"podDisruptionBudget": {"maxUnavailable": "2"}}},
      "spec.lifecycle.podDisruptionBudget.maxUnavailable", "not a valid"),
     ({"engine": {"resources": {"cpu": -2}}}, "spec.engine.resources.cpu", "at least 0"),
+    # a pod naming such an image is refused: the Deployment never got a pod (Degraded)
+    ({"engine": {"image": "repo/worker:1 "}}, "spec.engine.image", "does not match"),
+    ({"gateway": {"image": "repo/my gateway"}}, "spec.gateway.image", "does not match"),
     ({"gateway": {"resources": {"memory": -1}}}, "spec.gateway.resources.memory", "at least 0"),
     ({"gateway": {"service": {"port": 70000}}}, "spec.gateway.service.port", "at most 65535"),
     ({"replicas": "three"}, "spec.replicas", "type integer"),

@@ -42,6 +42,9 @@ QUANTITY = (r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]"
 # take no more than 100% unavailable.
 PERCENT = r"^[0-9]+%$"
 PERCENT_OF_ALL = r"^0*(100|[0-9]{1,2})%$"
+# An image reference holds no whitespace: a pod naming " repo/img" is refused by the API server,
+# so a Deployment with it never gets a pod.
+IMAGE = r"^\S*$"
 MODEL_URI = r"^(pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?/.*|hf://[^@\s]+/[^@\s]+(@[^@\s]+)?)$"
 
 
@@ -91,7 +94,7 @@ RESOURCES = obj("Compute for each worker pod. Requests equal limits for GPUs and
 
 ENGINE = obj("The worker pods: image, resources, engine knobs and placement.", {
     "image": string("Worker image (CUDA, torch, flashinfer, radixpool); defaults to the "
-                    "operator's configured worker image."),
+                    "operator's configured worker image.", pattern=IMAGE),
     "imagePullPolicy": pull_policy(),
     "resources": RESOURCES,
     "device": string("Where the engine runs; `auto` is `cuda` when `resources.gpus` is at "
@@ -130,7 +133,8 @@ ENGINE = obj("The worker pods: image, resources, engine knobs and placement.", {
 GATEWAY = obj("The cache-aware gateway in front of the workers: the pool's endpoint.", {
     "replicas": integer("Gateway pods (active-active: each follows every worker's KV events).",
                         default=2, minimum=1, maximum=64),
-    "image": string("Gateway image (no torch); defaults to the operator's configured image."),
+    "image": string("Gateway image (no torch); defaults to the operator's configured image.",
+                    pattern=IMAGE),
     "imagePullPolicy": pull_policy(),
     "policy": string("Routing policy.", default="cache_aware", enum=POLICIES),
     "cacheThreshold": number("Smallest prefix-match ratio that routes by cache.", default=0.3,
