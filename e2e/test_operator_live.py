@@ -282,3 +282,35 @@ def test_an_object_already_holding_a_pools_name_is_left_alone(kube, namespace, o
     wait_for("the pool's own gateway Service", lambda: kube.core.read_namespaced_service(
         "taken-gateway", namespace).spec.selector.get("radixpool.io/pool") == "taken")
     kube.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "taken")
+
+
+def test_no_prometheus_peer_still_makes_every_pool(kube):
+    """The chart's `networkPolicy.prometheus: null` reaches the operator as `null`: only the
+    gateway may reach the workers. It used to put an empty peer in every pool's NetworkPolicy,
+    which the API server refused ("must specify a peer"): no pool was made."""
+    name = f"radixpool-e2e-{uuid.uuid4().hex[:6]}"
+    kube.core.create_namespace({"metadata": {"name": name}})
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "RADIXPOOL_NETWORK_POLICY": "true", "RADIXPOOL_PROMETHEUS_PEER": "null"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "radixpool.cli", "operator", "--namespace", name, "--standalone",
+         "--kubeconfig", KUBECONFIG, "--liveness", f"http://127.0.0.1:{port}/healthz"], env=env)
+    try:
+        kube.custom.create_namespaced_custom_object(GROUP, VERSION, name, PLURAL,
+                                                    pool_manifest("nopeer"))
+        pool = wait_for("Accepted", lambda: condition(
+            p := get_pool(kube, name, "nopeer"), "Accepted").get("status") and p)
+        assert condition(pool, "Accepted")["status"] == "True", condition(pool, "Accepted")
+        from kubernetes import client
+
+        policy = client.NetworkingV1Api(kube.core.api_client).read_namespaced_network_policy(
+            "nopeer-worker", name)
+        assert [peer.pod_selector.match_labels for rule in policy.spec.ingress
+                for peer in rule._from] == [{"app.kubernetes.io/component": "gateway",
+                                             "radixpool.io/pool": "nopeer"}]
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        kube.core.delete_namespace(name)

@@ -229,6 +229,23 @@ def test_network_policy_is_on_by_default_and_its_peer_reaches_the_operator():
     assert env["RADIXPOOL_NETWORK_POLICY"] == "false"
 
 
+@pytest.mark.parametrize("prometheus", [None, {"podSelector": None, "namespaceSelector": None}])
+def test_no_prometheus_peer_lets_only_the_gateway_reach_the_workers(prometheus, pool_body,
+                                                                    monkeypatch):
+    """`--set networkPolicy.prometheus=null` (Helm's way to drop a default) reached the operator
+    as `null` and put an empty peer in every pool's NetworkPolicy: the API server refused them
+    all ("must specify a peer"), so no pool in the cluster was made."""
+    deployment = by_kind(render({"networkPolicy": {"prometheus": prometheus}}))["Deployment"][0]
+    for env in deployment["spec"]["template"]["spec"]["containers"][0]["env"]:
+        monkeypatch.setenv(env["name"], env["value"])
+    config = OperatorConfig.from_env()
+    policy = next(o for o in desired_objects(parse_pool(pool_body()), config,
+                                             service_monitors=False)
+                  if o["kind"] == "NetworkPolicy")
+    peers = [peer for rule in policy["spec"]["ingress"] for peer in rule["from"]]
+    assert peers == [{"podSelector": {"matchLabels": api.selector_labels("llama", "gateway")}}]
+
+
 def test_fleet_service_monitor_skips_pools_that_have_their_own(pool_body):
     monitor = by_kind(render(CUSTOM))["ServiceMonitor"][0]
     expressions = monitor["spec"]["selector"]["matchExpressions"]
