@@ -159,6 +159,9 @@ def assert_grants_what_the_operator_does(granted, pool_body) -> None:
     for kind in ("poddisruptionbudgets", "servicemonitors", "networkpolicies"):
         assert "delete" in granted[(plural_group(kind), kind)]
     assert {"create"} <= granted[("", "events")] and {"list"} <= granted[("", "pods")]
+    # nothing reads the status subresource or patches an Event (kopf's included): no more
+    assert granted[(api.GROUP, f"{api.PLURAL}/status")] == {"patch"}
+    assert granted[("", "events")] == {"create"}
 
 
 def plural_group(plural: str) -> str:
