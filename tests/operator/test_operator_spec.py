@@ -62,6 +62,12 @@ def test_minimal_pool_gets_the_schema_defaults(pool_body):
     # a KeyError in the handler (the pool then had no status at all)
     ({"engine": {"env": [{"name": "HOME", "value": "/x"}]}}, "spec.engine.env[0].name",
      "set by the operator"),
+    # appended last, they won: `--port` moved the worker off its probes' and gateway's port
+    ({"engine": {"args": ["--port", "9000"]}}, "spec.engine.args[0]",
+     "'--port' is set by the operator"),
+    ({"engine": {"args": ["--context-length", "4096", "--page-size=32"]}}, "spec.engine.args[2]",
+     "'--page-size' is set by the operator"),
+    ({"engine": {"args": ["--po", "9000"]}}, "spec.engine.args[0]", "'--port'"),
     ({"engine": {"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}},
      "spec.engine.env[1].name", "set twice"),
     ({"engine": {"env": [{"name": "X", "valueFrom": {"secretKeyRef": {"key": "k"}}}]}},
@@ -116,6 +122,11 @@ def test_invalid_field_is_named_with_what_was_expected(pool_body, spec, field, e
 ])
 def test_rollout_counts_kubernetes_takes_are_accepted(pool_body, lifecycle):
     assert parse_pool(pool_body(lifecycle=lifecycle)).lifecycle["maxSurge"] == lifecycle["maxSurge"]
+
+
+def test_worker_flags_the_operator_does_not_set_pass_through(pool_body):
+    args = ["--max-prefill-tokens", "16384", "--context-length=8192", "--skip-warmup", "4096"]
+    assert parse_pool(pool_body(engine={"args": args})).engine["args"] == args
 
 
 def test_all_problems_are_reported_at_once(pool_body):

@@ -115,7 +115,8 @@ ENGINE = obj("The worker pods: image, resources, engine knobs and placement.", {
     "schedulePolicy": string("Waiting-queue order: longest prefix match first, or arrival.",
                              default="lpm", enum=SCHEDULE_POLICIES),
     "logLevel": string("Engine log level.", default="info", enum=LOG_LEVELS),
-    "args": array("Extra `radixpool worker` flags, appended last.",
+    "args": array("Extra `radixpool worker` flags, appended last; not those the operator sets "
+                  "from the pool (`--port`, `--page-size`, `--log-level`, ...).",
                   string("One argument.")),
     "env": opaque_list("Extra environment variables (core/v1 EnvVar)."),
     "nodeSelector": string_map("Node labels the worker pods require."),

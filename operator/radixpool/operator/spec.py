@@ -202,6 +202,21 @@ def _check_env(env: list[Any]) -> list[FieldError]:
     return errors
 
 
+def _check_args(args: list[str]) -> list[FieldError]:
+    errors = []
+    for index, arg in enumerate(args):
+        name = arg.partition("=")[0]
+        if len(name) < 3 or not name.startswith("--"):
+            continue
+        # the worker's parser takes any unambiguous prefix of a flag, as `--po` for `--port`
+        flag = next((f for f in sorted(api.OPERATOR_WORKER_FLAGS) if f.startswith(name)), None)
+        if flag:
+            errors.append(FieldError(f"spec.engine.args[{index}]",
+                                     f"{flag!r} is set by the operator (from the pool's own "
+                                     "fields, or fixed where probes and the gateway expect it)"))
+    return errors
+
+
 def _check_mounts(mounts: list[Any]) -> list[FieldError]:
     errors, seen = [], set()
     for index, mount in enumerate(mounts):
@@ -260,6 +275,7 @@ def _check_rules(spec: dict[str, Any]) -> list[FieldError]:
                                      f"{volume.get('name')!r} is reserved by the operator"))
         errors += _check_volume_source(volume, f"spec.engine.volumes[{index}]")
     errors += _check_env(engine.get("env", []))
+    errors += _check_args(engine.get("args", []))
     errors += _check_mounts(engine.get("volumeMounts", []))
     gpu_resource = engine["resources"].get("gpuResourceName")
     if gpu_resource in api.CORE_RESOURCES or str(gpu_resource).startswith("hugepages-"):
