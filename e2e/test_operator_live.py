@@ -244,6 +244,19 @@ def test_values_kubernetes_refuses_later_are_refused_at_apply_naming_the_pool_fi
     assert rejected.value.status == 422 and field in rejected.value.body
 
 
+def test_a_malformed_env_item_is_reported_in_status(kube, namespace, operator):
+    """Passed through by the schema, it crashed the operator's checks: no status at all, and a
+    traceback every minute in the operator's log."""
+    engine = {"device": "cpu", "resources": {"gpus": 0, "cpu": "100m", "memory": "512Mi"},
+              "env": [{"name": "TOKEN", "valueFrom": "secretKeyRef"}]}
+    kube.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+                                                pool_manifest("badenv", engine=engine))
+    pool = wait_for("Accepted=False", lambda: condition(
+        p := get_pool(kube, namespace, "badenv"), "Accepted").get("status") == "False" and p)
+    assert "spec.engine.env[0].valueFrom" in condition(pool, "Accepted")["message"]
+    kube.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "badenv")
+
+
 def test_a_refused_volume_is_named_as_the_pools_own_field(kube, namespace, operator):
     engine = {"device": "cpu", "resources": {"gpus": 0, "cpu": "100m", "memory": "512Mi"},
               "volumes": [{"name": "data", "emptyDir": {}}],

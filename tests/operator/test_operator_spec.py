@@ -72,6 +72,17 @@ def test_minimal_pool_gets_the_schema_defaults(pool_body):
      "spec.engine.env[1].name", "set twice"),
     ({"engine": {"env": [{"name": "X", "valueFrom": {"secretKeyRef": {"key": "k"}}}]}},
      "spec.engine.env[0].valueFrom.secretKeyRef", "non-empty name and key"),
+    # core/v1 items pass the schema as written: the parts the operator reads are checked here
+    # (a TypeError left the pool with no status, the handler retried every minute)
+    ({"engine": {"env": [{"name": "A", "valueFrom": "secretKeyRef"}]}},
+     "spec.engine.env[0].valueFrom", "must be an object"),
+    ({"engine": {"env": [{"name": "A", "valueFrom": ["secretKeyRef"]}]}},
+     "spec.engine.env[0].valueFrom", "must be an object"),
+    ({"engine": {"env": [{"name": ["A"], "value": "1"}]}}, "spec.engine.env[0].name",
+     "is required (a non-empty string)"),
+    ({"engine": {"env": [{"value": "1"}]}}, "spec.engine.env[0].name", "is required"),
+    ({"engine": {"volumes": [{"name": ["v"], "emptyDir": {}}]}}, "spec.engine.volumes[0].name",
+     "is required (a non-empty string)"),
     ({"engine": {"volumes": [{"name": "d", "secret": {}}]}},
      "spec.engine.volumes[0].secret.secretName", "required"),
     ({"engine": {"volumes": [{"name": "d", "secret": None}]}},

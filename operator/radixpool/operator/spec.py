@@ -182,17 +182,27 @@ def _check_volume_source(volume: Any, path: str) -> list[FieldError]:
     return []
 
 
-def _check_env(env: list[Any]) -> list[FieldError]:
+def _check_env(env: list[dict[str, Any]]) -> list[FieldError]:
+    """The parts of each core/v1 EnvVar the operator reads: the schema passes items through as
+    written, so a name or valueFrom of another type must be refused here, not met by a
+    TypeError (the pool then got no status at all)."""
     errors, seen = [], set()
     for index, item in enumerate(env):
         path = f"spec.engine.env[{index}]"
-        name = item.get("name") if isinstance(item, dict) else None
-        if name in api.RESERVED_ENV:
+        name = item.get("name")
+        if not _nonempty(name):
+            errors.append(FieldError(f"{path}.name", "is required (a non-empty string)"))
+        elif name in api.RESERVED_ENV:
             errors.append(FieldError(f"{path}.name", f"{name!r} is set by the operator"))
         elif name in seen:
             errors.append(FieldError(f"{path}.name", f"{name!r} is set twice"))
-        seen.add(name)
-        source = (item.get("valueFrom") or {}) if isinstance(item, dict) else {}
+        else:
+            seen.add(name)
+        source = item.get("valueFrom") or {}
+        if not isinstance(source, dict):
+            errors.append(FieldError(f"{path}.valueFrom", "must be an object (core/v1 "
+                                                          "EnvVarSource)"))
+            continue
         for kind in ("secretKeyRef", "configMapKeyRef"):
             if kind in source and not (isinstance(source[kind], dict)
                                        and _nonempty(source[kind].get("name"))
@@ -270,9 +280,13 @@ def _check_rules(spec: dict[str, Any]) -> list[FieldError]:
         errors.append(FieldError("spec.model.hfTokenSecret", "only applies to hf:// models"))
     reserved = {"model", "model-cache", "tmp", "cache", "dshm"}
     for index, volume in enumerate(engine.get("volumes", [])):
-        if volume.get("name") in reserved:
+        name = volume.get("name")
+        if not _nonempty(name):
             errors.append(FieldError(f"spec.engine.volumes[{index}].name",
-                                     f"{volume.get('name')!r} is reserved by the operator"))
+                                     "is required (a non-empty string)"))
+        elif name in reserved:
+            errors.append(FieldError(f"spec.engine.volumes[{index}].name",
+                                     f"{name!r} is reserved by the operator"))
         errors += _check_volume_source(volume, f"spec.engine.volumes[{index}]")
     errors += _check_env(engine.get("env", []))
     errors += _check_args(engine.get("args", []))
