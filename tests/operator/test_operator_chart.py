@@ -127,7 +127,12 @@ def test_values_schema_rejects_nonsense_naming_the_value():
                            ({"watchNamespaces": ["Not_A_Namespace"]}, "/watchNamespaces/0"),
                            ({"image": {"repository": "x", "pullPolicy": "Sometimes"}},
                             "/image/pullPolicy"),
-                           ({"replicas": 2}, "replicas")]:
+                           ({"replicas": 2}, "replicas"),
+                           # every pool's pods would name it: none could be created
+                           ({"workerImage": {"repository": "x", "tag": "0.2.0 "}},
+                            "/workerImage/tag"),
+                           ({"gatewayImage": {"repository": "my registry/x"}},
+                            "/gatewayImage/repository")]:
             with pytest.raises(helm.HelmValuesError, match=where):
                 chart.validate_schema(bad)
 
