@@ -121,6 +121,19 @@ def test_chart_installs_the_same_crds_as_crds_folder():
     assert carried == crd_files()
 
 
+def test_notes_name_the_pools_namespace_in_every_command_about_the_pool():
+    """`kubectl scale llmpool qwen3-8b` without `-n` looked for the pool in the current
+    namespace, not in the one the notes had just created it in."""
+    with helm.Chart.load(CHART) as chart:
+        notes = next(text for path, text in chart.render(
+            values={}, name="rp", namespace="radixpool-system", is_install=True).items()
+            if path.endswith("NOTES.txt"))
+    commands = [line[line.index("kubectl"):] for line in notes.splitlines()
+                if "kubectl" in line and "qwen3-8b" in line]
+    assert len(commands) >= 3
+    assert all("-n <namespace>" in command for command in commands), commands
+
+
 def test_values_schema_rejects_nonsense_naming_the_value():
     with helm.Chart.load(CHART) as chart:
         for bad, where in [({"replicaCount": 0}, "/replicaCount"),
