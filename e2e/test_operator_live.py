@@ -73,6 +73,11 @@ def namespace(kube) -> Iterator[str]:
             except kube.errors.ApiException as error:
                 if error.status != 409:
                     raise
+                # an older CRD would test an older schema: this checkout's replaces it
+                current = kube.ext.read_custom_resource_definition(doc["metadata"]["name"])
+                kube.ext.replace_custom_resource_definition(doc["metadata"]["name"], {
+                    **doc, "metadata": {**doc["metadata"],
+                                        "resourceVersion": current.metadata.resource_version}})
     wait_for("the InferencePool CRD to be established", lambda: any(
         c.type == "Established" and c.status == "True"
         for c in kube.ext.read_custom_resource_definition(f"{PLURAL}.{GROUP}").status.conditions))
@@ -220,6 +225,54 @@ def test_invalid_pools_are_rejected_by_the_api_server_or_the_operator(kube, name
         "fine-worker", namespace))
 
 
+@pytest.mark.parametrize(("spec", "field"), [
+    ({"lifecycle": {"maxSurge": "1"}}, "spec.lifecycle.maxSurge"),
+    ({"lifecycle": {"maxSurge": -1}}, "spec.lifecycle.maxSurge"),
+    ({"lifecycle": {"maxUnavailable": "150%"}}, "spec.lifecycle.maxUnavailable"),
+    ({"lifecycle": {"podDisruptionBudget": {"maxUnavailable": -1}}},
+     "spec.lifecycle.podDisruptionBudget.maxUnavailable"),
+    ({"gateway": {"image": "repo/gateway:1 "}}, "spec.gateway.image"),
+])
+def test_values_kubernetes_refuses_later_are_refused_at_apply_naming_the_pool_field(
+        kube, namespace, spec, field):
+    """Once accepted by the CRD, these came back later in the generated objects' terms: an
+    Accepted=False naming spec.strategy.rollingUpdate..., or a Deployment that never got a pod
+    (`spec.containers[0].image: must not have leading or trailing whitespace`)."""
+    body = pool_manifest("refused", **spec)
+    with pytest.raises(kube.errors.ApiException) as rejected:
+        kube.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
+    assert rejected.value.status == 422 and field in rejected.value.body
+
+
+def test_a_malformed_env_item_is_reported_in_status(kube, namespace, operator):
+    """Passed through by the schema, it crashed the operator's checks: no status at all, and a
+    traceback every minute in the operator's log."""
+    engine = {"device": "cpu", "resources": {"gpus": 0, "cpu": "100m", "memory": "512Mi"},
+              "env": [{"name": "TOKEN", "valueFrom": "secretKeyRef"}]}
+    kube.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+                                                pool_manifest("badenv", engine=engine))
+    pool = wait_for("Accepted=False", lambda: condition(
+        p := get_pool(kube, namespace, "badenv"), "Accepted").get("status") == "False" and p)
+    assert "spec.engine.env[0].valueFrom" in condition(pool, "Accepted")["message"]
+    kube.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "badenv")
+
+
+def test_a_refused_volume_is_named_as_the_pools_own_field(kube, namespace, operator):
+    engine = {"device": "cpu", "resources": {"gpus": 0, "cpu": "100m", "memory": "512Mi"},
+              "volumes": [{"name": "data", "emptyDir": {}}],
+              "volumeMounts": [{"name": "data", "mountPath": "/data"},
+                               {"name": "missing", "mountPath": "/other"}]}
+    kube.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+                                                pool_manifest("mounts", engine=engine))
+    pool = wait_for("Accepted=False", lambda: condition(
+        p := get_pool(kube, namespace, "mounts"), "Accepted").get("status") == "False" and p)
+    accepted = condition(pool, "Accepted")
+    assert accepted["reason"] == "RejectedByAPIServer"
+    assert "spec.engine.volumeMounts[1].name (spec.template.spec.containers[0].volumeMounts[" \
+        in accepted["message"]
+    kube.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "mounts")
+
+
 def test_an_object_already_holding_a_pools_name_is_left_alone(kube, namespace, operator):
     # Someone else's Service happens to have the name the pool's gateway Service needs.
     kube.core.create_namespaced_service(namespace, {
@@ -242,3 +295,35 @@ def test_an_object_already_holding_a_pools_name_is_left_alone(kube, namespace, o
     wait_for("the pool's own gateway Service", lambda: kube.core.read_namespaced_service(
         "taken-gateway", namespace).spec.selector.get("radixpool.io/pool") == "taken")
     kube.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "taken")
+
+
+def test_no_prometheus_peer_still_makes_every_pool(kube):
+    """The chart's `networkPolicy.prometheus: null` reaches the operator as `null`: only the
+    gateway may reach the workers. It used to put an empty peer in every pool's NetworkPolicy,
+    which the API server refused ("must specify a peer"): no pool was made."""
+    name = f"radixpool-e2e-{uuid.uuid4().hex[:6]}"
+    kube.core.create_namespace({"metadata": {"name": name}})
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "RADIXPOOL_NETWORK_POLICY": "true", "RADIXPOOL_PROMETHEUS_PEER": "null"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "radixpool.cli", "operator", "--namespace", name, "--standalone",
+         "--kubeconfig", KUBECONFIG, "--liveness", f"http://127.0.0.1:{port}/healthz"], env=env)
+    try:
+        kube.custom.create_namespaced_custom_object(GROUP, VERSION, name, PLURAL,
+                                                    pool_manifest("nopeer"))
+        pool = wait_for("Accepted", lambda: condition(
+            p := get_pool(kube, name, "nopeer"), "Accepted").get("status") and p)
+        assert condition(pool, "Accepted")["status"] == "True", condition(pool, "Accepted")
+        from kubernetes import client
+
+        policy = client.NetworkingV1Api(kube.core.api_client).read_namespaced_network_policy(
+            "nopeer-worker", name)
+        assert [peer.pod_selector.match_labels for rule in policy.spec.ingress
+                for peer in rule._from] == [{"app.kubernetes.io/component": "gateway",
+                                             "radixpool.io/pool": "nopeer"}]
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        kube.core.delete_namespace(name)

@@ -121,13 +121,31 @@ def test_chart_installs_the_same_crds_as_crds_folder():
     assert carried == crd_files()
 
 
+def test_notes_name_the_pools_namespace_in_every_command_about_the_pool():
+    """`kubectl scale llmpool qwen3-8b` without `-n` looked for the pool in the current
+    namespace, not in the one the notes had just created it in."""
+    with helm.Chart.load(CHART) as chart:
+        notes = next(text for path, text in chart.render(
+            values={}, name="rp", namespace="radixpool-system", is_install=True).items()
+            if path.endswith("NOTES.txt"))
+    commands = [line[line.index("kubectl"):] for line in notes.splitlines()
+                if "kubectl" in line and "qwen3-8b" in line]
+    assert len(commands) >= 3
+    assert all("-n <namespace>" in command for command in commands), commands
+
+
 def test_values_schema_rejects_nonsense_naming_the_value():
     with helm.Chart.load(CHART) as chart:
         for bad, where in [({"replicaCount": 0}, "/replicaCount"),
                            ({"watchNamespaces": ["Not_A_Namespace"]}, "/watchNamespaces/0"),
                            ({"image": {"repository": "x", "pullPolicy": "Sometimes"}},
                             "/image/pullPolicy"),
-                           ({"replicas": 2}, "replicas")]:
+                           ({"replicas": 2}, "replicas"),
+                           # every pool's pods would name it: none could be created
+                           ({"workerImage": {"repository": "x", "tag": "0.2.0 "}},
+                            "/workerImage/tag"),
+                           ({"gatewayImage": {"repository": "my registry/x"}},
+                            "/gatewayImage/repository")]:
             with pytest.raises(helm.HelmValuesError, match=where):
                 chart.validate_schema(bad)
 
@@ -159,6 +177,9 @@ def assert_grants_what_the_operator_does(granted, pool_body) -> None:
     for kind in ("poddisruptionbudgets", "servicemonitors", "networkpolicies"):
         assert "delete" in granted[(plural_group(kind), kind)]
     assert {"create"} <= granted[("", "events")] and {"list"} <= granted[("", "pods")]
+    # nothing reads the status subresource or patches an Event (kopf's included): no more
+    assert granted[(api.GROUP, f"{api.PLURAL}/status")] == {"patch"}
+    assert granted[("", "events")] == {"create"}
 
 
 def plural_group(plural: str) -> str:
@@ -227,6 +248,23 @@ def test_network_policy_is_on_by_default_and_its_peer_reaches_the_operator():
     off = by_kind(render({"networkPolicy": {"enabled": False}}))["Deployment"][0]
     env = {e["name"]: e["value"] for e in off["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["RADIXPOOL_NETWORK_POLICY"] == "false"
+
+
+@pytest.mark.parametrize("prometheus", [None, {"podSelector": None, "namespaceSelector": None}])
+def test_no_prometheus_peer_lets_only_the_gateway_reach_the_workers(prometheus, pool_body,
+                                                                    monkeypatch):
+    """`--set networkPolicy.prometheus=null` (Helm's way to drop a default) reached the operator
+    as `null` and put an empty peer in every pool's NetworkPolicy: the API server refused them
+    all ("must specify a peer"), so no pool in the cluster was made."""
+    deployment = by_kind(render({"networkPolicy": {"prometheus": prometheus}}))["Deployment"][0]
+    for env in deployment["spec"]["template"]["spec"]["containers"][0]["env"]:
+        monkeypatch.setenv(env["name"], env["value"])
+    config = OperatorConfig.from_env()
+    policy = next(o for o in desired_objects(parse_pool(pool_body()), config,
+                                             service_monitors=False)
+                  if o["kind"] == "NetworkPolicy")
+    peers = [peer for rule in policy["spec"]["ingress"] for peer in rule["from"]]
+    assert peers == [{"podSelector": {"matchLabels": api.selector_labels("llama", "gateway")}}]
 
 
 def test_fleet_service_monitor_skips_pools_that_have_their_own(pool_body):

@@ -40,6 +40,16 @@ FULL = {
 }
 
 
+def test_the_flags_a_pool_may_not_repeat_are_those_the_operator_writes(pool_body):
+    from radixpool.operator import api
+
+    fraction = {**FULL, "engine": {**{k: v for k, v in FULL["engine"].items()
+                                      if k != "kvCacheTokens"}, "memFraction": 0.8}}
+    written = {arg for spec in (FULL, fraction)
+               for arg in worker_args(parse_pool(pool_body(**spec))) if arg.startswith("--")}
+    assert written == api.OPERATOR_WORKER_FLAGS
+
+
 @pytest.mark.parametrize("spec", [{}, FULL], ids=["default", "full"])
 def test_gateway_accepts_the_operator_command_line(pool_body, spec):
     pool = parse_pool(pool_body(**spec) if spec else pool_body())

@@ -362,6 +362,13 @@ def test_network_policy_and_prometheus_peer_come_from_the_environment(monkeypatc
     assert config.prometheus_peer == {"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}
 
 
+@pytest.mark.parametrize("peer", ["not json", "[]", '"prometheus"'])
+def test_a_prometheus_peer_that_is_no_peer_is_refused_at_start(monkeypatch, peer):
+    monkeypatch.setenv("RADIXPOOL_PROMETHEUS_PEER", peer)
+    with pytest.raises(ValueError, match="RADIXPOOL_PROMETHEUS_PEER"):
+        OperatorConfig.from_env()
+
+
 def test_services_of_a_pool_with_its_own_service_monitor_say_so(pool_body):
     own = objects_of(pool_body(), service_monitors=True)
     assert own["Service/llama-workers"]["metadata"]["labels"][api.OWN_MONITOR_LABEL] == "true"

@@ -78,6 +78,29 @@ def test_refusals_are_named_in_spec_terms(pool_body):
     assert gateway.startswith("spec.gateway.nodeSelector (spec.template.spec.nodeSelector)")
 
 
+@pytest.mark.parametrize("model", [{"path": "/models/m"}, {"uri": "hf://org/name"},
+                                   {"uri": "pvc://claim/dir"}])
+def test_refused_volumes_and_mounts_are_named_as_the_pools_own(pool_body, model):
+    """The operator's volumes and mounts come first, so the API server's index was not the
+    spec's: `volumes[3]` for the pool's first volume."""
+    pool = parse_pool(pool_body(model=model, engine={
+        "volumes": [{"name": "data", "emptyDir": {}}, {"name": "Bad_Vol", "emptyDir": {}}],
+        "volumeMounts": [{"name": "data", "mountPath": "/data"},
+                         {"name": "missing", "mountPath": "/other"}]}))
+    worker = next(o for o in desired_objects(pool, OperatorConfig(), service_monitors=False)
+                  if o["metadata"]["name"] == "llama-worker")
+    pod = worker["spec"]["template"]["spec"]
+    volume, mount = len(pod["volumes"]) - 1, len(pod["containers"][0]["volumeMounts"]) - 1
+    said = in_spec_terms(
+        f"[spec.template.spec.volumes[{volume}].name: Invalid value: \"Bad_Vol\", "
+        f"spec.template.spec.containers[0].volumeMounts[{mount}].name: Not found: \"missing\", "
+        "spec.template.spec.volumes[0].name: the operator's own]", worker, pool.spec)
+    assert f"spec.engine.volumes[1].name (spec.template.spec.volumes[{volume}].name)" in said
+    assert (f"spec.engine.volumeMounts[1].name (spec.template.spec.containers[0]"
+            f".volumeMounts[{mount}].name)") in said
+    assert "spec.template.spec.volumes[0].name: the operator's own" in said
+
+
 class PeeringCluster:
     def __init__(self, present=(), failure: ApiFailure | None = None):
         self.present, self.failure, self.created = set(present), failure, []

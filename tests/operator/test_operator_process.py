@@ -37,3 +37,11 @@ def test_without_a_cluster_it_exits_fast_with_a_reason(tmp_path):
     result = run("-m", "radixpool.cli", "operator", env=env)
     assert result.returncode == 1
     assert "no Kubernetes credentials" in result.stderr
+
+
+def test_a_prometheus_peer_that_is_no_peer_stops_it_at_once_with_a_reason(tmp_path):
+    """Not a traceback, nor a peer in every pool's NetworkPolicy that the API server refuses."""
+    env = {**os.environ, "HOME": str(tmp_path), "RADIXPOOL_PROMETHEUS_PEER": "[\"monitoring\"]"}
+    result = run("-m", "radixpool.cli", "operator", env=env)
+    assert result.returncode == 2
+    assert "RADIXPOOL_PROMETHEUS_PEER must be a NetworkPolicy peer" in result.stderr

@@ -92,6 +92,17 @@ def test_bad_edit_of_a_running_pool_keeps_it_running_as_it_was(cluster, pool_bod
     assert cond["WorkersReady"]["status"] == "True"  # still observed, still serving
 
 
+def test_a_malformed_core_v1_item_is_a_status_not_an_exception(cluster, pool_body):
+    """The schema passes env items through as written; one the operator's checks could not read
+    raised TypeError: the pool got no status and the handler failed every minute."""
+    body = pool_body(engine={"env": [{"name": "TOKEN", "valueFrom": "secretKeyRef"}]})
+    outcome = reconcile_pool(body, cluster, CONFIG, now=T0)
+    accepted = conditions(outcome.status)["Accepted"]
+    assert (accepted["status"], accepted["reason"]) == ("False", "InvalidSpec")
+    assert "spec.engine.env[0].valueFrom" in accepted["message"]
+    assert cluster.objects == {}
+
+
 def test_objects_the_api_server_refuses_leave_nothing_half_made(cluster, pool_body):
     cluster.refuse["Deployment"] = (
         'Deployment.apps "llama-worker" is invalid: spec.template.spec.tolerations[0].operator: '

@@ -62,10 +62,27 @@ def test_minimal_pool_gets_the_schema_defaults(pool_body):
     # a KeyError in the handler (the pool then had no status at all)
     ({"engine": {"env": [{"name": "HOME", "value": "/x"}]}}, "spec.engine.env[0].name",
      "set by the operator"),
+    # appended last, they won: `--port` moved the worker off its probes' and gateway's port
+    ({"engine": {"args": ["--port", "9000"]}}, "spec.engine.args[0]",
+     "'--port' is set by the operator"),
+    ({"engine": {"args": ["--context-length", "4096", "--page-size=32"]}}, "spec.engine.args[2]",
+     "'--page-size' is set by the operator"),
+    ({"engine": {"args": ["--po", "9000"]}}, "spec.engine.args[0]", "'--port'"),
     ({"engine": {"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}},
      "spec.engine.env[1].name", "set twice"),
     ({"engine": {"env": [{"name": "X", "valueFrom": {"secretKeyRef": {"key": "k"}}}]}},
      "spec.engine.env[0].valueFrom.secretKeyRef", "non-empty name and key"),
+    # core/v1 items pass the schema as written: the parts the operator reads are checked here
+    # (a TypeError left the pool with no status, the handler retried every minute)
+    ({"engine": {"env": [{"name": "A", "valueFrom": "secretKeyRef"}]}},
+     "spec.engine.env[0].valueFrom", "must be an object"),
+    ({"engine": {"env": [{"name": "A", "valueFrom": ["secretKeyRef"]}]}},
+     "spec.engine.env[0].valueFrom", "must be an object"),
+    ({"engine": {"env": [{"name": ["A"], "value": "1"}]}}, "spec.engine.env[0].name",
+     "is required (a non-empty string)"),
+    ({"engine": {"env": [{"value": "1"}]}}, "spec.engine.env[0].name", "is required"),
+    ({"engine": {"volumes": [{"name": ["v"], "emptyDir": {}}]}}, "spec.engine.volumes[0].name",
+     "is required (a non-empty string)"),
     ({"engine": {"volumes": [{"name": "d", "secret": {}}]}},
      "spec.engine.volumes[0].secret.secretName", "required"),
     ({"engine": {"volumes": [{"name": "d", "secret": None}]}},
@@ -84,6 +101,21 @@ def test_minimal_pool_gets_the_schema_defaults(pool_body):
     ({"lifecycle": {"drainTimeoutSeconds": -5}}, "spec.lifecycle.drainTimeoutSeconds",
      "at least 0"),
     ({"lifecycle": {"maxSurge": 0, "maxUnavailable": 0}}, "spec.lifecycle", "both be 0"),
+    ({"lifecycle": {"maxSurge": "00%", "maxUnavailable": 0}}, "spec.lifecycle", "both be 0"),
+    # what the Deployment or PodDisruptionBudget would refuse, in its own terms (an Accepted=False
+    # naming spec.strategy.rollingUpdate): refused here and by the CRD, naming the pool's field
+    ({"lifecycle": {"maxSurge": "1"}}, "spec.lifecycle.maxSurge", "not a valid"),
+    ({"lifecycle": {"maxSurge": -1}}, "spec.lifecycle.maxSurge", "at least 0"),
+    ({"lifecycle": {"maxUnavailable": "150%"}}, "spec.lifecycle.maxUnavailable", "not a valid"),
+    ({"lifecycle": {"podDisruptionBudget": {"maxUnavailable": -1}}},
+     "spec.lifecycle.podDisruptionBudget.maxUnavailable", "at least 0"),
+    ({"lifecycle": {"podDisruptionBudget": {"maxUnavailable": "2"}}},
+     "spec.lifecycle.podDisruptionBudget.maxUnavailable", "not a valid"),
+    ({"engine": {"resources": {"cpu": -2}}}, "spec.engine.resources.cpu", "at least 0"),
+    # a pod naming such an image is refused: the Deployment never got a pod (Degraded)
+    ({"engine": {"image": "repo/worker:1 "}}, "spec.engine.image", "does not match"),
+    ({"gateway": {"image": "repo/my gateway"}}, "spec.gateway.image", "does not match"),
+    ({"gateway": {"resources": {"memory": -1}}}, "spec.gateway.resources.memory", "at least 0"),
     ({"gateway": {"service": {"port": 70000}}}, "spec.gateway.service.port", "at most 65535"),
     ({"replicas": "three"}, "spec.replicas", "type integer"),
 ])
@@ -93,6 +125,19 @@ def test_invalid_field_is_named_with_what_was_expected(pool_body, spec, field, e
     errors = errors_of(body)
     assert field in errors, errors
     assert expected in errors[field]
+
+
+@pytest.mark.parametrize("lifecycle", [
+    {"maxSurge": "250%", "maxUnavailable": "100%"},
+    {"maxSurge": 0, "maxUnavailable": 3, "podDisruptionBudget": {"maxUnavailable": "50%"}},
+])
+def test_rollout_counts_kubernetes_takes_are_accepted(pool_body, lifecycle):
+    assert parse_pool(pool_body(lifecycle=lifecycle)).lifecycle["maxSurge"] == lifecycle["maxSurge"]
+
+
+def test_worker_flags_the_operator_does_not_set_pass_through(pool_body):
+    args = ["--max-prefill-tokens", "16384", "--context-length=8192", "--skip-warmup", "4096"]
+    assert parse_pool(pool_body(engine={"args": args})).engine["args"] == args
 
 
 def test_all_problems_are_reported_at_once(pool_body):

@@ -41,7 +41,7 @@ app.kubernetes.io/component: operator
     verbs: ["get", "list", "watch", "patch"]
   - apiGroups: ["radixpool.io"]
     resources: ["inferencepools/status"]
-    verbs: ["get", "patch"]
+    verbs: ["patch"]
   # Owner references with blockOwnerDeletion.
   - apiGroups: ["radixpool.io"]
     resources: ["inferencepools/finalizers"]
@@ -83,7 +83,8 @@ app.kubernetes.io/component: operator
   - apiGroups: [""]
     resources: ["secrets"]
     verbs: ["create"{{ if .Values.rbac.readSecrets }}, "get"{{ end }}]
+  # Events on pools, each made once under a name of its own (the operator's and kopf's).
   - apiGroups: [""]
     resources: ["events"]
-    verbs: ["create", "patch"]
+    verbs: ["create"]
 {{- end }}

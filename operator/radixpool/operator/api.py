@@ -31,6 +31,14 @@ MODEL_MOUNT = "/models"
 RESERVED_ENV = frozenset({"HOME", "XDG_CACHE_HOME", "HF_HOME", "TRITON_CACHE_DIR",
                           "CUDA_CACHE_PATH", "HF_HUB_OFFLINE", "RADIXPOOL_API_KEY",
                           "RADIXPOOL_CONTROL_API_KEY"})
+# The `radixpool worker` flags the operator sets from the pool (workers.worker_args). Repeated in
+# engine.args (appended last) they would win behind the spec's back: `--port 9000` moved the
+# worker off the port its probes and the gateway use, and it was restarted for want of a startup.
+OPERATOR_WORKER_FLAGS = frozenset({
+    "--model", "--served-model-name", "--host", "--port", "--device", "--dtype",
+    "--kv-cache-tokens", "--mem-fraction", "--page-size", "--max-running-requests",
+    "--chunked-prefill-size", "--schedule-policy", "--log-level", "--startup-timeout",
+    "--drain-timeout"})
 RESERVED_MOUNT_PATHS = frozenset({"/tmp", f"{WORKER_HOME}/.cache", "/dev/shm", MODEL_MOUNT})
 # resources a GPU resource name must not stand for (it would overwrite the pod's own request)
 CORE_RESOURCES = frozenset({"cpu", "memory", "ephemeral-storage", "pods"})

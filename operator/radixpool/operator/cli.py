@@ -66,6 +66,7 @@ def run_operator(args: argparse.Namespace) -> int:
 
     try:
         liveness.parse_endpoint(args.liveness)
+        config = OperatorConfig.from_env()
     except ValueError as error:
         print(f"radixpool operator: {error}", file=sys.stderr)
         return 2
@@ -77,7 +78,6 @@ def run_operator(args: argparse.Namespace) -> int:
         print(f"radixpool operator: no Kubernetes credentials: {error}", file=sys.stderr)
         return 1
 
-    config = OperatorConfig.from_env()
     if args.worker_image:
         config = dataclasses.replace(config, worker_image=args.worker_image)
     if args.gateway_image:

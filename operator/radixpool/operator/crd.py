@@ -38,7 +38,13 @@ from .openapi import (
 # A Kubernetes quantity, never negative (a negative request or cache size means nothing).
 QUANTITY = (r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]"
             r"|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
-PERCENT_OR_INT = r"^[0-9]+%?$"
+# Deployments and PodDisruptionBudgets read a string as a percentage only ("1" is refused), and
+# take no more than 100% unavailable.
+PERCENT = r"^[0-9]+%$"
+PERCENT_OF_ALL = r"^0*(100|[0-9]{1,2})%$"
+# An image reference holds no whitespace: a pod naming " repo/img" is refused by the API server,
+# so a Deployment with it never gets a pod.
+IMAGE = r"^\S*$"
 MODEL_URI = r"^(pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?/.*|hf://[^@\s]+/[^@\s]+(@[^@\s]+)?)$"
 
 
@@ -47,6 +53,14 @@ def secret_key(description: str, default_key: str) -> Schema:
         "name": string("Name of the Secret, in the pool's namespace.", max_length=253),
         "key": string("Key inside the Secret.", default=default_key),
     }, required=("name",), defaulted=False)
+
+
+def quantity(description: str, default: str) -> Schema:
+    return int_or_string(description, default=default, pattern=QUANTITY, minimum=0)
+
+
+def count_or_percent(description: str, default: int, percent: str) -> Schema:
+    return int_or_string(description, default=default, pattern=percent, minimum=0)
 
 
 def pull_policy() -> Schema:
@@ -64,8 +78,7 @@ MODEL = obj("Which model the workers serve: exactly one of `path` or `uri`.", {
                          max_length=253),
     "hfTokenSecret": secret_key("Secret with a Hugging Face token for gated `hf://` models.",
                                 "token"),
-    "cacheSize": int_or_string("Size limit of the emptyDir that `hf://` models download into.",
-                               default="100Gi", pattern=QUANTITY),
+    "cacheSize": quantity("Size limit of the emptyDir that `hf://` models download into.", "100Gi"),
 }, rules=(("has(self.path) != has(self.uri)",
            "exactly one of spec.model.path or spec.model.uri must be set"),), defaulted=False)
 
@@ -74,17 +87,14 @@ RESOURCES = obj("Compute for each worker pod. Requests equal limits for GPUs and
                     "stay idle.", default=1, minimum=0, maximum=16),
     "gpuResourceName": string("The extended resource that schedules GPUs.",
                               default="nvidia.com/gpu"),
-    "cpu": int_or_string("CPU request per worker, e.g. `8` or `7500m`.", default="4",
-                         pattern=QUANTITY),
-    "memory": int_or_string("Memory request and limit per worker, e.g. `64Gi`.", default="32Gi",
-                            pattern=QUANTITY),
-    "shmSize": int_or_string("Size of /dev/shm (memory-backed) for the engine.", default="2Gi",
-                             pattern=QUANTITY),
+    "cpu": quantity("CPU request per worker, e.g. `8` or `7500m`.", "4"),
+    "memory": quantity("Memory request and limit per worker, e.g. `64Gi`.", "32Gi"),
+    "shmSize": quantity("Size of /dev/shm (memory-backed) for the engine.", "2Gi"),
 })
 
 ENGINE = obj("The worker pods: image, resources, engine knobs and placement.", {
     "image": string("Worker image (CUDA, torch, flashinfer, radixpool); defaults to the "
-                    "operator's configured worker image."),
+                    "operator's configured worker image.", pattern=IMAGE),
     "imagePullPolicy": pull_policy(),
     "resources": RESOURCES,
     "device": string("Where the engine runs; `auto` is `cuda` when `resources.gpus` is at "
@@ -105,7 +115,8 @@ ENGINE = obj("The worker pods: image, resources, engine knobs and placement.", {
     "schedulePolicy": string("Waiting-queue order: longest prefix match first, or arrival.",
                              default="lpm", enum=SCHEDULE_POLICIES),
     "logLevel": string("Engine log level.", default="info", enum=LOG_LEVELS),
-    "args": array("Extra `radixpool worker` flags, appended last.",
+    "args": array("Extra `radixpool worker` flags, appended last; not those the operator sets "
+                  "from the pool (`--port`, `--page-size`, `--log-level`, ...).",
                   string("One argument.")),
     "env": opaque_list("Extra environment variables (core/v1 EnvVar)."),
     "nodeSelector": string_map("Node labels the worker pods require."),
@@ -123,7 +134,8 @@ ENGINE = obj("The worker pods: image, resources, engine knobs and placement.", {
 GATEWAY = obj("The cache-aware gateway in front of the workers: the pool's endpoint.", {
     "replicas": integer("Gateway pods (active-active: each follows every worker's KV events).",
                         default=2, minimum=1, maximum=64),
-    "image": string("Gateway image (no torch); defaults to the operator's configured image."),
+    "image": string("Gateway image (no torch); defaults to the operator's configured image.",
+                    pattern=IMAGE),
     "imagePullPolicy": pull_policy(),
     "policy": string("Routing policy.", default="cache_aware", enum=POLICIES),
     "cacheThreshold": number("Smallest prefix-match ratio that routes by cache.", default=0.3,
@@ -135,8 +147,8 @@ GATEWAY = obj("The cache-aware gateway in front of the workers: the pool's endpo
     "lateBinding": boolean("Hold a request in the gateway while its worker has prefill queued, "
                            "and place it when a worker drains (--late-binding).", default=True),
     "resources": obj("Compute for each gateway pod.", {
-        "cpu": int_or_string("CPU request.", default="1", pattern=QUANTITY),
-        "memory": int_or_string("Memory request and limit.", default="1Gi", pattern=QUANTITY),
+        "cpu": quantity("CPU request.", "1"),
+        "memory": quantity("Memory request and limit.", "1Gi"),
     }),
     "service": obj("The Service clients call.", {
         "type": string("Service type.", default="ClusterIP",
@@ -154,14 +166,14 @@ LIFECYCLE = obj("Startup, drain, rollout and disruption settings.", {
                                    maximum=3600),
     "startupTimeoutSeconds": integer("How long a worker may take to load its model before it "
                                      "is restarted.", default=1800, minimum=30, maximum=14400),
-    "maxSurge": int_or_string("Extra workers during a rollout (count or percent).", default=1,
-                              pattern=PERCENT_OR_INT),
-    "maxUnavailable": int_or_string("Workers that may be down during a rollout.", default=0,
-                                    pattern=PERCENT_OR_INT),
+    "maxSurge": count_or_percent("Extra workers during a rollout (count or percent).", 1,
+                                 PERCENT),
+    "maxUnavailable": count_or_percent("Workers that may be down during a rollout.", 0,
+                                       PERCENT_OF_ALL),
     "podDisruptionBudget": obj("Limits voluntary evictions (node drains) of workers.", {
         "enabled": boolean("Create the PodDisruptionBudget.", default=True),
-        "maxUnavailable": int_or_string("Workers a drain may evict at once.", default=1,
-                                        pattern=PERCENT_OR_INT),
+        "maxUnavailable": count_or_percent("Workers a drain may evict at once.", 1,
+                                           PERCENT_OF_ALL),
     }),
 })
 

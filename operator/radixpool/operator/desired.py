@@ -40,27 +40,48 @@ DEFAULT_PROMETHEUS_PEER: dict[str, Any] = {
     "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
 
 
+PEER_FIELDS = ("podSelector", "namespaceSelector", "ipBlock")
+
+
 @dataclass(frozen=True)
 class OperatorConfig:
     """What the operator brings to every pool: images used when a pool names none, and whether
-    each pool's workers get a NetworkPolicy (only the gateway and Prometheus may reach them)."""
+    each pool's workers get a NetworkPolicy (only the gateway and Prometheus may reach them;
+    `prometheus_peer` None: only the gateway)."""
 
     worker_image: str = DEFAULT_WORKER_IMAGE
     gateway_image: str = DEFAULT_CONTROL_IMAGE
     network_policy: bool = False
-    prometheus_peer: dict[str, Any] = field(
+    prometheus_peer: dict[str, Any] | None = field(
         default_factory=lambda: copy.deepcopy(DEFAULT_PROMETHEUS_PEER))
 
     @classmethod
     def from_env(cls) -> OperatorConfig:
+        """Raises ValueError for a RADIXPOOL_PROMETHEUS_PEER that is no NetworkPolicy peer."""
         peer = os.environ.get("RADIXPOOL_PROMETHEUS_PEER")
         return cls(
             worker_image=os.environ.get("RADIXPOOL_WORKER_IMAGE", DEFAULT_WORKER_IMAGE),
             gateway_image=os.environ.get("RADIXPOOL_GATEWAY_IMAGE", DEFAULT_CONTROL_IMAGE),
             network_policy=os.environ.get("RADIXPOOL_NETWORK_POLICY", "").lower()
             in ("1", "true", "yes"),
-            prometheus_peer=json.loads(peer) if peer else copy.deepcopy(DEFAULT_PROMETHEUS_PEER),
+            prometheus_peer=parse_peer(peer) if peer else copy.deepcopy(DEFAULT_PROMETHEUS_PEER),
         )
+
+
+def parse_peer(text: str) -> dict[str, Any] | None:
+    """A NetworkPolicy `from` peer as JSON. `null` or one that names nothing (the chart's
+    `networkPolicy.prometheus: null`) is None: no one besides the gateway. Written as it is, an
+    empty peer made the API server refuse every pool's NetworkPolicy ("must specify a peer")."""
+    try:
+        peer = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"RADIXPOOL_PROMETHEUS_PEER is not JSON: {error}") from None
+    if peer is not None and not isinstance(peer, dict):
+        raise ValueError(f"RADIXPOOL_PROMETHEUS_PEER must be a NetworkPolicy peer (a JSON "
+                         f"object with {', '.join(PEER_FIELDS)}), got {text!r}")
+    if not peer or not any(peer.get(key) is not None for key in PEER_FIELDS):
+        return None
+    return peer
 
 
 @dataclass(frozen=True)
@@ -102,6 +123,10 @@ def control_key_secret(pool: Pool) -> dict[str, Any]:
 def desired_network_policy(pool: Pool, config: OperatorConfig) -> dict[str, Any]:
     """Only the pool's gateway pods and Prometheus reach the workers' port."""
     port = [{"port": api.WORKER_PORT, "protocol": "TCP"}]
+    ingress = [{"from": [{"podSelector": {"matchLabels": api.selector_labels(
+        pool.name, "gateway")}}], "ports": port}]
+    if config.prometheus_peer is not None:
+        ingress.append({"from": [copy.deepcopy(config.prometheus_peer)], "ports": port})
     return {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
         "metadata": {"name": api.network_policy_name(pool.name), "namespace": pool.namespace,
@@ -109,11 +134,7 @@ def desired_network_policy(pool: Pool, config: OperatorConfig) -> dict[str, Any]
         "spec": {
             "podSelector": {"matchLabels": worker_selector(pool)},
             "policyTypes": ["Ingress"],
-            "ingress": [
-                {"from": [{"podSelector": {"matchLabels": api.selector_labels(
-                    pool.name, "gateway")}}], "ports": port},
-                {"from": [copy.deepcopy(config.prometheus_peer)], "ports": port},
-            ],
+            "ingress": ingress,
         },
     }
 

@@ -62,11 +62,14 @@ def boolean(description: str, *, default: bool | None = None) -> Schema:
 
 
 def int_or_string(description: str, *, default: int | str | None = None,
-                  pattern: str | None = None) -> Schema:
+                  pattern: str | None = None, minimum: int | None = None) -> Schema:
+    """`pattern` applies to a string, `minimum` to an integer (as the API server applies them)."""
     node: Schema = {"description": description, "x-kubernetes-int-or-string": True,
                     "anyOf": [{"type": "integer"}, {"type": "string"}]}
     if pattern:
         node["pattern"] = pattern
+    if minimum is not None:
+        node["minimum"] = minimum
     if default is not None:
         node["default"] = default
     return node
@@ -134,7 +137,7 @@ def validate(schema: Schema, value: Any, path: str) -> list[FieldError]:
         if isinstance(value, str) and "pattern" in schema and not re.search(schema["pattern"],
                                                                             value):
             return [FieldError(path, f"{value!r} is not a valid value")]
-        return []
+        return _check_range(schema, value, path) if isinstance(value, int) else []
     kind = schema.get("type")
     if kind and (not isinstance(value, _TYPES[kind])
                  or (isinstance(value, bool) and kind in ("integer", "number"))):

@@ -182,23 +182,48 @@ def _check_volume_source(volume: Any, path: str) -> list[FieldError]:
     return []
 
 
-def _check_env(env: list[Any]) -> list[FieldError]:
+def _check_env(env: list[dict[str, Any]]) -> list[FieldError]:
+    """The parts of each core/v1 EnvVar the operator reads: the schema passes items through as
+    written, so a name or valueFrom of another type must be refused here, not met by a
+    TypeError (the pool then got no status at all)."""
     errors, seen = [], set()
     for index, item in enumerate(env):
         path = f"spec.engine.env[{index}]"
-        name = item.get("name") if isinstance(item, dict) else None
-        if name in api.RESERVED_ENV:
+        name = item.get("name")
+        if not _nonempty(name):
+            errors.append(FieldError(f"{path}.name", "is required (a non-empty string)"))
+        elif name in api.RESERVED_ENV:
             errors.append(FieldError(f"{path}.name", f"{name!r} is set by the operator"))
         elif name in seen:
             errors.append(FieldError(f"{path}.name", f"{name!r} is set twice"))
-        seen.add(name)
-        source = (item.get("valueFrom") or {}) if isinstance(item, dict) else {}
+        else:
+            seen.add(name)
+        source = item.get("valueFrom") or {}
+        if not isinstance(source, dict):
+            errors.append(FieldError(f"{path}.valueFrom", "must be an object (core/v1 "
+                                                          "EnvVarSource)"))
+            continue
         for kind in ("secretKeyRef", "configMapKeyRef"):
             if kind in source and not (isinstance(source[kind], dict)
                                        and _nonempty(source[kind].get("name"))
                                        and _nonempty(source[kind].get("key"))):
                 errors.append(FieldError(f"{path}.valueFrom.{kind}",
                                          "needs a non-empty name and key"))
+    return errors
+
+
+def _check_args(args: list[str]) -> list[FieldError]:
+    errors = []
+    for index, arg in enumerate(args):
+        name = arg.partition("=")[0]
+        if len(name) < 3 or not name.startswith("--"):
+            continue
+        # the worker's parser takes any unambiguous prefix of a flag, as `--po` for `--port`
+        flag = next((f for f in sorted(api.OPERATOR_WORKER_FLAGS) if f.startswith(name)), None)
+        if flag:
+            errors.append(FieldError(f"spec.engine.args[{index}]",
+                                     f"{flag!r} is set by the operator (from the pool's own "
+                                     "fields, or fixed where probes and the gateway expect it)"))
     return errors
 
 
@@ -216,6 +241,10 @@ def _check_mounts(mounts: list[Any]) -> list[FieldError]:
             errors.append(FieldError(path, f"{where!r} is mounted twice"))
         seen.add(where)
     return errors
+
+
+def _is_zero(count_or_percent: int | str) -> bool:
+    return str(count_or_percent).rstrip("%").strip("0") == ""
 
 
 def _check_rules(spec: dict[str, Any]) -> list[FieldError]:
@@ -251,17 +280,22 @@ def _check_rules(spec: dict[str, Any]) -> list[FieldError]:
         errors.append(FieldError("spec.model.hfTokenSecret", "only applies to hf:// models"))
     reserved = {"model", "model-cache", "tmp", "cache", "dshm"}
     for index, volume in enumerate(engine.get("volumes", [])):
-        if volume.get("name") in reserved:
+        name = volume.get("name")
+        if not _nonempty(name):
             errors.append(FieldError(f"spec.engine.volumes[{index}].name",
-                                     f"{volume.get('name')!r} is reserved by the operator"))
+                                     "is required (a non-empty string)"))
+        elif name in reserved:
+            errors.append(FieldError(f"spec.engine.volumes[{index}].name",
+                                     f"{name!r} is reserved by the operator"))
         errors += _check_volume_source(volume, f"spec.engine.volumes[{index}]")
     errors += _check_env(engine.get("env", []))
+    errors += _check_args(engine.get("args", []))
     errors += _check_mounts(engine.get("volumeMounts", []))
     gpu_resource = engine["resources"].get("gpuResourceName")
     if gpu_resource in api.CORE_RESOURCES or str(gpu_resource).startswith("hugepages-"):
         errors.append(FieldError("spec.engine.resources.gpuResourceName",
                                  f"{gpu_resource!r} is no GPU resource (e.g. nvidia.com/gpu)"))
     lifecycle = spec["lifecycle"]
-    if lifecycle["maxSurge"] in (0, "0", "0%") and lifecycle["maxUnavailable"] in (0, "0", "0%"):
+    if _is_zero(lifecycle["maxSurge"]) and _is_zero(lifecycle["maxUnavailable"]):
         errors.append(FieldError("spec.lifecycle", "maxSurge and maxUnavailable cannot both be 0"))
     return errors

@@ -41,15 +41,16 @@ def spec_path(path: str, obj: dict[str, Any], pool_spec: dict[str, Any]) -> str 
             return target + path[len(prefix):]
     if is_gateway:
         return None
-    container = ((obj["spec"]["template"]["spec"].get("containers")) or [{}])[0]
+    pod = obj["spec"]["template"]["spec"]
+    container = (pod.get("containers") or [{}])[0]
     engine = pool_spec.get("engine") or {}
-    base = f"{POD}.containers[0]"
-    user_env = len(engine.get("env") or [])
-    user_args = len(engine.get("args") or [])
-    for field, count, target in (("env", user_env, "spec.engine.env"),
-                                 ("args", user_args, "spec.engine.args")):
-        first = len(container.get(field) or []) - count
-        found = _offset_field(path, f"{base}.{field}", target, first)
+    # the pool's own items come last, after the operator's
+    for where, field, prefix in ((pod, "volumes", POD),
+                                 (container, "volumeMounts", f"{POD}.containers[0]"),
+                                 (container, "env", f"{POD}.containers[0]"),
+                                 (container, "args", f"{POD}.containers[0]")):
+        first = len(where.get(field) or []) - len(engine.get(field) or [])
+        found = _offset_field(path, f"{prefix}.{field}", f"spec.engine.{field}", first)
         if found:
             return found
     return None
