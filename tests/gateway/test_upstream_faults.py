@@ -342,3 +342,54 @@ def test_a_worker_url_with_a_bad_host_name_is_a_down_worker(make_stack):
         stack.check_all()
     row = next(w for w in stack.client.get("/workers").json()["workers"] if w["url"] == bad)
     assert not row["eligible"], row
+
+
+class EarlyHintsWorker(asyncio.Protocol):
+    """Answers each request with an interim `103 Early Hints` at once and the answer a moment
+    later, as a worker behind a proxy that sends early hints would."""
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.transport.write(b"HTTP/1.1 103 Early Hints\r\nlink: </style.css>\r\n\r\n")
+        asyncio.get_running_loop().call_later(0.1, self.transport.write, (
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 11\r\n\r\n"
+            b'{"ok": "a"}'))
+
+
+def test_an_interim_answer_is_not_taken_for_the_workers_answer(loop_thread):
+    # The 103 was relayed as the answer: the client waited on for a final one that never came,
+    # and the worker's real answer was left on a pooled connection for the next request.
+    with gateway_before(loop_thread, EarlyHintsWorker) as server, \
+            httpx.Client(base_url=f"http://127.0.0.1:{server.port}", timeout=5) as client:
+        for _ in range(2):
+            r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+            assert r.status_code == 200 and r.json() == {"ok": "a"}
+
+
+class OddStatusWorker(asyncio.Protocol):
+    """Passes its health checks and answers every other request with `status`."""
+
+    status = b"999 Odd"
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        status = b"200 OK" if data.startswith(b"GET /health ") else self.status
+        self.transport.write(b"HTTP/1.1 %s\r\ncontent-length: 2\r\n\r\nok" % status)
+
+
+@pytest.mark.parametrize("status", [b"999 Odd", b"000 None", b"101 Switching Protocols"])
+def test_a_worker_answering_no_http_status_is_a_502_not_a_dropped_connection(loop_thread,
+                                                                             status):
+    # The gateway had no status line for 999 (or 000): its handler failed after the answer had
+    # begun, and the client's connection was dropped with no answer at all.
+    OddStatusWorker.status = status
+    with gateway_before(loop_thread, OddStatusWorker) as server, \
+            httpx.Client(base_url=f"http://127.0.0.1:{server.port}", timeout=5) as client:
+        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+        assert r.status_code == 502, r.text
+        assert f"status {int(status[:3])}" in r.json()["error"]["message"]
+        assert client.get("/livez").status_code == 200
