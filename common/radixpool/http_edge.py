@@ -25,7 +25,8 @@ request's response (whose request is then aborted). `EdgeProtocol`:
 
 - at most `max_connections` connections are open at once (fewer when the open-file limit leaves
   less room: `edge_protocol` raises the soft limit to the hard one, and keeps `FD_RESERVE`
-  descriptors for the server's own connections to workers, files and children). One more
+  descriptors for the server's own connections to workers, files and children; a proxy's
+  share is halved, each client it answers holding a connection to a worker too). One more
   closes the oldest connection that has no request being answered (idle, or still sending a
   head), as nginx reuses its keep-alive connections; when every one is answering, the new one
   gets 503. Without it a client holding a thousand idle sockets took the process to its
@@ -104,10 +105,14 @@ def open_file_room() -> int:
     return max(1, soft - FD_RESERVE)
 
 
-def edge_protocol(limits: EdgeLimits) -> type[HttpToolsProtocol]:
-    """The protocol class to give `uvicorn.Config(http=...)` (raises the open-file limit)."""
+def edge_protocol(limits: EdgeLimits, descriptors_per_connection: int = 1
+                  ) -> type[HttpToolsProtocol]:
+    """The protocol class to give `uvicorn.Config(http=...)` (raises the open-file limit).
+    `descriptors_per_connection`: what one client connection being answered holds (2 for a
+    proxy: its connection to the upstream too)."""
+    room = max(1, open_file_room() // descriptors_per_connection)
     return type("EdgeProtocol", (EdgeProtocol,), {
-        "limits": limits, "max_connections": min(limits.max_connections, open_file_room())})
+        "limits": limits, "max_connections": min(limits.max_connections, room)})
 
 
 def error_document(status: int, message: str, code: str | None = None,
