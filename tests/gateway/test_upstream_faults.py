@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import json
+import posixpath
 import threading
 import time
 from typing import ClassVar
+from urllib.parse import unquote
 
 import httpx
 import pytest
@@ -393,3 +396,49 @@ def test_a_worker_answering_no_http_status_is_a_502_not_a_dropped_connection(loo
         assert r.status_code == 502, r.text
         assert f"status {int(status[:3])}" in r.json()["error"]["message"]
         assert client.get("/livez").status_code == 200
+
+
+class MeshedWorker(asyncio.Protocol):
+    """A worker behind a service-mesh sidecar that resolves dot segments in paths (Istio's
+    default path normalization, RFC 3986, backslashes read as slashes) before the worker routes
+    them; its control path answers whoever presents the control key."""
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        target = data.split(b" ", 2)[1].decode()
+        path = posixpath.normpath(unquote(target).replace("\\", "/"))
+        if path == "/kv_events/snapshot" and b"authorization: Bearer control-key" in data:
+            body = b'{"blocks": "every prompt cached here"}'
+        elif path == "/health":
+            body = b'{"status": "ok"}'
+        else:
+            body = b'{"id": "sim-model", "object": "model"}'
+        self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\n\r\n%s" % (len(body), body))
+
+
+@pytest.mark.parametrize("model", ["../../kv_events/snapshot", "..%2F..%2Fkv_events%2Fsnapshot",
+                                   "..%5C..%5Ckv_events%5Csnapshot"])
+def test_a_model_id_that_climbs_out_of_the_models_path_reaches_no_worker(loop_thread, model):
+    # /v1/models/{id} went to a worker with the gateway's worker (control) key: where a sidecar
+    # resolved the dot segments, a client holding only the serving key read /kv_events/snapshot.
+    with gateway_before(loop_thread, MeshedWorker, api_key="client-key",
+                        worker_api_key="control-key") as server:
+        def get(model: str) -> tuple[int, dict, dict]:
+            client = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+            try:   # as sent (`curl --path-as-is`): httpx resolves dot segments itself
+                client.request("GET", f"/v1/models/{model}",
+                               headers={"authorization": "Bearer client-key"})
+                r = client.getresponse()
+                return r.status, dict(r.getheaders()), json.loads(r.read())
+            finally:
+                client.close()
+
+        status, headers, doc = get(model)
+        assert status == 404, doc
+        assert doc["error"]["code"] == "model_not_found"
+        assert "x-radixpool-worker" not in headers
+        status, _, doc = get("sim-model")
+        assert status == 200 and doc["id"] == "sim-model"
