@@ -36,6 +36,9 @@ request's response (whose request is then aborted). `EdgeProtocol`:
   connection's send buffer full all that time) ends: the connection is dropped, so the handler
   sees a disconnect and the request is aborted. Flow control alone kept such a stream's request
   running to its last token, holding its KV, while the output piled up in the server;
+- a client that leaves (or half-closes) with a request pipelined behind the one being answered
+  has that one told it left: uvicorn told only the newest request, so the one being answered ran
+  on to its end (holding its worker) and then failed writing to the closed connection;
 - an HTTP/1.0 request's streamed answer is sent as it is, ended by closing the connection:
   uvicorn framed it in chunked encoding, which HTTP/1.0 has not (RFC 9112 §6.1), so an HTTP/1.0
   client read the chunk sizes as part of its event stream.
@@ -167,6 +170,12 @@ class EdgeProtocol(HttpToolsProtocol):
         self._cancel_head_timer()
         self._cancel_body_timer()
         self._cancel_stall_timer()
+        running = self._running
+        if running is not None and running is not self.cycle and not running.response_complete:
+            # uvicorn tells only the newest request (`cycle`), here one pipelined behind the one
+            # being answered: that one must learn its client left too, or it runs on to its end
+            running.disconnected = True
+            running.message_event.set()
         super().connection_lost(exc)
 
     def pause_writing(self) -> None:

@@ -9,6 +9,7 @@ import contextlib
 import http.client
 import json
 import posixpath
+import socket
 import threading
 import time
 from typing import ClassVar
@@ -442,3 +443,25 @@ def test_a_model_id_that_climbs_out_of_the_models_path_reaches_no_worker(loop_th
         assert "x-radixpool-worker" not in headers
         status, _, doc = get("sim-model")
         assert status == 200 and doc["id"] == "sim-model"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_with_a_request_pipelined_cancels_the_one_being_answered(
+        make_stack, stream):
+    # uvicorn marks only the connection's newest request (the pipelined one, not yet started)
+    # as disconnected: the request being answered never learned its client had gone, kept its
+    # worker busy to the end, and then failed writing to the closed connection (a traceback in
+    # the log for every such client).
+    stack = make_stack(1, sim=SimConfig(prefill_us_per_token=200_000.0), kv_events=False)
+    worker = stack.fleet.workers[0]
+    body = json.dumps({"prompt": words(0, 30), "max_tokens": 60, "stream": stream}).encode()
+    with socket.create_connection(("127.0.0.1", stack.server.port)) as c:
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
+                  b"\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+                  + b"GET /livez HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert wait_for(lambda: worker.running == 1, 5)   # the worker is on it
+        in_flight_connections = len(worker.connections)
+    # the gateway closed its connection to the worker (which aborts there) and let go
+    assert wait_for(lambda: stack.gateway.workers.get(worker.url).inflight == 0, 3)
+    assert wait_for(lambda: len(worker.connections) < in_flight_connections, 3)
+    assert dict(stack.gateway.metrics.requests) == {(worker.url, "499"): 1}
