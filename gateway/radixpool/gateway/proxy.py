@@ -333,12 +333,12 @@ class Gateway:
                     break
                 worker, decision = held.worker, held.decision
                 wait = prefill_wait(decision, key)
-            else:
+            else:   # (a held request's worker was taken, its breaker told, when it was placed)
                 worker.take(wait, key.sequences)
+                worker.breaker.dispatched(now)
             self.metrics.decision(worker.url, "retry" if attempt else decision.reason)
             if attempt:
                 self.metrics.retry()
-            worker.breaker.dispatched(now)
             try:
                 upstream = await self.pool(worker).request(
                     "POST", path, headers, body, self.config.upstream_first_byte_timeout,
