@@ -25,7 +25,8 @@ request's response (whose request is then aborted). `EdgeProtocol`:
 
 - at most `max_connections` connections are open at once (fewer when the open-file limit leaves
   less room: `edge_protocol` raises the soft limit to the hard one, and keeps `FD_RESERVE`
-  descriptors for the server's own connections to workers, files and children). One more
+  descriptors for the server's own connections to workers, files and children; a proxy's
+  share is halved, each client it answers holding a connection to a worker too). One more
   closes the oldest connection that has no request being answered (idle, or still sending a
   head), as nginx reuses its keep-alive connections; when every one is answering, the new one
   gets 503. Without it a client holding a thousand idle sockets took the process to its
@@ -35,6 +36,9 @@ request's response (whose request is then aborted). `EdgeProtocol`:
   connection's send buffer full all that time) ends: the connection is dropped, so the handler
   sees a disconnect and the request is aborted. Flow control alone kept such a stream's request
   running to its last token, holding its KV, while the output piled up in the server;
+- a client that leaves (or half-closes) with a request pipelined behind the one being answered
+  has that one told it left: uvicorn told only the newest request, so the one being answered ran
+  on to its end (holding its worker) and then failed writing to the closed connection;
 - an HTTP/1.0 request's streamed answer is sent as it is, ended by closing the connection:
   uvicorn framed it in chunked encoding, which HTTP/1.0 has not (RFC 9112 §6.1), so an HTTP/1.0
   client read the chunk sizes as part of its event stream.
@@ -104,10 +108,14 @@ def open_file_room() -> int:
     return max(1, soft - FD_RESERVE)
 
 
-def edge_protocol(limits: EdgeLimits) -> type[HttpToolsProtocol]:
-    """The protocol class to give `uvicorn.Config(http=...)` (raises the open-file limit)."""
+def edge_protocol(limits: EdgeLimits, descriptors_per_connection: int = 1
+                  ) -> type[HttpToolsProtocol]:
+    """The protocol class to give `uvicorn.Config(http=...)` (raises the open-file limit).
+    `descriptors_per_connection`: what one client connection being answered holds (2 for a
+    proxy: its connection to the upstream too)."""
+    room = max(1, open_file_room() // descriptors_per_connection)
     return type("EdgeProtocol", (EdgeProtocol,), {
-        "limits": limits, "max_connections": min(limits.max_connections, open_file_room())})
+        "limits": limits, "max_connections": min(limits.max_connections, room)})
 
 
 def error_document(status: int, message: str, code: str | None = None,
@@ -162,6 +170,12 @@ class EdgeProtocol(HttpToolsProtocol):
         self._cancel_head_timer()
         self._cancel_body_timer()
         self._cancel_stall_timer()
+        running = self._running
+        if running is not None and running is not self.cycle and not running.response_complete:
+            # uvicorn tells only the newest request (`cycle`), here one pipelined behind the one
+            # being answered: that one must learn its client left too, or it runs on to its end
+            running.disconnected = True
+            running.message_event.set()
         super().connection_lost(exc)
 
     def pause_writing(self) -> None:

@@ -3,15 +3,19 @@ gateway where a half-open probe answered 503 used to exclude a healthy worker fo
 
 from __future__ import annotations
 
+import threading
 import time
 
+import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench.simfleet import SimConfig
 from radixpool.gateway.breaker import FAILURE_KINDS, CircuitBreaker
 from radixpool.gateway.stream_errors import error_event
 from tests.gateway.conftest import words
+from tests.gateway.test_upstream_faults import wait_for
 
 FAILURES, OPEN_S = 3, 10.0
 
@@ -276,3 +280,36 @@ def test_the_status_an_error_event_in_a_stream_stands_for(events, status):
     """A 5xx is the worker's fault (its breaker counts it), a 4xx the client's."""
     error = error_event(events)
     assert (error and error.status) == status
+
+
+def test_a_late_success_of_a_request_sent_before_it_opened_leaves_the_breaker_open():
+    b = CircuitBreaker(failures=2, open_seconds=10)
+    b.record_failure("server_error", now=0)
+    b.record_failure("server_error", now=1)
+    b.record_success(now=2)   # a long stream sent at 0.5 ends well
+    assert b.state(2) == "open" and not b.allows(5)
+    assert b.allows(11) and b.state(11) == "half_open"   # the cool-down decides, as before
+
+
+def test_a_long_stream_ending_well_does_not_reopen_a_failing_worker_to_traffic(make_stack):
+    """A worker whose engine fails every new request while an older stream runs on: the breaker
+    opens, and the stream's good end closed it again at once, so each stream that ended let the
+    next requests' 500s through to their clients."""
+    stack = make_stack(1, sim=SimConfig(decode_ms_per_token=100.0), breaker_failures=FAILURES,
+                       breaker_open_seconds=3600)
+    worker = stack.gateway.workers.get(stack.fleet.urls[0])
+    answer: list[httpx.Response] = []
+    stream = threading.Thread(target=lambda: answer.append(stack.client.post(
+        "/v1/completions", json={"prompt": words(0, 8), "max_tokens": 20, "stream": True})))
+    stream.start()
+    assert wait_for(lambda: worker.inflight == 1, 5)
+    stack.client.post(stack.fleet.urls[0] + "/sim/fail", json={"error": {}})
+    for i in range(FAILURES):
+        assert stack.client.post("/v1/completions", json={
+            "prompt": words(100 + 10 * i, 8), "max_tokens": 1}).status_code == 500
+    stream.join(10)
+    assert answer and answer[0].status_code == 200 and "data: [DONE]" in answer[0].text
+    stack.settle()
+    assert stack.client.get("/workers").json()["workers"][0]["circuit_breaker"] == "open"
+    r = stack.client.post("/v1/completions", json={"prompt": words(200, 8), "max_tokens": 1})
+    assert r.status_code == 503, r.text   # not the failing worker's 500

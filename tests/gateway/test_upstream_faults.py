@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import json
+import posixpath
+import socket
 import threading
 import time
 from typing import ClassVar
+from urllib.parse import unquote
 
 import httpx
 import pytest
@@ -342,3 +346,122 @@ def test_a_worker_url_with_a_bad_host_name_is_a_down_worker(make_stack):
         stack.check_all()
     row = next(w for w in stack.client.get("/workers").json()["workers"] if w["url"] == bad)
     assert not row["eligible"], row
+
+
+class EarlyHintsWorker(asyncio.Protocol):
+    """Answers each request with an interim `103 Early Hints` at once and the answer a moment
+    later, as a worker behind a proxy that sends early hints would."""
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.transport.write(b"HTTP/1.1 103 Early Hints\r\nlink: </style.css>\r\n\r\n")
+        asyncio.get_running_loop().call_later(0.1, self.transport.write, (
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 11\r\n\r\n"
+            b'{"ok": "a"}'))
+
+
+def test_an_interim_answer_is_not_taken_for_the_workers_answer(loop_thread):
+    # The 103 was relayed as the answer: the client waited on for a final one that never came,
+    # and the worker's real answer was left on a pooled connection for the next request.
+    with gateway_before(loop_thread, EarlyHintsWorker) as server, \
+            httpx.Client(base_url=f"http://127.0.0.1:{server.port}", timeout=5) as client:
+        for _ in range(2):
+            r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+            assert r.status_code == 200 and r.json() == {"ok": "a"}
+
+
+class OddStatusWorker(asyncio.Protocol):
+    """Passes its health checks and answers every other request with `status`."""
+
+    status = b"999 Odd"
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        status = b"200 OK" if data.startswith(b"GET /health ") else self.status
+        self.transport.write(b"HTTP/1.1 %s\r\ncontent-length: 2\r\n\r\nok" % status)
+
+
+@pytest.mark.parametrize("status", [b"999 Odd", b"000 None", b"101 Switching Protocols"])
+def test_a_worker_answering_no_http_status_is_a_502_not_a_dropped_connection(loop_thread,
+                                                                             status):
+    # The gateway had no status line for 999 (or 000): its handler failed after the answer had
+    # begun, and the client's connection was dropped with no answer at all.
+    OddStatusWorker.status = status
+    with gateway_before(loop_thread, OddStatusWorker) as server, \
+            httpx.Client(base_url=f"http://127.0.0.1:{server.port}", timeout=5) as client:
+        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+        assert r.status_code == 502, r.text
+        assert f"status {int(status[:3])}" in r.json()["error"]["message"]
+        assert client.get("/livez").status_code == 200
+
+
+class MeshedWorker(asyncio.Protocol):
+    """A worker behind a service-mesh sidecar that resolves dot segments in paths (Istio's
+    default path normalization, RFC 3986, backslashes read as slashes) before the worker routes
+    them; its control path answers whoever presents the control key."""
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        target = data.split(b" ", 2)[1].decode()
+        path = posixpath.normpath(unquote(target).replace("\\", "/"))
+        if path == "/kv_events/snapshot" and b"authorization: Bearer control-key" in data:
+            body = b'{"blocks": "every prompt cached here"}'
+        elif path == "/health":
+            body = b'{"status": "ok"}'
+        else:
+            body = b'{"id": "sim-model", "object": "model"}'
+        self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\n\r\n%s" % (len(body), body))
+
+
+@pytest.mark.parametrize("model", ["../../kv_events/snapshot", "..%2F..%2Fkv_events%2Fsnapshot",
+                                   "..%5C..%5Ckv_events%5Csnapshot"])
+def test_a_model_id_that_climbs_out_of_the_models_path_reaches_no_worker(loop_thread, model):
+    # /v1/models/{id} went to a worker with the gateway's worker (control) key: where a sidecar
+    # resolved the dot segments, a client holding only the serving key read /kv_events/snapshot.
+    with gateway_before(loop_thread, MeshedWorker, api_key="client-key",
+                        worker_api_key="control-key") as server:
+        def get(model: str) -> tuple[int, dict, dict]:
+            client = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+            try:   # as sent (`curl --path-as-is`): httpx resolves dot segments itself
+                client.request("GET", f"/v1/models/{model}",
+                               headers={"authorization": "Bearer client-key"})
+                r = client.getresponse()
+                return r.status, dict(r.getheaders()), json.loads(r.read())
+            finally:
+                client.close()
+
+        status, headers, doc = get(model)
+        assert status == 404, doc
+        assert doc["error"]["code"] == "model_not_found"
+        assert "x-radixpool-worker" not in headers
+        status, _, doc = get("sim-model")
+        assert status == 200 and doc["id"] == "sim-model"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_with_a_request_pipelined_cancels_the_one_being_answered(
+        make_stack, stream):
+    # uvicorn marks only the connection's newest request (the pipelined one, not yet started)
+    # as disconnected: the request being answered never learned its client had gone, kept its
+    # worker busy to the end, and then failed writing to the closed connection (a traceback in
+    # the log for every such client).
+    stack = make_stack(1, sim=SimConfig(prefill_us_per_token=200_000.0), kv_events=False)
+    worker = stack.fleet.workers[0]
+    body = json.dumps({"prompt": words(0, 30), "max_tokens": 60, "stream": stream}).encode()
+    with socket.create_connection(("127.0.0.1", stack.server.port)) as c:
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
+                  b"\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+                  + b"GET /livez HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert wait_for(lambda: worker.running == 1, 5)   # the worker is on it
+        in_flight_connections = len(worker.connections)
+    # the gateway closed its connection to the worker (which aborts there) and let go
+    assert wait_for(lambda: stack.gateway.workers.get(worker.url).inflight == 0, 3)
+    assert wait_for(lambda: len(worker.connections) < in_flight_connections, 3)
+    assert dict(stack.gateway.metrics.requests) == {(worker.url, "499"): 1}

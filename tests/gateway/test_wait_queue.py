@@ -185,3 +185,21 @@ def test_no_eligible_worker_places_nothing_and_other_policies_pick_among_unsatur
     assert binding.release(0.0, lambda model: []) == []
     assert binding.release(0.0, lambda model: [busy, idle]) == [held]
     assert held.worker is idle
+
+
+def test_a_half_open_worker_is_sent_one_held_request_its_probe_not_all_of_them():
+    # Placing a held request did not take the half-open breaker's probe slot (the proxy did,
+    # later, when the request went): every held request released in the same pass saw the
+    # worker let traffic through and went there, each failing while the worker still failed.
+    index, (worker,) = fleet(1)
+    worker.breaker = CircuitBreaker(1, 10.0)
+    worker.breaker.record_failure("server_error", now=0.0)
+    binding = LateBinding(make_policy(GatewayConfig(), index), threshold=1 << 20,
+                          max_held=8, max_wait=5.0)
+    first = binding.queue.hold(key_of(list(range(320))), 10.0)
+    second = binding.queue.hold(key_of(list(range(5000, 5320))), 10.0)
+    eligible = lambda now: lambda model: [w for w in (worker,) if w.eligible(now)]  # noqa: E731
+    assert binding.release(10.0, eligible(10.0)) == [first]
+    assert worker.breaker.state(10.0) == "half_open" and not worker.breaker.allows(10.0)
+    worker.breaker.record_success(11.0)        # the probe answered: the worker is back
+    assert binding.release(11.0, eligible(11.0)) == [second]

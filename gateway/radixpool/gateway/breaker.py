@@ -5,7 +5,10 @@ with the clock passed in (tests step it without sleeping).
     half_open --the probe succeeds--> closed        half_open --the probe fails--> open
 
 - Closed lets everything through; a success resets the failure run.
-- Open lets nothing through until `open_seconds` have passed since it opened.
+- Open lets nothing through until `open_seconds` have passed since it opened. An outcome
+  recorded meanwhile is a late one, of a request sent before it opened (a long stream that ends
+  well): it changes nothing, so a worker failing every new request is not reopened to them by
+  each older stream that ends.
 - Half-open lets one request through at a time: the probe. Every outcome recorded while
   half-open resolves it, whatever its kind (success closes; a 5xx, a timeout, a connect error, a
   cut answer or a stream the worker ended with an error of its own reopens). A probe whose
@@ -63,6 +66,8 @@ class CircuitBreaker:
             self._probe_until = now + self.open_seconds
 
     def record_success(self, now: float) -> None:
+        if self.state(now) == "open":
+            return  # a late answer of a request sent before it opened: the cool-down stands
         self._state, self._failures, self._probe_until = "closed", 0, None
 
     def record_failure(self, kind: FailureKind, now: float) -> None:

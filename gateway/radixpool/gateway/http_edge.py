@@ -63,6 +63,7 @@ _ID_PREFIX = uuid.uuid4().hex[:12].encode()
 _FRAMING = (b"content-length", b"transfer-encoding")   # the edge frames what it sends
 LARGE_BODY_BYTES = 1 << 20   # bodies up to this size never count against the budget
 CLOSE_GRACE_S = 5.0   # how long stop() waits by default for connections still answering
+DESCRIPTORS_PER_CONNECTION = 2   # a client being answered holds a connection to a worker too
 
 
 def request_id(headers: dict[bytes, bytes]) -> bytes:
@@ -209,7 +210,8 @@ class EdgeServer:
 
     async def start(self) -> None:
         config = uvicorn.Config(
-            self._asgi, interface="asgi3", lifespan="off", http=edge_protocol(self.limits),
+            self._asgi, interface="asgi3", lifespan="off",
+            http=edge_protocol(self.limits, DESCRIPTORS_PER_CONNECTION),
             ws="none", log_level="warning", access_log=False, proxy_headers=False,
             server_header=False, date_header=False,
             timeout_keep_alive=self.limits.header_read_timeout)

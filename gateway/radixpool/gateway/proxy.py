@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass
 from urllib.parse import quote
@@ -205,6 +206,13 @@ class Gateway:
         """`/v1/models/{id}` from a worker serving `id` if any does (the others answer 404
         naming it); `/v1/models` from one worker per model served, their lists merged."""
         model = request.path[len(MODEL_PATH):] or None
+        if model is not None and ".." in re.split(r"[/\\]", model):
+            # No model is named so, and the request carries the gateway's worker key: a proxy
+            # before the worker that resolves dot segments (a mesh sidecar) would take
+            # /v1/models/../../kv_events to that control path.
+            await respond.send_error(404, f"the model {model!r} does not exist",
+                                     "model_not_found", "model")
+            return
         ready = self.workers.eligible(self.clock(), model)
         if not ready:
             _, headers, doc = error_body(503, "no healthy worker available" + (
@@ -325,12 +333,12 @@ class Gateway:
                     break
                 worker, decision = held.worker, held.decision
                 wait = prefill_wait(decision, key)
-            else:
+            else:   # (a held request's worker was taken, its breaker told, when it was placed)
                 worker.take(wait, key.sequences)
+                worker.breaker.dispatched(now)
             self.metrics.decision(worker.url, "retry" if attempt else decision.reason)
             if attempt:
                 self.metrics.retry()
-            worker.breaker.dispatched(now)
             try:
                 upstream = await self.pool(worker).request(
                     "POST", path, headers, body, self.config.upstream_first_byte_timeout,

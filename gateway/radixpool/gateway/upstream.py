@@ -10,10 +10,13 @@ only after its response ended cleanly and the worker allowed keep-alive; anythin
 it. TCP_NODELAY is set on every connection.
 
 Every failure to talk to the worker is an `UpstreamError`; before the response headers it is
-safe for the proxy to retry elsewhere. `give_up_waiting` fails the requests still waiting for
-headers from a worker the health checks found hung (`WorkerHung`), so they are retried at once
-instead of waiting out `first_byte_timeout`. A pooled connection the worker closed while idle is
-retried on a fresh one (that race is the ordinary end of a keep-alive, not a worker failure).
+safe for the proxy to retry elsewhere. An interim answer (`103 Early Hints`) is skipped, as RFC
+9110 asks of every client: the answer follows it. A status no answer to our requests has (a `101`
+nobody asked for, `000`, `999`) is garbage, an `UpstreamError` too.
+`give_up_waiting` fails the requests still waiting for headers from a worker the health checks
+found hung (`WorkerHung`), so they are retried at once instead of waiting out
+`first_byte_timeout`. A pooled connection the worker closed while idle is retried on a fresh one
+(that race is the ordinary end of a keep-alive, not a worker failure).
 
 Deadlines are one timer on the connection, not a task per request: `first_byte_timeout` until
 the response headers, `total_timeout` until the last byte (the timer is set for the nearer and
@@ -97,7 +100,7 @@ class _Connection(asyncio.Protocol):
         self.got_bytes = True
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
             self._fail(exc)
             self.close()
 
@@ -105,7 +108,16 @@ class _Connection(asyncio.Protocol):
         self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if 100 <= status < 200 and status != 101:   # interim (103 Early Hints): the answer follows
+            self.headers = []
+            return
+        if not 200 <= status < 600:   # a switch of protocols nobody asked for, or no HTTP status
+            self._fail(UpstreamError(f"the worker answered status {status}, which is no answer "
+                                     "to an HTTP/1.1 request"))
+            self.close()
+            return
+        self.status = status
         if self._headers_ready is not None and not self._headers_ready.done():
             self._headers_ready.set_result(None)
 
@@ -118,6 +130,8 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if not self.status:   # the end of an interim answer, which has no body
+            return
         self.keep_alive = self.parser.should_keep_alive()  # only valid inside the callback
         self.done = True
         self._disarm()

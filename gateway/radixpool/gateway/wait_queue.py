@@ -91,8 +91,8 @@ class WaitQueue:
 
 class LateBinding:
     """The wait queue and the placement of its requests on `Worker`s: what the proxy and the
-    virtual fleet share. Placing takes the worker (in-flight count, queued prefill) at once, so
-    the next held request sees it."""
+    virtual fleet share. Placing takes the worker (in-flight count, queued prefill, a half-open
+    breaker's probe) at once, so the next held request sees it."""
 
     def __init__(self, policy: Policy, threshold: float, max_held: int, max_wait: float) -> None:
         self.policy = policy
@@ -127,6 +127,7 @@ class LateBinding:
                 return False
             worker = next(w for w in ready if w.url == decision.worker)
             worker.take(prefill_wait(decision, key), key.sequences)
+            worker.breaker.dispatched(now)   # a half-open worker's probe: the next held must wait
             held.worker, held.decision = worker, decision
             return True
 
