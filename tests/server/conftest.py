@@ -32,7 +32,8 @@ SERVERS: dict[str, tuple[str, ...]] = {
     # 1,500-token stream took over 60 s at a load of 5 on 2 cores) from cutting the stream
     "secured": ("--api-key", API_KEY, "--drain-timeout", "300"),
     "fuzz_worker": ("--context-length", "32", "--max-running-requests", "32"),
-    "impatient": ("--drain-timeout", "0.5"),
+    # two running at most: a third request waits, to be cut by the drain before it starts
+    "impatient": ("--drain-timeout", "0.5", "--max-running-requests", "2"),
     "doomed": (),
     "polled": (),
     "slow_prefill": ("--chunked-prefill-size", "8", "--max-prefill-tokens", "8",

@@ -96,7 +96,8 @@ def test_sigterm_drains_running_requests_then_exits_zero(secured):
 def test_drain_timeout_ends_running_streams_cleanly(impatient):
     """Past the drain timeout a stream ends with finish_reason "abort" and its usage; a whole
     answer is a 503 `draining`, so a gateway (or the SDK) sends it again elsewhere instead of
-    passing on a truncated text as if it were done."""
+    passing on a truncated text as if it were done. So is a stream still waiting to start: it
+    has sent nothing, and a 200 ending in "abort" could not be sent again."""
     whole: list[httpx.Response] = []
     asked = threading.Thread(target=lambda: whole.append(httpx.post(
         f"{impatient.url}/v1/completions", timeout=300, json={
@@ -104,11 +105,22 @@ def test_drain_timeout_ends_running_streams_cleanly(impatient):
             "temperature": 0, "ignore_eos": True})))
     asked.start()
     thread, chunks = _streaming(impatient.url, "unused", "too long")
-    wait_until(lambda: _metric(httpx.Client(base_url=impatient.url),
-                               "radixpool_num_requests_running") >= 2, what="both to run")
+    metrics = httpx.Client(base_url=impatient.url)
+    wait_until(lambda: _metric(metrics, "radixpool_num_requests_running") >= 2,
+               what="both to run")
+    waiting: list[httpx.Response] = []
+    queued = threading.Thread(target=lambda: waiting.append(httpx.post(
+        f"{impatient.url}/v1/completions", timeout=300, json={
+            "model": "tiny", "prompt": "waiting", "max_tokens": 8, "stream": True})))
+    queued.start()
+    wait_until(lambda: _metric(metrics, "radixpool_num_requests_waiting") >= 1,
+               what="a third to wait")
     impatient.proc.send_signal(signal.SIGTERM)
     thread.join(300)
     asked.join(300)
+    queued.join(300)
+    assert waiting and waiting[0].status_code == 503, waiting and waiting[0].text
+    assert waiting[0].json()["error"]["code"] == "draining"
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finishes[-1] == "abort"
     assert chunks[-1].usage.completion_tokens < 1500   # the stream ended properly, with usage

@@ -149,6 +149,12 @@ class EngineRun:
             self._first = None
         if self._first is not None:
             self._observe(self._first)
+            if self._lifecycle.drain_expired and self._first.finish_reason == "abort" \
+                    and not self._first.completion_tokens:
+                # cut by the drain before its first token: nothing is sent yet, so it can go
+                # elsewhere, where a 200 ending in "abort" with no text could not
+                await self.close()
+                raise _drained() from None
 
     def _observe(self, chunk: Any) -> None:
         now = time.time()
@@ -228,10 +234,13 @@ class EngineRun:
             forks.setdefault(chunk.index, ForkOutput(chunk.index)).add(chunk)
         if self._lifecycle.drain_expired and any(
                 fork.finish_reason == "abort" for fork in forks.values()):
-            raise unavailable("this worker shut down before the request finished (its drain "
-                              "timeout passed); send it again", retry_after_s=1,
-                              code="draining")
+            raise _drained()
         return [forks[i] for i in sorted(forks)]
+
+
+def _drained() -> APIError:
+    return unavailable("this worker shut down before the request finished (its drain timeout "
+                       "passed); send it again", retry_after_s=1, code="draining")
 
 
 def _core_died() -> APIError:
