@@ -101,6 +101,24 @@ def test_config_validation_names_the_field():
     assert GatewayConfig(worker_urls=("127.0.0.1:9/",)).worker_urls == ("http://127.0.0.1:9",)
 
 
+def test_the_drain_on_sigterm_is_set_from_the_command_line():
+    """The operator gives a pool's gateways the drain its workers get (long streams finish
+    through a gateway rollout too), so it has to be a flag."""
+    import argparse
+
+    import pytest
+
+    from radixpool.gateway.cli import config_from_args, register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["gateway", "--drain-timeout", "600"])
+    assert config_from_args(args, {})[0].drain_timeout == 600
+    assert config_from_args(parser.parse_args(["gateway"]), {})[0].drain_timeout == 30
+    with pytest.raises(ValueError, match="drain_timeout"):
+        GatewayConfig(drain_timeout=-1)
+
+
 class FakeDiscoveryApi:
     """LIST answers; the watch double below plays the events."""
 

@@ -289,17 +289,21 @@ def test_a_pools_service_monitor_carries_the_labels_its_prometheus_selects_by(po
     plain = objects_of(pool_body(), service_monitors=True)["ServiceMonitor/llama"]
     assert plain["metadata"]["labels"] == api.pool_labels("llama", "monitoring")
 
-def test_gateway_liveness_does_not_depend_on_workers_and_its_drain_is_whole(pool_body):
-    from radixpool.gateway.server import DRAIN_SECONDS
-
-    objs = objects_of(pool_body())
+@pytest.mark.parametrize("drain", [0, 30, 120, 900])
+def test_gateway_liveness_does_not_depend_on_workers_and_its_drain_is_whole(pool_body, drain):
+    """A stream a stopping worker would finish is not cut by a stopping gateway either: a
+    gateway rollout lets streams run as long as a worker rollout does."""
+    objs = objects_of(pool_body(lifecycle={"drainTimeoutSeconds": drain}))
     pod = objs["Deployment/llama-gateway"]["spec"]["template"]["spec"]
     container = pod["containers"][0]
     assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "http"}
     assert container["readinessProbe"]["httpGet"]["path"] == "/health"  # 503 with no worker
     pre_stop = int(container["lifecycle"]["preStop"]["exec"]["command"][1])
+    args = container["args"]
+    gateway_drain = float(args[args.index("--drain-timeout") + 1])
+    assert gateway_drain >= drain
     # The grace period covers the preStop wait and then the gateway's whole drain after SIGTERM.
-    assert pod["terminationGracePeriodSeconds"] - pre_stop > DRAIN_SECONDS
+    assert pod["terminationGracePeriodSeconds"] - pre_stop > gateway_drain
 
 
 def test_a_pool_runs_two_gateways_by_default_and_a_drain_leaves_one_serving(pool_body):

@@ -112,6 +112,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="refuse a request this long (500 request_quarantined) once two workers' "
                         "engines died holding it; 0 turns it off")
     s.add_argument("--connect-timeout", type=float, default=D.connect_timeout, help="seconds")
+    s.add_argument("--drain-timeout", type=float, default=D.drain_timeout, metavar="SECONDS",
+                   help="on SIGTERM, how long requests in flight may take to finish (new ones "
+                        "get 503 draining meanwhile)")
     s.add_argument("--removed-worker-series-seconds", type=float,
                    default=D.removed_worker_series_seconds,
                    help="a removed worker's /metrics series (and counters) stay this long once "
@@ -171,7 +174,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.e
         health_failures=args.health_failures, health_successes=args.health_successes,
         breaker_failures=args.breaker_failures, breaker_open_seconds=args.breaker_open_seconds,
         max_retries=args.max_retries, quarantine_seconds=args.quarantine_seconds,
-        connect_timeout=args.connect_timeout,
+        connect_timeout=args.connect_timeout, drain_timeout=args.drain_timeout,
         removed_worker_series_seconds=args.removed_worker_series_seconds,
         kv_events=args.kv_events, late_binding=args.late_binding,
         hold_queued_tokens=args.hold_queued_tokens, hold_max_requests=args.hold_max_requests,

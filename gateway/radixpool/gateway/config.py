@@ -79,6 +79,7 @@ class GatewayConfig:
     quarantine_seconds: float = 600.0   # quarantine.py: refuse a query of death this long; 0: off
     removed_worker_series_seconds: float = 600.0   # metrics.py: a gone worker's series stay
     connect_timeout: float = 2.0
+    drain_timeout: float = 30.0   # on SIGTERM, how long requests in flight may take to finish
     kv_events: bool = True
     # late binding (wait_queue.py): hold a request while its best worker has more than
     # `hold_queued_tokens` of prefill queued, at most `hold_max_requests` for `hold_max_seconds`
@@ -135,6 +136,7 @@ class GatewayConfig:
         _check(self.quarantine_seconds >= 0, "quarantine_seconds", ">= 0")
         _check(self.removed_worker_series_seconds >= 0, "removed_worker_series_seconds", ">= 0")
         _check(self.connect_timeout > 0, "connect_timeout", "> 0")
+        _check(self.drain_timeout >= 0, "drain_timeout", ">= 0")
         _check(self.hold_queued_tokens >= 0, "hold_queued_tokens", ">= 0")
         _check(self.hold_max_requests >= 1, "hold_max_requests", ">= 1")
         _check(self.hold_max_seconds > 0, "hold_max_seconds", "> 0")

@@ -1,8 +1,8 @@
 """Assembling and running the gateway: the app, its HTTP edge (uvicorn), the monitors, discovery.
 
 `GatewayServer` is used the same way by the CLI (`run`, blocking, uvloop, stops on SIGTERM/SIGINT
-after in-flight requests finish) and by tests and benchmarks (`await start()` / `await stop()`
-inside their own loop, bound to port 0).
+after in-flight requests finish, for up to `--drain-timeout`) and by tests and benchmarks
+(`await start()` / `await stop()` inside their own loop, bound to port 0).
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from radixpool.listen import http_url
 from radixpool.tokenization import PromptTokenizer
 
 log = logging.getLogger("radixpool.gateway")
-
-DRAIN_SECONDS = 30.0
 
 
 class GatewayServer:
@@ -84,8 +82,8 @@ async def _main(config: GatewayConfig, tokenizer: PromptTokenizer | None) -> Non
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("shutting down: finishing in-flight requests (up to %.0fs)", DRAIN_SECONDS)
-    await server.stop(DRAIN_SECONDS)
+    log.info("shutting down: finishing in-flight requests (up to %.0fs)", config.drain_timeout)
+    await server.stop(config.drain_timeout)
 
 
 def run(config: GatewayConfig) -> int:

@@ -161,9 +161,9 @@ GATEWAY = obj("The cache-aware gateway in front of the workers: the pool's endpo
 })
 
 LIFECYCLE = obj("Startup, drain, rollout and disruption settings.", {
-    "drainTimeoutSeconds": integer("How long a stopping worker finishes running requests; the "
-                                   "pod's grace period follows it.", default=120, minimum=0,
-                                   maximum=3600),
+    "drainTimeoutSeconds": integer("How long a stopping worker, and a stopping gateway (at "
+                                   "least 30 s), finishes running requests; the pods' grace "
+                                   "periods follow it.", default=120, minimum=0, maximum=3600),
     "startupTimeoutSeconds": integer("How long a worker may take to load its model before it "
                                      "is restarted.", default=1800, minimum=30, maximum=14400),
     "maxSurge": count_or_percent("Extra workers during a rollout (count or percent).", 1,

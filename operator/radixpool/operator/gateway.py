@@ -21,11 +21,20 @@ from .workers import (
     pod_security,
 )
 
-# What `radixpool gateway` gives in-flight requests after SIGTERM (radixpool.gateway.server).
+# The least a stopping gateway gives its in-flight requests (`radixpool gateway --drain-timeout`).
 GATEWAY_DRAIN_SECONDS = 30
-# The grace period covers the preStop wait (the pod leaves the Service's endpoints first), the
-# whole drain, and a margin: so the effective drain is the gateway's own, not grace minus preStop.
-GATEWAY_GRACE_SECONDS = ENDPOINT_PROPAGATION_SECONDS + GATEWAY_DRAIN_SECONDS + 5
+
+
+def gateway_drain_seconds(pool: Pool) -> int:
+    """A stopping gateway lets its streams run as long as a stopping worker lets them: with a
+    shorter drain a gateway rollout would cut the streams a worker rollout lets finish."""
+    return max(GATEWAY_DRAIN_SECONDS, pool.lifecycle["drainTimeoutSeconds"])
+
+
+def gateway_grace_seconds(pool: Pool) -> int:
+    """The preStop wait (the pod leaves the Service's endpoints first), the whole drain, and a
+    margin: so the effective drain is the gateway's own, not grace minus preStop."""
+    return ENDPOINT_PROPAGATION_SECONDS + gateway_drain_seconds(pool) + 5
 
 
 def gateway_labels(pool: Pool) -> dict[str, str]:
@@ -78,6 +87,7 @@ def gateway_args(pool: Pool) -> list[str]:
             "--cache-threshold", str(gw["cacheThreshold"]),
             "--balance-abs-threshold", str(gw["balanceAbsThreshold"]),
             "--balance-rel-threshold", str(gw["balanceRelThreshold"]),
+            "--drain-timeout", str(gateway_drain_seconds(pool)),
             "--host", "::", "--port", str(api.GATEWAY_PORT)]
     args.append("--late-binding" if gw["lateBinding"] else "--no-late-binding")
     return args  # keys come from the environment only: RADIXPOOL_API_KEY, RADIXPOOL_WORKER_API_KEY
@@ -113,7 +123,7 @@ def desired_gateway_deployment(pool: Pool, image: str) -> dict[str, Any]:
         "serviceAccountName": api.gateway_name(pool.name),
         "enableServiceLinks": False,
         "securityContext": pod_security(),
-        "terminationGracePeriodSeconds": GATEWAY_GRACE_SECONDS,
+        "terminationGracePeriodSeconds": gateway_grace_seconds(pool),
         "containers": [container],
         "volumes": [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}],
         # Replicas on different nodes where the scheduler can, so one node's loss or drain
