@@ -323,12 +323,27 @@ def test_a_pool_runs_two_gateways_by_default_and_a_drain_leaves_one_serving(pool
 def test_gateway_pdb_lets_one_gateway_pod_go_at_a_time(pool_body):
     objs = objects_of(pool_body(gateway={"replicas": 3}))
     pdb = objs["PodDisruptionBudget/llama-gateway"]
-    assert pdb["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": {
-        api.POOL_LABEL: "llama", api.COMPONENT_LABEL: "gateway"}}}
+    assert pdb["spec"] == {"maxUnavailable": 1, "unhealthyPodEvictionPolicy": "AlwaysAllow",
+                           "selector": {"matchLabels": {
+                               api.POOL_LABEL: "llama", api.COMPONENT_LABEL: "gateway"}}}
     off = pool_body(lifecycle={"podDisruptionBudget": {"enabled": False}})
     assert not [key for key in objects_of(off) if key.startswith("PodDisruptionBudget")]
     assert {r.name for r in obsolete_objects(parse_pool(off), CONFIG, service_monitors=False)
             if r.kind == "PodDisruptionBudget"} == {"llama-worker", "llama-gateway"}
+
+
+@pytest.mark.parametrize("replicas", [0, 1, 3])
+def test_a_node_drain_is_never_held_up_by_pods_that_serve_nothing(pool_body, replicas):
+    """A gateway is not ready while no worker is (a pool scaled to 0, a model loading, workers
+    crash-looping), nor is a worker that is loading or broken. Under the default policy
+    (IfHealthyBudget) a budget with no ready pod refuses to evict even those, so `kubectl
+    drain` waited forever on the node of a scaled-to-zero pool's gateway. Ready pods stay
+    guarded by maxUnavailable."""
+    objs = objects_of(pool_body(replicas=replicas))
+    for name in ("llama-worker", "llama-gateway"):
+        spec = objs[f"PodDisruptionBudget/{name}"]["spec"]
+        assert spec["unhealthyPodEvictionPolicy"] == "AlwaysAllow", name
+        assert spec["maxUnavailable"] == 1
 
 
 def test_network_policy_lets_only_the_gateway_and_prometheus_reach_workers(pool_body,

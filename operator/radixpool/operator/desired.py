@@ -26,6 +26,7 @@ from .gateway import (
 )
 from .spec import Pool
 from .workers import (
+    UNHEALTHY_POD_EVICTION,
     desired_worker_deployment,
     desired_worker_service,
     worker_labels,
@@ -104,6 +105,7 @@ def desired_pdb(pool: Pool) -> dict[str, Any]:
                      "labels": worker_labels(pool)},
         "spec": {
             "maxUnavailable": pool.lifecycle["podDisruptionBudget"]["maxUnavailable"],
+            "unhealthyPodEvictionPolicy": UNHEALTHY_POD_EVICTION,
             "selector": {"matchLabels": api.selector_labels(pool.name, "worker")},
         },
     }

@@ -14,6 +14,7 @@ from .spec import Pool
 from .workers import (
     ENDPOINT_PROPAGATION_SECONDS,
     HOME,
+    UNHEALTHY_POD_EVICTION,
     api_key_env,
     container_security,
     control_key_env,
@@ -73,10 +74,12 @@ def desired_gateway_role_binding(pool: Pool) -> dict[str, Any]:
 
 
 def desired_gateway_pdb(pool: Pool) -> dict[str, Any]:
-    """Voluntary disruptions (node drains) take one gateway pod at a time."""
+    """Voluntary disruptions (node drains) take one ready gateway pod at a time; those not
+    ready (no worker is) go whenever asked."""
     return {
         "apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _meta(pool),
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": gateway_selector(pool)}},
+        "spec": {"maxUnavailable": 1, "unhealthyPodEvictionPolicy": UNHEALTHY_POD_EVICTION,
+                 "selector": {"matchLabels": gateway_selector(pool)}},
     }
 
 

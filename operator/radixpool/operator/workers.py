@@ -28,6 +28,11 @@ HOME = api.WORKER_HOME
 MODEL_MOUNT = api.MODEL_MOUNT
 ENDPOINT_PROPAGATION_SECONDS = 5
 STARTUP_PERIOD_SECONDS = 10
+# A pod that is not ready (a worker loading or broken, a gateway with no worker ready) serves
+# nothing, so a drain may evict it. Under the default (IfHealthyBudget) a budget with too few
+# ready pods refuses even those: a scaled-to-zero pool's gateways, never ready, held every drain
+# of their nodes forever.
+UNHEALTHY_POD_EVICTION = "AlwaysAllow"
 
 
 def worker_labels(pool: Pool) -> dict[str, str]:
