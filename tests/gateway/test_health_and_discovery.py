@@ -384,3 +384,141 @@ def test_server_info_names_the_field_it_refuses():
             ServerInfo.from_json({**good, field: value})
     with pytest.raises(ValueError, match="instance_id is missing"):
         ServerInfo.from_json({k: v for k, v in good.items() if k != "instance_id"})
+
+
+def test_a_rollout_to_another_model_gives_the_gateway_its_tokenizer(tiny_model_factory):
+    """The gateway takes its tokenizer from the first worker that answers; once no healthy worker
+    serves that model in that block size (a rollout changed the model and the page size), the
+    next worker checked supplies it again: keys in the new units, trees emptied. Before, the
+    gateway kept the first one until it restarted, and the new workers' KV events never lined
+    up with its keys."""
+    import asyncio
+    import json
+
+    from radixpool.gateway.metrics import GatewayMetrics
+    from radixpool.gateway.monitor import Monitor
+    from radixpool.gateway.prefix_index import PrefixIndex
+    from radixpool.gateway.route_key import KeyBuilder
+    from radixpool.gateway.workers import WorkerSet
+    from radixpool.tokenization import PromptTokenizer
+
+    config = GatewayConfig(health_failures=1, health_successes=1, kv_events=False)
+    fleet = WorkerSet(config, PrefixIndex(), KeyBuilder(config.text_block_bytes, 256))
+    models = {"old": (tiny_model_factory("llama", 0, "bpe"), 16),
+              "new": (tiny_model_factory("llama", 0, "sentencepiece"), 32)}
+    serves = {"http://10.0.0.1:8000": "old", "http://10.0.0.2:8000": "old"}
+
+    async def fetch(worker, path):
+        model = serves[worker.url]
+        directory, block = models[model]
+        if path == "/health":
+            return 200, b""
+        if path == "/server_info":
+            return 200, json.dumps({
+                "model": model, "served_model_name": "pool", "context_length": 4096,
+                "kv_capacity_tokens": 65536, "page_size": block, "kv_block_size": block,
+                "instance_id": f"{worker.url}-{model}", "version": "test"}).encode()
+        if path == "/tokenizer":
+            return 200, json.dumps({"files": PromptTokenizer.from_dir(directory).files}).encode()
+        raise ConnectionRefusedError(path)
+
+    prompt = {"prompt": "the same words in both tokenizers " * 8}
+
+    def key_ids():
+        return fleet.keys.build("/v1/completions", prompt).hashes
+
+    async def scenario():
+        a, b = fleet.add("http://10.0.0.1:8000"), fleet.add("http://10.0.0.2:8000")
+        monitor = Monitor(fleet, fetch, GatewayMetrics())   # not started: checks run by hand
+        await monitor.check(a)
+        await monitor.check(b)
+        assert fleet.keys.block_size == 16
+        old_keys = key_ids()
+        fleet.index.insert(b.url, old_keys, 0)
+        serves[b.url] = "new"   # b rolled to the new model: a still serves the old one
+        await monitor.check(b)
+        assert fleet.keys.block_size == 16 and key_ids() == old_keys
+        fleet.remove(a.url)     # the rollout ends
+        await monitor.check(b)
+        assert fleet.keys.block_size == 32
+        new_tokenizer = PromptTokenizer.from_dir(models["new"][0])
+        assert fleet.keys.tokenizer.files == new_tokenizer.files
+        assert key_ids() != old_keys and not fleet.index.size(b.url)
+
+    asyncio.run(scenario())
+
+
+def test_after_a_tokenizer_change_each_kv_stream_resyncs_in_the_new_units(tiny_model_factory):
+    """A rollout changed only the tokenizer (same block size): a worker's KV stream, followed
+    all along, starts again from the worker's snapshot when the gateway's keys change, since
+    emptying the trees dropped what the stream had told before."""
+    import asyncio
+    import json
+
+    from radixpool.gateway.metrics import GatewayMetrics
+    from radixpool.gateway.monitor import Monitor
+    from radixpool.gateway.prefix_index import PrefixIndex
+    from radixpool.gateway.route_key import KeyBuilder
+    from radixpool.gateway.workers import WorkerSet
+    from radixpool.protocol.kv_blocks import to_hex
+    from radixpool.tokenization import PromptTokenizer
+
+    config = GatewayConfig(health_failures=1, health_successes=1, health_interval=0.05)
+    fleet = WorkerSet(config, PrefixIndex(), KeyBuilder(config.text_block_bytes, 256))
+    dirs = {"old": tiny_model_factory("llama", 0, "bpe"),
+            "new": tiny_model_factory("llama", 0, "sentencepiece")}
+    serves = {"http://10.0.0.1:8000": "old", "http://10.0.0.2:8000": "new"}
+    prompt = {"prompt": "a system prompt the new workers have cached " * 8}
+    new_keys = KeyBuilder(config.text_block_bytes, 256)
+    new_keys.use_tokenizer(PromptTokenizer.from_dir(dirs["new"]), 16)
+    cached = new_keys.build("/v1/completions", prompt).hashes   # in b's cache all along
+
+    async def fetch(worker, path):
+        model = serves.get(worker.url)
+        if model is None:
+            raise ConnectionRefusedError(worker.url)
+        instance = f"{worker.url}-{model}"
+        if path == "/health":
+            return 200, b""
+        if path == "/server_info":
+            return 200, json.dumps({
+                "model": model, "served_model_name": "pool", "context_length": 4096,
+                "kv_capacity_tokens": 65536, "page_size": 16, "kv_block_size": 16,
+                "instance_id": instance, "version": "test"}).encode()
+        if path == "/tokenizer":
+            files = PromptTokenizer.from_dir(dirs[model]).files
+            return 200, json.dumps({"files": files}).encode()
+        if path == "/kv_events/snapshot":
+            blocks = cached if model == "new" else []
+            return 200, json.dumps({"blocks": to_hex(blocks), "instance_id": instance,
+                                    "seq": 7}).encode()
+        if path.startswith("/kv_events?"):
+            await asyncio.sleep(0.02)
+            return 200, json.dumps({"instance_id": instance, "events": [], "next": 7}).encode()
+        raise ConnectionRefusedError(path)
+
+    async def scenario():
+        a = fleet.add("http://10.0.0.1:8000")
+        monitor = Monitor(fleet, fetch, GatewayMetrics())
+        await monitor.check(a)                   # the old tokenizer, from a
+        b = fleet.add("http://10.0.0.2:8000")
+        monitor.start()
+        try:
+            for _ in range(200):                 # b's stream is followed in the old units
+                await asyncio.sleep(0.02)
+                if b.kv_events_live:
+                    break
+            assert b.kv_events_live and fleet.keys.tokenizer.files != new_keys.tokenizer.files
+            del serves[a.url]                    # a goes
+            fleet.remove(a.url)
+            for _ in range(200):
+                await asyncio.sleep(0.02)
+                if (fleet.keys.tokenizer.files == new_keys.tokenizer.files
+                        and fleet.index.match(cached).get(b.url)):
+                    break
+            assert fleet.keys.tokenizer.files == new_keys.tokenizer.files
+            assert fleet.index.match(cached).get(b.url) == len(cached)
+        finally:
+            await monitor.stop()
+
+    asyncio.run(scenario())

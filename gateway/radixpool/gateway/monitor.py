@@ -10,7 +10,10 @@ capacity, the model's tokenizer, and the KV-event stream. All of them feed the p
   `instance_id` (restart or `/flush_cache`) empties that worker's tree at once;
   `kv_capacity_tokens` (SGLang: `max_total_num_tokens`) sizes it.
 - Tokenizer: without `--tokenizer`, the first worker that answers `GET /tokenizer` supplies it;
-  the trees switch from text to token ids (and are emptied, their hashes meant bytes).
+  the trees switch from text to token ids (and are emptied, their hashes meant bytes). It stays
+  while some healthy worker serves the model it came from in the same block size; once none
+  does (a rollout changed the model or the page size), the next worker checked supplies it
+  again, and the trees are emptied and every KV stream resyncs in the new units.
 - KV events (token mode, when the worker serves them and `--kv-events` is on): a long poll on
   `GET /kv_events?since=S` applies exact stores and evictions; a 409 or a new instance id resyncs
   from `/kv_events/snapshot` (a stream that fails again right after one waits before the next:
@@ -65,6 +68,8 @@ class Monitor:
         self.keys = workers.keys
         self._tasks: dict[str, list[asyncio.Task]] = {}
         self._tokenizer_lock = asyncio.Lock()
+        # (model, kv_block_size) of the worker the tokenizer came from; None: none did
+        self._tokenizer_from: tuple[str, int] | None = None
         workers.membership_hooks.append(self._membership)
 
     def start(self) -> None:
@@ -130,7 +135,7 @@ class Monitor:
         info = await self._server_info(worker, timeout)
         if info is not None:
             self.observe_identity(worker, info)
-            if self.keys.tokenizer is None:
+            if self.keys.tokenizer is None or self._tokenizer_outdated():
                 await self._fetch_tokenizer(worker)
 
     async def _server_info(self, worker: Worker, timeout: float) -> ServerInfo | None:
@@ -166,9 +171,18 @@ class Monitor:
             log.info("routing on token ids in %d-token blocks (from %s)", info.kv_block_size,
                      worker.url)
 
+    def _tokenizer_outdated(self) -> bool:
+        """The tokenizer came from a worker, and no healthy worker serves that model in that
+        block size any more."""
+        source = self._tokenizer_from
+        return source is not None and not any(
+            w.info is not None and w.health.healthy and (w.info.model, w.info.kv_block_size)
+            == source for w in self.workers)
+
     async def _fetch_tokenizer(self, worker: Worker) -> None:
         async with self._tokenizer_lock:
-            if self.keys.tokenizer is not None or worker.info is None:
+            if worker.info is None or (self.keys.tokenizer is not None
+                                       and not self._tokenizer_outdated()):
                 return
             try:
                 status, doc = await self._get_json(worker, "/tokenizer", 30.0)
@@ -179,9 +193,10 @@ class Monitor:
                 log.warning("could not use %s/tokenizer (routing on text): %r", worker.url, exc)
                 return
             self.keys.use_tokenizer(tokenizer, worker.info.kv_block_size)
+            self._tokenizer_from = (worker.info.model, worker.info.kv_block_size)
             self.workers.resize_trees()
-            log.info("routing on token ids (tokenizer from %s, block size %d)",
-                     worker.url, worker.info.kv_block_size)
+            log.info("routing on token ids (tokenizer of %s from %s, block size %d)",
+                     worker.info.model, worker.url, worker.info.kv_block_size)
 
     # --- KV events ----------------------------------------------------------------------------
     def _kv_usable(self, worker: Worker) -> bool:
@@ -195,7 +210,10 @@ class Monitor:
         instance: str | None = None
         synced = False
         polled = False   # a poll succeeded since the last resync
+        units = self.keys.generation   # the key units `since` was followed in
         while not worker.removed:
+            if self.keys.generation != units:   # new units: the tree was emptied
+                since, units = None, self.keys.generation
             usable = self._kv_usable(worker)
             worker.kv_events_live = usable and since is not None
             if not worker.kv_events_live:
