@@ -81,6 +81,19 @@ def test_unsupported_architecture_is_named(tiny_model_factory, tmp_path):
         runner_for(path)
 
 
+@pytest.mark.parametrize("quantization", [
+    {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+    {"quant_method": "bitsandbytes", "load_in_4bit": True}])
+def test_quantized_checkpoint_is_refused_naming_quantization_config(tiny_model_factory, tmp_path,
+                                                                    quantization):
+    path = copy_model(tiny_model_factory("llama"), tmp_path / "m")
+    edit_config(path, quantization_config=quantization)
+    with pytest.raises(ValueError, match=r"config.json quantization_config \(quant_method "
+                                         rf"'{quantization['quant_method']}'\): quantized "
+                                         r"checkpoints are not supported"):
+        runner_for(path)
+
+
 def test_model_path_must_be_a_local_model_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match="local Hugging Face model directory"):
         runner_for(tmp_path)

@@ -71,6 +71,14 @@ def model_spec(hf_config: Any) -> ModelSpec:
         raise ValueError(f"unsupported architecture {names or '(none in config.json)'}; "
                          f"supported: {', '.join(ARCHITECTURES)}")
     family = ARCHITECTURES[arch]
+    quantization = getattr(hf_config, "quantization_config", None)
+    if quantization:
+        method = (quantization.get("quant_method") if isinstance(quantization, dict)
+                  else getattr(quantization, "quant_method", None))
+        # The loader would copy quantized tensors as if they were plain weights (or, for
+        # on-the-fly methods, quietly serve the model unquantized).
+        raise ValueError(f"config.json quantization_config (quant_method {method!r}): quantized "
+                         f"checkpoints are not supported; serve the unquantized (bf16/fp16) one")
     act = getattr(hf_config, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"{arch}: hidden_act must be 'silu', got {act!r}")
