@@ -57,6 +57,15 @@ def test_sharded_checkpoint_loads_the_same_weights(tiny_model_factory, tmp_path)
     assert torch.equal(prompt_logits(runner_for(sharded)), prompt_logits(runner_for(src)))
 
 
+def test_mistral_consolidated_file_beside_the_checkpoint_is_not_read(tiny_model_factory,
+                                                                     tmp_path):
+    src = tiny_model_factory("mistral")
+    path = copy_model(src, tmp_path / "m")
+    save_file({"layers.0.attention.wq.weight": torch.ones(64, 64)},
+              path / "consolidated.safetensors")
+    assert torch.equal(prompt_logits(runner_for(path)), prompt_logits(runner_for(src)))
+
+
 def test_tied_embeddings_share_one_tensor(tiny_model_factory):
     path = tiny_model_factory("qwen2")
     assert "lm_head.weight" not in load_file(path / "model.safetensors")

@@ -26,7 +26,10 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     if index.exists():
         weight_map = json.loads(index.read_text())["weight_map"]
         return [model_dir / name for name in sorted(set(weight_map.values()))]
-    files = sorted(model_dir.glob("*.safetensors"))
+    # Mistral's repos also ship their own format (`consolidated*.safetensors`, other tensor
+    # names) beside the Hugging Face one.
+    files = sorted(p for p in model_dir.glob("*.safetensors")
+                   if not p.name.startswith("consolidated"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors checkpoint in {model_dir} "
                                 "(PyTorch .bin checkpoints are not supported)")
