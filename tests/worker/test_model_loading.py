@@ -169,7 +169,8 @@ def test_mistral_sliding_window_caps_context(tiny_model_factory, tmp_path):
     path = copy_model(tiny_model_factory("mistral"), tmp_path / "m")
     edit_config(path, sliding_window=512)
     assert runner_for(path).context_length == 512
-    with pytest.raises(ValueError, match="context_length may only shrink"):
+    with pytest.raises(ValueError, match=r"context_length may only shrink the model's context "
+                                         r"\(512 tokens: config.json sliding_window"):
         runner_for(path, context_length=1024)
     assert runner_for(path, context_length=100).context_length == 100
 

@@ -275,15 +275,21 @@ class ModelRunner:
         return self.spec.head_dim
 
     def _resolve_context_length(self, override: int | None) -> int:
-        length = self.spec.max_position_embeddings
-        if self.spec.sliding_window is not None:
+        length, source = self.spec.max_position_embeddings, "max_position_embeddings"
+        window = self.spec.sliding_window
+        if window is not None and window < length:
             # The attention backends attend to the whole prefix; capping the context at the
             # window keeps that equal to what a sliding-window model computes.
-            length = min(length, self.spec.sliding_window)
+            length = window
+            source = "sliding_window (attention beyond the window is not implemented)"
+            if override is None:
+                log.warning("context length capped at config.json sliding_window, %d tokens "
+                            "(max_position_embeddings %d): sliding-window attention is not "
+                            "implemented", window, self.spec.max_position_embeddings)
         if override is not None:
             if override > length:
                 raise ValueError(f"context_length may only shrink the model's context "
-                                 f"({length} tokens), got {override}")
+                                 f"({length} tokens: config.json {source}), got {override}")
             length = override
         return length
 
