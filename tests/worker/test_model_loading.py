@@ -145,6 +145,37 @@ def test_linear_rope_scaling_matches_hf(tiny_model_factory, tmp_path):
     torch.testing.assert_close(prompt_logits(runner_for(path)), expected, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("arch, rope_scaling", [
+    ("qwen2", {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}),
+    ("qwen3", {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4,
+               "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 16, "beta_slow": 2})])
+def test_yarn_rope_scaling_matches_hf(tiny_model_factory, tmp_path, arch, rope_scaling):
+    from transformers import AutoModelForCausalLM
+
+    path = copy_model(tiny_model_factory(arch), tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    del config["rope_parameters"]   # as Qwen's model cards say to enable YaRN
+    config.update(rope_theta=1e6, rope_scaling=rope_scaling)
+    (path / "config.json").write_text(json.dumps(config))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        expected = hf(torch.tensor([PROMPT])).logits[0]
+    assert hf.model.rotary_emb.attention_scaling != 1.0
+    torch.testing.assert_close(prompt_logits(runner_for(path)), expected, atol=1e-5, rtol=0)
+
+
+def test_yarn_stretches_the_context_length(tiny_model_factory, tmp_path):
+    path = copy_model(tiny_model_factory("qwen2"), tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    del config["rope_parameters"]
+    config.update(rope_theta=1e6, max_position_embeddings=2048, rope_scaling={
+        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048})
+    (path / "config.json").write_text(json.dumps(config))
+    assert runner_for(path).context_length == 8192
+    with pytest.raises(ValueError, match=r"\(8192 tokens: config.json rope_scaling factor"):
+        runner_for(path, context_length=8193)
+
+
 def test_older_rope_config_spelling():
     legacy = SimpleNamespace(rope_theta=500000.0, rope_scaling={
         "type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -160,8 +191,9 @@ def test_older_rope_config_spelling():
 
 
 def test_unknown_rope_type_is_rejected():
-    with pytest.raises(ValueError, match="rope_type must be one of default, linear, llama3, "
-                                         "got 'dynamic'"):
+    with pytest.raises(ValueError, match=r"config.json rope_scaling \(rope_parameters\): "
+                                         r"rope_type must be one of default, linear, llama3, "
+                                         r"yarn, got 'dynamic'"):
         rope_inv_freq(64, {"rope_type": "dynamic", "factor": 2.0})
 
 

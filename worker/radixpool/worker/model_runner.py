@@ -276,6 +276,9 @@ class ModelRunner:
 
     def _resolve_context_length(self, override: int | None) -> int:
         length, source = self.spec.max_position_embeddings, "max_position_embeddings"
+        yarn = self.spec.yarn_context
+        if yarn is not None and yarn > length:
+            length, source = yarn, "rope_scaling factor × original_max_position_embeddings"
         window = self.spec.sliding_window
         if window is not None and window < length:
             # The attention backends attend to the whole prefix; capping the context at the

@@ -51,6 +51,15 @@ class ModelSpec:
     # Tokens each token may attend back to, when the model was trained with a window.
     sliding_window: int | None
 
+    @property
+    def yarn_context(self) -> int | None:
+        """The context YaRN stretches the original one to (factor × original length), when the
+        config asks for YaRN; vLLM serves that much by default, as we do."""
+        params = self.rope_parameters
+        if params.get("rope_type") != "yarn" or "original_max_position_embeddings" not in params:
+            return None
+        return int(float(params["factor"]) * params["original_max_position_embeddings"])
+
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
     """`rope_parameters` (transformers ≥ 5), or the older `rope_theta` + `rope_scaling` pair."""
