@@ -82,6 +82,21 @@ def test_tied_checkpoint_that_also_stores_lm_head_loads(tiny_model_factory, tmp_
                        prompt_logits(runner_for(tiny_model_factory("qwen3"))))
 
 
+def test_tied_config_over_a_different_lm_head_unties_as_transformers_does(tiny_model_factory,
+                                                                         tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path = copy_model(tiny_model_factory("qwen2"), tmp_path / "m")
+    tensors = load_file(path / "model.safetensors")
+    head = {"lm_head.weight": (tensors["model.embed_tokens.weight"] * 0.5).contiguous()}
+    for order in ({**head, **tensors}, {**tensors, **head}):
+        save_file(order, path / "model.safetensors", metadata={"format": "pt"})
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        with torch.no_grad():
+            expected = hf(torch.tensor([PROMPT])).logits[0]
+        torch.testing.assert_close(prompt_logits(runner_for(path)), expected, atol=1e-5, rtol=0)
+
+
 def test_unsupported_architecture_is_named(tiny_model_factory, tmp_path):
     path = copy_model(tiny_model_factory("llama"), tmp_path / "m")
     edit_config(path, architectures=["LlamaForSequenceClassification"])
