@@ -43,6 +43,45 @@ RENDERER_VARIABLES = frozenset({
     "range", "dict", "lipsum", "cycler", "joiner", "namespace"})   # jinja2.defaults
 
 
+class ToolArguments(dict):
+    """A tool call's `arguments` as chat templates get them: the object its JSON text parses to
+    (Llama 3's templates write `arguments | tojson`, others iterate it), which prints, and turns
+    to JSON, as that text. An OpenAI client sends the text; passed as a string, `| tojson` wrote
+    it back quoted (`"parameters": "{\\"n\\": 3}"`), not as the object the model wrote."""
+
+    def __init__(self, text: str, value: dict[str, Any]) -> None:
+        super().__init__(value)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def _template_messages(messages: list[dict]) -> list[dict]:
+    """`messages` with each assistant tool call's JSON-text `arguments` as `ToolArguments`."""
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if isinstance(calls, list) and calls:
+            message = {**message, "tool_calls": [_template_call(call) for call in calls]}
+        out.append(message)
+    return out
+
+
+def _template_call(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    text = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(text, str):
+        return call
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return call
+    if not isinstance(value, dict):
+        return call
+    return {**call, "function": {**function, "arguments": ToolArguments(text, value)}}
+
+
 class ChatTemplateError(ValueError):
     """The chat template rejected the messages (e.g. roles out of order)."""
 
@@ -132,6 +171,9 @@ class PromptTokenizer:
             raise TemplateError(message)
 
         def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            if isinstance(value, ToolArguments) and (indent, separators, sort_keys) == (
+                    None, None, False):
+                return value.text   # the call as the model wrote it
             return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
                               separators=separators, sort_keys=sort_keys)
 
@@ -149,7 +191,7 @@ class PromptTokenizer:
 
         try:
             return self._compiled_template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
+                messages=_template_messages(messages), add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
         except TemplateError as exc:
             raise ChatTemplateError(f"chat template rejected the messages: {exc}") from exc

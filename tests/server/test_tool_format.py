@@ -123,3 +123,29 @@ def test_the_models_format_is_parsed_whole_and_streamed(fmt, text):
     assert ["".join(c["function"]["arguments"] for c in calls if c["index"] == i)
             for i in (0, 1)] == ['{"n": 3}', "{}"]
     assert stream.calls == 2
+
+
+# How each family's template writes back an earlier call (written here, in their style).
+LLAMA3_HISTORY = ('{%- for m in messages %}{%- if m.tool_calls %}{%- set c = '
+                  'm.tool_calls[0].function %}{"name": "{{ c.name }}", "parameters": '
+                  '{{ c.arguments | tojson }}}{% else %}{{ m.content }}{% endif %}{% endfor %}')
+MISTRAL_HISTORY = ('{%- for m in messages %}{%- if m.tool_calls %}[TOOL_CALLS][{%- for c in '
+                   'm.tool_calls %}{"name": "{{ c.function.name }}", "arguments": '
+                   '{{ c.function.arguments }}}{% endfor %}]{% endif %}{% endfor %}')
+
+
+@pytest.mark.parametrize("template, written", [
+    (LLAMA3_HISTORY, '{"name": "f0", "parameters": {"n":3, "s": "é"}}'),
+    (MISTRAL_HISTORY, '[TOOL_CALLS][{"name": "f0", "arguments": {"n":3, "s": "é"}}]'),
+    (CHAT_TEMPLATE, '<tool_call>\n{"name": "f0", "arguments": {"n":3, "s": "é"}}\n</tool_call>')])
+def test_an_earlier_call_renders_back_as_the_model_wrote_it(tiny_model, template, written):
+    from radixpool.tokenization import PromptTokenizer
+
+    tokenizer = PromptTokenizer.from_dir(tiny_model)
+    tokenizer.chat_template = template
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "f0", "arguments": '{"n":3, "s": "é"}'}}
+    messages = [{"role": "user", "content": "go"},
+                {"role": "assistant", "content": "", "tool_calls": [call]}]
+    assert written in tokenizer.render_chat(messages, add_generation_prompt=False)
+    assert call["function"]["arguments"] == '{"n":3, "s": "é"}'   # the request is left as sent
