@@ -97,6 +97,32 @@ def test_tied_config_over_a_different_lm_head_unties_as_transformers_does(tiny_m
         torch.testing.assert_close(prompt_logits(runner_for(path)), expected, atol=1e-5, rtol=0)
 
 
+def test_chat_fine_tune_stops_at_its_tokenizers_eos(tiny_model_factory, tmp_path):
+    from radixpool.tokenization import PromptTokenizer
+    from radixpool.worker.engine_core import EngineCore
+    from radixpool.worker.messages import GenerateRequest
+    from radixpool.worker.sampling_params import SamplingParams
+
+    # A base model's configs (EOS </s> only), a chat fine-tune's tokenizer (EOS <|im_end|>).
+    path = copy_model(tiny_model_factory("qwen2"), tmp_path / "m")
+    generation = json.loads((path / "generation_config.json").read_text())
+    generation["eos_token_id"] = generation["eos_token_id"][0]
+    (path / "generation_config.json").write_text(json.dumps(generation))
+    tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+    tokenizer_config["eos_token"] = "<|im_end|>"
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    im_end = PromptTokenizer.from_dir(path).token_id("<|im_end|>")
+
+    core = EngineCore(EngineConfig(str(path), device="cpu", kv_cache_tokens=256))
+    params = SamplingParams(max_new_tokens=8, temperature=0, logit_bias={im_end: 100.0})
+    assert core.add_request(GenerateRequest("r", PROMPT, params, seed=0)) is None
+    deltas = []
+    while core.has_work:
+        deltas += core.step().deltas
+    assert [t for d in deltas for t in d.token_ids] == [im_end]
+    assert deltas[-1].finish_reason == "stop"
+
+
 def test_unsupported_architecture_is_named(tiny_model_factory, tmp_path):
     path = copy_model(tiny_model_factory("llama"), tmp_path / "m")
     edit_config(path, architectures=["LlamaForSequenceClassification"])

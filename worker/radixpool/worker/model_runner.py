@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from radixpool.tokenization import PromptTokenizer
 from radixpool.worker.attention.base import AttentionShape, create_backend
 from radixpool.worker.config import EngineConfig
 from radixpool.worker.decode_graphs import (
@@ -120,11 +121,16 @@ def model_shape(spec: ModelSpec, dtype: torch.dtype) -> ModelShape:
 
 
 def read_eos_token_ids(model_dir: str | Path, hf_config: Any) -> tuple[int, ...]:
-    """EOS ids of config.json and generation_config.json together (each an int or a list)."""
+    """EOS ids of config.json, generation_config.json (each an int or a list) and the
+    tokenizer's `eos_token` together. The tokenizer's counts because chat fine-tunes set it to
+    their end-of-turn token (`<|im_end|>`, `<|eot_id|>`) and often leave the configs with the
+    base model's; vLLM and SGLang stop on it too."""
     sources = [getattr(hf_config, "eos_token_id", None)]
     generation = Path(model_dir) / "generation_config.json"
     if generation.exists():
         sources.append(json.loads(generation.read_text()).get("eos_token_id"))
+    if (Path(model_dir) / "tokenizer.json").is_file():
+        sources.append(PromptTokenizer.from_dir(model_dir).eos_token_id)
     ids: set[int] = set()
     for value in sources:
         if value is not None:
