@@ -54,7 +54,8 @@ class ModelSpec:
     @property
     def yarn_context(self) -> int | None:
         """The context YaRN stretches the original one to (factor × original length), when the
-        config asks for YaRN; vLLM serves that much by default, as we do."""
+        config asks for YaRN: the context served when it is more than max_position_embeddings
+        (Qwen's cards add YaRN to a config whose max_position_embeddings is the original)."""
         params = self.rope_parameters
         if params.get("rope_type") != "yarn" or "original_max_position_embeddings" not in params:
             return None
