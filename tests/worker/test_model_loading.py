@@ -123,6 +123,31 @@ def test_chat_fine_tune_stops_at_its_tokenizers_eos(tiny_model_factory, tmp_path
     assert deltas[-1].finish_reason == "stop"
 
 
+def test_generation_config_sampling_defaults_apply_to_requests_that_leave_them_out(
+        tiny_model_factory, tmp_path):
+    from radixpool.worker import Engine
+
+    path = copy_model(tiny_model_factory("llama"), tmp_path / "m")
+    generation = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**generation, "top_k": 1}))
+    asked = {"max_new_tokens": 8, "ignore_eos": True}
+    with Engine(str(path), device="cpu", kv_cache_tokens=512) as engine:
+        def tokens(**params) -> list[int]:
+            return engine.generate(input_ids=PROMPT,
+                                   sampling_params={**asked, **params})["output_ids"]
+
+        greedy = tokens(temperature=0)
+        assert [tokens(seed=seed) for seed in range(3)] == [greedy] * 3   # top_k 1: greedy
+        assert greedy not in [tokens(seed=seed, top_k=-1) for seed in range(3)]
+
+
+def test_out_of_range_generation_config_default_fails_at_start(tiny_model_factory, tmp_path):
+    path = copy_model(tiny_model_factory("llama"), tmp_path / "m")
+    (path / "generation_config.json").write_text(json.dumps({"top_p": 0.0}))
+    with pytest.raises(ValueError, match=r"generation_config.json: top_p must be in \(0, 1\]"):
+        runner_for(path)
+
+
 def test_unsupported_architecture_is_named(tiny_model_factory, tmp_path):
     path = copy_model(tiny_model_factory("llama"), tmp_path / "m")
     edit_config(path, architectures=["LlamaForSequenceClassification"])

@@ -59,6 +59,7 @@ from radixpool.worker.mem.memory_plan import (
     kv_tokens_for_memory,
 )
 from radixpool.worker.model import CausalLM, ModelSpec, load_checkpoint, model_spec
+from radixpool.worker.sampling_params import MODEL_SAMPLING_FIELDS, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +139,22 @@ def read_eos_token_ids(model_dir: str | Path, hf_config: Any) -> tuple[int, ...]
     return tuple(sorted(ids))
 
 
+def read_sampling_defaults(model_dir: str | Path) -> dict[str, Any]:
+    """The sampling fields of `MODEL_SAMPLING_FIELDS` that generation_config.json sets: what a
+    request leaving them out gets (as in vLLM and SGLang). ValueError naming the file when one
+    is out of range, so the worker does not start and refuse every request."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.exists():
+        return {}
+    doc = json.loads(path.read_text())
+    defaults = {name: doc[name] for name in MODEL_SAMPLING_FIELDS if doc.get(name) is not None}
+    try:
+        SamplingParams.from_dict(defaults)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    return defaults
+
+
 @contextmanager
 def _default_tensor_placement(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
     previous = torch.get_default_dtype()
@@ -175,6 +192,9 @@ class ModelRunner:
         self.architecture = self.spec.architecture
         self.context_length = self._resolve_context_length(config.context_length)
         self.eos_token_ids = read_eos_token_ids(config.model_path, hf_config)
+        self.sampling_defaults = read_sampling_defaults(config.model_path)
+        if self.sampling_defaults:
+            log.info("sampling defaults from generation_config.json: %s", self.sampling_defaults)
 
         self.attention_backend_name = resolve_attention_backend(
             config.attention_backend, self.device, self.dtype, self.spec.head_dim)

@@ -119,6 +119,10 @@ class WorkerState:
         return self.engine.info.vocab_size
 
     @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        return self.engine.info.sampling_defaults
+
+    @property
     def served(self) -> Served:
         if self.engine is None:
             return Served(self.config.served_model_name, self.config.engine.model_path)
@@ -126,7 +130,7 @@ class WorkerState:
         return Served(self.config.served_model_name, self.config.engine.model_path,
                       info.vocab_size, info.context_length,
                       info.context_length * self.engine.tokenizer.longest_token_chars
-                      * TEXT_LENGTH_MARGIN)
+                      * TEXT_LENGTH_MARGIN, info.sampling_defaults)
 
     def check_model(self, model: str | None) -> None:
         self.served.check_model(model)
