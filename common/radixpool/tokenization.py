@@ -103,9 +103,15 @@ class PromptTokenizer:
         template = self.config.get("chat_template")
         if "chat_template.jinja" in files:
             template = files["chat_template.jinja"]
-        if isinstance(template, list):  # named templates: use "default"
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        named: dict[str, str] = {}
+        if isinstance(template, list):  # named templates (Hermes 2 Pro / Hermes 3, Command R)
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default")
         self.chat_template: str | None = template
+        # As transformers does, a chat with tools renders through the "tool_use" template when
+        # the model has one (its "default" may not mention tools at all).
+        self.tool_use_template: str | None = named.get("tool_use")
+        self._compiled: dict[str, Any] = {}
         self.bos_token = _special_token(self.config, "bos_token")
         self.eos_token = _special_token(self.config, "eos_token")
 
@@ -162,8 +168,13 @@ class PromptTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def _compiled_template(self, source: str):
+        if source not in self._compiled:
+            self._compiled[source] = self._environment.from_string(source)
+        return self._compiled[source]
+
     @cached_property
-    def _compiled_template(self):
+    def _environment(self):
         from jinja2.exceptions import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -181,7 +192,7 @@ class PromptTokenizer:
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        return env.from_string(self.chat_template)
+        return env
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     **extra: Any) -> str:
@@ -189,8 +200,11 @@ class PromptTokenizer:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         from jinja2.exceptions import TemplateError
 
+        source = self.chat_template
+        if extra.get("tools") is not None and self.tool_use_template:
+            source = self.tool_use_template
         try:
-            return self._compiled_template.render(
+            return self._compiled_template(source).render(
                 messages=_template_messages(messages), add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
         except TemplateError as exc:

@@ -149,3 +149,31 @@ def test_an_earlier_call_renders_back_as_the_model_wrote_it(tiny_model, template
                 {"role": "assistant", "content": "", "tool_calls": [call]}]
     assert written in tokenizer.render_chat(messages, add_generation_prompt=False)
     assert call["function"]["arguments"] == '{"n":3, "s": "é"}'   # the request is left as sent
+
+
+def test_a_chat_with_tools_renders_through_the_tool_use_template(tiny_model, tmp_path):
+    """Hermes 2 Pro / Hermes 3 (Llama models) publish named templates: "default" knows nothing
+    of tools, "tool_use" lists them. transformers picks "tool_use" for a chat with tools."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from radixpool.tokenization import PromptTokenizer
+
+    path = tmp_path / "m"
+    shutil.copytree(tiny_model, path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = [
+        {"name": "default", "template": "{% for m in messages %}{{ m.content }}{% endfor %}"},
+        {"name": "tool_use", "template": "{% for t in tools %}<tools>{{ t.function.name }}"
+                                         "</tools>{% endfor %}{% for m in messages %}"
+                                         "{{ m.content }}{% endfor %}"}]
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    tools = [{"type": "function", "function": {"name": "f0", "parameters": SCHEMA}}]
+    messages = [{"role": "user", "content": "go"}]
+    ours, hf = PromptTokenizer.from_dir(path), AutoTokenizer.from_pretrained(path)
+    for extra in ({}, {"tools": tools}):
+        assert ours.render_chat(messages, **extra) == hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **extra)
+    assert ours.render_chat(messages, tools=tools) == "<tools>f0</tools>go"

@@ -73,8 +73,10 @@ class WorkerState:
     def attach(self, engine: Any) -> None:
         self.engine = engine
         self.token_text = TokenText(engine.tokenizer)
-        self.tool_format = resolve_tool_format(self.config.tool_call_format,
-                                               getattr(engine.tokenizer, "chat_template", None))
+        tokenizer = engine.tokenizer   # a chat with tools renders through its tool_use template
+        template = (getattr(tokenizer, "tool_use_template", None)
+                    or getattr(tokenizer, "chat_template", None))
+        self.tool_format = resolve_tool_format(self.config.tool_call_format, template)
         self.lifecycle.mark_ready()
 
     async def probe_model(self) -> bool:
