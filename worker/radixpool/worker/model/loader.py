@@ -71,7 +71,7 @@ def load_checkpoint(model: nn.Module, model_dir: str | Path) -> None:
                 for shard in getattr(p, "shard_ids", (None,))}
     loaded: set[tuple[str, str | None]] = set()
     unexpected: list[str] = []
-    aliases: dict[str, Path] = {}   # tied names other than the canonical one → their file
+    aliases: dict[str, Path] = {}   # tied parameter names but the canonical one → their file
     with torch.no_grad():
         for path in checkpoint_files(model_dir):
             with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -83,7 +83,7 @@ def load_checkpoint(model: nn.Module, model_dir: str | Path) -> None:
                         unexpected.append(name)
                         continue
                     if canonical[param_name] != param_name:
-                        aliases[name] = path
+                        aliases[param_name] = path   # (a tied parameter is never fused)
                         continue
                     param = params[param_name]
                     try:
