@@ -15,7 +15,6 @@ from safetensors.torch import load_file, save_file
 
 from radixpool.worker.config import EngineConfig
 from radixpool.worker.mem.kv_pool import KVPool
-from radixpool.worker.model import model_spec
 from radixpool.worker.model.registry import rope_parameters
 from radixpool.worker.model.rotary import rope_inv_freq
 from radixpool.worker.model_runner import CPU_KV_BYTES, CPU_KV_CONTEXTS, ModelRunner
@@ -263,9 +262,14 @@ def test_unknown_rope_type_is_rejected():
         rope_inv_freq(64, {"rope_type": "dynamic", "factor": 2.0})
 
 
-def test_mistral_sliding_window_caps_context(tiny_model_factory, tmp_path):
+def test_sliding_window_caps_the_context_only_without_window_attention(tiny_model_factory,
+                                                                      tmp_path, monkeypatch):
+    from radixpool.worker.attention.torch_backend import TorchAttentionBackend
+
     path = copy_model(tiny_model_factory("mistral"), tmp_path / "m")
     edit_config(path, sliding_window=512)
+    assert runner_for(path).context_length == 2048   # max_position_embeddings
+    monkeypatch.setattr(TorchAttentionBackend, "supports_sliding_window", False)
     assert runner_for(path).context_length == 512
     with pytest.raises(ValueError, match=r"context_length may only shrink the model's context "
                                          r"\(512 tokens: config.json sliding_window"):
@@ -273,14 +277,30 @@ def test_mistral_sliding_window_caps_context(tiny_model_factory, tmp_path):
     assert runner_for(path, context_length=100).context_length == 100
 
 
-def test_qwen_window_counts_only_when_enabled(tiny_model_factory):
-    from transformers import AutoConfig
+@pytest.mark.parametrize("use_window, max_window_layers, context", [
+    (False, 0, 2048),   # Qwen's published configs: a window nobody uses
+    (True, 2, 2048),    # enabled, but from layer 2 on (of 2): still none
+    (True, 0, 2048),    # every layer: attended within the window
+    (True, 1, 16)])     # layer 1 only: the context is capped at the window
+def test_qwen_window_follows_use_sliding_window_and_max_window_layers(
+        tiny_model_factory, tmp_path, use_window, max_window_layers, context):
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(tiny_model_factory("qwen2"))
-    config.sliding_window = 64
-    assert model_spec(config).sliding_window is None
-    config.use_sliding_window = True
-    assert model_spec(config).sliding_window == 64
+    path = copy_model(tiny_model_factory("qwen2"), tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    del config["layer_types"]   # published configs have none: transformers derives them
+    config.update(sliding_window=16, use_sliding_window=use_window,
+                  max_window_layers=max_window_layers)
+    (path / "config.json").write_text(json.dumps(config))
+    runner = runner_for(path)
+    assert runner.context_length == context
+    if context > 16:
+        prompt = PROMPT * 3   # longer than the window
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        with torch.no_grad():
+            expected = hf(torch.tensor([prompt])).logits[0]
+        torch.testing.assert_close(Driver(runner).prompt_logits(prompt), expected, atol=1e-5,
+                                   rtol=0)
 
 
 def test_cpu_kv_cache_sizing(tiny_model_factory):

@@ -190,7 +190,6 @@ class ModelRunner:
         hf_config = AutoConfig.from_pretrained(config.model_path)
         self.spec = model_spec(hf_config)
         self.architecture = self.spec.architecture
-        self.context_length = self._resolve_context_length(config.context_length)
         self.eos_token_ids = read_eos_token_ids(config.model_path, hf_config)
         self.sampling_defaults = read_sampling_defaults(config.model_path)
         if self.sampling_defaults:
@@ -200,8 +199,11 @@ class ModelRunner:
             config.attention_backend, self.device, self.dtype, self.spec.head_dim)
         log.info("attention backend: %s", self.attention_backend_name)
         shape = AttentionShape(self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim,
-                               scale=self.spec.head_dim ** -0.5)
+                               scale=self.spec.head_dim ** -0.5,
+                               sliding_window=(self.spec.sliding_window
+                                               if self.spec.window_in_every_layer else None))
         self.attn_backend = create_backend(self.attention_backend_name, shape, self.device)
+        self.context_length = self._resolve_context_length(config.context_length)
         self.shape = model_shape(self.spec, self.dtype)
         self._load_model()
 
@@ -306,15 +308,21 @@ class ModelRunner:
         if yarn is not None and yarn > length:
             length, source = yarn, "rope_scaling factor × original_max_position_embeddings"
         window = self.spec.sliding_window
-        if window is not None and window < length:
-            # The attention backends attend to the whole prefix; capping the context at the
-            # window keeps that equal to what a sliding-window model computes.
+        if not self.spec.window_in_every_layer:
+            why = "only some layers use the window (max_window_layers)"
+        else:
+            why = f"the {self.attention_backend_name} attention backend has no window"
+        if window is not None and window < length and (
+                not self.spec.window_in_every_layer
+                or not self.attn_backend.supports_sliding_window):
+            # Where the backend attends to the whole prefix, capping the context at the window
+            # keeps that equal to what a sliding-window model computes.
             length = window
-            source = "sliding_window (attention beyond the window is not implemented)"
+            source = f"sliding_window ({why})"
             if override is None:
                 log.warning("context length capped at config.json sliding_window, %d tokens "
-                            "(max_position_embeddings %d): sliding-window attention is not "
-                            "implemented", window, self.spec.max_position_embeddings)
+                            "(max_position_embeddings %d): %s", window,
+                            self.spec.max_position_embeddings, why)
         if override is not None:
             if override > length:
                 raise ValueError(f"context_length may only shrink the model's context "

@@ -50,6 +50,8 @@ class ModelSpec:
     max_position_embeddings: int
     # Tokens each token may attend back to, when the model was trained with a window.
     sliding_window: int | None
+    # Whether every layer uses that window (Mistral's do; Qwen's only from max_window_layers on).
+    window_in_every_layer: bool
 
     @property
     def yarn_context(self) -> int | None:
@@ -98,6 +100,11 @@ def model_spec(hf_config: Any) -> ModelSpec:
     window = getattr(hf_config, "sliding_window", None)
     if not getattr(hf_config, "use_sliding_window", True):
         window = None  # Qwen2/Qwen3 configs carry a window they do not use unless asked to.
+    # transformers (≥ 5) lists each layer's attention: Qwen's layers below max_window_layers
+    # attend to the whole prefix.
+    layer_types = list(getattr(hf_config, "layer_types", None) or [])
+    if layer_types and "sliding_attention" not in layer_types:
+        window = None
     return ModelSpec(
         architecture=arch,
         vocab_size=hf_config.vocab_size,
@@ -116,4 +123,5 @@ def model_spec(hf_config: Any) -> ModelSpec:
         rope_parameters=rope_parameters(hf_config),
         max_position_embeddings=hf_config.max_position_embeddings,
         sliding_window=window or None,
+        window_in_every_layer=all(t == "sliding_attention" for t in layer_types),
     )
