@@ -43,6 +43,45 @@ RENDERER_VARIABLES = frozenset({
     "range", "dict", "lipsum", "cycler", "joiner", "namespace"})   # jinja2.defaults
 
 
+class ToolArguments(dict):
+    """A tool call's `arguments` as chat templates get them: the object its JSON text parses to
+    (Llama 3's templates write `arguments | tojson`, others iterate it), which prints, and turns
+    to JSON, as that text. An OpenAI client sends the text; passed as a string, `| tojson` wrote
+    it back quoted (`"parameters": "{\\"n\\": 3}"`), not as the object the model wrote."""
+
+    def __init__(self, text: str, value: dict[str, Any]) -> None:
+        super().__init__(value)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def _template_messages(messages: list[dict]) -> list[dict]:
+    """`messages` with each assistant tool call's JSON-text `arguments` as `ToolArguments`."""
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if isinstance(calls, list) and calls:
+            message = {**message, "tool_calls": [_template_call(call) for call in calls]}
+        out.append(message)
+    return out
+
+
+def _template_call(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    text = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(text, str):
+        return call
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return call
+    if not isinstance(value, dict):
+        return call
+    return {**call, "function": {**function, "arguments": ToolArguments(text, value)}}
+
+
 class ChatTemplateError(ValueError):
     """The chat template rejected the messages (e.g. roles out of order)."""
 
@@ -64,9 +103,15 @@ class PromptTokenizer:
         template = self.config.get("chat_template")
         if "chat_template.jinja" in files:
             template = files["chat_template.jinja"]
-        if isinstance(template, list):  # named templates: use "default"
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        named: dict[str, str] = {}
+        if isinstance(template, list):  # named templates (Hermes 2 Pro / Hermes 3, Command R)
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default")
         self.chat_template: str | None = template
+        # As transformers does, a chat with tools renders through the "tool_use" template when
+        # the model has one (its "default" may not mention tools at all).
+        self.tool_use_template: str | None = named.get("tool_use")
+        self._compiled: dict[str, Any] = {}
         self.bos_token = _special_token(self.config, "bos_token")
         self.eos_token = _special_token(self.config, "eos_token")
 
@@ -123,8 +168,13 @@ class PromptTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def _compiled_template(self, source: str):
+        if source not in self._compiled:
+            self._compiled[source] = self._environment.from_string(source)
+        return self._compiled[source]
+
     @cached_property
-    def _compiled_template(self):
+    def _environment(self):
         from jinja2.exceptions import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -132,6 +182,9 @@ class PromptTokenizer:
             raise TemplateError(message)
 
         def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            if isinstance(value, ToolArguments) and (indent, separators, sort_keys) == (
+                    None, None, False):
+                return value.text   # the call as the model wrote it
             return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
                               separators=separators, sort_keys=sort_keys)
 
@@ -139,7 +192,7 @@ class PromptTokenizer:
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        return env.from_string(self.chat_template)
+        return env
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     **extra: Any) -> str:
@@ -147,9 +200,12 @@ class PromptTokenizer:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         from jinja2.exceptions import TemplateError
 
+        source = self.chat_template
+        if extra.get("tools") is not None and self.tool_use_template:
+            source = self.tool_use_template
         try:
-            return self._compiled_template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
+            return self._compiled_template(source).render(
+                messages=_template_messages(messages), add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
         except TemplateError as exc:
             raise ChatTemplateError(f"chat template rejected the messages: {exc}") from exc

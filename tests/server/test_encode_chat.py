@@ -37,7 +37,7 @@ def _state(context_length: int) -> tuple[WorkerState, CountingTokenizer]:
     tokenizer = CountingTokenizer()
     state.engine = SimpleNamespace(tokenizer=tokenizer,
                                    info=SimpleNamespace(context_length=context_length,
-                                                        vocab_size=1000))
+                                                        vocab_size=1000, sampling_defaults={}))
     return state, tokenizer
 
 

@@ -374,7 +374,8 @@ class _FailingMidStream(_StreamingEngine):
     def __init__(self, failure: Exception) -> None:
         super().__init__()
         self.failure = failure
-        self.info = type("Info", (), {"context_length": 4096, "vocab_size": 100})()
+        self.info = type("Info", (), {"context_length": 4096, "vocab_size": 100,
+                                       "sampling_defaults": {}})()
         self.tokenizer = type("Tokenizer", (), {"longest_token_chars": 16})()
 
     def stream(self, input_ids, sampling_params, namespace, rid):
@@ -552,3 +553,47 @@ def test_a_long_requests_latency_lands_in_a_finite_bucket_above_it():
         le = next(s.labels["le"] for s in families[name].samples
                   if s.name.endswith("_bucket") and s.value)
         assert le != "+Inf" and float(le) >= seconds, (name, le)
+
+
+def test_fields_a_request_leaves_out_take_the_models_generation_config(tmp_path, tiny_model):
+    """As in vLLM and SGLang: Qwen3's generation_config.json asks for temperature 0.6, top_p
+    0.95, top_k 20; a request without them sampled at OpenAI's temperature 1 and no top-k."""
+    import httpx
+
+    from radixpool.tokenization import PromptTokenizer
+    from radixpool.worker.server.app import create_app
+    from radixpool.worker.server.state import WorkerState
+
+    class Recording(_StreamingEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.params = []
+            self.info = type("Info", (), {"context_length": 4096, "vocab_size": 100,
+                                          "sampling_defaults": {"temperature": 0.6,
+                                                                "top_p": 0.95, "top_k": 20}})()
+            self.tokenizer = PromptTokenizer.from_dir(tiny_model)
+
+        def stream(self, input_ids, sampling_params, namespace, rid):
+            self.params.append(sampling_params)
+            return super().stream(input_ids, sampling_params, namespace, rid)
+
+    (tmp_path / "m").mkdir()
+    state = WorkerState(config_from_args(build_parser().parse_args(
+        ["worker", "--model", str(tmp_path / "m")])))
+    state.engine = engine = Recording()
+    state.lifecycle.mark_ready()
+
+    async def scenario() -> None:
+        transport = httpx.ASGITransport(app=create_app(state))
+        async with httpx.AsyncClient(transport=transport, base_url="http://w") as http:
+            for path, body in (("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 1}),
+                               ("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 1,
+                                                    "temperature": 0.2, "top_p": 0}),
+                               ("/generate", {"input_ids": [1, 2, 3]}),
+                               ("/generate", {"input_ids": [1, 2, 3],
+                                              "sampling_params": {"top_k": -1}})):
+                assert (await http.post(path, json=body)).status_code == 200
+
+    asyncio.run(scenario())
+    assert [(p.temperature, p.top_p, p.top_k) for p in engine.params] == [
+        (0.6, 0.95, 20), (0.2, 0.95, 1), (0.6, 0.95, 20), (0.6, 0.95, -1)]

@@ -123,3 +123,57 @@ def test_the_models_format_is_parsed_whole_and_streamed(fmt, text):
     assert ["".join(c["function"]["arguments"] for c in calls if c["index"] == i)
             for i in (0, 1)] == ['{"n": 3}', "{}"]
     assert stream.calls == 2
+
+
+# How each family's template writes back an earlier call (written here, in their style).
+LLAMA3_HISTORY = ('{%- for m in messages %}{%- if m.tool_calls %}{%- set c = '
+                  'm.tool_calls[0].function %}{"name": "{{ c.name }}", "parameters": '
+                  '{{ c.arguments | tojson }}}{% else %}{{ m.content }}{% endif %}{% endfor %}')
+MISTRAL_HISTORY = ('{%- for m in messages %}{%- if m.tool_calls %}[TOOL_CALLS][{%- for c in '
+                   'm.tool_calls %}{"name": "{{ c.function.name }}", "arguments": '
+                   '{{ c.function.arguments }}}{% endfor %}]{% endif %}{% endfor %}')
+
+
+@pytest.mark.parametrize("template, written", [
+    (LLAMA3_HISTORY, '{"name": "f0", "parameters": {"n":3, "s": "é"}}'),
+    (MISTRAL_HISTORY, '[TOOL_CALLS][{"name": "f0", "arguments": {"n":3, "s": "é"}}]'),
+    (CHAT_TEMPLATE, '<tool_call>\n{"name": "f0", "arguments": {"n":3, "s": "é"}}\n</tool_call>')])
+def test_an_earlier_call_renders_back_as_the_model_wrote_it(tiny_model, template, written):
+    from radixpool.tokenization import PromptTokenizer
+
+    tokenizer = PromptTokenizer.from_dir(tiny_model)
+    tokenizer.chat_template = template
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "f0", "arguments": '{"n":3, "s": "é"}'}}
+    messages = [{"role": "user", "content": "go"},
+                {"role": "assistant", "content": "", "tool_calls": [call]}]
+    assert written in tokenizer.render_chat(messages, add_generation_prompt=False)
+    assert call["function"]["arguments"] == '{"n":3, "s": "é"}'   # the request is left as sent
+
+
+def test_a_chat_with_tools_renders_through_the_tool_use_template(tiny_model, tmp_path):
+    """Hermes 2 Pro / Hermes 3 (Llama models) publish named templates: "default" knows nothing
+    of tools, "tool_use" lists them. transformers picks "tool_use" for a chat with tools."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from radixpool.tokenization import PromptTokenizer
+
+    path = tmp_path / "m"
+    shutil.copytree(tiny_model, path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = [
+        {"name": "default", "template": "{% for m in messages %}{{ m.content }}{% endfor %}"},
+        {"name": "tool_use", "template": "{% for t in tools %}<tools>{{ t.function.name }}"
+                                         "</tools>{% endfor %}{% for m in messages %}"
+                                         "{{ m.content }}{% endfor %}"}]
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    tools = [{"type": "function", "function": {"name": "f0", "parameters": SCHEMA}}]
+    messages = [{"role": "user", "content": "go"}]
+    ours, hf = PromptTokenizer.from_dir(path), AutoTokenizer.from_pretrained(path)
+    for extra in ({}, {"tools": tools}):
+        assert ours.render_chat(messages, **extra) == hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **extra)
+    assert ours.render_chat(messages, tools=tools) == "<tools>f0</tools>go"

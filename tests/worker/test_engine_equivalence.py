@@ -119,3 +119,32 @@ def test_a_full_pool_gives_up_only_the_room_a_new_prompt_needs(tiny_model):
     assert 256 <= cached[0] <= 384  # before: 0, the whole prefix went for ~100 tokens of room
     cold = EngineCore(EngineConfig(model, device="cpu", kv_cache_tokens=512, page_size=16))
     assert got == run(cold, [after], "d")[0]
+
+
+def test_sliding_window_past_the_window_equals_transformers(tiny_model_factory, tmp_path):
+    """A Mistral-7B-v0.1-style window (16 tokens here): prompts and outputs longer than it, a
+    cached prefix reused by later requests, small chunks, and a KV pool small enough to retract
+    all give transformers' tokens."""
+    import json
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_factory("mistral"), model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "sliding_window": 16}))
+    rng = random.Random(3)
+    shared = [rng.randrange(5, 1000) for _ in range(30)]
+    batch = [[rng.randrange(5, 1000) for _ in range(n)] for n in (5, 17, 40, 63)]
+    batch += [shared + [11, 12], shared + [21, 22, 23]]
+    expected = reference(str(model), batch)
+
+    for options in ({}, {"chunked_prefill_size": 8, "max_prefill_tokens": 16},
+                    {"kv_cache_tokens": 200, "chunked_prefill_size": 16,
+                     "max_prefill_tokens": 64}):
+        core = EngineCore(EngineConfig(str(model), device="cpu",
+                                       **{"kv_cache_tokens": 4096, **options}))
+        assert core.runner.context_length == config["max_position_embeddings"]
+        assert run(core, batch, "a")[0] == expected
+        got, cached = run(core, batch, "b")
+        assert got == expected
+        assert cached[3] >= 62   # the 63-token prompt came back from the cache

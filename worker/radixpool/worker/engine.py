@@ -398,6 +398,12 @@ class Engine:
                                  "which must also leave room for at least one new token")
         return batch
 
+    def _with_model_defaults(self, doc: Any) -> Any:
+        """`doc` over the model's generation_config.json sampling defaults."""
+        if doc is None or isinstance(doc, dict):
+            return {**self.info.sampling_defaults, **(doc or {})}
+        return doc   # from_dict names the wrong type
+
     def _params(self, sampling_params: Any, count: int) -> list[SamplingParams]:
         if isinstance(sampling_params, list):
             if len(sampling_params) != count:
@@ -408,7 +414,8 @@ class Engine:
             items = [sampling_params] * count
         out = []
         for item in items:
-            params = item if isinstance(item, SamplingParams) else SamplingParams.from_dict(item)
+            params = (item if isinstance(item, SamplingParams)
+                      else SamplingParams.from_dict(self._with_model_defaults(item)))
             params.check_vocab(self.info.vocab_size)
             out.append(params)
         return out

@@ -118,7 +118,7 @@ class EngineCore:
             kv_block_size=self.cache.block_size, eos_token_ids=tuple(r.eos_token_ids),
             device=str(r.device), dtype=str(r.dtype).removeprefix("torch."),
             attention_backend=r.attention_backend_name, stats=self.stats(),
-            warmup_seconds=warmup_seconds)
+            warmup_seconds=warmup_seconds, sampling_defaults=dict(r.sampling_defaults))
 
     # ------------------------------------------------------------------ warm-up
     @torch.inference_mode()

@@ -115,6 +115,8 @@ class CoreReady:
     attention_backend: str
     stats: EngineStats | None = None   # so the front end never has to ask before the first step
     warmup_seconds: float = 0.0        # spent running the warm-up requests (0: skipped)
+    # generation_config.json's sampling fields: defaults for requests given as dicts
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

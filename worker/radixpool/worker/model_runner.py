@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from radixpool.tokenization import PromptTokenizer
 from radixpool.worker.attention.base import AttentionShape, create_backend
 from radixpool.worker.config import EngineConfig
 from radixpool.worker.decode_graphs import (
@@ -58,6 +59,7 @@ from radixpool.worker.mem.memory_plan import (
     kv_tokens_for_memory,
 )
 from radixpool.worker.model import CausalLM, ModelSpec, load_checkpoint, model_spec
+from radixpool.worker.sampling_params import MODEL_SAMPLING_FIELDS, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -120,16 +122,37 @@ def model_shape(spec: ModelSpec, dtype: torch.dtype) -> ModelShape:
 
 
 def read_eos_token_ids(model_dir: str | Path, hf_config: Any) -> tuple[int, ...]:
-    """EOS ids of config.json and generation_config.json together (each an int or a list)."""
+    """EOS ids of config.json, generation_config.json (each an int or a list) and the
+    tokenizer's `eos_token` together. The tokenizer's counts because chat fine-tunes set it to
+    their end-of-turn token (`<|im_end|>`, `<|eot_id|>`) and often leave the configs with the
+    base model's; vLLM and SGLang stop on it too."""
     sources = [getattr(hf_config, "eos_token_id", None)]
     generation = Path(model_dir) / "generation_config.json"
     if generation.exists():
         sources.append(json.loads(generation.read_text()).get("eos_token_id"))
+    if (Path(model_dir) / "tokenizer.json").is_file():
+        sources.append(PromptTokenizer.from_dir(model_dir).eos_token_id)
     ids: set[int] = set()
     for value in sources:
         if value is not None:
             ids.update([value] if isinstance(value, int) else value)
     return tuple(sorted(ids))
+
+
+def read_sampling_defaults(model_dir: str | Path) -> dict[str, Any]:
+    """The sampling fields of `MODEL_SAMPLING_FIELDS` that generation_config.json sets: what a
+    request leaving them out gets (as in vLLM and SGLang). ValueError naming the file when one
+    is out of range, so the worker does not start and refuse every request."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.exists():
+        return {}
+    doc = json.loads(path.read_text())
+    defaults = {name: doc[name] for name in MODEL_SAMPLING_FIELDS if doc.get(name) is not None}
+    try:
+        SamplingParams.from_dict(defaults)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    return defaults
 
 
 @contextmanager
@@ -167,15 +190,20 @@ class ModelRunner:
         hf_config = AutoConfig.from_pretrained(config.model_path)
         self.spec = model_spec(hf_config)
         self.architecture = self.spec.architecture
-        self.context_length = self._resolve_context_length(config.context_length)
         self.eos_token_ids = read_eos_token_ids(config.model_path, hf_config)
+        self.sampling_defaults = read_sampling_defaults(config.model_path)
+        if self.sampling_defaults:
+            log.info("sampling defaults from generation_config.json: %s", self.sampling_defaults)
 
         self.attention_backend_name = resolve_attention_backend(
             config.attention_backend, self.device, self.dtype, self.spec.head_dim)
         log.info("attention backend: %s", self.attention_backend_name)
         shape = AttentionShape(self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim,
-                               scale=self.spec.head_dim ** -0.5)
+                               scale=self.spec.head_dim ** -0.5,
+                               sliding_window=(self.spec.sliding_window
+                                               if self.spec.window_in_every_layer else None))
         self.attn_backend = create_backend(self.attention_backend_name, shape, self.device)
+        self.context_length = self._resolve_context_length(config.context_length)
         self.shape = model_shape(self.spec, self.dtype)
         self._load_model()
 
@@ -275,15 +303,30 @@ class ModelRunner:
         return self.spec.head_dim
 
     def _resolve_context_length(self, override: int | None) -> int:
-        length = self.spec.max_position_embeddings
-        if self.spec.sliding_window is not None:
-            # The attention backends attend to the whole prefix; capping the context at the
-            # window keeps that equal to what a sliding-window model computes.
-            length = min(length, self.spec.sliding_window)
+        length, source = self.spec.max_position_embeddings, "max_position_embeddings"
+        yarn = self.spec.yarn_context
+        if yarn is not None and yarn > length:
+            length, source = yarn, "rope_scaling factor × original_max_position_embeddings"
+        window = self.spec.sliding_window
+        if not self.spec.window_in_every_layer:
+            why = "only some layers use the window (max_window_layers)"
+        else:
+            why = f"the {self.attention_backend_name} attention backend has no window"
+        if window is not None and window < length and (
+                not self.spec.window_in_every_layer
+                or not self.attn_backend.supports_sliding_window):
+            # Where the backend attends to the whole prefix, capping the context at the window
+            # keeps that equal to what a sliding-window model computes.
+            length = window
+            source = f"sliding_window ({why})"
+            if override is None:
+                log.warning("context length capped at config.json sliding_window, %d tokens "
+                            "(max_position_embeddings %d): %s", window,
+                            self.spec.max_position_embeddings, why)
         if override is not None:
             if override > length:
                 raise ValueError(f"context_length may only shrink the model's context "
-                                 f"({length} tokens), got {override}")
+                                 f"({length} tokens: config.json {source}), got {override}")
             length = override
         return length
 

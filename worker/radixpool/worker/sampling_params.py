@@ -19,6 +19,10 @@ MIN_REPETITION_PENALTY = 0.01
 CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf")
 MAX_CONSTRAINT_CHARS = 100_000   # compiles run one at a time: a huge grammar would hold the rest
 
+# Fields a model's generation_config.json may give defaults for (vLLM's and SGLang's list).
+MODEL_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 128

@@ -33,10 +33,16 @@ class AttentionShape:
     num_kv_heads: int
     head_dim: int
     scale: float
+    # A query at position i sees keys at positions > i - sliding_window (Mistral's window, as
+    # transformers applies it); None: the whole prefix.
+    sliding_window: int | None = None
 
 
 class AttentionBackend(ABC):
     supports_cuda_graph: ClassVar[bool] = False
+    # Whether it honours `shape.sliding_window`; for one that does not, the model runner caps
+    # the context at the window, where full attention computes the same.
+    supports_sliding_window: ClassVar[bool] = False
 
     def __init__(self, shape: AttentionShape, device: torch.device) -> None:
         self.shape = shape

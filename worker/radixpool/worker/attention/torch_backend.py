@@ -15,6 +15,10 @@ sequence is `req_to_token[row, :seq_len]` once this layer's K/V are stored.
 - DECODE: one batched call. Every request's K/V is gathered into `[batch, max_seq_len]`
   (positions past a request's length point at valid but unused slots and are masked out).
 
+Sliding window (`shape.sliding_window` = W): every mask also drops the keys W or more positions
+behind its query, so a request attends as transformers' sliding-window models do, whatever part
+of its prefix came from the cache.
+
 GQA: the `group = num_heads // num_kv_heads` query heads that share a KV head are laid out under
 it (`[kv_heads, group, ...]`), and that head's K/V are broadcast to them as a view.
 """
@@ -82,6 +86,15 @@ def _own_slots(batch: ForwardBatch, own: torch.Tensor) -> torch.Tensor:
 
 
 class TorchAttentionBackend(AttentionBackend):
+    supports_sliding_window = True
+
+    def _in_window(self, cols: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
+        """True where key position `cols` is not yet behind `query_pos`'s window (broadcast)."""
+        window = self.shape.sliding_window
+        if window is None:
+            return torch.ones((), dtype=torch.bool, device=cols.device)
+        return cols > query_pos - window
+
     def plan(self, batch: ForwardBatch) -> None:
         if batch.mode is ForwardMode.DECODE:
             batch.attn_metadata = self._plan_decode(batch)
@@ -93,8 +106,9 @@ class TorchAttentionBackend(AttentionBackend):
     def _plan_decode(self, batch: ForwardBatch) -> DecodePlan:
         max_len = max(batch.prefix_lens) + 1
         cols = torch.arange(max_len, device=batch.req_to_token.device)
-        mask = cols[None, :] < batch.seq_lens[:, None]
-        return DecodePlan(_own_slots(batch, mask), mask[:, None, None, :])
+        own = cols[None, :] < batch.seq_lens[:, None]
+        mask = own & self._in_window(cols[None, :], batch.seq_lens[:, None] - 1)
+        return DecodePlan(_own_slots(batch, own), mask[:, None, None, :])
 
     def _plan_padded_extend(self, batch: ForwardBatch) -> PaddedExtendPlan:
         device = batch.req_to_token.device
@@ -106,8 +120,9 @@ class TorchAttentionBackend(AttentionBackend):
         extend = torch.tensor(batch.extend_lens, device=device)
         real = torch.arange(longest, device=device)[None, :] < extend[:, None]
         cols = torch.arange(max_len, device=device)
-        mask = (cols[None, None, :] <= query_pos[:, :, None]) & real[:, :, None]
-        mask[:, :, 0] = True
+        mask = ((cols[None, None, :] <= query_pos[:, :, None]) & real[:, :, None]
+                & self._in_window(cols[None, None, :], query_pos[:, :, None]))
+        mask[:, :, 0] |= ~real
         # Queries are laid [kv_heads, group * max_extend]: the mask repeats for every group.
         mask = mask[:, None].expand(-1, group, -1, -1).reshape(len(extend), 1, -1, max_len)
         rows = torch.arange(real.numel(), device=device)[real.flatten()]
@@ -121,9 +136,11 @@ class TorchAttentionBackend(AttentionBackend):
                                        batch.extend_lens):
             seq_len = prefix + extend
             mask = None
-            if prefix:
-                query_pos = torch.arange(prefix, seq_len, device=device)
-                mask = torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]
+            window = self.shape.sliding_window
+            if prefix or (window is not None and seq_len > window):
+                query_pos = torch.arange(prefix, seq_len, device=device)[:, None]
+                cols = torch.arange(seq_len, device=device)[None, :]
+                mask = (cols <= query_pos) & self._in_window(cols, query_pos)
             spans.append(ExtendSpan(start, start + extend, batch.req_to_token[row, :seq_len],
                                     mask))
             start += extend

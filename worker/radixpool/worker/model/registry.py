@@ -50,6 +50,18 @@ class ModelSpec:
     max_position_embeddings: int
     # Tokens each token may attend back to, when the model was trained with a window.
     sliding_window: int | None
+    # Whether every layer uses that window (Mistral's do; Qwen's only from max_window_layers on).
+    window_in_every_layer: bool
+
+    @property
+    def yarn_context(self) -> int | None:
+        """The context YaRN stretches the original one to (factor × original length), when the
+        config asks for YaRN: the context served when it is more than max_position_embeddings
+        (Qwen's cards add YaRN to a config whose max_position_embeddings is the original)."""
+        params = self.rope_parameters
+        if params.get("rope_type") != "yarn" or "original_max_position_embeddings" not in params:
+            return None
+        return int(float(params["factor"]) * params["original_max_position_embeddings"])
 
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
@@ -71,6 +83,14 @@ def model_spec(hf_config: Any) -> ModelSpec:
         raise ValueError(f"unsupported architecture {names or '(none in config.json)'}; "
                          f"supported: {', '.join(ARCHITECTURES)}")
     family = ARCHITECTURES[arch]
+    quantization = getattr(hf_config, "quantization_config", None)
+    if quantization:
+        method = (quantization.get("quant_method") if isinstance(quantization, dict)
+                  else getattr(quantization, "quant_method", None))
+        # The loader would copy quantized tensors as if they were plain weights (or, for
+        # on-the-fly methods, quietly serve the model unquantized).
+        raise ValueError(f"config.json quantization_config (quant_method {method!r}): quantized "
+                         f"checkpoints are not supported; serve the unquantized (bf16/fp16) one")
     act = getattr(hf_config, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"{arch}: hidden_act must be 'silu', got {act!r}")
@@ -80,6 +100,11 @@ def model_spec(hf_config: Any) -> ModelSpec:
     window = getattr(hf_config, "sliding_window", None)
     if not getattr(hf_config, "use_sliding_window", True):
         window = None  # Qwen2/Qwen3 configs carry a window they do not use unless asked to.
+    # transformers (≥ 5) lists each layer's attention: Qwen's layers below max_window_layers
+    # attend to the whole prefix.
+    layer_types = list(getattr(hf_config, "layer_types", None) or [])
+    if layer_types and "sliding_attention" not in layer_types:
+        window = None
     return ModelSpec(
         architecture=arch,
         vocab_size=hf_config.vocab_size,
@@ -98,4 +123,5 @@ def model_spec(hf_config: Any) -> ModelSpec:
         rope_parameters=rope_parameters(hf_config),
         max_position_embeddings=hf_config.max_position_embeddings,
         sliding_window=window or None,
+        window_in_every_layer=all(t == "sliding_attention" for t in layer_types),
     )

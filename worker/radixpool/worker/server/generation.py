@@ -52,7 +52,11 @@ def engine_error(exc: ValueError, renames: dict[str, str], default_param: str | 
 
 
 def build_params(doc: dict[str, Any], vocab_size: int, renames: dict[str, str],
-                 prefix: str = "") -> SamplingParams:
+                 prefix: str = "", defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """`doc`'s params; the fields it leaves out take `defaults` (the model's
+    generation_config.json sampling fields), then the engine's."""
+    if defaults and isinstance(doc, dict):
+        doc = {**defaults, **doc}
     try:
         params = SamplingParams.from_dict(doc)
         params.check_vocab(vocab_size)

@@ -95,7 +95,7 @@ class GenerateBody(BaseModel):
         """A prompt's sampling params, their path prefix, and the choices asked for so far
         with them; refuses what does not fit. Its ids are checked by the caller."""
         sp_prefix = f"sampling_params{where if isinstance(self.sampling_params, list) else ''}."
-        p = build_params(doc, served.vocab_size, {}, sp_prefix)
+        p = build_params(doc, served.vocab_size, {}, sp_prefix, served.sampling_defaults)
         choices += p.n
         check_choices(choices, f"{sp_prefix}n")
         served.token_budget(len(ids), p.max_new_tokens, prompt_param,

@@ -108,7 +108,8 @@ def router(state: WorkerState) -> APIRouter:
         sampling = body.sampling_dict(max_new, body.logprobs_k)
         if tools.grammar is not None:
             sampling["ebnf"] = tools.grammar
-        params = build_params(sampling, state.vocab_size, CHAT_RENAMES)
+        params = build_params(sampling, state.vocab_size, CHAT_RENAMES,
+                              defaults=state.sampling_defaults)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         run = EngineRun(state, input_ids, params, body.cache_salt, rid, CHAT_RENAMES, prompt_field)
         await start_all(request, [run])
@@ -152,7 +153,8 @@ def router(state: WorkerState) -> APIRouter:
             state.token_budget(len(ids), body.max_tokens, param, "max_tokens")
             inputs.append(ids)
         params = build_params(body.sampling_dict(body.max_tokens or 16, body.logprobs),
-                              state.vocab_size, COMPLETION_RENAMES)
+                              state.vocab_size, COMPLETION_RENAMES,
+                              defaults=state.sampling_defaults)
         rid = f"cmpl-{uuid.uuid4().hex}"
         runs = [EngineRun(state, ids, params, body.cache_salt,
                           f"{rid}-{i}" if len(inputs) > 1 else rid, COMPLETION_RENAMES,

@@ -13,7 +13,7 @@ model names and sizes) reaches the validators as pydantic's validation context, 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from radixpool.tokenization import RENDERER_VARIABLES
@@ -82,6 +82,7 @@ class Served:
     vocab_size: int | None = None
     context_length: int | None = None
     text_chars: int | None = None   # the most characters a prompt's text may have
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)   # generation_config.json's
 
     def check_model(self, model: str | None) -> None:
         if model is None or model in (self.model_name, self.model_path):

@@ -73,8 +73,10 @@ class WorkerState:
     def attach(self, engine: Any) -> None:
         self.engine = engine
         self.token_text = TokenText(engine.tokenizer)
-        self.tool_format = resolve_tool_format(self.config.tool_call_format,
-                                               getattr(engine.tokenizer, "chat_template", None))
+        tokenizer = engine.tokenizer   # a chat with tools renders through its tool_use template
+        template = (getattr(tokenizer, "tool_use_template", None)
+                    or getattr(tokenizer, "chat_template", None))
+        self.tool_format = resolve_tool_format(self.config.tool_call_format, template)
         self.lifecycle.mark_ready()
 
     async def probe_model(self) -> bool:
@@ -119,6 +121,10 @@ class WorkerState:
         return self.engine.info.vocab_size
 
     @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        return self.engine.info.sampling_defaults
+
+    @property
     def served(self) -> Served:
         if self.engine is None:
             return Served(self.config.served_model_name, self.config.engine.model_path)
@@ -126,7 +132,7 @@ class WorkerState:
         return Served(self.config.served_model_name, self.config.engine.model_path,
                       info.vocab_size, info.context_length,
                       info.context_length * self.engine.tokenizer.longest_token_chars
-                      * TEXT_LENGTH_MARGIN)
+                      * TEXT_LENGTH_MARGIN, info.sampling_defaults)
 
     def check_model(self, model: str | None) -> None:
         self.served.check_model(model)
