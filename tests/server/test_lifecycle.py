@@ -301,7 +301,8 @@ def test_sigterm_with_a_kv_events_long_poll_open_exits_quietly(polled):
 
 @pytest.mark.parametrize("flags, says", [
     (("--page-size", "64", "--kv-cache-tokens", "32"), "smaller than one page (64 tokens)"),
-    (("--context-length", "100000",), "may only shrink the model's context (2048 tokens)"),
+    (("--context-length", "100000",),
+     "may only shrink the model's context (2048 tokens: config.json max_position_embeddings)"),
 ])
 def test_settings_the_engine_cannot_run_with_end_the_worker_with_one_line(tiny_model, flags,
                                                                           says):
