@@ -40,6 +40,10 @@ def test_minimal_pool_gets_the_schema_defaults(pool_body):
     ({"gateway": {"balanceRelThreshold": 0.5}}, "spec.gateway.balanceRelThreshold",
      "at least 1"),
     ({"engine": {"pageSize": 0}}, "spec.engine.pageSize", "at least 1"),
+    # int32 fields: the API server does not enforce `format`; the worker failed at start
+    ({"engine": {"kvCacheTokens": 2**31}}, "spec.engine.kvCacheTokens", "at most 2147483647"),
+    ({"gateway": {"balanceAbsThreshold": 2**40}}, "spec.gateway.balanceAbsThreshold",
+     "at most 2147483647"),
     # the worker refuses these (as memFraction 1): an Accepted pool had every worker exit at start
     ({"engine": {"pageSize": 12}}, "spec.engine.pageSize", "power of two"),
     ({"engine": {"pageSize": 16, "chunkedPrefillSize": 8}}, "spec.engine.chunkedPrefillSize",

@@ -38,10 +38,15 @@ def _node(kind: str, description: str, default: Any = None, **extra: Any) -> Sch
     return node
 
 
+INT32_MAX = 2**31 - 1
+
+
 def integer(description: str, *, default: int | None = None, minimum: int | None = None,
-            maximum: int | None = None) -> Schema:
+            maximum: int = INT32_MAX) -> Schema:
+    """An int32: the API server does not enforce `format`, so `maximum` (at most `INT32_MAX`)
+    is what keeps a value the worker's flags and the Deployment cannot take out."""
     return _node("integer", description, default, format="int32", minimum=minimum,
-                 maximum=maximum)
+                 maximum=min(maximum, INT32_MAX))
 
 
 def number(description: str, *, default: float | None = None, minimum: float | None = None,
