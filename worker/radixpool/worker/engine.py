@@ -53,7 +53,7 @@ from radixpool.worker.messages import (
 )
 from radixpool.worker.request_output import RequestOutput, StreamChunk, result_from_chunks
 from radixpool.worker.sampler import request_seed
-from radixpool.worker.sampling_params import SamplingParams
+from radixpool.worker.sampling_params import SamplingParams, over_model_defaults
 from radixpool.worker.stop_strings import StopMatcher
 
 __all__ = ["Engine", "EngineBusy", "EngineStartCancelled", "RidInUse", "StreamChunk"]
@@ -398,12 +398,6 @@ class Engine:
                                  "which must also leave room for at least one new token")
         return batch
 
-    def _with_model_defaults(self, doc: Any) -> Any:
-        """`doc` over the model's generation_config.json sampling defaults."""
-        if doc is None or isinstance(doc, dict):
-            return {**self.info.sampling_defaults, **(doc or {})}
-        return doc   # from_dict names the wrong type
-
     def _params(self, sampling_params: Any, count: int) -> list[SamplingParams]:
         if isinstance(sampling_params, list):
             if len(sampling_params) != count:
@@ -415,7 +409,8 @@ class Engine:
         out = []
         for item in items:
             params = (item if isinstance(item, SamplingParams)
-                      else SamplingParams.from_dict(self._with_model_defaults(item)))
+                      else SamplingParams.from_dict(
+                          over_model_defaults(item, self.info.sampling_defaults)))
             params.check_vocab(self.info.vocab_size)
             out.append(params)
         return out

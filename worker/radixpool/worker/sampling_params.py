@@ -23,6 +23,15 @@ MAX_CONSTRAINT_CHARS = 100_000   # compiles run one at a time: a huge grammar wo
 MODEL_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
+def over_model_defaults(doc: Any, defaults: dict[str, Any]) -> Any:
+    """A request's sampling fields over the model's `defaults` (its generation_config.json
+    fields): what it leaves out takes them. A `doc` of another type is left for `from_dict`
+    to refuse, naming it."""
+    if defaults and (doc is None or isinstance(doc, dict)):
+        return {**defaults, **(doc or {})}
+    return doc
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 128

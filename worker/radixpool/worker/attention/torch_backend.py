@@ -88,12 +88,12 @@ def _own_slots(batch: ForwardBatch, own: torch.Tensor) -> torch.Tensor:
 class TorchAttentionBackend(AttentionBackend):
     supports_sliding_window = True
 
-    def _in_window(self, cols: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
-        """True where key position `cols` is not yet behind `query_pos`'s window (broadcast)."""
+    def _within_window(self, mask: torch.Tensor, cols: torch.Tensor, query_pos: torch.Tensor
+                       ) -> torch.Tensor:
+        """`mask` less the keys at `cols` a sliding window or more behind their query at
+        `query_pos` (broadcast); `mask` itself for a model without one."""
         window = self.shape.sliding_window
-        if window is None:
-            return torch.ones((), dtype=torch.bool, device=cols.device)
-        return cols > query_pos - window
+        return mask if window is None else mask & (cols > query_pos - window)
 
     def plan(self, batch: ForwardBatch) -> None:
         if batch.mode is ForwardMode.DECODE:
@@ -107,7 +107,7 @@ class TorchAttentionBackend(AttentionBackend):
         max_len = max(batch.prefix_lens) + 1
         cols = torch.arange(max_len, device=batch.req_to_token.device)
         own = cols[None, :] < batch.seq_lens[:, None]
-        mask = own & self._in_window(cols[None, :], batch.seq_lens[:, None] - 1)
+        mask = self._within_window(own, cols[None, :], batch.seq_lens[:, None] - 1)
         return DecodePlan(_own_slots(batch, own), mask[:, None, None, :])
 
     def _plan_padded_extend(self, batch: ForwardBatch) -> PaddedExtendPlan:
@@ -120,8 +120,9 @@ class TorchAttentionBackend(AttentionBackend):
         extend = torch.tensor(batch.extend_lens, device=device)
         real = torch.arange(longest, device=device)[None, :] < extend[:, None]
         cols = torch.arange(max_len, device=device)
-        mask = ((cols[None, None, :] <= query_pos[:, :, None]) & real[:, :, None]
-                & self._in_window(cols[None, None, :], query_pos[:, :, None]))
+        mask = self._within_window(
+            (cols[None, None, :] <= query_pos[:, :, None]) & real[:, :, None],
+            cols[None, None, :], query_pos[:, :, None])
         mask[:, :, 0] |= ~real
         # Queries are laid [kv_heads, group * max_extend]: the mask repeats for every group.
         mask = mask[:, None].expand(-1, group, -1, -1).reshape(len(extend), 1, -1, max_len)
@@ -140,7 +141,7 @@ class TorchAttentionBackend(AttentionBackend):
             if prefix or (window is not None and seq_len > window):
                 query_pos = torch.arange(prefix, seq_len, device=device)[:, None]
                 cols = torch.arange(seq_len, device=device)[None, :]
-                mask = (cols <= query_pos) & self._in_window(cols, query_pos)
+                mask = self._within_window(cols <= query_pos, cols, query_pos)
             spans.append(ExtendSpan(start, start + extend, batch.req_to_token[row, :seq_len],
                                     mask))
             start += extend

@@ -20,7 +20,7 @@ from starlette.requests import Request
 
 from radixpool.protocol.errors import NO_RETRY, NONFINITE_LOGITS
 from radixpool.worker.engine_errors import RequestFault, RidInUse
-from radixpool.worker.sampling_params import SamplingParams
+from radixpool.worker.sampling_params import SamplingParams, over_model_defaults
 from radixpool.worker.server.errors import APIError, bad_request, unavailable
 from radixpool.worker.server.state import WorkerState
 
@@ -55,10 +55,8 @@ def build_params(doc: dict[str, Any], vocab_size: int, renames: dict[str, str],
                  prefix: str = "", defaults: dict[str, Any] | None = None) -> SamplingParams:
     """`doc`'s params; the fields it leaves out take `defaults` (the model's
     generation_config.json sampling fields), then the engine's."""
-    if defaults and isinstance(doc, dict):
-        doc = {**defaults, **doc}
     try:
-        params = SamplingParams.from_dict(doc)
+        params = SamplingParams.from_dict(over_model_defaults(doc, defaults or {}))
         params.check_vocab(vocab_size)
     except (ValueError, TypeError) as exc:
         err = engine_error(ValueError(str(exc)), renames, None)
