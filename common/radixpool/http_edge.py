@@ -41,7 +41,15 @@ request's response (whose request is then aborted). `EdgeProtocol`:
   on to its end (holding its worker) and then failed writing to the closed connection;
 - an HTTP/1.0 request's streamed answer is sent as it is, ended by closing the connection:
   uvicorn framed it in chunked encoding, which HTTP/1.0 has not (RFC 9112 §6.1), so an HTTP/1.0
-  client read the chunk sizes as part of its event stream.
+  client read the chunk sizes as part of its event stream;
+- a connection that ends after a whole answer (a refusal, a 413 before the body, `connection:
+  close`) is closed the way RFC 9112 §9.6 asks: the answer and then a FIN go out, and what the
+  client still sends is read and dropped until it closes too (or `LINGER_IDLE_S` passes without
+  a byte, or `LINGER_MAX_S` in all). Closed outright, with the rest of the client's request
+  unread, the kernel answered that request with a reset: a client still writing its body (a
+  large prompt, a request at the connection limit) saw a connection error on its write, and
+  never read the 413 or 503 waiting for it. A connection lingering so is the first one closed
+  when another needs its room.
 
 What uvicorn already does right is kept: pipelined requests answered in order, one at a time;
 `100 Continue` sent only when the application asks for the body; a response body written to a
@@ -92,6 +100,8 @@ class EdgeLimits:
 
 
 FD_RESERVE = 256   # descriptors kept from clients: worker connections, files, child processes
+LINGER_IDLE_S = 2.0    # a closing connection waits this long for each more byte of its client
+LINGER_MAX_S = 10.0    # ... and this long in all, for the client to close its side too
 
 
 def open_file_room() -> int:
@@ -152,24 +162,37 @@ class EdgeProtocol(HttpToolsProtocol):
         self._running = None   # the request being answered (uvicorn's `cycle` is the newest)
         self._refusal: bytes | None = None   # sent once the responses ahead of it are complete
         self._joined: _HeadJoined | None = None   # the newest request's writer
+        self._lingering = False   # answered for the last time: reading the client out
+        self._linger_timer: asyncio.TimerHandle | None = None
+        self._linger_ends = 0.0
         self._arm_head_timer()
         if len(self.server_state.connections) > self.max_connections:
             self._make_room()
 
     def _make_room(self) -> None:
-        """One connection too many: close the oldest one not being answered, else this one."""
-        idle = [c for c in self.server_state.connections
-                if c is not self and not c._answering() and not c.transport.is_closing()]
-        if idle:
-            min(idle, key=lambda c: c._opened_at).transport.close()
+        """Too many connections: close the oldest that only wait out their client after their
+        last answer, then the oldest idle ones, and refuse this one if that is not room enough."""
+        open_ = [c for c in self.server_state.connections if not c.transport.is_closing()]
+        excess = len(open_) - self.max_connections
+        if excess <= 0:
             return
-        self._refuse(503, f"the server holds its limit of {self.max_connections} open "
-                          "connections, all of them being answered; retry", "too_many_connections")
+        others = sorted((c for c in open_ if c is not self), key=lambda c: c._opened_at)
+        spare = ([c for c in others if c._lingering]
+                 + [c for c in others if not c._lingering and not c._answering()])
+        for connection in spare[:excess]:
+            connection.transport.close()
+        if excess > len(spare):
+            self._refuse(503, f"the server holds its limit of {self.max_connections} open "
+                              "connections, all of them being answered; retry",
+                         "too_many_connections")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
         self._cancel_body_timer()
         self._cancel_stall_timer()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
         running = self._running
         if running is not None and running is not self.cycle and not running.response_complete:
             # uvicorn tells only the newest request (`cycle`), here one pipelined behind the one
@@ -203,6 +226,9 @@ class EdgeProtocol(HttpToolsProtocol):
         self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            self._linger()   # read, and dropped: it is not answered
+            return
         if self._refusal is not None:
             return   # the parser stopped at the bad request; what follows it is not read
         while self._in_head and data:
@@ -297,7 +323,8 @@ class EdgeProtocol(HttpToolsProtocol):
         self._heads_read += 1
         self._cancel_head_timer()
         cycle = self.cycle
-        self._joined = cycle.transport = _HeadJoined(cycle, self.transport, self.loop)
+        self._joined = cycle.transport = _HeadJoined(cycle, self.transport, self.loop,
+                                                     self._close_after_answer)
         if self.scope.get("http_version") == "1.0":
             cycle.__class__ = _CloseDelimited
 
@@ -311,9 +338,44 @@ class EdgeProtocol(HttpToolsProtocol):
         self._in_head = True
 
     def on_response_complete(self) -> None:
+        if self._lingering:   # that answer was the last: nothing pipelined after it is started
+            self.server_state.total_requests += 1
+            self.pipeline.clear()
+            return
         super().on_response_complete()
         if self._refusal is not None and not self._answering():
             self._send_refusal()
+
+    def shutdown(self) -> None:
+        if self._lingering:   # the server stops: it waits for no client's leftovers
+            self.transport.close()
+        else:
+            super().shutdown()
+
+    def _close_after_answer(self) -> None:
+        """End the connection once its last answer is written: a FIN after the answer, then
+        read the client out (RFC 9112 §9.6), so the rest of its request is not answered with a
+        reset that could overtake the answer, or fail the client's write before it reads it."""
+        transport = self.transport
+        if transport.is_closing() or self._lingering:
+            return
+        if not transport.can_write_eof():
+            transport.close()
+            return
+        self._lingering = True
+        self._cancel_head_timer()
+        self._cancel_body_timer()
+        self._unset_keepalive_if_required()
+        transport.write_eof()
+        self._linger_ends = self.loop.time() + LINGER_MAX_S
+        self.flow.resume_reading()
+        self._linger()
+
+    def _linger(self) -> None:
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+        wait = min(LINGER_IDLE_S, self._linger_ends - self.loop.time())
+        self._linger_timer = self.loop.call_later(max(0.0, wait), self.transport.close)
 
     def _start_asgi_task(self, cycle, app) -> None:
         self._running = cycle
@@ -337,7 +399,7 @@ class EdgeProtocol(HttpToolsProtocol):
             self._joined.flush()   # a head answered before it goes first
         if not self.transport.is_closing():
             self.transport.write(self._refusal)
-            self.transport.close()
+            self._close_after_answer()
 
     def _arm_head_timer(self) -> None:
         self._head_timer = self.loop.call_later(self.limits.header_read_timeout,
@@ -376,9 +438,14 @@ class EdgeProtocol(HttpToolsProtocol):
             return
         self.logger.warning("refused a request: %s", message)
         self._cancel_head_timer()
-        if not (cycle.response_started and not cycle.response_complete):
-            self.transport.write(_error_response(status, message, code))
-        self.transport.close()   # a handler waiting on the body sees a disconnect
+        if cycle.response_started and not cycle.response_complete:
+            self.transport.close()   # the answer is cut: its handler sees a disconnect
+            return
+        self.transport.write(_error_response(status, message, code))
+        self._close_after_answer()
+        if not cycle.response_complete:   # a handler waiting on the body sees a disconnect
+            cycle.disconnected = True
+            cycle.message_event.set()
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
@@ -419,13 +486,14 @@ class _HeadJoined:
     answer, or a stream's first chunk) and both leave as one; a head with nothing after it (a
     HEAD answer, a stream whose first chunk is not ready) goes out alone at the next step."""
 
-    __slots__ = ("_cycle", "_done", "_head", "_loop", "_transport")
+    __slots__ = ("_close_after_answer", "_cycle", "_done", "_head", "_loop", "_transport")
 
-    def __init__(self, cycle, transport: asyncio.Transport,
-                 loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, cycle, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop,
+                 close_after_answer) -> None:
         self._cycle = cycle
         self._transport = transport
         self._loop = loop
+        self._close_after_answer = close_after_answer
         self._head: bytes | None = None
         self._done = False   # the head has been held once: later writes go straight out
 
@@ -446,7 +514,10 @@ class _HeadJoined:
 
     def close(self) -> None:
         self.flush()
-        self._transport.close()
+        if self._cycle.response_complete:   # the last answer, whole (`connection: close`)
+            self._close_after_answer()
+        else:
+            self._transport.close()
 
     def __getattr__(self, name: str):
         return getattr(self._transport, name)

@@ -439,7 +439,7 @@ def test_an_answers_head_leaves_with_what_follows_it_in_the_same_step(loop_threa
     real = edge._HeadJoined
 
     class Recorded(real):   # records what reaches the connection's transport
-        def __init__(self, cycle, transport, loop) -> None:
+        def __init__(self, cycle, transport, loop, close_after_answer) -> None:
             class Recording:
                 def __getattr__(self, name):
                     return getattr(transport, name)
@@ -448,7 +448,7 @@ def test_an_answers_head_leaves_with_what_follows_it_in_the_same_step(loop_threa
                     writes.append(data)
                     transport.write(data)
 
-            super().__init__(cycle, Recording(), loop)
+            super().__init__(cycle, Recording(), loop, close_after_answer)
 
     async def app(request, respond) -> None:
         await asyncio.sleep(0)

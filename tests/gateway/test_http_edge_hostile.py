@@ -9,6 +9,7 @@ import logging
 import time
 
 from radixpool.gateway.http_edge import EdgeLimits, EdgeServer, Request, Responder
+from radixpool.http_edge import LINGER_IDLE_S
 from tests.gateway.test_http_edge import Responses, connect, read_until_closed
 
 MIB = 1 << 20
@@ -75,6 +76,73 @@ def test_when_every_connection_is_being_answered_one_more_gets_503(make_stack):
             (status, body), = Responses(read_until_closed(late)).messages
         assert status == 503
         assert json.loads(body)["error"]["code"] == "too_many_connections"
+        busy[0].sendall(b': "w1", "max_tokens": 1}'.ljust(91))   # the rest of the 100 bytes
+        (status, _), = Responses(read_until_closed(busy[0], 2.0)).messages
+        assert status == 200   # the requests held were never cut
+    finally:
+        for c in busy:
+            c.close()
+
+
+def read_to_orderly_end(sock, seconds: float = 5.0) -> bytes:
+    """All the server sends, which must end with its FIN: a reset fails the test."""
+    sock.settimeout(seconds)
+    got = b""
+    while chunk := sock.recv(65536):
+        got += chunk
+    return got
+
+
+def test_a_client_still_sending_its_body_reads_the_413_not_a_reset(make_stack):
+    # The gateway answered 413 before the body and closed with the body unread: the kernel
+    # answered the rest with a reset, so a client writing its whole request before reading (as
+    # most do) failed on its write and never saw the 413 (RFC 9112 §9.6)
+    stack = make_stack(1, max_body_bytes=MIB)
+    for framing in (b"content-length: %d\r\n\r\n" % (8 * MIB), None):
+        with connect(stack.url) as c:
+            if framing is None:   # no length declared: refused once 1 MiB has been read
+                chunk = b"x" * MIB
+                c.sendall(HEAD + b"transfer-encoding: chunked\r\n\r\n"
+                          + (b"%x\r\n%s\r\n" % (len(chunk), chunk)) * 8 + b"0\r\n\r\n")
+            else:
+                c.sendall(HEAD + framing + b"x" * (8 * MIB))
+            (status, body), = Responses(read_to_orderly_end(c)).messages
+        assert status == 413
+        assert json.loads(body)["error"]["code"] == "request_too_large"
+    assert stack.client.post("/v1/completions", json={"prompt": "w1", "max_tokens": 1}
+                             ).status_code == 200
+
+
+def test_a_connection_past_the_limit_reads_its_503_and_lingers_in_no_ones_way(make_stack):
+    stack = make_stack(1, max_connections=4)
+    state = stack.server.server._state
+    busy = [connect(stack.url) for _ in range(4)]
+    try:
+        for c in busy:   # heads whole, bodies still to come: each is a request being answered
+            c.sendall(HEAD + b"content-length: 100\r\n\r\n{\"prompt\"")
+        deadline = time.monotonic() + 5
+        while len(state.tasks) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        late = []
+        for _ in range(2):   # a whole request with a 4 MiB body, sent at once
+            late.append(connect(stack.url))
+            late[-1].sendall(HEAD + b"content-length: %d\r\n\r\n" % (4 * MIB)
+                             + b"x" * (4 * MIB))
+            (status, body), = Responses(read_to_orderly_end(late[-1])).messages
+            assert status == 503
+            assert json.loads(body)["error"]["code"] == "too_many_connections"
+            if len(late) == 1:   # a client that never closes its side is closed in LINGER_IDLE_S
+                deadline = time.monotonic() + LINGER_IDLE_S + 3
+                while len(state.connections) > 4 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert len(state.connections) == 4
+        # one waiting out its client holds no place: the next is refused too, not let in
+        with connect(stack.url) as next_one:
+            next_one.sendall(b"GET /livez HTTP/1.1\r\nhost: x\r\n\r\n")
+            (status, _), = Responses(read_until_closed(next_one)).messages
+            assert status == 503
+        for c in late:
+            c.close()
         busy[0].sendall(b': "w1", "max_tokens": 1}'.ljust(91))   # the rest of the 100 bytes
         (status, _), = Responses(read_until_closed(busy[0], 2.0)).messages
         assert status == 200   # the requests held were never cut
