@@ -235,8 +235,16 @@ def test_the_chart_installs_on_this_cluster_with_least_privilege(kube, release, 
     assert not can("create", "clusterkopfpeerings", "kopf.dev", namespace="")
 
 
+def control_key_name(pool: str, uid: str) -> str:
+    return f"{pool}-control-key-{uid.replace('-', '')[:12]}"
+
+
 def test_the_operator_as_the_charts_account_creates_pools_in_other_namespaces(
         kube, namespaces, operator):
+    # Made before the pool, under the name a pool's control key had: the operator may not read
+    # Secrets, and it took this one for the pool's key (known to whoever made it)
+    kube.core.create_namespaced_secret(namespaces[0], {
+        "metadata": {"name": "llm-control-key"}, "stringData": {"key": "known-to-its-maker"}})
     for namespace in namespaces:
         create_pool(kube, namespace, "llm")
     for namespace in namespaces:
@@ -250,8 +258,13 @@ def test_the_operator_as_the_charts_account_creates_pools_in_other_namespaces(
         assert not pool["metadata"].get("finalizers")
         binding = kube.rbac.read_namespaced_role_binding("llm-gateway", namespace)
         assert binding.role_ref.name == "llm-gateway"
-        control = kube.core.read_namespaced_secret("llm-control-key", namespace)
+        name = control_key_name("llm", pool["metadata"]["uid"])
+        control = kube.core.read_namespaced_secret(name, namespace)
         assert control.metadata.owner_references[0].uid == pool["metadata"]["uid"]
+        gateway = kube.apps.read_namespaced_deployment("llm-gateway", namespace)
+        refs = {e.name: e.value_from.secret_key_ref.name
+                for e in gateway.spec.template.spec.containers[0].env if e.value_from}
+        assert refs["RADIXPOOL_WORKER_API_KEY"] == name
         assert operator.process.poll() is None, operator.log.read_text()[-3000:]
 
 
@@ -349,13 +362,13 @@ def test_a_pool_deleted_and_made_again_at_once_gets_all_its_objects_back(kube, n
                                                                        operator):
     namespace = namespaces[1]
 
-    def control_key_owner() -> str:
-        secret = kube.core.read_namespaced_secret("again-control-key", namespace)
+    def control_key_owner(uid: str) -> str:
+        secret = kube.core.read_namespaced_secret(control_key_name("again", uid), namespace)
         return secret.metadata.owner_references[0].uid
 
-    create_pool(kube, namespace, "again")
+    first_uid = create_pool(kube, namespace, "again")["metadata"]["uid"]
     wait_for("objects", lambda: owned(kube, namespace, "again") >= everything("again"))
-    first = wait_for("the control key", control_key_owner)
+    first = wait_for("the control key", lambda: control_key_owner(first_uid))
     # Garbage collection of the old pool's worker Deployment held up, as a slow one would be.
     hold = {"metadata": {"finalizers": ["radixpool.io/e2e-hold"]}}
     kube.apps.patch_namespaced_deployment("again-worker", namespace, hold)
@@ -380,7 +393,7 @@ def test_a_pool_deleted_and_made_again_at_once_gets_all_its_objects_back(kube, n
     def owners() -> set[str]:
         found = {kube.apps.read_namespaced_deployment(name, namespace).metadata.owner_references[
             0].uid for name in ("again-worker", "again-gateway")}
-        return found | {control_key_owner()}
+        return found | {control_key_owner(uid)}
     wait_for("every object, the control key too, owned by the new pool", lambda: owners() == {
         uid}, timeout=150)
     assert uid != first

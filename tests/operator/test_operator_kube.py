@@ -190,7 +190,7 @@ def test_the_control_key_comes_back_for_a_pool_made_again_and_after_a_hand_delet
     from radixpool.operator import kube
 
     store, _ = server
-    secret = "api/v1/namespaces/ml/secrets/llama-control-key"
+    secret = "api/v1/namespaces/ml/secrets/llama-control-key-uidllama"
     reconcile_pool(pool_body(), kube_cluster, OperatorConfig())
     assert store.objects[secret]["metadata"]["ownerReferences"][0]["uid"] == "uid-llama"
     store.requests.clear()
@@ -198,13 +198,14 @@ def test_the_control_key_comes_back_for_a_pool_made_again_and_after_a_hand_delet
     assert not [r for r in store.requests if r[0] == "POST"]  # steady state: not asked again
 
     # `kubectl delete` and `apply` of the same pool at once: garbage collection removes the old
-    # pool's key, and the new pool (same name, new uid) needs its own.
+    # pool's key, and the new pool (same name, new uid) gets its own, under a name of its own.
     for key in [key for key, obj in store.objects.items() if obj["metadata"].get(
             "ownerReferences", [{}])[0].get("uid") == "uid-llama"]:
         del store.objects[key]  # garbage collection, the control key among them
     again = pool_body()
     again["metadata"]["uid"] = "uid-llama-2"
     reconcile_pool(again, kube_cluster, OperatorConfig())
+    secret = "api/v1/namespaces/ml/secrets/llama-control-key-uidllama2"
     assert store.objects[secret]["metadata"]["ownerReferences"][0]["uid"] == "uid-llama-2"
 
     deployments = [f"apis/apps/v1/namespaces/ml/deployments/llama-{part}"

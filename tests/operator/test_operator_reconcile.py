@@ -262,12 +262,16 @@ def test_the_control_key_is_made_once_and_reaches_workers_and_gateway_by_referen
         cluster, pool_body):
     body = pool_body(apiKeySecret={"name": "client-key"})
     cluster.add("Secret", "ml", "client-key")
+    # A Secret someone made before the pool, under the name a pool's key had (the operator
+    # cannot read Secrets by default): it was taken for the pool's key, known to its maker
+    cluster.add("Secret", "ml", "llama-control-key")
     reconcile_pool(body, cluster, CONFIG)
-    secret = cluster.stored("Secret", "ml", "llama-control-key")
+    name = "llama-control-key-uidllama"   # from the pool's UID, unknown before the pool exists
+    secret = cluster.stored("Secret", "ml", name)
     key = secret["stringData"]["key"]
     assert len(key) >= 32 and secret["metadata"]["ownerReferences"][0]["uid"] == "uid-llama"
     reconcile_pool(body, cluster, CONFIG)
-    assert cluster.stored("Secret", "ml", "llama-control-key")["stringData"]["key"] == key
+    assert cluster.stored("Secret", "ml", name)["stringData"]["key"] == key
 
     def env(deployment: str) -> dict:
         container = cluster.stored("Deployment", "ml", deployment)["spec"]["template"]["spec"][
@@ -276,7 +280,7 @@ def test_the_control_key_is_made_once_and_reaches_workers_and_gateway_by_referen
         return {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"]
                 if "valueFrom" in e}
 
-    control = {"name": "llama-control-key", "key": "key"}
+    control = {"name": name, "key": "key"}
     client = {"name": "client-key", "key": "api-key"}
     assert env("llama-worker") == {"RADIXPOOL_API_KEY": client,
                                    "RADIXPOOL_CONTROL_API_KEY": control}
@@ -340,7 +344,7 @@ def test_a_pool_made_again_waits_for_garbage_collection_of_its_predecessors_obje
     cluster.objects.clear()  # garbage collection
     reconcile_pool(again, cluster, CONFIG, now=T1)
     for kind, name in (("Deployment", "llama-worker"), ("Service", "llama-workers"),
-                       ("Secret", "llama-control-key")):
+                       ("Secret", "llama-control-key-uidllama2")):
         owner = cluster.stored(kind, "ml", name)["metadata"]["ownerReferences"][0]
         assert owner["uid"] == "uid-llama-2"
 

@@ -68,9 +68,13 @@ def gateway_pdb_name(pool: str) -> str:
     return f"{pool}-gateway"
 
 
-def control_key_secret_name(pool: str) -> str:
-    """The pool's control key: what the gateway presents to its workers (generated once)."""
-    return f"{pool}-control-key"
+def control_key_secret_name(pool: str, uid: str) -> str:
+    """The pool's control key: what the gateway presents to its workers (generated once). Its
+    name carries 12 hex digits of the pool's UID, which no one knows before the pool exists: a
+    Secret made in advance under a name the pool would take (the operator may create Secrets
+    but, by default, not read them) would otherwise be taken for the pool's own, its key known
+    to whoever made it."""
+    return f"{pool}-control-key-{uid.replace('-', '')[:12]}"
 
 
 CONTROL_KEY_FIELD = "key"

@@ -116,7 +116,8 @@ def control_key_secret(pool: Pool) -> dict[str, Any]:
     restart every pod), so it is not among `desired_objects`; owned by the pool like them."""
     return owned(pool, {
         "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-        "metadata": {"name": api.control_key_secret_name(pool.name), "namespace": pool.namespace,
+        "metadata": {"name": api.control_key_secret_name(pool.name, pool.uid),
+                     "namespace": pool.namespace,
                      "labels": api.pool_labels(pool.name, "control-key")},
         "stringData": {api.CONTROL_KEY_FIELD: secrets.token_urlsafe(32)},
     })

@@ -195,11 +195,12 @@ def _apply(pool: Pool, cluster: Cluster, config: OperatorConfig,
     rejection = _apply_all(checked, cluster, pool, live, dry_run=True)
     if rejection is None:
         if cluster.create_once(control_key_secret(pool)) and running:
-            # The key was made again (deleted by hand) while pods run: they read the old one
-            # when they started (env from the Secret), and a pod started now would read the new
-            # one, so gateway and workers would refuse each other. Roll them all onto it.
-            log.warning("%s/%s: its control key was made again; restarting its pods",
-                        pool.namespace, pool.name)
+            # The key was made while pods run (deleted by hand, or renamed by an operator
+            # upgrade): they read the old one when they started (env from the Secret), and a pod
+            # started now would read the new one, so gateway and workers would refuse each
+            # other. Roll them all onto it.
+            log.warning("%s/%s: its control key was made while its pods run; restarting them "
+                        "onto it", pool.namespace, pool.name)
             for ref in running:
                 cluster.restart(ref, _now())
         # admission may still refuse what its dry run let through

@@ -113,7 +113,7 @@ def control_key_env(pool: Pool, variable: str) -> dict[str, Any]:
     """The pool's control key (its own Secret, made once by the operator) as `variable`:
     RADIXPOOL_CONTROL_API_KEY in workers, RADIXPOOL_WORKER_API_KEY in the gateway."""
     return {"name": variable, "valueFrom": {"secretKeyRef": {
-        "name": api.control_key_secret_name(pool.name), "key": api.CONTROL_KEY_FIELD}}}
+        "name": api.control_key_secret_name(pool.name, pool.uid), "key": api.CONTROL_KEY_FIELD}}}
 
 
 def container_security() -> dict[str, Any]:
