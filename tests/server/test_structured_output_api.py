@@ -135,6 +135,22 @@ def test_generate_bad_regex_names_the_field(http):
     assert r.json()["error"]["param"] == "sampling_params.regex"
 
 
+def test_a_schema_nested_past_what_compiles_says_so(http):
+    # as JSON text, it passes the body's depth check and the JSON parser; lowering it to a
+    # grammar ran out of Python's stack, and the 400 said "maximum recursion depth exceeded"
+    schema: dict = {"type": "string"}
+    for _ in range(300):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    r = http.post("/generate", json={"text": "x", "sampling_params": {
+        "json_schema": json.dumps(schema), "max_new_tokens": 2}})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "sampling_params.json_schema"
+    assert "nests too deeply to compile" in error["message"], error
+    assert http.post("/generate", json={"text": "x", "sampling_params": {
+        "max_new_tokens": 1}}).status_code == 200
+
+
 def test_grammar_metrics_move(client, http):
     def scrape() -> dict[str, float]:
         out = {}

@@ -188,6 +188,10 @@ class GrammarCompiler:
             else:
                 ebnf = exclude_surrogates(str(xgr.Grammar.from_ebnf(source)))
             compiled = compiler.compile_grammar(ebnf)
+        except RecursionError:   # lowering a JSON schema recurses once (or more) per level
+            raise GrammarError(f"{kind} nests too deeply to compile: flatten the "
+                               f"{_KIND_NAMES[kind]} (a JSON schema of about 250 levels is "
+                               "past it)") from None
         except Exception as exc:   # xgrammar raises RuntimeError / ValueError subclasses
             raise GrammarError(f"{kind} is not a valid {_KIND_NAMES[kind]}: "
                                f"{_clean(exc)}") from None
