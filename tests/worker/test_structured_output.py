@@ -397,15 +397,24 @@ def test_a_schema_slow_to_compile_does_not_hold_up_the_ordinary_ones(tiny_model)
     assert not looks_heavy("json_schema", json.dumps(   # every property required: not slow
         {"type": "object", "properties": {f"p{i}": {} for i in range(300)},
          "required": [f"p{i}" for i in range(300)]}))
+    # Nested 200 levels: 12 KB of text, 3 s in xgrammar's schema converter on this tiny model
+    deep: dict = {"type": "string"}
+    for _ in range(200):
+        deep = {"type": "object", "properties": {"a": deep}, "required": ["a"]}
+    nested = json.dumps(deep)
     compiler = GrammarCompiler(str(tiny_model), 1024, (2, 4))
     compiler.prepare().result()
-    heavy = compiler.submit(("json_schema", slow))
-    time.sleep(0.05)   # under way
-    started = time.perf_counter()
-    compiler.submit(("json_schema", plain)).result()
-    waited = time.perf_counter() - started
-    assert not heavy.done(), f"the ordinary schema waited {waited:.2f} s for the slow one"
-    heavy.result()
+    for indent, slow_one in enumerate((slow, nested)):
+        assert looks_heavy("json_schema", slow_one)
+        heavy = compiler.submit(("json_schema", slow_one))
+        time.sleep(0.05)   # under way
+        started = time.perf_counter()
+        # (the same ordinary schema as text of its own, not answered from the compile cache)
+        ordinary = json.dumps(FINITE_SCHEMAS[1], indent=indent or None)
+        compiler.submit(("json_schema", ordinary)).result()
+        waited = time.perf_counter() - started
+        assert not heavy.done(), f"the ordinary schema waited {waited:.2f} s for the slow one"
+        heavy.result()
 
 
 def test_two_constraints_at_once_are_refused():

@@ -4,11 +4,12 @@
 (the engine core keeps stepping other requests meanwhile); the first one also builds the model's
 `ModelVocab` (xgrammar's tokenizer info, each token's bytes, the special tokens to mask), once per
 model. Two lanes, one thread each: constraints that may take long to compile (`looks_heavy`: an
-object with many optional properties, whose compile time grows faster than their square, or a
-long source) go to their own, so one of them (800 optional properties took 82 s) delays only the
-others like it, never the ordinary schemas of other requests. Futures are cached by (kind,
-source), least recently used first out, so a repeated schema compiles once; a failed compile is
-cached too (the same bad schema gets the same answer at once).
+object with many optional properties, whose compile time grows faster than their square, a
+deeply nested schema, or a long source) go to their own, so one of them (800 optional
+properties took 82 s) delays only the others like it, never the ordinary schemas of other
+requests. Futures are cached by (kind, source), least recently used first out, so a repeated
+schema compiles once; a failed compile is cached too (the same bad schema gets the same answer
+at once).
 Every constraint is lowered to EBNF and compiled as a grammar: JSON schemas by `json_schema.py`
 (fixed separators, length-bounded strings mended), and no character class of any kind admits a
 UTF-8-encoded surrogate (`surrogates.py`).
@@ -37,6 +38,11 @@ CACHE_ENTRIES = 256
 # vocabulary costs more), or a source this long.
 HEAVY_OPTIONAL_PROPERTIES = 32
 HEAVY_SOURCE_CHARS = 16384
+# ... or a JSON schema nested deeper than this (JSON levels, two or so per schema level):
+# xgrammar's schema converter takes time that grows faster than the square of the depth (100
+# schema levels, 6 KB of text: 0.4 s; 200: 3 s; 240: 6.6 s), where a flat schema of the same
+# size takes milliseconds.
+HEAVY_NESTING = 64
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: Check failed: (...) is false: ".
 _NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 _KIND_NAMES = {"json_schema": "JSON schema", "regex": "regular expression",
@@ -88,20 +94,23 @@ def _matches_nothing(compiled: Any, vocab: ModelVocab) -> bool:
 
 def looks_heavy(kind: str, source: str) -> bool:
     """Whether compiling (kind, source) may take long: a source over `HEAVY_SOURCE_CHARS`, or a
-    JSON schema with an object of at least `HEAVY_OPTIONAL_PROPERTIES` optional properties.
-    (A schema that does not parse is not: its compile fails at once.)"""
+    JSON schema with an object of at least `HEAVY_OPTIONAL_PROPERTIES` optional properties, or
+    nested over `HEAVY_NESTING` levels. (A schema that does not parse is not: its compile fails
+    at once.)"""
     if len(source) > HEAVY_SOURCE_CHARS:
         return True
     if kind != "json_schema":
         return False
     try:
-        stack = [json.loads(source)]
+        stack = [(json.loads(source), 1)]
     except (ValueError, RecursionError):
         return False
     while stack:
-        node = stack.pop()
+        node, depth = stack.pop()
+        if depth > HEAVY_NESTING:
+            return True
         if isinstance(node, list):
-            stack.extend(node)
+            stack.extend((item, depth + 1) for item in node)
         elif isinstance(node, dict):
             properties, required = node.get("properties"), node.get("required")
             if isinstance(properties, dict):
@@ -109,7 +118,7 @@ def looks_heavy(kind: str, source: str) -> bool:
                     isinstance(r, str) for r in required) else set()
                 if len(properties.keys() - named) >= HEAVY_OPTIONAL_PROPERTIES:
                     return True
-            stack.extend(node.values())
+            stack.extend((value, depth + 1) for value in node.values())
     return False
 
 
