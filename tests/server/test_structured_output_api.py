@@ -99,6 +99,11 @@ BAD = [
         ({"type": "string", "pattern": "(?!x)a+"}, "#/pattern"),
         ({"type": "object", "properties": {"if": {"type": "integer"}},   # a property, not 'if'
           "if": {"required": ["if"]}, "then": {"required": ["x"]}}, "#/if"),
+        # `not` was let through, and dropped: "a" was a valid output of this one
+        ({"type": "object", "properties": {"not": {"type": "string", "not": {"const": "a"}}},
+          "required": ["not"]}, "#/properties/not/not"),
+        ({"type": "object", "properties": {"a": {"type": "string"}},
+          "dependentSchemas": {"a": {"required": ["b"]}}}, "#/dependentSchemas"),
     ]],
 ]
 

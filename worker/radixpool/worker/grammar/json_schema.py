@@ -32,9 +32,13 @@ _ESCAPE = (rf'{_ESCAPE_RULE} ::= (([\"\\/bfnrt]) | '
 
 
 # Keywords xgrammar (0.2.8) drops without a word, whose output then need not validate: refused
-# (a 400 naming the keyword's place) rather than ignored. `uniqueItems` is dropped too, but it is
-# what a set type generates (pydantic's set[str]): it is let through, and documented.
-_NOT_ENFORCED = ("if", "then", "else", "dependentRequired")
+# (a 400 naming the keyword's place) rather than ignored. `not` is dropped whatever it holds
+# (`{"type": "string", "not": {"const": "a"}}` lets "a" through; the grammar's text differs
+# only in how the string rule is inlined). `uniqueItems` is dropped too, but it is what a set
+# type generates (pydantic's set[str]): it is let through, and documented. Annotations the
+# standard does not ask a validator to enforce (`contentMediaType`, an unknown `format`) are
+# let through.
+_NOT_ENFORCED = ("if", "then", "else", "dependentRequired", "dependentSchemas", "not")
 # Keywords whose value maps names (not keywords) to schemas.
 _SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
                           "dependentSchemas"})
