@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from radixpool.operator import api
 from radixpool.operator.desired import OperatorConfig
 from radixpool.operator.reconcile import ApiFailure, reconcile_pool
 
@@ -286,6 +287,31 @@ def test_the_control_key_is_made_once_and_reaches_workers_and_gateway_by_referen
                                    "RADIXPOOL_CONTROL_API_KEY": control}
     assert env("llama-gateway") == {"RADIXPOOL_API_KEY": client,
                                     "RADIXPOOL_WORKER_API_KEY": control}
+
+
+def test_pods_of_an_older_operator_roll_onto_the_renamed_control_key_once(cluster, pool_body):
+    # An operator that named the key `<pool>-control-key` made this pool: upgraded, the new one
+    # makes the key under its new name, and the Deployments' env change rolls the pods onto it.
+    # A restart on top of that made a second template change, and a ReplicaSet whose pods were
+    # started only to be replaced.
+    reconcile_pool(pool_body(), cluster, CONFIG)
+    name = "llama-control-key-uidllama"
+    del cluster.objects[("Secret", "ml", name)]
+    cluster.add("Secret", "ml", "llama-control-key")
+    for deployment in ("llama-worker", "llama-gateway"):
+        for env in cluster.stored("Deployment", "ml", deployment)["spec"]["template"]["spec"][
+                "containers"][0]["env"]:
+            if "valueFrom" in env and env["valueFrom"]["secretKeyRef"]["name"] == name:
+                env["valueFrom"]["secretKeyRef"]["name"] = "llama-control-key"
+    cluster.writes.clear()
+    reconcile_pool(pool_body(), cluster, CONFIG)
+    assert ("create", "Secret", name) in cluster.writes
+    assert not [w for w in cluster.writes if w[0] == "restart"], cluster.writes
+    for deployment in ("llama-worker", "llama-gateway"):
+        stored = cluster.stored("Deployment", "ml", deployment)["spec"]["template"]
+        assert {env["valueFrom"]["secretKeyRef"]["name"] for env in stored["spec"][
+            "containers"][0]["env"] if "secretKeyRef" in env.get("valueFrom", {})} == {name}
+        assert api.RESTARTED_AT_ANNOTATION not in (stored["metadata"].get("annotations") or {})
 
 
 def test_a_refused_pool_gets_no_control_key(cluster, pool_body):

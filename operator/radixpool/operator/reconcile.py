@@ -160,6 +160,13 @@ def _reconcile(body: dict[str, Any], cluster: Cluster, config: OperatorConfig,
     return Outcome(status=status, events=transition_events(body, status))
 
 
+def _reads_secret(deployment: dict[str, Any], name: str) -> bool:
+    """Whether the Deployment's pods take an env var from the Secret `name`."""
+    spec = deployment.get("spec", {}).get("template", {}).get("spec", {})
+    return any(((env.get("valueFrom") or {}).get("secretKeyRef") or {}).get("name") == name
+               for container in spec.get("containers", []) for env in container.get("env", []))
+
+
 def _apply(pool: Pool, cluster: Cluster, config: OperatorConfig,
            live: dict[ObjectRef, dict[str, Any] | None]) -> Verdict | None:
     """Apply the objects that do not hold what the pool wants, remove stray env vars and
@@ -194,14 +201,18 @@ def _apply(pool: Pool, cluster: Cluster, config: OperatorConfig,
                if ref.kind == "Deployment" and current is not None]
     rejection = _apply_all(checked, cluster, pool, live, dry_run=True)
     if rejection is None:
-        if cluster.create_once(control_key_secret(pool)) and running:
-            # The key was made while pods run (deleted by hand, or renamed by an operator
-            # upgrade): they read the old one when they started (env from the Secret), and a pod
-            # started now would read the new one, so gateway and workers would refuse each
-            # other. Roll them all onto it.
-            log.warning("%s/%s: its control key was made while its pods run; restarting them "
-                        "onto it", pool.namespace, pool.name)
-            for ref in running:
+        key = control_key_secret(pool)
+        stale = [ref for ref in running
+                 if _reads_secret(live[ref], key["metadata"]["name"])]
+        if cluster.create_once(key) and stale:
+            # The key was made again (deleted by hand) while pods run: they read the old one
+            # when they started (env from the Secret), and a pod started now would read the new
+            # one, so gateway and workers would refuse each other. Roll them all onto it. (Pods
+            # that read a key of another name, from an operator that named it otherwise, roll
+            # onto this one with the change to their env: once, not twice.)
+            log.warning("%s/%s: its control key was made again; restarting its pods",
+                        pool.namespace, pool.name)
+            for ref in stale:
                 cluster.restart(ref, _now())
         # admission may still refuse what its dry run let through
         rejection = _apply_all(changed, cluster, pool, live, dry_run=False)
