@@ -152,8 +152,11 @@ def test_pool_lifecycle(kube, namespace, operator):
     worker = kube.apps.read_namespaced_deployment("e2e-worker", namespace)
     assert worker.metadata.owner_references[0].uid == pool["metadata"]["uid"]
     assert kube.core.read_namespaced_service("e2e-workers", namespace).spec.cluster_ip == "None"
-    kube.rbac.read_namespaced_role("e2e-gateway", namespace)
-    kube.policy.read_namespaced_pod_disruption_budget("e2e-worker", namespace)
+    # (made in the same pass as the objects above, a moment after them)
+    wait_for("the gateway's Role", lambda: kube.rbac.read_namespaced_role("e2e-gateway",
+                                                                           namespace))
+    wait_for("the workers' PodDisruptionBudget", lambda: kube.policy
+             .read_namespaced_pod_disruption_budget("e2e-worker", namespace))
 
     # Status is written from observation.
     pool = wait_for("status", lambda: (p := get_pool(kube, namespace, name)).get("status", {})
