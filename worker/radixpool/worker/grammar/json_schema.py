@@ -38,7 +38,8 @@ _ESCAPE = (rf'{_ESCAPE_RULE} ::= (([\"\\/bfnrt]) | '
 # type generates (pydantic's set[str]): it is let through, and documented. Annotations the
 # standard does not ask a validator to enforce (`contentMediaType`, an unknown `format`) are
 # let through.
-_NOT_ENFORCED = ("if", "then", "else", "dependentRequired", "dependentSchemas", "not")
+_NOT_ENFORCED = ("if", "then", "else", "dependentRequired", "dependentSchemas", "not",
+                 "contains", "minContains", "maxContains", "$dynamicRef", "$recursiveRef")
 # Keywords whose value maps names (not keywords) to schemas.
 _SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
                           "dependentSchemas"})
@@ -62,8 +63,10 @@ def unenforced(schema: Any) -> str | None:
             if key == "allOf" and isinstance(value, list) and len(value) > 1:
                 return (f"{here}: 'allOf' of more than one schema is not enforced by the "
                         f"grammar engine; merge them into one")
-            if key == "$ref" and isinstance(value, str) and not value.startswith("#"):
-                return f"{here}: only a reference within the schema ('#...') can be followed"
+            if key == "$ref" and isinstance(value, str) and value != "#" and not value.startswith(
+                    "#/"):
+                return (f"{here}: only a reference within the schema ('#' or '#/...') can be "
+                        f"followed")
             if key == "pattern" and isinstance(value, str) and _LOOKAROUND.search(value):
                 return f"{here}: lookahead and lookbehind are not supported in a pattern"
             if key in _SCHEMA_MAPS and isinstance(value, dict):
