@@ -10,6 +10,7 @@ import re
 
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -104,6 +105,14 @@ BAD = [
           "required": ["not"]}, "#/properties/not/not"),
         ({"type": "object", "properties": {"a": {"type": "string"}},
           "dependentSchemas": {"a": {"required": ["b"]}}}, "#/dependentSchemas"),
+        # xgrammar lowered each by one keyword and dropped the one named: "abc", a "b" with no
+        # "a", 1.2 and "2021-01-01" were valid outputs of these
+        ({"type": "object", "properties": {"a": {"$ref": "#/$defs/s", "maxLength": 2}},
+          "required": ["a"], "$defs": {"s": {"type": "string"}}}, "#/properties/a/maxLength"),
+        ({"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string"}},
+          "anyOf": [{"required": ["a"]}, {"required": ["a", "b"]}]}, "#/type"),
+        ({"type": "number", "multipleOf": 0.5}, "#/multipleOf"),
+        ({"type": "string", "format": "date", "pattern": "^2020-"}, "#/pattern"),
     ]],
 ]
 
@@ -117,6 +126,30 @@ def test_bad_constraints_are_400s_naming_the_problem(client, kwargs, param, name
     assert named in error["message"], error
     reply = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=3)
     assert reply.choices[0].message.content is not None   # still serving
+
+
+def test_a_pydantic_model_the_grammar_would_not_hold_is_refused_by_parse(client):
+    """`parse` with a field of both a pattern and a length: xgrammar kept the pattern alone, so
+    a 200 could carry a code of any length, which the model's validation then rejects."""
+    class Item(pydantic.BaseModel):
+        code: str = pydantic.Field(pattern=r"^[A-Z]+$", max_length=4)
+        count: int = pydantic.Field(ge=0, le=9)
+
+    with pytest.raises(openai.BadRequestError) as info:
+        client.beta.chat.completions.parse(model="tiny", messages=MSG, max_tokens=20,
+                                           response_format=Item)
+    error = info.value.body
+    assert error["param"].startswith("response_format"), error
+    assert "#/properties/code/maxLength" in error["message"], error
+
+    class Bounded(pydantic.BaseModel):   # what the grammar holds goes through, and parses
+        code: str = pydantic.Field(pattern=r"^[A-Z]{1,4}$")
+        count: int = pydantic.Field(ge=0, le=9)
+
+    reply = client.beta.chat.completions.parse(model="tiny", messages=MSG, max_tokens=40,
+                                               temperature=0, response_format=Bounded)
+    assert reply.choices[0].finish_reason == "stop"
+    assert isinstance(reply.choices[0].message.parsed, Bounded)
 
 
 def test_a_set_field_still_validates_as_a_list(client):

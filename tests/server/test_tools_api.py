@@ -121,6 +121,12 @@ BAD = [
      "tools[1].function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$schema": 5}}}]},
      "tools[0].function.parameters"),
+    # xgrammar kept the pattern alone: a call with {"code": "ABCDEFG"} was let through
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"code": {
+            "type": "string", "pattern": "^[A-Z]+$", "maxLength": 4}}, "required": ["code"],
+        "additionalProperties": False}}}]},
+     "tools[0].function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "has space"}}]},
      "tools[0].function.name"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
