@@ -26,7 +26,8 @@ def accepts(schema: dict, text: str) -> bool:
 
 
 def invalid(schema: dict, document) -> bool:
-    return not jsonschema.Draft202012Validator(schema).is_valid(document)
+    validator = jsonschema.validators.validator_for(schema, jsonschema.Draft202012Validator)
+    return not validator(schema).is_valid(document)
 
 
 STRING = {"type": "string"}
@@ -72,6 +73,10 @@ INTEGERS = {"type": "array", "items": {"type": "integer"}}
     ({"$defs": {"s": {"$anchor": "S", "type": "string"}}, "$ref": "#S"}, 1, "#/$ref"),
     ({"$dynamicAnchor": "n", "type": "object", "properties": {"c": {"$dynamicRef": "#n"}}},
      {"c": 1}, "#/properties/c/$dynamicRef"),
+    # draft 7's spelling of dependentRequired and dependentSchemas
+    ({"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+      "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "dependencies": {"a": ["b"]}}, {"a": 1}, "#/dependencies"),
 ])
 def test_a_keyword_the_grammar_would_drop_is_refused_naming_its_place(schema, document, place):
     assert invalid(schema, document)

@@ -39,8 +39,8 @@ _ESCAPE = (rf'{_ESCAPE_RULE} ::= (([\"\\/bfnrt]) | '
 # type generates (pydantic's set[str]): it is let through, and documented. Annotations the
 # standard does not ask a validator to enforce (`contentMediaType`, an unknown `format`) are
 # let through.
-_NOT_ENFORCED = ("if", "then", "else", "dependentRequired", "dependentSchemas", "not",
-                 "contains", "minContains", "maxContains", "$dynamicRef", "$recursiveRef")
+_NOT_ENFORCED = ("if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies",
+                 "not", "contains", "minContains", "maxContains", "$dynamicRef", "$recursiveRef")
 # Keywords whose value maps names (not keywords) to schemas.
 _SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
                           "dependentSchemas"})
@@ -55,8 +55,8 @@ _ASSERTIONS = frozenset({
     "additionalItems", "unevaluatedItems", "minItems", "maxItems", "uniqueItems", "contains",
     "minContains", "maxContains", "properties", "patternProperties", "additionalProperties",
     "unevaluatedProperties", "propertyNames", "required", "minProperties", "maxProperties",
-    "dependentRequired", "dependentSchemas", "allOf", "anyOf", "oneOf", "not", "if", "then",
-    "else", "$ref", "$dynamicRef"})
+    "dependentRequired", "dependentSchemas", "dependencies", "allOf", "anyOf", "oneOf", "not",
+    "if", "then", "else", "$ref", "$dynamicRef"})
 # Without a `type`, xgrammar infers an object from these, an array from those, else any value.
 _OBJECT_KEYWORDS = ("properties", "additionalProperties", "unevaluatedProperties")
 _ARRAY_KEYWORDS = ("items", "prefixItems", "unevaluatedItems")
