@@ -445,6 +445,8 @@ class EdgeProtocol(HttpToolsProtocol):
         self._close_after_answer()
         if not cycle.response_complete:   # a handler waiting on the body sees a disconnect
             cycle.disconnected = True
+            # and asks for no `100 Continue`: a write after the answer's FIN raises in it
+            cycle.waiting_for_100_continue = False
             cycle.message_event.set()
 
     def _head_timed_out(self) -> None:

@@ -130,3 +130,28 @@ def test_a_request_asking_to_upgrade_is_served_over_http_1_1_or_refused_never_ha
     assert status == 400 and json.loads(body)["error"]["code"] == "upgrade_not_supported"
     assert stack.fleet.workers[0].requests == 0
     assert stack.client.post("/v1/completions", content=whole).status_code == 200
+
+
+@pytest.mark.parametrize("broken", [
+    b"transfer-encoding: chunked\r\n\r\nzz\r\n",   # a bad chunk size
+    b"connection: upgrade\r\nupgrade: h2c\r\ncontent-length: 2\r\n\r\n{}",   # a body to switch
+], ids=["bad-chunk", "upgrade"])
+def test_a_refused_body_that_waited_for_100_continue_is_answered_once_without_a_traceback(
+        make_stack, caplog, broken):
+    # The body is refused in the read that ended the head, before the handler ran: the handler
+    # then asked for the body, and uvicorn wrote the `100 Continue` it still owed after the
+    # 400 and its FIN: "Exception in ASGI application" with a traceback, for every such request
+    stack = make_stack(1)
+    uvicorn_log = logging.getLogger("uvicorn")   # the protocol's; it does not propagate
+    uvicorn_log.addHandler(caplog.handler)
+    try:
+        with connect(stack.url) as c:
+            c.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\n"
+                      + broken)
+            (status, _), = Responses(read_until_closed(c, 10.0)).messages
+        assert stack.client.get("/livez").status_code == 200
+    finally:
+        uvicorn_log.removeHandler(caplog.handler)
+    assert status == 400
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    assert stack.fleet.workers[0].requests == 0
