@@ -49,7 +49,7 @@ request's response (whose request is then aborted). `EdgeProtocol`:
   unread, the kernel answered that request with a reset: a client still writing its body (a
   large prompt, a request at the connection limit) saw a connection error on its write, and
   never read the 413 or 503 waiting for it. A connection lingering so is the first one closed
-  when another needs its room.
+  when another needs its room; once the server stops, none lingers (stop waits for no client).
 
 What uvicorn already does right is kept: pipelined requests answered in order, one at a time;
 `100 Continue` sent only when the application asks for the body; a response body written to a
@@ -165,6 +165,7 @@ class EdgeProtocol(HttpToolsProtocol):
         self._lingering = False   # answered for the last time: reading the client out
         self._linger_timer: asyncio.TimerHandle | None = None
         self._linger_ends = 0.0
+        self._stopping = False   # the server stops: a last answer closes at once
         self._arm_head_timer()
         if len(self.server_state.connections) > self.max_connections:
             self._make_room()
@@ -347,7 +348,8 @@ class EdgeProtocol(HttpToolsProtocol):
             self._send_refusal()
 
     def shutdown(self) -> None:
-        if self._lingering:   # the server stops: it waits for no client's leftovers
+        self._stopping = True   # the server stops: it waits for no client's leftovers
+        if self._lingering:
             self.transport.close()
         else:
             super().shutdown()
@@ -359,7 +361,7 @@ class EdgeProtocol(HttpToolsProtocol):
         transport = self.transport
         if transport.is_closing() or self._lingering:
             return
-        if not transport.can_write_eof():
+        if self._stopping or not transport.can_write_eof():
             transport.close()
             return
         self._lingering = True

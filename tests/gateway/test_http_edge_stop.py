@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import select
 import threading
 import time
 
 import httpx
 
 from bench.simfleet import SimConfig
+from radixpool.http_edge import LINGER_MAX_S
 from tests.gateway.conftest import words
 from tests.gateway.test_http_edge import Responses, connect, read_until_closed
 
@@ -93,3 +95,35 @@ def test_a_stopping_gateway_cuts_what_outlives_its_drain_at_the_drain_deadline(m
             for _ in pieces:
                 pass
     assert 0.9 < took < 5.0, took   # the bug took 6 s: the drain and 5 s more
+
+
+def test_an_answer_finished_while_stopping_closes_without_waiting_out_its_client(loop_thread):
+    # An answer that ends once the server stops closes its connection (`connection: close`).
+    # It read its client out first, as after any last answer: a client that kept sending held
+    # stop() until LINGER_MAX_S, or its whole grace period, after every answer was whole
+    from radixpool.gateway import http_edge
+
+    async def app(request, respond) -> None:
+        await asyncio.sleep(0.3)
+        await respond.send(200, [], b"done")
+
+    server = http_edge.EdgeServer(app, "127.0.0.1", 0, http_edge.EdgeLimits())
+    loop_thread.run(server.start())
+    client = connect(f"http://127.0.0.1:{server.port}")
+    client.sendall(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n")
+    time.sleep(0.1)
+    stopping = threading.Thread(target=loop_thread.run,
+                                args=(server.stop(grace=3 * LINGER_MAX_S), 4 * LINGER_MAX_S))
+    started = time.monotonic()
+    stopping.start()
+    answer = b""
+    with contextlib.suppress(OSError):   # a client still sending: a byte every 0.1 s
+        while stopping.is_alive() and time.monotonic() - started < 2 * LINGER_MAX_S:
+            client.sendall(b"x")
+            if select.select([client], [], [], 0.1)[0]:
+                answer += client.recv(65536)
+    stopping.join(4 * LINGER_MAX_S)
+    took = time.monotonic() - started
+    client.close()
+    assert Responses(answer).messages == [(200, b"done")]
+    assert took < LINGER_MAX_S / 2, took   # the bug: LINGER_MAX_S and more
