@@ -172,12 +172,16 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def _make_room(self) -> None:
         """Too many connections: close the oldest that only wait out their client after their
-        last answer, then the oldest idle ones, and refuse this one if that is not room enough."""
-        open_ = [c for c in self.server_state.connections if not c.transport.is_closing()]
-        excess = len(open_) - self.max_connections
+        last answer, then the oldest idle ones, and refuse this one if that is not room enough.
+        One with an answer still to send, closed or not, keeps its descriptor until its client
+        reads it (or `write_stall_timeout`): it counts, and closing it makes no room."""
+        held = [c for c in self.server_state.connections
+                if not c.transport.is_closing() or c.transport.get_write_buffer_size()]
+        excess = len(held) - self.max_connections
         if excess <= 0:
             return
-        others = sorted((c for c in open_ if c is not self), key=lambda c: c._opened_at)
+        others = sorted((c for c in held if c is not self and not c.transport.is_closing()
+                         and not c.transport.get_write_buffer_size()), key=lambda c: c._opened_at)
         spare = ([c for c in others if c._lingering]
                  + [c for c in others if not c._lingering and not c._answering()])
         for connection in spare[:excess]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import time
 
 from radixpool.gateway.http_edge import EdgeLimits, EdgeServer, Request, Responder
@@ -149,6 +150,36 @@ def test_a_connection_past_the_limit_reads_its_503_and_lingers_in_no_ones_way(ma
     finally:
         for c in busy:
             c.close()
+
+
+def test_answers_their_clients_do_not_read_count_under_the_limit_until_sent(loop_thread):
+    # A connection closed after its last answer, with that answer still to send to a client
+    # that reads none of it, keeps its descriptor (and the answer's memory) until the client
+    # reads or write_stall_timeout. Counted as gone, it let such clients open connections
+    # without limit: each new one closed the last one's, which went on holding its descriptor
+    async def app(request: Request, respond: Responder) -> None:
+        await respond.send(200, [], b"x" * (16 * MIB))   # more than the kernel's buffers hold
+
+    server = EdgeServer(app, "127.0.0.1", 0, EdgeLimits(max_connections=4))
+    loop_thread.run(server.start())
+    clients = []
+    try:
+        for _ in range(12):
+            c = socket.socket()
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)   # reads 12 bytes, no more
+            c.connect(("127.0.0.1", server.port))
+            c.settimeout(10)
+            c.sendall(b"GET /big HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            clients.append((c, c.recv(12)))
+        assert [status for _, status in clients].count(b"HTTP/1.1 200") == 4, clients
+        assert len(server._state.connections) <= 4 + 8   # the 503s, till their clients close
+        got = b"".join([clients[0][1], read_until_closed(clients[0][0])])
+        (status, body), = Responses(got).messages
+        assert status == 200 and len(body) == 16 * MIB   # held, not cut, to make room
+    finally:
+        for c, _ in clients:
+            c.close()
+        loop_thread.run(server.stop(grace=1.0))
 
 
 def test_an_http_1_0_client_gets_its_stream_unframed_and_ended_by_the_close(make_stack):
