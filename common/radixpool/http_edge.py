@@ -149,6 +149,10 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)
+        # Any byte the kernel cannot take yet waits on the client and runs the stall clock: at
+        # asyncio's 64 KiB high-water mark, the last bytes of an answer to a client that reads
+        # nothing never paused writing, and held the connection's descriptor for good.
+        transport.set_write_buffer_limits(high=0)
         self._opened_at = self.loop.time()
         self._in_head = True      # the next bytes belong to a request head
         self._head_started = False   # ... and some of them have arrived

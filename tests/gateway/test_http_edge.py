@@ -361,6 +361,47 @@ def test_a_client_that_stops_reading_a_stream_holds_back_its_writer_and_loses_no
         loop_thread.run(server.stop())
 
 
+def test_the_last_bytes_of_an_answer_its_client_never_reads_do_not_hold_it_forever(loop_thread):
+    # An answer whose last bytes (under asyncio's 64 KiB high-water mark) wait on a client that
+    # reads nothing never paused writing, so the write stall clock never ran: the connection,
+    # closed after that answer, held its descriptor (and counted under the connection limit)
+    # for as long as the client kept its socket
+    from radixpool.gateway.http_edge import EdgeLimits, EdgeServer
+
+    sndbuf_set = asyncio.Event()
+
+    async def app(request, respond) -> None:
+        await sndbuf_set.wait()
+        await respond.send(200, [], b"x" * (48 << 10))   # over both kernel buffers, < 64 KiB
+
+    server = EdgeServer(app, "127.0.0.1", 0, EdgeLimits(write_stall_timeout=0.5))
+    loop_thread.run(server.start())
+    state = server._state
+    try:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", server.port))
+        sock.sendall(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        deadline = time.monotonic() + 5
+        while not state.tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+        def small_send_buffer() -> None:
+            connection, = state.connections
+            connection.transport.get_extra_info("socket").setsockopt(
+                socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            sndbuf_set.set()
+
+        loop_thread.call(small_send_buffer)
+        deadline = time.monotonic() + 10   # 20 write stall timeouts
+        while state.connections and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not state.connections, "held by a client that reads nothing"
+        sock.close()
+    finally:
+        loop_thread.run(server.stop())
+
+
 def test_a_client_that_reads_nothing_for_the_write_stall_timeout_is_dropped(loop_thread):
     # flow control holds a stream's writer back for a client that does not read; one that reads
     # nothing at all for `write_stall_timeout` is dropped, which cancels its handler (the proxy
