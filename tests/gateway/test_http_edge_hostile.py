@@ -4,10 +4,12 @@ a real gateway with simulated workers."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
 import time
+from collections.abc import Iterator
 
 from radixpool.gateway.http_edge import EdgeLimits, EdgeServer, Request, Responder
 from radixpool.http_edge import LINGER_IDLE_S
@@ -62,27 +64,34 @@ def test_idle_connections_past_the_limit_make_room_and_clients_are_still_served(
             c.close()
 
 
-def test_when_every_connection_is_being_answered_one_more_gets_503(make_stack):
-    stack = make_stack(1, max_connections=4)
-    busy = [connect(stack.url) for _ in range(4)]
+@contextlib.contextmanager
+def every_connection_answering(stack, count: int) -> Iterator[None]:
+    """`count` connections, each with a request being answered (its head whole, its body still
+    to come); on leaving, one of them is finished and must get its 200: none was cut."""
+    busy = [connect(stack.url) for _ in range(count)]
     try:
-        for c in busy:   # heads whole, bodies still to come: each is a request being answered
+        for c in busy:
             c.sendall(HEAD + b"content-length: 100\r\n\r\n{\"prompt\"")
         tasks = stack.server.server._state.tasks
         deadline = time.monotonic() + 5
-        while len(tasks) < 4 and time.monotonic() < deadline:
+        while len(tasks) < count and time.monotonic() < deadline:
             time.sleep(0.01)
-        with connect(stack.url) as late:
-            late.sendall(b"GET /livez HTTP/1.1\r\nhost: x\r\n\r\n")
-            (status, body), = Responses(read_until_closed(late)).messages
-        assert status == 503
-        assert json.loads(body)["error"]["code"] == "too_many_connections"
+        yield
         busy[0].sendall(b': "w1", "max_tokens": 1}'.ljust(91))   # the rest of the 100 bytes
         (status, _), = Responses(read_until_closed(busy[0], 2.0)).messages
-        assert status == 200   # the requests held were never cut
+        assert status == 200
     finally:
         for c in busy:
             c.close()
+
+
+def test_when_every_connection_is_being_answered_one_more_gets_503(make_stack):
+    stack = make_stack(1, max_connections=4)
+    with every_connection_answering(stack, 4), connect(stack.url) as late:
+        late.sendall(b"GET /livez HTTP/1.1\r\nhost: x\r\n\r\n")
+        (status, body), = Responses(read_until_closed(late)).messages
+        assert status == 503
+        assert json.loads(body)["error"]["code"] == "too_many_connections"
 
 
 def read_to_orderly_end(sock, seconds: float = 5.0) -> bytes:
@@ -117,13 +126,7 @@ def test_a_client_still_sending_its_body_reads_the_413_not_a_reset(make_stack):
 def test_a_connection_past_the_limit_reads_its_503_and_lingers_in_no_ones_way(make_stack):
     stack = make_stack(1, max_connections=4)
     state = stack.server.server._state
-    busy = [connect(stack.url) for _ in range(4)]
-    try:
-        for c in busy:   # heads whole, bodies still to come: each is a request being answered
-            c.sendall(HEAD + b"content-length: 100\r\n\r\n{\"prompt\"")
-        deadline = time.monotonic() + 5
-        while len(state.tasks) < 4 and time.monotonic() < deadline:
-            time.sleep(0.01)
+    with every_connection_answering(stack, 4):
         late = []
         for _ in range(2):   # a whole request with a 4 MiB body, sent at once
             late.append(connect(stack.url))
@@ -143,12 +146,6 @@ def test_a_connection_past_the_limit_reads_its_503_and_lingers_in_no_ones_way(ma
             (status, _), = Responses(read_until_closed(next_one)).messages
             assert status == 503
         for c in late:
-            c.close()
-        busy[0].sendall(b': "w1", "max_tokens": 1}'.ljust(91))   # the rest of the 100 bytes
-        (status, _), = Responses(read_until_closed(busy[0], 2.0)).messages
-        assert status == 200   # the requests held were never cut
-    finally:
-        for c in busy:
             c.close()
 
 
