@@ -361,6 +361,15 @@ def test_a_client_that_stops_reading_a_stream_holds_back_its_writer_and_loses_no
         loop_thread.run(server.stop())
 
 
+def reading_nothing(port: int, request: bytes) -> socket.socket:
+    """A client with a 4 KiB receive buffer that sends `request` and reads none of the answer."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(request)
+    return sock
+
+
 def test_the_last_bytes_of_an_answer_its_client_never_reads_do_not_hold_it_forever(loop_thread):
     # An answer whose last bytes (under asyncio's 64 KiB high-water mark) wait on a client that
     # reads nothing never paused writing, so the write stall clock never ran: the connection,
@@ -378,10 +387,8 @@ def test_the_last_bytes_of_an_answer_its_client_never_reads_do_not_hold_it_forev
     loop_thread.run(server.start())
     state = server._state
     try:
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.connect(("127.0.0.1", server.port))
-        sock.sendall(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        sock = reading_nothing(server.port,
+                               b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
         deadline = time.monotonic() + 5
         while not state.tasks and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -426,10 +433,7 @@ def test_a_client_that_reads_nothing_for_the_write_stall_timeout_is_dropped(loop
     server = EdgeServer(endless, "127.0.0.1", 0, EdgeLimits(write_stall_timeout=0.5))
     loop_thread.run(server.start())
     try:
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.connect(("127.0.0.1", server.port))
-        sock.sendall(b"GET /endless HTTP/1.1\r\nhost: x\r\n\r\n")
+        sock = reading_nothing(server.port, b"GET /endless HTTP/1.1\r\nhost: x\r\n\r\n")
         deadline = time.monotonic() + 20
         while not ended and time.monotonic() < deadline:
             time.sleep(0.05)
