@@ -465,3 +465,61 @@ def test_a_client_that_leaves_with_a_request_pipelined_cancels_the_one_being_ans
     assert wait_for(lambda: stack.gateway.workers.get(worker.url).inflight == 0, 3)
     assert wait_for(lambda: len(worker.connections) < in_flight_connections, 3)
     assert dict(stack.gateway.metrics.requests) == {(worker.url, "499"): 1}
+
+
+def test_a_worker_at_its_connection_limit_is_busy_not_broken(loop_thread):
+    # A worker holding its --max-connections answers a new connection's 503 at once, before the
+    # request is sent. The gateway cleared that answer as it sent the request and then read
+    # "worker closed the connection": a 502 and a broken worker, where the worker was only busy.
+    from radixpool.gateway.http_edge import EdgeLimits, EdgeServer
+    from radixpool.gateway.upstream import UpstreamPool
+
+    release = loop_thread.run(_event())
+
+    async def app(request, respond) -> None:
+        if request.path == "/hold":
+            await release.wait()
+        await respond.send(200, [(b"content-type", b"application/json")], b"{}")
+
+    worker = EdgeServer(app, "127.0.0.1", 0, EdgeLimits(max_connections=1))
+    loop_thread.run(worker.start())
+    config = GatewayConfig(worker_urls=(f"http://127.0.0.1:{worker.port}",),
+                           host="127.0.0.1", port=0, health_interval=3600.0)
+    gateway = GatewayServer(config)
+    loop_thread.run(gateway.start())
+    url = config.worker_urls[0]
+    assert wait_for(lambda: gateway.gateway.workers.get(url).health.proven
+                    and not worker._state.tasks, 5)   # its first checks found the worker free
+    holder = socket.create_connection(("127.0.0.1", worker.port), timeout=5)
+    try:
+        holder.sendall(b"GET /hold HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert wait_for(lambda: len(worker._state.tasks) == 1, 5)
+
+        async def ask_directly() -> list[tuple[int, dict]]:
+            pool = UpstreamPool("127.0.0.1", worker.port, 2.0)
+            try:
+                answers = []
+                for _ in range(20):   # the answer always comes before the request is sent
+                    answer = await pool.request("POST", "/v1/completions", body=b"{}")
+                    answers.append((answer.status, json.loads(await answer.body())))
+                return answers
+            finally:
+                pool.close()
+
+        for status, doc in loop_thread.run(ask_directly()):
+            assert status == 503 and doc["error"]["code"] == "too_many_connections", doc
+        with httpx.Client(base_url=f"http://127.0.0.1:{gateway.port}", timeout=5) as client:
+            r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+        assert r.status_code == 503, r.text
+        assert "503 (draining or overloaded)" in r.json()["error"]["message"]
+        loop_thread.call(release.set)
+        holder.settimeout(5)
+        assert holder.recv(65536).startswith(b"HTTP/1.1 200")   # the held one was not cut
+    finally:
+        holder.close()
+        loop_thread.run(gateway.stop())
+        loop_thread.run(worker.stop())
+
+
+async def _event() -> asyncio.Event:
+    return asyncio.Event()

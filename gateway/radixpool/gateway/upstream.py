@@ -16,7 +16,10 @@ nobody asked for, `000`, `999`) is garbage, an `UpstreamError` too.
 `give_up_waiting` fails the requests still waiting for headers from a worker the health checks
 found hung (`WorkerHung`), so they are retried at once instead of waiting out
 `first_byte_timeout`. A pooled connection the worker closed while idle is retried on a fresh one
-(that race is the ordinary end of a keep-alive, not a worker failure).
+(that race is the ordinary end of a keep-alive, not a worker failure). An answer that comes on a
+new connection before the request is sent is the worker refusing that connection (a 503 when it
+holds its connection limit): it is the answer, and the request is not sent; on a pooled
+connection such an answer was meant for it idle, and a fresh connection is used instead.
 
 Deadlines are one timer on the connection, not a task per request: `first_byte_timeout` until
 the response headers, `total_timeout` until the last byte (the timer is set for the nearer and
@@ -78,6 +81,8 @@ class _Connection(asyncio.Protocol):
         self.done = False
         self.keep_alive = False
         self.got_bytes = False
+        self.asked = False   # a request was sent and its answer has not ended
+        self.answered_unasked = False   # an answer came with no request sent
         self._headers_ready: asyncio.Future | None = None
         self._waiter: asyncio.Future | None = None
         self._error: Exception | None = None
@@ -118,6 +123,8 @@ class _Connection(asyncio.Protocol):
             self.close()
             return
         self.status = status
+        if not self.asked:
+            self.answered_unasked = True
         if self._headers_ready is not None and not self._headers_ready.done():
             self._headers_ready.set_result(None)
 
@@ -134,6 +141,7 @@ class _Connection(asyncio.Protocol):
             return
         self.keep_alive = self.parser.should_keep_alive()  # only valid inside the callback
         self.done = True
+        self.asked = False
         self._disarm()
         self._wake()
 
@@ -151,12 +159,22 @@ class _Connection(asyncio.Protocol):
 
     def begin(self, data: bytes, first_byte_timeout: float | None,
               total_timeout: float | None) -> asyncio.Future:
-        self.status, self.headers, self.done, self.got_bytes = 0, [], False, False
-        self.keep_alive = False
-        self._take()
-        self._error = None
         loop = asyncio.get_running_loop()
         self._headers_ready = loop.create_future()
+        if self.answered_unasked:   # refused before it was asked: that answer is the answer
+            self.answered_unasked, self.asked = False, not self.done
+            self._headers_ready.set_result(None)   # its status and headers are in
+            self._first_byte_timeout, self._total_timeout = None, total_timeout
+            self._first_byte_deadline = 0.0
+            self._total_deadline = loop.time() + total_timeout if total_timeout else 0.0
+            if not self.done:
+                self._arm(loop)
+            return self._headers_ready
+        self.status, self.headers, self.done, self.got_bytes = 0, [], False, False
+        self.keep_alive = False
+        self.asked = True
+        self._take()
+        self._error = None
         # one timer for both deadlines: set for the nearer, moved to the other when it is due
         self._first_byte_timeout, self._total_timeout = first_byte_timeout, total_timeout
         now = loop.time()
@@ -336,7 +354,8 @@ class UpstreamPool:
         deadlines = first_byte_timeout, total_timeout
         while self._idle:
             conn = self._idle.pop()
-            if conn.closed:
+            if conn.closed or conn.answered_unasked:   # an idle one's answer is not ours
+                conn.close()
                 continue
             try:
                 return await self._exchange(conn, data, *deadlines)
