@@ -417,6 +417,58 @@ def test_a_schema_slow_to_compile_does_not_hold_up_the_ordinary_ones(tiny_model)
         heavy.result()
 
 
+def test_a_constraint_past_the_compile_timeout_is_refused_and_others_run(tiny_model, tok):
+    """A constrained request waited for its compile however long it took (800 optional
+    properties took 82 s, and nothing bounds a hostile schema): its client's own timeout, or
+    the gateway's 300 s, ended it with no word of why. Now `grammar_compile_timeout_s` refuses
+    it naming the constraint; a compile under way goes on and is cached, one not yet started is
+    called off."""
+    def slow(n: int) -> str:   # ~2 s to compile on this tiny model (heavy lane)
+        return json.dumps({"type": "object",
+                           "properties": {f"p{i}": {"type": "integer"} for i in range(n)}})
+
+    core = EngineCore(EngineConfig(str(tiny_model), device="cpu", kv_cache_tokens=4096,
+                                   grammar_compile_timeout_s=0.5))
+    plain = SamplingParams(max_new_tokens=40, json_schema=json.dumps(FINITE_SCHEMAS[1]))
+    ended: dict[str, tuple[str, str | None]] = {}
+
+    def send(rid: str, params: SamplingParams) -> None:
+        assert core.add_request(GenerateRequest(rid, prompts(tok)[0], params, 0)) is None
+
+    def run_out() -> None:
+        while core.has_work:
+            for delta in core.step().deltas:
+                if delta.finished:
+                    ended[delta.rid] = (delta.finish_reason, delta.error)
+
+    send("plain", plain)
+    run_out()   # its grammar compiled and cached: the timeout below is not what it measures
+    send("slow_a", SamplingParams(max_new_tokens=8, json_schema=slow(200)))
+    send("slow_b", SamplingParams(max_new_tokens=8, json_schema=slow(201)))  # queued behind a
+    send("plain_again", plain)
+    send("free", SamplingParams(max_new_tokens=8))
+    run_out()
+    assert ended["plain"][1] is None and ended["plain_again"][1] is None
+    assert ended["free"] == ("length", None)
+    for rid in ("slow_a", "slow_b"):
+        reason, error = ended[rid]
+        assert reason == "abort" and error.startswith(
+            "json_schema did not compile within 0.5 s (--grammar-compile-timeout)"), error
+    assert "compiles on" in ended["slow_a"][1] and "compiles on" not in ended["slow_b"][1]
+    deadline = time.monotonic() + 120
+    while core.stats().grammar_compile_buckets[-1] < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)   # slow_a's compile, under way when it timed out, goes on
+    assert core.stats().grammar_compile_buckets[-1] == 2
+    hits = core.stats().grammar_cache_hits_total
+    send("slow_a_again", SamplingParams(max_new_tokens=8, json_schema=slow(200)))
+    send("slow_b_again", SamplingParams(max_new_tokens=8, json_schema=slow(201)))
+    run_out()
+    assert ended["slow_a_again"][1] is None   # served from the cache at once
+    # slow_b's compile was called off before it started: sent again, it compiles anew
+    assert core.stats().grammar_cache_hits_total == hits + 1
+    assert ended["slow_b_again"][0] == "abort"
+
+
 def test_two_constraints_at_once_are_refused():
     with pytest.raises(ValueError, match="json_schema and regex were both given"):
         SamplingParams(json_schema='{"type": "object"}', regex="a")

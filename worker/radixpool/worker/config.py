@@ -49,6 +49,9 @@ class EngineConfig:
     # appends its canonical tokenization unverified; "off" decodes it token by token. True and
     # False stand for "exact" and "off".
     jump_forward: str = "exact"
+    # How long a constrained request may wait for its grammar to compile before it is refused
+    # (a 400 naming the constraint); a compile still running then goes on, and is cached.
+    grammar_compile_timeout_s: float = 120.0
     # How long the core process may take to start (load the weights, size the KV pool, capture
     # the CUDA graphs) before the engine gives up; a pod's startup budget should be the same.
     startup_timeout_s: float = 900.0
@@ -90,6 +93,8 @@ class EngineConfig:
             fail("context_length", "≥ 1")
         if self.startup_timeout_s <= 0:
             fail("startup_timeout_s", "> 0 seconds")
+        if not self.grammar_compile_timeout_s > 0:
+            fail("grammar_compile_timeout_s", "> 0 seconds")
         if isinstance(self.jump_forward, bool):
             object.__setattr__(self, "jump_forward", "exact" if self.jump_forward else "off")
         if self.jump_forward not in JUMP_FORWARD_MODES:

@@ -99,7 +99,8 @@ class EngineCore:
         self.overlap = self.runner.device.type == "cuda" if overlap is None else overlap
         self._inflight: InFlight | None = None
         self.grammars = GrammarQueue(GrammarCompiler(config.model_path, self.runner.vocab_size,
-                                                     tuple(self.runner.eos_token_ids)))
+                                                     tuple(self.runner.eos_token_ids)),
+                                     config.grammar_compile_timeout_s)
         self._masks: GrammarMasks | None = None
 
     def _fresh_cache_and_scheduler(self) -> None:

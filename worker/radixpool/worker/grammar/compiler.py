@@ -45,7 +45,7 @@ HEAVY_SOURCE_CHARS = 16384
 HEAVY_NESTING = 64
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: Check failed: (...) is false: ".
 _NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
-_KIND_NAMES = {"json_schema": "JSON schema", "regex": "regular expression",
+KIND_NAMES = {"json_schema": "JSON schema", "regex": "regular expression",
                "ebnf": "EBNF grammar"}
 
 
@@ -163,6 +163,12 @@ class GrammarCompiler:
             self._cache.popitem(last=False)
         return fut
 
+    def call_off(self, key: tuple[str, str], fut: Future) -> None:
+        """No request waits for `fut` (the compile of `key`) any more: cancelled, and forgotten,
+        if it has not started; one under way goes on and stays cached."""
+        if fut.cancel() and self._cache.get(key) is fut:
+            del self._cache[key]
+
     def prepare(self) -> Future:
         """Build the model's `ModelVocab` now, on the compile thread, instead of at the first
         compile: a real tokenizer's takes seconds, which the first constrained request would
@@ -199,14 +205,14 @@ class GrammarCompiler:
             compiled = compiler.compile_grammar(ebnf)
         except RecursionError:   # lowering a JSON schema recurses once (or more) per level
             raise GrammarError(f"{kind} nests too deeply to compile: flatten the "
-                               f"{_KIND_NAMES[kind]} (a JSON schema of about 250 levels is "
+                               f"{KIND_NAMES[kind]} (a JSON schema of about 250 levels is "
                                "past it)") from None
         except Exception as exc:   # xgrammar raises RuntimeError / ValueError subclasses
-            raise GrammarError(f"{kind} is not a valid {_KIND_NAMES[kind]}: "
+            raise GrammarError(f"{kind} is not a valid {KIND_NAMES[kind]}: "
                                f"{_clean(exc)}") from None
         if _matches_nothing(compiled, self.vocab):
             raise GrammarError(f"{kind} matches no output: no text satisfies this "
-                               f"{_KIND_NAMES[kind]}")
+                               f"{KIND_NAMES[kind]}")
         self._observe(time.perf_counter() - start)
         return CompiledGrammar(compiled, not forces_long_text(kind, source))
 

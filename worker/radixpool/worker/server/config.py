@@ -120,6 +120,12 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                         "verify the draft in one forward pass (same tokens as token by token), "
                         "retokenize = append its canonical tokenization unverified, off = one "
                         "forward pass per token (default: exact)")
+    p.add_argument("--grammar-compile-timeout", type=float, metavar="SECONDS",
+                   default=_default("grammar_compile_timeout_s"),
+                   help="how long a structured-output request may wait for its grammar to "
+                        "compile before it is refused with a 400 (a compile under way goes on "
+                        "and is cached) (default: "
+                        f"{_default('grammar_compile_timeout_s'):g})")
     p.add_argument("--no-jump-forward", dest="jump_forward", action="store_const", const="off",
                    help="the same as --jump-forward off")
     p.add_argument("--debug-invariants", action="store_true",
@@ -228,6 +234,7 @@ def _config_from_args(args: argparse.Namespace) -> ServerConfig:
         context_length=args.context_length,
         debug_invariants=args.debug_invariants,
         jump_forward=args.jump_forward,
+        grammar_compile_timeout_s=args.grammar_compile_timeout,
         startup_timeout_s=args.startup_timeout,
         warmup=not args.skip_warmup,
     )
