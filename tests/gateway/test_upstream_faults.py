@@ -467,39 +467,55 @@ def test_a_client_that_leaves_with_a_request_pipelined_cancels_the_one_being_ans
     assert dict(stack.gateway.metrics.requests) == {(worker.url, "499"): 1}
 
 
-def test_a_worker_at_its_connection_limit_is_busy_not_broken(loop_thread):
+def test_a_worker_at_its_connection_limit_is_busy_not_broken(loop_thread, monkeypatch):
     # A worker holding its --max-connections answers a new connection's 503 at once, before the
     # request is sent. The gateway cleared that answer as it sent the request and then read
-    # "worker closed the connection": a 502 and a broken worker, where the worker was only busy.
+    # "worker closed the connection": a client's request got 502, and the health checks found
+    # the worker unanswering, took it down and gave up the requests it was answering (as hung)
+    # where it was only busy.
     from radixpool.gateway.http_edge import EdgeLimits, EdgeServer
     from radixpool.gateway.upstream import UpstreamPool
+
+    connect = UpstreamPool._connect
+
+    async def connect_then_other_work(pool):   # the refusal is in before the request goes
+        conn = await connect(pool)
+        await asyncio.sleep(0.05)
+        return conn
+
+    monkeypatch.setattr(UpstreamPool, "_connect", connect_then_other_work)
 
     release = loop_thread.run(_event())
 
     async def app(request, respond) -> None:
-        if request.path == "/hold":
+        if b"hold" in request.body:
             await release.wait()
-        await respond.send(200, [(b"content-type", b"application/json")], b"{}")
+        await respond.send(200, [(b"content-type", b"application/json")], b'{"ok": true}')
 
     worker = EdgeServer(app, "127.0.0.1", 0, EdgeLimits(max_connections=1))
     loop_thread.run(worker.start())
-    config = GatewayConfig(worker_urls=(f"http://127.0.0.1:{worker.port}",),
-                           host="127.0.0.1", port=0, health_interval=3600.0)
-    gateway = GatewayServer(config)
-    loop_thread.run(gateway.start())
-    url = config.worker_urls[0]
-    assert wait_for(lambda: gateway.gateway.workers.get(url).health.proven
-                    and not worker._state.tasks, 5)   # its first checks found the worker free
-    holder = socket.create_connection(("127.0.0.1", worker.port), timeout=5)
+    url = f"http://127.0.0.1:{worker.port}"
+    server = GatewayServer(GatewayConfig(worker_urls=(url,), host="127.0.0.1", port=0,
+                                         health_interval=3600.0))
+    loop_thread.run(server.start())
+    state = server.gateway.workers.get(url)
+    held: list[httpx.Response] = []
+
+    def send(prompt: str) -> httpx.Response:
+        with httpx.Client(base_url=f"http://127.0.0.1:{server.port}", timeout=10) as client:
+            return client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+
+    holder = threading.Thread(target=lambda: held.append(send("hold")))
     try:
-        holder.sendall(b"GET /hold HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert wait_for(lambda: state.health.proven and not worker._state.tasks, 5)
+        holder.start()   # through the gateway: its connection is the worker's one
         assert wait_for(lambda: len(worker._state.tasks) == 1, 5)
 
         async def ask_directly() -> list[tuple[int, dict]]:
             pool = UpstreamPool("127.0.0.1", worker.port, 2.0)
             try:
                 answers = []
-                for _ in range(20):   # the answer always comes before the request is sent
+                for _ in range(5):
                     answer = await pool.request("POST", "/v1/completions", body=b"{}")
                     answers.append((answer.status, json.loads(await answer.body())))
                 return answers
@@ -508,16 +524,20 @@ def test_a_worker_at_its_connection_limit_is_busy_not_broken(loop_thread):
 
         for status, doc in loop_thread.run(ask_directly()):
             assert status == 503 and doc["error"]["code"] == "too_many_connections", doc
-        with httpx.Client(base_url=f"http://127.0.0.1:{gateway.port}", timeout=5) as client:
-            r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+        r = send("another")
         assert r.status_code == 503, r.text
         assert "503 (draining or overloaded)" in r.json()["error"]["message"]
+        for _ in range(4):   # more than health_failures checks
+            loop_thread.run(server.monitor.check(state))
+        assert state.draining and state.health_failure == {"status": 503,
+                                                           "code": "too_many_connections"}
         loop_thread.call(release.set)
-        holder.settimeout(5)
-        assert holder.recv(65536).startswith(b"HTTP/1.1 200")   # the held one was not cut
+        holder.join(10)
+        assert held and held[0].status_code == 200 and held[0].json() == {"ok": True}
     finally:
-        holder.close()
-        loop_thread.run(gateway.stop())
+        loop_thread.call(release.set)
+        holder.join(10) if holder.is_alive() else None
+        loop_thread.run(server.stop())
         loop_thread.run(worker.stop())
 
 

@@ -121,6 +121,8 @@ class Monitor:
         ok = status == 200
         worker.draining = status == 503
         code = doc.get("code") if isinstance(doc, dict) else None
+        if isinstance(doc, dict) and isinstance(doc.get("error"), dict):   # an edge's refusal
+            code = doc["error"].get("code")
         worker.health_failure = None if ok else {
             "status": status or None, "code": code if isinstance(code, str) else None}
         if worker.health.record(ok):   # True only when the verdict flipped

@@ -374,7 +374,7 @@ class UpstreamPool:
                         total_timeout: float | None) -> UpstreamResponse:
         self._awaiting_headers.add(conn)
         try:
-            if conn.closed:
+            if conn.closed and not conn.answered_unasked:
                 raise ConnectionResetError("connection already closed")
             await conn.begin(data, first_byte_timeout, total_timeout)
         except (UpstreamTimeout, WorkerHung):
