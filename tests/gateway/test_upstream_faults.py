@@ -543,3 +543,43 @@ def test_a_worker_at_its_connection_limit_is_busy_not_broken(loop_thread, monkey
 
 async def _event() -> asyncio.Event:
     return asyncio.Event()
+
+
+class LateEndingStreamWorker(asyncio.Protocol):
+    """Streams a whole answer (its text, its usage, `[DONE]`) at once, and the chunk that ends
+    the HTTP body a second later."""
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        events = [{"id": "c", "object": "text_completion", "created": 0, "model": "m",
+                   "choices": [{"index": 0, "text": "hi", "finish_reason": "length"}]},
+                  {"id": "c", "object": "text_completion", "created": 0, "model": "m",
+                   "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 1,
+                                            "total_tokens": 6,
+                                            "prompt_tokens_details": {"cached_tokens": 3}}}]
+        body = b"".join(b"data: %s\n\n" % json.dumps(e).encode() for e in events)
+        body += b"data: [DONE]\n\n"
+        self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(body), body))
+        asyncio.get_running_loop().call_later(1.0, self.transport.write, b"0\r\n\r\n")
+
+
+def test_a_stream_the_client_hangs_up_on_after_done_is_counted_as_answered(loop_thread):
+    # The openai SDKs close the response as soon as they read `[DONE]`. The gateway was still
+    # waiting for the worker's end of the body, took the hang-up for a client leaving mid-answer
+    # and counted a whole answer as a 499, its usage lost to the hit rates.
+    import openai
+
+    with gateway_before(loop_thread, LateEndingStreamWorker) as server:
+        sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x",
+                            max_retries=0, timeout=5)
+        chunks = list(sdk.completions.create(model="m", prompt="hi", max_tokens=1, stream=True))
+        assert [c.choices[0].text for c in chunks] == ["hi"]
+        gateway = server.gateway
+        url = gateway.config.worker_urls[0]
+        assert wait_for(lambda: gateway.metrics.requests, 10)
+        assert dict(gateway.metrics.requests) == {(url, "200"): 1}
+        worker = gateway.workers.get(url)
+        assert (worker.requests, worker.prompt_tokens, worker.cached_tokens) == (1, 5, 3)

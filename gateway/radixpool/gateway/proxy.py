@@ -80,6 +80,7 @@ FORGET_EVERY_S = 60.0   # gone workers' counters are dropped on membership chang
 QUARANTINED = object()   # _dispatch's answer for a request a second dying engine held
 WORKER_TIMEOUT = "worker_timeout"   # the code of a 504 (and of a stream cut) for a slow worker
 MODEL_PATH = "/v1/models/"   # + a model id
+DONE_EVENT = b"data: [DONE]\n\n"   # the last event of a whole OpenAI stream
 
 
 class Gateway:
@@ -470,6 +471,14 @@ class Gateway:
             if seen.first_event_s is None:
                 seen.first_event_s = time.perf_counter() - started
             await respond.write(ready)
+            if ready.endswith(DONE_EVENT):
+                # The answer is whole: end it now. A client hangs up on [DONE] (the openai SDKs
+                # do), which is no client leaving mid-answer; the worker's end of the body is
+                # read only to reuse its connection.
+                await respond.end()
+                with contextlib.suppress(UpstreamError):
+                    await upstream.body()
+                break
         if pending and not respond.disconnected:
             seen.error = seen.error or error_event(pending)
             await respond.write(pending)
