@@ -269,3 +269,39 @@ def test_killing_a_real_worker_mid_run_loses_no_request(gateway, real_workers):
                         max_retries=0)
     served = {ask(sdk, 9, i).http_response.headers["x-radixpool-worker"] for i in range(4)}
     assert urls[1] not in served
+
+
+def test_the_hits_predicted_on_a_paged_real_worker_are_the_ones_it_reuses(loop_thread,
+                                                                          tiny_model, tmp_path):
+    # A worker with 16-token pages reuses a prompt it holds whole only up to the page holding
+    # its last token: 48 tokens of a 64-token prompt. The gateway predicted 63 (all but the last
+    # token), so its predicted hit rate ran above the real one on every such repeat.
+    port = free_port()
+    worker = ChildProcess("paged worker", radixpool_argv(
+        "worker", "--model", str(tiny_model), "--served-model-name", "tiny", "--port", str(port),
+        "--kv-cache-tokens", "4096", "--page-size", "16", "--log-level", "warning"), port,
+        tmp_path / "worker.log")
+    try:
+        worker.start().wait_ready(150)
+        server = GatewayServer(GatewayConfig(worker_urls=(worker.url,), host="127.0.0.1",
+                                             port=0, health_interval=3600.0))
+        loop_thread.run(server.start())
+        try:
+            row = server.gateway.workers.get(worker.url)
+            loop_thread.run(server.monitor.check(row))   # its tokenizer and page size
+            sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x",
+                                max_retries=0)
+            reused = []
+            for length in (64, 70):   # whole pages, and a partial last page
+                prompt = [100 + (7 * i + length) % 200 for i in range(length)]
+                for _ in range(2):
+                    usage = sdk.completions.create(model="tiny", prompt=prompt,
+                                                   max_tokens=1).usage
+                reused.append(usage.prompt_tokens_details.cached_tokens)
+            assert reused == [48, 64]
+            loop_thread.run(asyncio.sleep(0))   # let the gateway finish its bookkeeping
+            assert (row.predicted_tokens, row.cached_tokens) == (48 + 64, 48 + 64)
+        finally:
+            loop_thread.run(server.stop())
+    finally:
+        worker.reap()

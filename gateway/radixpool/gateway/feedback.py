@@ -58,12 +58,15 @@ def is_usage_only_event(event: bytes) -> bool:
     return b'"usage"' in event and _USAGE_ONLY.search(event) is not None
 
 
-def predicted_tokens(decision: Decision, key: RouteKey, prompt_tokens: int) -> int:
-    """What the tree predicted, in the worker's tokens (text-mode bytes scaled by the prompt)."""
+def predicted_tokens(decision: Decision, key: RouteKey, prompt_tokens: int,
+                     page_size: int = 1) -> int:
+    """What the tree predicted, in the worker's tokens (text-mode bytes scaled by the prompt).
+    A worker recomputes at least the prompt's last token, and its matches are whole pages: a
+    prompt cached whole reuses its tokens before the page that holds the last one."""
     units = decision.predicted_blocks * key.block_units
     if not key.exact:
         units = units * prompt_tokens // max(1, key.units)
-    return min(units, max(0, prompt_tokens - 1))
+    return min(units, max(0, prompt_tokens - 1) // page_size * page_size)
 
 
 def prefill_wait(decision: Decision, key: RouteKey) -> tuple[int, float] | None:
@@ -103,7 +106,8 @@ def learn(worker: Worker, index: PrefixIndex, metrics: GatewayMetrics, decision:
     the tree predicted more than the worker had, the trim of that worker's tree. `prompt` and
     `cached` are the routed prompt's; `others` the (prompt, cached) tokens of the rest of a
     batch, which only the counters and the load estimate take in."""
-    predicted = predicted_tokens(decision, key, prompt) if predicts else None
+    page_size = 1 if worker.info is None else worker.info.page_size
+    predicted = predicted_tokens(decision, key, prompt, page_size) if predicts else None
     if cached is None:
         worker.answered_unreported()
         worker.observe_uncached(prompt + others[0] - (predicted or 0))
