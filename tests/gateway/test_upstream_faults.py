@@ -583,3 +583,51 @@ def test_a_stream_the_client_hangs_up_on_after_done_is_counted_as_answered(loop_
         assert dict(gateway.metrics.requests) == {(url, "200"): 1}
         worker = gateway.workers.get(url)
         assert (worker.requests, worker.prompt_tokens, worker.cached_tokens) == (1, 5, 3)
+
+
+class FreezingStreamWorker(asyncio.Protocol):
+    """Passes its health checks until it answers a request with the start of a stream, one
+    event; then freezes: nothing more, health checks included (a worker SIGSTOPped, or its node
+    cut off, mid-stream)."""
+
+    frozen = False
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if FreezingStreamWorker.frozen:
+            return
+        if data.startswith(b"GET "):
+            status = b"200 OK" if data.startswith(b"GET /health ") else b"404 Not Found"
+            self.transport.write(b"HTTP/1.1 %s\r\ncontent-length: 0\r\n\r\n" % status)
+        else:
+            FreezingStreamWorker.frozen = True
+            event = b'data: {"choices": [{"index": 0, "text": "hi", "finish_reason": null}]}\n\n'
+            self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                                 b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n"
+                                 % (len(event), event))
+
+
+def test_a_stream_from_a_worker_found_hung_is_cut_with_an_error_event(loop_thread):
+    # A stream whose worker froze mid-answer (no reset: SIGSTOP, a node cut off) hung its client
+    # until --upstream-timeout (30 min by default), though the health checks had found the worker
+    # hung within seconds: only requests still waiting for their headers were given up.
+    with gateway_before(loop_thread, FreezingStreamWorker, health_timeout=0.3,
+                        health_failures=2) as server, \
+            httpx.Client(base_url=f"http://127.0.0.1:{server.port}", timeout=15) as client:
+        worker = server.gateway.workers.get(server.gateway.config.worker_urls[0])
+        assert wait_for(lambda: worker.health.proven, 5)   # up before it froze
+        with client.stream("POST", "/v1/completions", json={
+                "prompt": "hi", "max_tokens": 60, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: ")) \
+                .startswith('data: {"choices"')
+            started = time.monotonic()
+            for _ in range(2):   # two unanswered checks: the worker is down, found hung
+                loop_thread.run(server.monitor.check(worker))
+            last = [line for line in lines if line.startswith("data: ")][-1]
+        assert time.monotonic() - started < 10
+        error = json.loads(last[6:])["error"]
+        assert error["code"] == "worker_failed" and "health checks" in error["message"]
+        assert wait_for(lambda: worker.inflight == 0, 5)

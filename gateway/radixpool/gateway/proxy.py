@@ -145,12 +145,15 @@ class Gateway:
     def hung(self, worker: Worker) -> None:
         """The health checks found `worker` hung: the requests still waiting there for their
         response headers fail now (`WorkerHung`) and are retried on other workers, instead of
-        waiting out `upstream_first_byte_timeout`."""
+        waiting out `upstream_first_byte_timeout`; the streams it has sent nothing on for as long
+        as its last check waited are cut (an error event), instead of waiting out
+        `upstream_timeout`."""
         pool = self.pools.get(worker.url)
         if pool is not None and pool.give_up_waiting(f"worker {worker.url} stopped answering "
-                                                     "its health checks"):
+                                                     "its health checks",
+                                                     self.config.health_timeout):
             log.warning("worker %s is hung: retrying elsewhere the requests it has not "
-                        "answered yet", worker.url)
+                        "answered yet, cutting the streams it went silent on", worker.url)
 
     async def fetch(self, worker: Worker, path: str) -> tuple[int, bytes]:
         """`GET path` from a worker with the gateway's worker key: the health monitor's way out."""

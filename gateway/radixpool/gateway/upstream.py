@@ -15,8 +15,10 @@ safe for the proxy to retry elsewhere. An interim answer (`103 Early Hints`) is 
 nobody asked for, `000`, `999`) is garbage, an `UpstreamError` too.
 `give_up_waiting` fails the requests still waiting for headers from a worker the health checks
 found hung (`WorkerHung`), so they are retried at once instead of waiting out
-`first_byte_timeout`. A pooled connection the worker closed while idle is retried on a fresh one
-(that race is the ordinary end of a keep-alive, not a worker failure). An answer that comes on a
+`first_byte_timeout`, and the answers it has gone silent on (a stream frozen with its worker,
+which no reset ends), so they end now instead of at `total_timeout`. A pooled connection the
+worker closed while idle is retried on a fresh one (that race is the ordinary end of a
+keep-alive, not a worker failure). An answer that comes on a
 new connection before the request is sent is the worker refusing that connection (a 503 when it
 holds its connection limit): it is the answer, and the request is not sent; on a pooled
 connection such an answer was meant for it idle, and a fresh connection is used instead.
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections import deque
 
 import httptools
@@ -81,6 +84,7 @@ class _Connection(asyncio.Protocol):
         self.done = False
         self.keep_alive = False
         self.got_bytes = False
+        self.last_byte_at = 0.0   # time.monotonic() of the last bytes from the worker
         self.asked = False   # a request was sent and its answer has not ended
         self.answered_unasked = False   # an answer came with no request sent
         self._headers_ready: asyncio.Future | None = None
@@ -103,6 +107,7 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
+        self.last_byte_at = time.monotonic()
         try:
             self.parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
@@ -290,6 +295,7 @@ class UpstreamResponse:
         conn, self._conn = self._conn, _CLOSED
         if conn is _CLOSED:
             return
+        self._pool.answering.discard(conn)
         if conn.reusable:
             self._pool.put_back(conn)
         else:
@@ -308,6 +314,7 @@ class UpstreamPool:
         self.max_idle = max_idle
         self._idle: list[_Connection] = []
         self._awaiting_headers: set[_Connection] = set()
+        self.answering: set[_Connection] = set()   # headers in, body being read
         self._host_header = host_port(host, port).encode()
 
     async def _connect(self) -> _Connection:
@@ -331,13 +338,17 @@ class UpstreamPool:
         while self._idle:
             self._idle.pop().close()
 
-    def give_up_waiting(self, reason: str) -> int:
-        """Fail every request still waiting for its response headers (`WorkerHung`); returns
-        how many. Answers already streaming are left to finish or to time out."""
-        waiting = [conn for conn in self._awaiting_headers if not conn.status]
-        for conn in waiting:
+    def give_up_waiting(self, reason: str, silent_for: float) -> int:
+        """Fail every request still waiting for its response headers (`WorkerHung`), and every
+        answer that has had nothing from the worker for `silent_for` seconds though the gateway
+        was reading it (one paused for a slow client is left alone); returns how many. An
+        answer still arriving is left to finish or to time out."""
+        since = time.monotonic() - silent_for
+        given_up = [conn for conn in self._awaiting_headers if not conn.status]
+        given_up += [c for c in self.answering if not c._paused and c.last_byte_at <= since]
+        for conn in given_up:
             conn.abandon(WorkerHung(reason))
-        return len(waiting)
+        return len(given_up)
 
     def encode(self, method: str, path: str, headers: Headers, body: bytes) -> bytes:
         lines = [b"%s %s HTTP/1.1\r\nhost: %s\r\ncontent-length: %d\r\n"
@@ -389,4 +400,6 @@ class UpstreamPool:
             raise
         finally:
             self._awaiting_headers.discard(conn)
+        if not conn.done:
+            self.answering.add(conn)
         return UpstreamResponse(self, conn)
