@@ -6,6 +6,7 @@ Servers, each started once per session and only if a collected test needs it:
 - `fuzz_worker`: a 32-token context, so fuzzed generations stay short on a CPU;
 - `impatient`: a 0.5 s drain timeout, to see requests cut short by a drain;
 - `doomed`: default flags, for the test that kills its engine core;
+- `frozen`: a 2 s `--watchdog-timeout`, for the test that stops its engine core;
 - `polled`: default flags, SIGTERMed with a `/kv_events` long poll open;
 - `slow_prefill`: 8-token prefill chunks and pages (long prompts take seconds to a first
   token), and KV for 1,600 tokens, less than the 2,048-token context;
@@ -35,6 +36,7 @@ SERVERS: dict[str, tuple[str, ...]] = {
     # two running at most: a third request waits, to be cut by the drain before it starts
     "impatient": ("--drain-timeout", "0.5", "--max-running-requests", "2"),
     "doomed": (),
+    "frozen": ("--watchdog-timeout", "2"),
     "polled": (),
     "slow_prefill": ("--chunked-prefill-size", "8", "--max-prefill-tokens", "8",
                      "--page-size", "8", "--kv-cache-tokens", "1600"),
@@ -100,6 +102,11 @@ def impatient(worker_pool) -> WorkerProcess:
 @pytest.fixture(scope="session")
 def doomed(worker_pool) -> WorkerProcess:
     return worker_pool["doomed"].wait_ready()
+
+
+@pytest.fixture(scope="session")
+def frozen(worker_pool) -> WorkerProcess:
+    return worker_pool["frozen"].wait_ready()
 
 
 @pytest.fixture(scope="session")

@@ -254,14 +254,24 @@ def test_clients_that_leave_before_their_first_token_are_aborted(slow_prefill):
             "max_new_tokens": 2}}).status_code == 200
 
 
-def test_a_dead_engine_core_makes_the_worker_exit_nonzero_within_seconds(doomed):
-    # the core was started from a thread: look through every task's children
-    children = [c for task in Path(f"/proc/{doomed.pid}/task").iterdir()
+def core_of(worker) -> int:
+    """The worker's engine core process (started from a thread: every task's children)."""
+    children = [c for task in Path(f"/proc/{worker.pid}/task").iterdir()
                 for c in (task / "children").read_text().split()]
     assert len(children) == 1, children
-    core = int(children[0])
+    return int(children[0])
+
+
+@pytest.mark.parametrize("fault", ["crash", "stuck"])
+def test_a_dead_or_stuck_engine_core_makes_the_worker_exit_nonzero_within_seconds(
+        fault, doomed, frozen):
+    # stuck: a core stuck in a step (a hung GPU; here SIGSTOP) left its requests hanging and
+    # the worker's /health at 200, so nothing restarted it; `--watchdog-timeout` (2 s here)
+    # now kills it, and the worker ends as it does when its core crashes.
+    worker = doomed if fault == "crash" else frozen
+    core = core_of(worker)
     body = {"model": "tiny", "prompt": "long", "max_tokens": 1500, "ignore_eos": True}
-    with httpx.Client(base_url=doomed.url, timeout=60) as http:
+    with httpx.Client(base_url=worker.url, timeout=60) as http:
         assert http.get("/health").status_code == 200
         assert http.get("/livez").status_code == 200
         running = threading.Thread(target=lambda: results.append(
@@ -269,7 +279,7 @@ def test_a_dead_engine_core_makes_the_worker_exit_nonzero_within_seconds(doomed)
         results: list[httpx.Response] = []
         running.start()
         time.sleep(0.5)
-        os.kill(core, signal.SIGKILL)   # the core crashes under a running request
+        os.kill(core, signal.SIGKILL if fault == "crash" else signal.SIGSTOP)
         killed = time.monotonic()
         running.join(60)
     # ended with a 503 a gateway retries elsewhere, not hung, before the worker went away
@@ -278,9 +288,11 @@ def test_a_dead_engine_core_makes_the_worker_exit_nonzero_within_seconds(doomed)
     # the code tells a gateway the engine died holding this request (twice: a query of death)
     assert results[0].json()["error"]["code"] == "engine_core_died"
     assert results[0].headers["retry-after"]
-    code = doomed.proc.wait(CORE_DEATH_EXIT_S)   # so the container is restarted
+    code = worker.proc.wait(CORE_DEATH_EXIT_S)   # so the container is restarted
     assert code != 0 and time.monotonic() - killed < CORE_DEATH_EXIT_S
-    assert "the engine core process died (exit code -9)" in doomed.log()
+    assert ("the engine core process died (exit code -9)" if fault == "crash" else
+            "the engine core made no progress for 2 s with requests in flight "
+            "(--watchdog-timeout 2); it was killed") in worker.log()
 
 
 def test_sigterm_with_a_kv_events_long_poll_open_exits_quietly(polled):

@@ -118,6 +118,48 @@ def test_a_core_that_dies_ends_streams_with_an_error_and_refuses_new_work(engine
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
+def test_a_core_stuck_in_a_step_is_killed_by_the_watchdog(tiny_model):
+    # A core stuck in a step (a hung GPU, a deadlock; here SIGSTOP) left every request hanging
+    # behind it while the worker's health stayed 200; the gateway gave up only after 300 s.
+    engine = Engine(str(tiny_model), device="cpu", kv_cache_tokens=2048, watchdog_timeout_s=2)
+    try:
+        async def main() -> float:
+            engine.bind_loop()
+            seen = 0
+            with pytest.raises(RuntimeError, match="died"):
+                async for chunk in engine.stream("long", {"max_new_tokens": 1500,
+                                                          "ignore_eos": True}):
+                    seen += len(chunk.token_ids)
+                    if seen >= 2 and engine.stall is None:
+                        os.kill(engine._process.pid, signal.SIGSTOP)
+                        stopped = time.monotonic()
+            return time.monotonic() - stopped
+
+        waited = asyncio.run(asyncio.wait_for(main(), 60))
+        assert 2 <= waited < 10, waited
+        assert not engine.alive and "--watchdog-timeout 2" in engine.stall
+    finally:
+        engine.shutdown()
+
+
+def test_a_busy_core_that_sends_no_tokens_is_not_taken_for_stuck(tiny_model):
+    # Waiting seconds for a grammar to compile, the core has no tokens to send: it says it is
+    # alive every second, so a 2 s watchdog leaves it be.
+    import json
+
+    slow = json.dumps({"type": "object",
+                       "properties": {f"p{i}": {"type": "integer"} for i in range(350)}})
+    engine = Engine(str(tiny_model), device="cpu", kv_cache_tokens=2048, watchdog_timeout_s=2)
+    try:
+        started = time.monotonic()
+        out = engine.generate("json please", {"max_new_tokens": 4, "json_schema": slow})
+        assert time.monotonic() - started > 2   # longer than the watchdog waits
+        assert out["meta_info"]["finish_reason"] != "abort", out
+        assert engine.alive and engine.stall is None
+    finally:
+        engine.shutdown()
+
+
 def test_a_message_larger_than_the_pipe_reaches_the_core_whole_under_uvloop(engine):
     # uvloop (libuv) makes a descriptor it watches non-blocking, so `sendall` stopped at the first
     # full socket buffer and left part of a message in the pipe: the core read every later message

@@ -52,6 +52,9 @@ class EngineConfig:
     # How long a constrained request may wait for its grammar to compile before it is refused
     # (a 400 naming the constraint); a compile still running then goes on, and is cached.
     grammar_compile_timeout_s: float = 120.0
+    # A core that says nothing this long while requests wait on it is taken for stuck (a hung
+    # GPU, a deadlock) and killed: its requests fail, and the worker exits to be restarted.
+    watchdog_timeout_s: float = 300.0
     # How long the core process may take to start (load the weights, size the KV pool, capture
     # the CUDA graphs) before the engine gives up; a pod's startup budget should be the same.
     startup_timeout_s: float = 900.0
@@ -95,6 +98,8 @@ class EngineConfig:
             fail("startup_timeout_s", "> 0 seconds")
         if not self.grammar_compile_timeout_s > 0:
             fail("grammar_compile_timeout_s", "> 0 seconds")
+        if not self.watchdog_timeout_s >= 2:   # a busy core speaks every second
+            fail("watchdog_timeout_s", "≥ 2 seconds")
         if isinstance(self.jump_forward, bool):
             object.__setattr__(self, "jump_forward", "exact" if self.jump_forward else "off")
         if self.jump_forward not in JUMP_FORWARD_MODES:

@@ -4,7 +4,10 @@ The front end (`engine.py`) owns the process. One Unix socket pair connects them
 requests, aborts and controls in; `StepOutput`s and `ControlReply`s out. The loop drains its inbox
 without blocking while there is work, waits (bounded) when idle, never blocks on a write, and
 exits when told to or when its parent dies. A flush empties the tree only while the engine is
-idle; with requests running or waiting it is refused at once (it never waits on them).
+idle; with requests running or waiting it is refused at once (it never waits on them). While it
+has work it says something at least every `HEARTBEAT_S` (its stats, when a step had nothing to
+send, e.g. while a grammar compiles): the front end's watchdog reads a longer silence as a core
+stuck in a step.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from radixpool.worker.messages import (
 
 log = logging.getLogger("radixpool.core")
 IDLE_WAIT_S = 0.5
+HEARTBEAT_S = 1.0
 SHUTDOWN_FLUSH_S = 5.0
 
 
@@ -74,11 +78,15 @@ class _Loop:
         self.core = core
         self.inbox = inbox
         self.outbox = outbox
-        self.send = outbox.send
         self.parent_pid = parent_pid
         self.running = True
         self.was_busy = False
         self.poller = select.poll()
+        self.last_sent = time.monotonic()
+
+    def send(self, msg) -> None:
+        self.outbox.send(msg)
+        self.last_sent = time.monotonic()
 
     def run(self) -> None:
         while self.running:
@@ -96,6 +104,8 @@ class _Loop:
                 if not sent:
                     self.send(StepOutput(stats=self.core.stats()))  # the front end sees it idle
                 self._on_idle()
+            elif busy and time.monotonic() - self.last_sent >= HEARTBEAT_S:
+                self.send(StepOutput(stats=self.core.stats()))   # alive, for the watchdog
             self.was_busy = busy
 
     def _wait(self, wait_s: float) -> bool:

@@ -10,6 +10,12 @@ prompt's KV through the radix tree), logprobs. Three ways to call it:
 - `stream(...)`: an async iterator of `StreamChunk`s (leaving it early aborts the request);
 - `generate_async(...)`: the async non-streaming form.
 Invalid input raises `ValueError` naming the field before anything reaches the core.
+
+A watchdog thread kills a core that says nothing for `watchdog_timeout_s` while requests or
+controls wait on it (a busy core speaks at least every second, `core_process.HEARTBEAT_S`): a
+step stuck in a hung GPU or a deadlock then ends like a crashed core, its requests failed (a
+gateway retries them elsewhere) and the worker restarted, instead of every request hanging
+behind it with the worker's health still 200. `stall` says why it was killed.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import itertools
 import json
 import logging
 import os
+import select
 import subprocess
 import sys
 import threading
@@ -93,6 +100,8 @@ class Engine:
         self._loop_thread = 0
         self._receiver_stop = threading.Event()
         self._dead = False   # the core process exited under us
+        self._heard_at = time.monotonic()   # the core's last message
+        self.stall: str | None = None   # why the watchdog killed the core
         self._send_lock = threading.Lock()
         self._deferred_lock = threading.Lock()  # fork hand-off: receiver thread vs abort()
         self._closed = False
@@ -118,6 +127,34 @@ class Engine:
         self._receiver = threading.Thread(target=self._receive_loop, name="radixpool-receiver",
                                           daemon=True)
         self._receiver.start()
+        self._watchdog = threading.Thread(target=self._watch, name="radixpool-watchdog",
+                                          daemon=True)
+        self._watchdog.start()
+
+    def _watch(self) -> None:
+        """Kill the core once it has said nothing for `watchdog_timeout_s` with work given."""
+        limit = self.config.watchdog_timeout_s
+        poller = select.poll()
+        poller.register(self._sock, select.POLLIN)
+        busy_since: float | None = None
+        while not (self._closed or self._dead):
+            time.sleep(min(1.0, limit / 4))
+            if not (self._forks or self._controls):
+                busy_since = None
+                continue
+            now = time.monotonic()
+            if busy_since is None:
+                busy_since = now
+            if poller.poll(0):   # it spoke, and the front end has not read it yet
+                self._heard_at = now
+            silent = now - max(self._heard_at, busy_since)
+            if silent >= limit and self._process.poll() is None and not self._closed:
+                self.stall = (f"the engine core made no progress for {silent:.0f} s with "
+                              f"requests in flight (--watchdog-timeout {limit:g}); it was "
+                              "killed")
+                log.error("%s", self.stall)
+                self._process.kill()
+                return
 
     def _await_ready(self) -> CoreReady:
         deadline = time.monotonic() + self.config.startup_timeout_s
@@ -245,6 +282,8 @@ class Engine:
             if not self._closed:
                 self._core_died()
             return False
+        if messages:
+            self._heard_at = time.monotonic()
         for msg in messages:
             self._handle(msg)
         return True

@@ -126,6 +126,12 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                         "compile before it is refused with a 400 (a compile under way goes on "
                         "and is cached) (default: "
                         f"{_default('grammar_compile_timeout_s'):g})")
+    p.add_argument("--watchdog-timeout", type=float, metavar="SECONDS",
+                   default=_default("watchdog_timeout_s"),
+                   help="an engine core silent this long while requests wait on it is taken "
+                        "for stuck (a hung GPU) and killed: its requests get 503 "
+                        "engine_core_died and the worker exits 1 to be restarted (default: "
+                        f"{_default('watchdog_timeout_s'):g})")
     p.add_argument("--no-jump-forward", dest="jump_forward", action="store_const", const="off",
                    help="the same as --jump-forward off")
     p.add_argument("--debug-invariants", action="store_true",
@@ -235,6 +241,7 @@ def _config_from_args(args: argparse.Namespace) -> ServerConfig:
         debug_invariants=args.debug_invariants,
         jump_forward=args.jump_forward,
         grammar_compile_timeout_s=args.grammar_compile_timeout,
+        watchdog_timeout_s=args.watchdog_timeout,
         startup_timeout_s=args.startup_timeout,
         warmup=not args.skip_warmup,
     )

@@ -113,7 +113,8 @@ class WorkerServer(uvicorn.Server):
             await asyncio.sleep(CORE_POLL_S)
         if self.should_exit:
             return   # a shutdown already under way
-        reason = f"the engine core process died (exit code {engine.core_exit_code})"
+        reason = engine.stall or (f"the engine core process died (exit code "
+                                  f"{engine.core_exit_code})")
         log.error("%s; exiting with status 1 so the worker is restarted", reason)
         lifecycle = self.state.lifecycle
         lifecycle.mark_failed(reason)
