@@ -36,6 +36,8 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file
+
 import torch
 
 from bench.gpu import TINY
