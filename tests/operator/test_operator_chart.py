@@ -134,6 +134,29 @@ def test_notes_name_the_pools_namespace_in_every_command_about_the_pool():
     assert all("-n <namespace>" in command for command in commands), commands
 
 
+def test_notes_pool_command_runs_as_printed(tmp_path):
+    """The notes' `kubectl apply ... <<'POOL'`, copied as printed (the namespace filled in), ends
+    at its POOL line. Its terminator was indented like the rest, and bash ends a here-document
+    only at a line that is exactly POOL: the shell kept reading, and the pool was never applied."""
+    import subprocess
+
+    with helm.Chart.load(CHART) as chart:
+        notes = next(text for path, text in chart.render(
+            values={}, name="rp", namespace="radixpool-system", is_install=True).items()
+            if path.endswith("NOTES.txt"))
+    lines = notes.splitlines()
+    start = next(i for i, line in enumerate(lines) if "<<'POOL'" in line)
+    end = next(i for i in range(start + 1, len(lines)) if lines[i].strip() == "POOL")
+    applied = tmp_path / "applied.yaml"
+    copied = [line.replace("<namespace>", "team-a") for line in lines[start:end + 1]]
+    script = "\n".join([f'kubectl() {{ cat > "{applied}"; }}', *copied, "echo after-the-pool"])
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
+    assert "here-document" not in done.stderr, done.stderr
+    assert done.stdout.strip() == "after-the-pool"
+    pool = yaml.safe_load(applied.read_text())
+    assert (pool["kind"], pool["metadata"]["name"]) == ("InferencePool", "qwen3-8b")
+
+
 def test_values_schema_rejects_nonsense_naming_the_value():
     with helm.Chart.load(CHART) as chart:
         for bad, where in [({"replicaCount": 0}, "/replicaCount"),
