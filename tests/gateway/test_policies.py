@@ -267,6 +267,35 @@ def test_reported_miss_trims_the_tree_and_matching_report_does_not():
     assert policy.index.match(key.hashes) == {"a": 11}  # just recomputed: now really cached
 
 
+@pytest.mark.parametrize("events", [False, True])
+def test_a_short_report_counts_a_correction_only_where_it_trims(events):
+    # A tree the worker's KV events keep is never trimmed by cached_tokens, yet each short
+    # report counted a correction there: tree_corrections_total{source="cached_tokens"} rose
+    # on a fleet whose trees it never touched.
+    from radixpool.gateway.breaker import CircuitBreaker
+    from radixpool.gateway.feedback import learn
+    from radixpool.gateway.health import HealthHysteresis
+    from radixpool.gateway.metrics import GatewayMetrics
+    from radixpool.gateway.workers import Worker
+
+    policy = cache_aware(("a",))
+    old, prompt = tokens(10_000, 6 * BLOCK), tokens(0, 10 * BLOCK)
+    for earlier in (old, prompt):
+        policy.select(idle("a"), key_of(earlier))
+    if events:
+        policy.index.load_snapshot("a", key_of(old).hashes + key_of(prompt).hashes)
+    key = key_of(prompt + tokens(500, BLOCK))
+    decision = policy.select(idle("a"), key)
+    worker = Worker("a", HealthHysteresis(1, 1), CircuitBreaker(5, 10.0))
+    metrics = GatewayMetrics()
+    learn(worker, policy.index, metrics, decision, key, len(prompt) + BLOCK, 4 * BLOCK, True)
+    # the worker lost block 4 of the prompt: by LRU the older prompt went too, unless the
+    # events keep the tree
+    assert policy.index.match(key_of(old).hashes) == ({"a": 6} if events else {})
+    assert worker.corrections == ({} if events else {"cached_tokens": 1})
+    assert dict(metrics.corrections) == ({} if events else {("a", "cached_tokens"): 1})
+
+
 def test_a_whole_prompt_prediction_tolerates_the_unreusable_last_token():
     policy = cache_aware(("a",))
     prompt = tokens(0, 4 * BLOCK)

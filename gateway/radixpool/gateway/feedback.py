@@ -119,8 +119,8 @@ def learn(worker: Worker, index: PrefixIndex, metrics: GatewayMetrics, decision:
     if predicted is not None:
         worker.predicted_tokens += predicted
         missing = first_missing_block(decision, key, prompt, cached)
-        if missing is not None and missing < len(decision.prior_epochs):
-            index.trim_through(worker.url, decision.prior_epochs[missing])
-            worker.corrected("cached_tokens")
+        if (missing is not None and missing < len(decision.prior_epochs)
+                and index.trim_through(worker.url, decision.prior_epochs[missing])):
+            worker.corrected("cached_tokens")   # (a tree the KV events keep is not trimmed)
             metrics.corrected(worker.url, "cached_tokens")
     metrics.usage(worker.url, prompt + others[0], cached + others[1], predicted)
