@@ -175,6 +175,25 @@ def test_chat_with_logprobs_fails_cleanly(broken, client, checkpoint, poisoned, 
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_every_choice_of_a_poisoned_prompt_fails_as_the_models_fault(broken, client, poisoned,
+                                                                      stream):
+    """With n > 1 the other choices wait for the first one's prompt to be cached; when its
+    logits were NaN they were cut with a plain message: the answer was a 400 blaming
+    `prompt` (no `nonfinite_logits` code, so the SDK's and gateway's handling of a model
+    fault did not apply) instead of the 500 a single choice gets."""
+    before = faults(broken.url)
+    with pytest.raises(openai.APIError, match="non-finite logits") as raised:
+        reply = client.completions.create(model="tiny", prompt=[10, 11, poisoned[0], 12], n=3,
+                                          stream=stream, **GREEDY)
+        if stream:
+            list(reply)
+    assert raised.value.code == "nonfinite_logits"
+    if not stream:
+        assert isinstance(raised.value, openai.InternalServerError)
+    assert faults(broken.url) == before + 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_generate_fails_cleanly(broken, poisoned, stream):
     before = faults(broken.url)
     body = {"input_ids": poisoned[1], "stream": stream,

@@ -380,16 +380,17 @@ class Engine:
             for request in deferred:
                 self._send(request)
             return
-        for request in deferred:  # refused or aborted before its prompt was cached
+        for request in deferred:  # refused, aborted or faulted before its prompt was cached
             sibling = self._forks.get(request.rid)
-            if sibling is not None:
-                self._finish_fork(sibling, "abort", delta.error)
+            if sibling is not None:   # the same prompt: the same answer (a fault stays one)
+                self._finish_fork(sibling, "abort", delta.error, delta.internal_error,
+                                  delta.error_code)
 
     def _finish_fork(self, fork: RequestOutput, reason: str, error: str | None,
-                     internal: bool = False) -> None:
+                     internal: bool = False, code: str | None = None) -> None:
         if not fork.finished:
             self._drop(fork)
-            _deliver(fork, fork.fail(reason, error, internal))
+            _deliver(fork, fork.fail(reason, error, internal, code=code))
 
     def _drop(self, fork: RequestOutput) -> None:
         if self._forks.pop(fork.core_rid, None) is not None:
