@@ -160,6 +160,29 @@ def test_a_busy_core_that_sends_no_tokens_is_not_taken_for_stuck(tiny_model):
         engine.shutdown()
 
 
+def test_a_compile_that_ends_after_its_request_gave_up_shows_in_the_stats_while_idle(
+        tiny_model):
+    # It showed only once the next request came: radixpool_grammar_compile_seconds missed the
+    # slowest compiles, those that outlive --grammar-compile-timeout, on a quiet worker.
+    import json
+
+    slow = json.dumps({"type": "object",
+                       "properties": {f"p{i}": {"type": "integer"} for i in range(150)}})
+    engine = Engine(str(tiny_model), device="cpu", kv_cache_tokens=2048,
+                    grammar_compile_timeout_s=0.2)
+    try:
+        with pytest.raises(ValueError, match=r"did not compile within 0\.2 s"):
+            engine.generate("json please", {"max_new_tokens": 4, "json_schema": slow})
+        assert engine.stats().grammar_compile_buckets[-1] == 0
+        deadline = time.monotonic() + 60
+        while engine.stats().grammar_compile_buckets[-1] == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert engine.stats().grammar_compile_buckets[-1] == 1
+        assert engine.stats().grammar_compile_seconds_sum > 0.2
+    finally:
+        engine.shutdown()
+
+
 def test_a_message_larger_than_the_pipe_reaches_the_core_whole_under_uvloop(engine):
     # uvloop (libuv) makes a descriptor it watches non-blocking, so `sendall` stopped at the first
     # full socket buffer and left part of a message in the pipe: the core read every later message

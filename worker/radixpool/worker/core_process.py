@@ -83,6 +83,12 @@ class _Loop:
         self.was_busy = False
         self.poller = select.poll()
         self.last_sent = time.monotonic()
+        self.compiled = 0.0   # compile time the stats sent on going idle took in
+
+    def _compiles_ended(self) -> bool:
+        """Whether some compile ended since the last call (the stats sent next take it in)."""
+        seen, self.compiled = self.compiled, self.core.grammars.compiler.compile_seconds_sum
+        return seen != self.compiled
 
     def send(self, msg) -> None:
         self.outbox.send(msg)
@@ -101,11 +107,15 @@ class _Loop:
                 self.send(out)   # its stats were taken after the step: idle ones if it went idle
             busy = self.core.has_work
             if self.was_busy and not busy:
-                if not sent:
+                if self._compiles_ended() or not sent:
                     self.send(StepOutput(stats=self.core.stats()))  # the front end sees it idle
                 self._on_idle()
             elif busy and time.monotonic() - self.last_sent >= HEARTBEAT_S:
                 self.send(StepOutput(stats=self.core.stats()))   # alive, for the watchdog
+            elif not busy and self._compiles_ended():
+                # a compile its requests stopped waiting for ended while idle: its time shows
+                # in the metrics now, not with the next request
+                self.send(StepOutput(stats=self.core.stats()))
             self.was_busy = busy
 
     def _wait(self, wait_s: float) -> bool:
