@@ -167,3 +167,19 @@ def test_large_legal_bodies_are_under_the_member_bound():
     ]
     for path, doc in bodies:
         assert parse_body(keys, path, large(doc)).key.units > 0
+
+
+@pytest.mark.parametrize("include_usage", [None, 0, ""])
+def test_a_stream_option_the_workers_refuse_reaches_them_as_sent(include_usage):
+    """`include_usage` must be a boolean: the workers answer null, 0 or "" with a 400 naming
+    it. The gateway once overwrote any false-ish value with its own `true`, so the client got a
+    200 through the gateway where the worker refuses the request."""
+    keys = KeyBuilder(64, 256, 64 * 1024)
+    body = json.dumps({"prompt": "w1 w2", "stream": True,
+                       "stream_options": {"include_usage": include_usage}}).encode()
+    parsed = parse_body(keys, "/v1/completions", body)
+    assert parsed.body == body and not parsed.strip_usage
+    declined = json.dumps({"prompt": "w1 w2", "stream": True,
+                           "stream_options": {"include_usage": False}}).encode()
+    assert json.loads(parse_body(keys, "/v1/completions", declined).body)["stream_options"] \
+        == {"include_usage": True}   # false is the client declining: asked for, then stripped

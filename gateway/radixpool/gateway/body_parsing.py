@@ -73,7 +73,10 @@ def parse_body(keys: KeyBuilder, path: str, body: bytes) -> ParsedBody:
         start = body.index(b"{") + 1
         return ParsedBody(key, body[:start] + USAGE_OPTION + body[start:], True)
     options = doc["stream_options"]
-    if options is None or (isinstance(options, dict) and not options.get("include_usage")):
+    # only a missing or false option is ours to set: any other value (null, 0, "") is the
+    # client's to have refused by the worker, as it would be without the gateway
+    if options is None or (isinstance(options, dict)
+                           and options.get("include_usage", False) is False):
         # re-encoded: a member the client wrote after a spliced one would override it
         doc["stream_options"] = {**(options or {}), "include_usage": True}
         return ParsedBody(key, json.dumps(doc).encode(), True)
