@@ -128,13 +128,24 @@ def edge_protocol(limits: EdgeLimits, descriptors_per_connection: int = 1
         "limits": limits, "max_connections": min(limits.max_connections, room)})
 
 
+def error_type(status: int) -> str:
+    """The OpenAI error `type` of an answer with this status, the same from a worker and from
+    the gateway (the SDKs expose it as `APIStatusError.type`)."""
+    if status == 401:
+        return "authentication_error"
+    if status == 403:
+        return "permission_error"
+    if status == 503:
+        return "service_unavailable"
+    return "server_error" if status >= 500 else "invalid_request_error"
+
+
 def error_document(status: int, message: str, code: str | None = None,
                    param: str | None = None) -> bytes:
     """An OpenAI-style error body: `param` names the field at fault, `code` is a
     machine-readable reason or null."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return json.dumps({"error": {"message": message, "type": kind, "param": param,
-                                 "code": code}}).encode()
+    return json.dumps({"error": {"message": message, "type": error_type(status),
+                                 "param": param, "code": code}}).encode()
 
 
 def _error_response(status: int, message: str, code: str) -> bytes:

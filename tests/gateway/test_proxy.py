@@ -352,6 +352,28 @@ def test_api_key_guards_everything_but_health_and_metrics(make_stack):
     assert ok.completions.create(model="sim-model", prompt="w1", max_tokens=1).choices
 
 
+def test_the_gateways_own_refusals_have_the_type_a_worker_gives_their_status(make_stack):
+    """The SDK exposes the error's `type`: a worker's 401 says `authentication_error` and its
+    503 `service_unavailable`, and the gateway's own said `invalid_request_error` and
+    `server_error` for the same status."""
+    stack = make_stack(1, api_key="s3cret")
+    wrong = openai.OpenAI(base_url=stack.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as refused:
+        wrong.completions.create(model="sim-model", prompt="w1", max_tokens=1)
+    assert (refused.value.type, refused.value.code) == ("authentication_error", "invalid_api_key")
+    stack.loop.run(kill(stack.fleet.workers[0]))
+    for _ in range(3):
+        stack.check_all()
+    keyed = openai.OpenAI(base_url=stack.url + "/v1", api_key="s3cret", max_retries=0)
+    with pytest.raises(openai.InternalServerError) as unavailable:
+        keyed.completions.create(model="sim-model", prompt="w1", max_tokens=1)
+    assert unavailable.value.status_code == 503
+    assert unavailable.value.type == "service_unavailable"
+    admin = stack.client.post("/workers", json={"url": "http://127.0.0.1:1"},
+                              headers={"authorization": "Bearer s3cret"})
+    assert (admin.status_code, admin.json()["error"]["type"]) == (403, "permission_error")
+
+
 def test_the_gateway_presents_its_worker_key_to_keyed_workers(make_stack):
     stack = make_stack(2, sim=SimConfig(api_key="worker-key"), api_key="client-key",
                        worker_api_key="worker-key")

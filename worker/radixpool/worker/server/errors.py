@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
+from radixpool.http_edge import error_type
 from radixpool.json_depth import too_deep
 
 log = logging.getLogger("radixpool.worker.server")
@@ -31,7 +32,7 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.code = code
-        self.type = type or _default_type(status)
+        self.type = type or error_type(status)
         self.headers = headers
 
     def __reduce__(self) -> tuple:   # whole across processes (the body-parsing children)
@@ -48,16 +49,6 @@ class APIError(Exception):
 def _api_error(status: int, message: str, param: str | None, code: str | None, type: str,
                headers: dict[str, str] | None) -> APIError:
     return APIError(status, message, param=param, code=code, type=type, headers=headers)
-
-
-def _default_type(status: int) -> str:
-    if status == 401:
-        return "authentication_error"
-    if status == 503:
-        return "service_unavailable"
-    if status >= 500:
-        return "server_error"
-    return "invalid_request_error"
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
