@@ -152,9 +152,9 @@ def test_bad_input_gets_a_4xx_without_reaching_a_worker(make_stack):
                 + b"[" * 250 + b"]" * 250 + b"}"), 400,
          "nests more than 200 levels deep (line 1, column", "stop[0][0][0][0][0][0][0]",
          "invalid_json"),
-        (c.post("/v2/everything", json={}), 404, "unknown path", None, None),
-        (c.get("/workers/anything"), 404, "unknown path", None, None),
-        (c.get("/v1/chat/completions"), 405, "accepts POST", None, None),
+        (c.post("/v2/everything", json={}), 404, "unknown path", None, "not_found"),
+        (c.get("/workers/anything"), 404, "unknown path", None, "not_found"),
+        (c.get("/v1/chat/completions"), 405, "accepts POST", None, "method_not_allowed"),
         (c.post("/generate", json={"text": "x" * 20_000}), 413, "exceeds the limit", None,
          "request_too_large"),
     ]
@@ -166,6 +166,16 @@ def test_bad_input_gets_a_4xx_without_reaching_a_worker(make_stack):
         assert (error["param"], error["code"]) == (param, code), error
         assert error["type"] == "invalid_request_error"
     assert served(stack) == 0
+    # as a worker answers them: the SDK reads the code, and the methods are in Allow
+    for method, path, allowed in (("GET", "/v1/completions", "POST"),
+                                  ("POST", "/v1/models", "GET, HEAD"),
+                                  ("DELETE", "/v1/models/sim-model", "GET, HEAD")):
+        r = c.request(method, path)
+        assert (r.status_code, r.headers.get("allow")) == (405, allowed), (method, path)
+        assert r.json()["error"]["code"] == "method_not_allowed"
+    with pytest.raises(openai.NotFoundError) as unknown:
+        sdk(stack).embeddings.create(model="sim-model", input="w1")
+    assert unknown.value.code == "not_found"
     assert c.get("/health").status_code == 200  # and the gateway keeps serving
     with pytest.raises(openai.BadRequestError) as refused:
         sdk(stack).chat.completions.create(model="sim-model", messages=[], max_tokens=1)

@@ -85,6 +85,12 @@ def error_body(status: int, message: str, code: str | None = None,
         error_document(status, message, code, param)
 
 
+def method_not_allowed(message: str, allowed: str) -> tuple[int, Headers, bytes]:
+    """A 405 as the workers answer it: code `method_not_allowed`, the methods in `Allow`."""
+    status, headers, doc = error_body(405, message, "method_not_allowed")
+    return status, [(b"allow", allowed.encode()), *headers], doc
+
+
 @dataclass(frozen=True)
 class EdgeLimits(ProtocolLimits):
     """The protocol's limits (`radixpool.http_edge`; an idle keep-alive connection also closes

@@ -48,7 +48,13 @@ from radixpool.gateway.feedback import (
     usage_in,
 )
 from radixpool.gateway.holding import Holding
-from radixpool.gateway.http_edge import Headers, Request, Responder, error_body
+from radixpool.gateway.http_edge import (
+    Headers,
+    Request,
+    Responder,
+    error_body,
+    method_not_allowed,
+)
 from radixpool.gateway.metrics import GatewayMetrics
 from radixpool.gateway.model_list import MODEL_LIST_TIMEOUT_S, merge_model_lists, one_per_model
 from radixpool.gateway.policies import CacheAware, Decision, make_policy
@@ -181,12 +187,14 @@ class Gateway:
             respond.closing = True
         if path in ROUTED_PATHS:
             if method != "POST":
-                await respond.send_error(405, f"{path} accepts POST, not {method}")
+                await respond.send(*method_not_allowed(f"{path} accepts POST, not {method}",
+                                                       "POST"))
             else:
                 await self.proxy(request, respond)
         elif (path in READ_ONLY_PATHS or path.startswith(MODEL_PATH)) \
                 and method not in ("GET", "HEAD"):
-            await respond.send_error(405, f"{path} accepts GET, not {method}")
+            await respond.send(*method_not_allowed(f"{path} accepts GET, not {method}",
+                                                   "GET, HEAD"))
         elif path == "/livez":  # the process serves; workers do not matter here
             await respond.send(200, [(b"content-type", b"application/json")], b'{"status":"ok"}')
         elif path == "/health":
@@ -204,7 +212,7 @@ class Gateway:
         else:
             await respond.send_error(404, f"unknown path {path!r}; the gateway serves "
                                           f"{', '.join(ROUTED_PATHS)}, /v1/models[/ID], /workers, "
-                                          "/health, /livez, /metrics")
+                                          "/health, /livez, /metrics", "not_found")
 
     async def forward_models(self, request: Request, respond: Responder) -> None:
         """`/v1/models/{id}` from a worker serving `id` if any does (the others answer 404
