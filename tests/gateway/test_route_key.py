@@ -56,6 +56,26 @@ def test_unroutable_bodies_are_rejected_with_the_field_named(path, body, message
         KeyBuilder(64, 256).build(path, body)
 
 
+@pytest.mark.parametrize("path,body,param,code", [
+    ("/v1/chat/completions", {}, "messages", "missing_field"),
+    ("/v1/chat/completions", {"messages": None}, "messages", None),   # present: not missing
+    ("/v1/completions", {"prompt": [[]]}, "prompt", None),
+    ("/v1/completions", {"prompt": [[], [5]]}, "prompt[0]", None),
+    ("/v1/completions", {"prompt": ["w1 \udc80"]}, "prompt[0]", None),
+    ("/generate", {"input_ids": [[], [5]]}, "input_ids[0]", None),
+    ("/generate", {"text": ["w1 \udc80", "w2"]}, "text[0]", None),
+])
+def test_refusals_name_the_param_and_code_a_worker_names(tokenizer, path, body, param, code):
+    """The SDK exposes `param` and `code`: the gateway's own refusal of a body must name what a
+    worker names for it (it named `prompt` for the first prompt of a batch, and called a
+    `messages: null` a missing field)."""
+    keys = KeyBuilder(64, 256)
+    keys.use_tokenizer(tokenizer, 16)
+    with pytest.raises(BadRequest) as refused:
+        keys.build(path, body)
+    assert (refused.value.param, refused.value.code) == (param, code)
+
+
 def test_tool_requests_key_on_the_tokens_the_worker_renders(tiny_model):
     """Agent loops resend the same tools every turn: the gateway renders them (and the calls and
     tool results in the history) exactly as the worker does, whatever key order or explicit nulls

@@ -140,18 +140,20 @@ class KeyBuilder:
             return self._prompt(doc["prompt"], "prompt", model, salt)
         ids = doc.get("input_ids")
         if ids is not None:
-            if isinstance(ids, list) and ids and isinstance(ids[0], list):
-                ids = ids[0]  # a batch routes on its first prompt
-            return self._ids(ids, "input_ids", model, salt)
+            batch = isinstance(ids, list) and ids and isinstance(ids[0], list)
+            param = _first_param("input_ids", ids if batch else None)
+            # a batch routes on its first prompt
+            return self._ids(ids[0] if batch else ids, "input_ids", model, salt, param)
         if "text" not in doc:
             raise BadRequest("'text' or 'input_ids' is required", "text", "missing_field")
         return self._prompt(doc["text"], "text", model, salt)
 
     def _chat(self, doc: dict, model: str | None, salt: str | None) -> RouteKey:
-        messages = doc.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest("'messages' must be a non-empty array", "messages",
-                             "missing_field" if messages is None else None)
+        if "messages" not in doc:
+            raise BadRequest("'messages' is required", "messages", "missing_field")
+        messages = doc["messages"]
+        if not isinstance(messages, list) or not messages:   # null too: present, not missing
+            raise BadRequest("'messages' must be a non-empty array", "messages")
         for i, m in enumerate(messages):   # named as the workers name them
             if not isinstance(m, dict):
                 raise BadRequest(f"messages[{i}] must be an object", f"messages[{i}]")
@@ -178,24 +180,29 @@ class KeyBuilder:
 
     def _prompt(self, prompt: object, field: str, model: str | None, salt: str | None
                 ) -> RouteKey:
-        prompt = _first(prompt, field)
+        prompt, batch = _first(prompt, field)
         if isinstance(prompt, str):
             if self.tokenizer is not None:
                 head = prompt[: self.max_prompt_chars]
                 try:
                     ids = encode_ids(self.tokenizer, head, True)
                 except TypeError:  # a lone surrogate ("\ud800" in the JSON) is no UTF-8 text
-                    raise BadRequest(f"'{field}' is not valid Unicode text: it holds a lone "
-                                     f"UTF-16 surrogate", field) from None
+                    param = field if batch is None else f"{field}[0]"   # as the workers name it
+                    raise BadRequest(f"'{param}' is not valid Unicode text: it holds a lone "
+                                     f"UTF-16 surrogate", param) from None
                 key = self._token_key(ids, model, salt, len(head) < len(prompt))
                 if len(head) < len(prompt):
                     key.units = key.units * len(prompt) // len(head)
                 return key
             return self._text_key(prompt, model, salt)
-        return self._ids(prompt, field, model, salt)
+        return self._ids(prompt, field, model, salt, _first_param(field, batch))
 
-    def _ids(self, ids: object, field: str, model: str | None, salt: str | None) -> RouteKey:
-        if not isinstance(ids, list) or not ids:
+    def _ids(self, ids: object, field: str, model: str | None, salt: str | None,
+             prompt_param: str) -> RouteKey:
+        """`prompt_param`: the field the workers name when the prompt is empty."""
+        if isinstance(ids, list) and not ids:
+            raise BadRequest("the prompt is empty", prompt_param)
+        if not isinstance(ids, list):
             raise BadRequest(f"'{field}' must be a non-empty array of token ids", field)
         try:
             tokens = as_token_array(ids[: self.max_prompt_chars])
@@ -255,13 +262,20 @@ def _batch_size(prompts: object) -> int:
     return 1
 
 
-def _first(value: object, field: str) -> object:
-    """A batch (`["a", "b"]` or `[[1, 2], [3]]`) routes on its first prompt."""
+def _first(value: object, field: str) -> tuple[object, list | None]:
+    """A batch (`["a", "b"]` or `[[1, 2], [3]]`) routes on its first prompt: that prompt, and
+    the batch (None for a single prompt)."""
     if isinstance(value, list) and value and isinstance(value[0], (str, list)):
-        return value[0]
+        return value[0], value
     if isinstance(value, (str, list)):
-        return value
+        return value, None
     raise BadRequest(f"'{field}' must be a string, an array of strings or of token ids", field)
+
+
+def _first_param(field: str, batch: list | None) -> str:
+    """The field the workers name for the first prompt's length: the prompt itself when it is
+    the only one, else its place in the batch."""
+    return f"{field}[0]" if batch is not None and len(batch) > 1 else field
 
 
 def _content_text(content: object) -> str:
