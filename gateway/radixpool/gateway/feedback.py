@@ -120,7 +120,8 @@ def learn(worker: Worker, index: PrefixIndex, metrics: GatewayMetrics, decision:
         worker.predicted_tokens += predicted
         missing = first_missing_block(decision, key, prompt, cached)
         if (missing is not None and missing < len(decision.prior_epochs)
-                and index.trim_through(worker.url, decision.prior_epochs[missing])):
-            worker.corrected("cached_tokens")   # (a tree the KV events keep is not trimmed)
+                and not index.event_fed(worker.url)):   # (the KV events keep that tree)
+            index.trim_through(worker.url, decision.prior_epochs[missing])
+            worker.corrected("cached_tokens")
             metrics.corrected(worker.url, "cached_tokens")
     metrics.usage(worker.url, prompt + others[0], cached + others[1], predicted)

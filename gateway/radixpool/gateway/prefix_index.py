@@ -227,6 +227,11 @@ class PrefixIndex:
         else:
             self.insert(worker, event.blocks)
 
+    def event_fed(self, worker: str) -> bool:
+        """Whether `worker`'s KV events keep its tree (cached_tokens then trims nothing)."""
+        tree = self._trees.get(worker)
+        return tree is not None and tree.event_fed
+
     def stop_following(self, worker: str) -> None:
         """The worker's KV events no longer arrive: its tree is kept by its LRU bound and the
         cached_tokens trims again, until events feed it anew."""
