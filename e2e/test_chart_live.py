@@ -317,6 +317,25 @@ def test_drift_including_a_hand_added_env_var_is_put_back(kube, namespaces, oper
     wait_for("the env var removed and the Service back", healed)
 
 
+
+def test_a_service_port_edited_by_hand_is_put_back(kube, namespaces, operator):
+    """Server-side apply left the hand-edited port in place, and the API server refused the
+    pool's own beside it (a duplicate name): the pool turned Accepted=False, blaming its spec,
+    and its endpoint stayed on the wrong port for good."""
+    namespace = namespaces[1]
+    kube.core.patch_namespaced_service("llm-gateway", namespace, [
+        {"op": "replace", "path": "/spec/ports/0/port", "value": 9090}])
+
+    def ports() -> list[int]:
+        return [p.port for p in kube.core.read_namespaced_service("llm-gateway",
+                                                                  namespace).spec.ports]
+    wait_for("the gateway Service back on its port", lambda: ports() == [8080])
+    time.sleep(RESYNC * 2)
+    assert ports() == [8080]
+    accepted = condition(get_pool(kube, namespace, "llm"), "Accepted")
+    assert accepted["status"] == "True", accepted
+
+
 def test_api_errors_show_as_degraded_with_the_object_and_a_warning_event(kube, namespaces,
                                                                          operator):
     namespace = namespaces[1]

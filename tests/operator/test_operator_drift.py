@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from radixpool.operator.desired import OperatorConfig, desired_objects
-from radixpool.operator.drift import holds, stray_env_patch
+from radixpool.operator.drift import holds, stray_env_patch, stray_ports_patch
 from radixpool.operator.peering import PeeringUnavailable, ensure_peering
 from radixpool.operator.reconcile import ApiFailure
 from radixpool.operator.spec import parse_pool
@@ -51,6 +51,35 @@ def test_stray_env_patch_removes_only_what_the_pool_does_not_set(pool_body):
         {"op": "remove", "path": "/spec/template/spec/containers/0/env/1"},
     ]  # a container the pool does not define (an injected sidecar) is not touched
     assert stray_env_patch(desired, desired) == []
+
+
+
+def test_a_service_port_edited_by_hand_is_put_back_before_the_apply(pool_body):
+    """Server-side apply leaves a port another manager owns, and refuses the pool's port beside
+    one of the same name: the pool showed Accepted=False (RejectedByAPIServer, "Duplicate value:
+    http") and its gateway Service stayed on the hand-edited port."""
+    def gateway_service(port: int) -> dict:
+        return next(o for o in desired_objects(parse_pool(pool_body(gateway={
+            "service": {"port": port}})), OperatorConfig(), service_monitors=False)
+            if o["kind"] == "Service" and o["metadata"]["name"] == "llama-gateway")
+
+    def live(port: int, applied: int | None) -> dict:
+        fields = {"f:spec": {"f:ports": {f'k:{{"port":{applied},"protocol":"TCP"}}': {}}}}
+        return {"metadata": {"managedFields": [
+            {"manager": "kubectl-edit", "operation": "Update", "fieldsV1": {}},
+            {"manager": "radixpool-operator", "operation": "Apply",
+             "fieldsV1": fields if applied else {"f:spec": {"f:type": {}}}}]},
+            "spec": {"ports": [{"name": "http", "port": port, "protocol": "TCP",
+                                "targetPort": "http"}]}}
+
+    desired = gateway_service(8080)
+    edited = live(9090, applied=None)  # the edit took the port item from the operator
+    assert stray_ports_patch(desired, edited) == [
+        {"op": "test", "path": "/spec/ports", "value": edited["spec"]["ports"]},
+        {"op": "replace", "path": "/spec/ports", "value": desired["spec"]["ports"]}]
+    assert stray_ports_patch(desired, live(8080, applied=8080)) == []
+    # a port the pool set before and no longer wants is the apply's to remove
+    assert stray_ports_patch(gateway_service(9000), live(8080, applied=8080)) == []
 
 
 def test_refusals_are_named_in_spec_terms(pool_body):

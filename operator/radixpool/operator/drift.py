@@ -14,7 +14,10 @@ last time from the object's `managedFields` and says whether the pool still sets
 `stray_env_patch` covers what server-side apply cannot: an env var someone added by hand is owned
 by their field manager, so a forced apply leaves it in place; the operator removes it with a JSON
 patch (each removal guarded by a `test` of its name, so a concurrent edit makes it fail, not
-remove the wrong entry).
+remove the wrong entry). `stray_ports_patch` does the same for a Service port edited or added by
+hand: server-side apply leaves it too, and refuses the pool's own port beside it when the two
+share a name, so the pool would stay refused (`RejectedByAPIServer`) with its Service on the
+wrong port.
 """
 
 from __future__ import annotations
@@ -135,3 +138,29 @@ def stray_env_patch(desired: dict[str, Any], live: dict[str, Any]) -> list[dict[
                                 "value": env[index].get("name")},
                                {"op": "remove", "path": f"{base}/{index}"}]
     return operations
+
+
+def _port_key(port: dict[str, Any]) -> tuple[Any, str]:
+    return port.get("port"), port.get("protocol") or "TCP"
+
+
+def _applied_port_keys(live: dict[str, Any]) -> set[tuple[Any, str]]:
+    """The (port, protocol) of each Service port the operator's last apply set."""
+    for entry in (live.get("metadata") or {}).get("managedFields") or []:
+        if (entry.get("manager") == api.FIELD_MANAGER and entry.get("operation") == "Apply"
+                and not entry.get("subresource")):
+            ports = ((entry.get("fieldsV1") or {}).get("f:spec") or {}).get("f:ports") or {}
+            return {_port_key(json.loads(key[2:])) for key in ports if key.startswith("k:")}
+    return set()
+
+
+def stray_ports_patch(desired: dict[str, Any], live: dict[str, Any]) -> list[dict[str, Any]]:
+    """JSON-patch operations putting the pool's ports back on a Service that has one the pool
+    neither sets nor set before (someone else's); ports the operator set before and the pool
+    no longer wants are left to the apply. Guarded by a `test` of the ports as read."""
+    ports = (live.get("spec") or {}).get("ports") or []
+    known = {_port_key(port) for port in desired["spec"]["ports"]} | _applied_port_keys(live)
+    if all(_port_key(port) in known for port in ports):
+        return []
+    return [{"op": "test", "path": "/spec/ports", "value": ports},
+            {"op": "replace", "path": "/spec/ports", "value": desired["spec"]["ports"]}]

@@ -28,7 +28,7 @@ from .desired import (
     owned_by,
     ref_of,
 )
-from .drift import holds, sets_no_more_than, stray_env_patch
+from .drift import holds, sets_no_more_than, stray_env_patch, stray_ports_patch
 from .openapi import FieldError
 from .spec import InvalidPool, Pool, parse_pool
 from .spec_paths import in_spec_terms
@@ -196,6 +196,12 @@ def _apply(pool: Pool, cluster: Cluster, config: OperatorConfig,
             live[ref] = None
         return None
     changed = [obj for obj in objects if not _holds(obj, live[ref_of(obj)])]
+    for obj in changed:
+        current = live[ref_of(obj)]
+        if obj["kind"] == "Service" and current is not None:
+            operations = stray_ports_patch(obj, current)
+            if operations:  # before the dry run, which the stray port would fail
+                cluster.patch_json(ref_of(obj), operations)
     checked = [obj for obj in changed if obj["kind"] not in NOT_DRY_RUN]
     running = [ref for ref, current in live.items()
                if ref.kind == "Deployment" and current is not None]
