@@ -336,6 +336,20 @@ def test_a_service_port_edited_by_hand_is_put_back(kube, namespaces, operator):
     assert accepted["status"] == "True", accepted
 
 
+
+def test_a_subject_added_by_hand_to_the_gateways_role_binding_is_taken_out(kube, namespaces,
+                                                                          operator):
+    """It stayed for good: the operator found the gateway's own subject there and wrote nothing,
+    so another account kept the gateway's permissions."""
+    namespace = namespaces[1]
+    kube.rbac.patch_namespaced_role_binding("llm-gateway", namespace, [
+        {"op": "add", "path": "/subjects/-",
+         "value": {"kind": "ServiceAccount", "name": "default", "namespace": namespace}}])
+    wait_for("only the gateway's account bound", lambda: [
+        s.name for s in kube.rbac.read_namespaced_role_binding("llm-gateway", namespace)
+        .subjects] == ["llm-gateway"])
+
+
 def test_api_errors_show_as_degraded_with_the_object_and_a_warning_event(kube, namespaces,
                                                                          operator):
     namespace = namespaces[1]

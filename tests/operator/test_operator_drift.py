@@ -36,6 +36,19 @@ def test_holds_ignores_what_the_server_adds_and_sees_what_was_changed():
     assert not holds({"spec": {"publishNotReadyAddresses": True}}, {"spec": {}})
 
 
+
+def test_a_subject_added_by_hand_to_the_gateways_role_binding_is_drift(pool_body):
+    """It was never taken out: every pass found the gateway's subject there and wrote nothing,
+    so another account kept the gateway's permissions."""
+    binding = next(o for o in desired_objects(parse_pool(pool_body()), OperatorConfig(),
+                                              service_monitors=False)
+                   if o["kind"] == "RoleBinding")
+    live = {**binding, "subjects": [*binding["subjects"], {
+        "kind": "ServiceAccount", "name": "default", "namespace": "ml"}]}
+    assert holds(binding, binding)
+    assert not holds(binding, live)
+
+
 def test_stray_env_patch_removes_only_what_the_pool_does_not_set(pool_body):
     desired = next(o for o in desired_objects(parse_pool(pool_body(engine={"env": [
         {"name": "MINE", "value": "1"}]})), OperatorConfig(), service_monitors=False)

@@ -52,13 +52,19 @@ def _named(items: list[Any]) -> bool:
     return bool(items) and all(isinstance(item, dict) and "name" in item for item in items)
 
 
+# Named items are compared by name, one-sided, as others may add their own. A RoleBinding's
+# subjects are one atomic list, replaced whole by an apply: a subject added by hand is drift.
+WHOLE_LISTS = frozenset({"subjects"})
+
+
 def holds(desired: Any, live: Any) -> bool:
     """Whether `live` carries every field of `desired` with the same value."""
     if isinstance(desired, dict):
         if not isinstance(live, dict):
             return False
-        return all(holds(value, live[key]) if key in live else _omitted(value)
-                   for key, value in desired.items())
+        return all((holds(value, live[key]) and (
+                    key not in WHOLE_LISTS or len(value) == len(live[key])))
+                   if key in live else _omitted(value) for key, value in desired.items())
     if isinstance(desired, list):
         if not isinstance(live, list):
             return False
