@@ -120,10 +120,12 @@ class FakeCluster:
             else:
                 del node[int(last) if isinstance(node, list) else last]
 
-    def create_once(self, obj: dict[str, Any]) -> bool:
+    def create_once(self, obj: dict[str, Any], before=None) -> bool:
         key = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
         if key in self.objects:
             return False
+        if before is not None:
+            before()
         self.writes.append(("create", obj["kind"], obj["metadata"]["name"]))
         self.objects[key] = copy.deepcopy(obj)
         return True

@@ -233,7 +233,7 @@ class Handler(BaseHTTPRequestHandler):
                 return  # the client stopped watching
 
     def do_POST(self) -> None:
-        path, _ = self._route("POST")
+        path, query = self._route("POST")
         body = self._body()
         name = body.get("metadata", {}).get("name") or f"gen-{self.store.version + 1}"
         body.setdefault("metadata", {})["name"] = name
@@ -241,6 +241,8 @@ class Handler(BaseHTTPRequestHandler):
             return self._send(409, {"kind": "Status", "apiVersion": "v1", "status": "Failure",
                                     "reason": "AlreadyExists", "code": 409,
                                     "message": f"{name!r} already exists"})
+        if query.get("dryRun"):
+            return self._send(201, body)
         self._send(201, self.store.put(f"{path}/{name}", body))
 
     def do_PATCH(self) -> None:

@@ -232,3 +232,25 @@ def test_the_control_key_comes_back_for_a_pool_made_again_and_after_a_hand_delet
     assert len(patches) == 2, store.requests[-6:]
     reconcile_pool(again, kube_cluster, OperatorConfig())  # present: the 409 is no failure
     assert restarted() == stamps   # and no second restart; the operator's apply leaves it
+
+
+def test_pods_roll_onto_a_remade_control_key_even_after_a_restart_failed(
+        server, kube_cluster, pool_body, monkeypatch):
+    """The key was made first and the pods restarted after: when the gateway's restart failed
+    (an API error), later passes found the key present and never restarted it, so the
+    restarted workers (new key) and the gateway (old key) refused each other for good."""
+    from radixpool.operator import kube
+
+    store, _ = server
+    monkeypatch.setattr(kube, "CREATE_RECHECK_SECONDS", 0.0)
+    secret = "api/v1/namespaces/ml/secrets/llama-control-key-uidllama"
+    gateway = "apis/apps/v1/namespaces/ml/deployments/llama-gateway"
+    reconcile_pool(pool_body(), kube_cluster, OperatorConfig())
+    del store.objects[secret]  # by hand
+    store.forbid[gateway] = "the API server had trouble"
+    assert reconcile_pool(pool_body(), kube_cluster, OperatorConfig()).failure
+    del store.forbid[gateway]
+    assert not reconcile_pool(pool_body(), kube_cluster, OperatorConfig()).failure
+    assert secret in store.objects
+    annotations = store.objects[gateway]["spec"]["template"]["metadata"].get("annotations") or {}
+    assert api.RESTARTED_AT_ANNOTATION in annotations

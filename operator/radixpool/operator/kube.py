@@ -15,7 +15,7 @@ import json
 import socket
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from typing import Any
 
@@ -156,7 +156,8 @@ class KubeCluster:
                 name=ref.name, namespace=ref.namespace, body=operations,
                 content_type="application/json-patch+json", field_manager=api.FIELD_MANAGER)
 
-    def create_once(self, obj: dict[str, Any]) -> bool:
+    def create_once(self, obj: dict[str, Any],
+                    before: Callable[[], None] | None = None) -> bool:
         ref = ref_of(obj)
         owner = ",".join(o["uid"] for o in obj["metadata"].get("ownerReferences", []))
         made = self._created.get((ref, owner))
@@ -164,9 +165,12 @@ class KubeCluster:
             return False
         created = True
         with _naming("create", ref.kind, ref.namespace, ref.name):
+            resource = self._resource(ref.api_version, ref.kind)
             try:
-                self._resource(ref.api_version, ref.kind).create(body=obj,
-                                                                 namespace=ref.namespace)
+                if before is not None:  # a dry run says whether it is missing
+                    resource.create(body=obj, namespace=ref.namespace, dry_run="All")
+                    before()
+                resource.create(body=obj, namespace=ref.namespace)
             except DynamicApiError as error:
                 if error.status != 409:  # 409: it exists already
                     raise

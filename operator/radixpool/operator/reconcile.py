@@ -13,6 +13,7 @@ from what is observed *after* applying. Any other API error (403, 404, 5xx) beco
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Protocol
@@ -79,11 +80,13 @@ class Cluster(Protocol):
     def patch_json(self, ref: ObjectRef, operations: list[dict[str, Any]]) -> None:
         """Apply a JSON patch to the object."""
 
-    def create_once(self, obj: dict[str, Any]) -> bool:
+    def create_once(self, obj: dict[str, Any],
+                    before: Callable[[], None] | None = None) -> bool:
         """Create `obj` unless it exists; never update it (the pool's generated control key).
         Needs no read permission: an existing object is a 409 from the API server. Asked again
-        now and then, and at once for a new owner, so a deleted object comes back. True when
-        this call made it."""
+        now and then, and at once for a new owner, so a deleted object comes back. `before`
+        runs when it is found missing, before it is made: if it raises, nothing is made (the
+        next call finds it missing again). True when this call made it."""
 
     def restart(self, ref: ObjectRef, stamp: str) -> None:
         """Roll a Deployment's pods, as `kubectl rollout restart` does: `stamp` in a pod template
@@ -210,16 +213,20 @@ def _apply(pool: Pool, cluster: Cluster, config: OperatorConfig,
         key = control_key_secret(pool)
         stale = [ref for ref in running
                  if _reads_secret(live[ref], key["metadata"]["name"])]
-        if cluster.create_once(key) and stale:
-            # The key was made again (deleted by hand) while pods run: they read the old one
-            # when they started (env from the Secret), and a pod started now would read the new
-            # one, so gateway and workers would refuse each other. Roll them all onto it. (Pods
-            # that read a key of another name, from an operator that named it otherwise, roll
-            # onto this one with the change to their env: once, not twice.)
-            log.warning("%s/%s: its control key was made again; restarting its pods",
+
+        def roll_onto_new_key() -> None:
+            # The key is missing (deleted by hand) while pods run: they read the old one when
+            # they started (env from the Secret), and a pod started now would read the new one,
+            # so gateway and workers would refuse each other. Roll them all onto it, before it
+            # is made: a restart that fails leaves it missing, so the next pass rolls them
+            # again rather than never. (Pods that read a key of another name, from an operator
+            # that named it otherwise, roll onto this one with the change to their env: once,
+            # not twice.)
+            log.warning("%s/%s: its control key is missing; restarting its pods onto a new one",
                         pool.namespace, pool.name)
             for ref in stale:
                 cluster.restart(ref, _now())
+        cluster.create_once(key, before=roll_onto_new_key if stale else None)
         # admission may still refuse what its dry run let through
         rejection = _apply_all(changed, cluster, pool, live, dry_run=False)
     if rejection is not None:
