@@ -125,3 +125,31 @@ def test_a_held_request_goes_to_a_remaining_worker_when_the_others_leave(make_st
     assert answer["r"].headers["x-radixpool-worker"] == stack.fleet.urls[1]
     for thread in busy:
         thread.join(10)
+
+
+def test_a_held_request_goes_to_its_worker_once_that_worker_stops_draining(
+        make_stack, loop_thread):
+    # Before: a worker back from draining (its /health 200 again) was not offered the held
+    # requests; they waited out hold_max_seconds (30 s here) although it was free.
+    stack = make_stack(workers=1, sim=SimConfig(decode_ms_per_token=100.0), late_binding=True,
+                       hold_queued_tokens=0, kv_events=False, hold_max_seconds=30.0)
+    body = {"model": "sim-model", "max_tokens": 20,
+            "messages": [{"role": "user", "content": words(0, 40)}]}
+    slow = occupy(stack, loop_thread, body)
+    answer = {}
+    held = threading.Thread(target=lambda: answer.setdefault("r", stack.client.post(
+        "/v1/chat/completions", json={**body, "max_tokens": 1})))
+    held.start()
+    assert wait_until(loop_thread, lambda: len(stack.gateway.holding.binding.queue) == 1)
+    only, = stack.fleet.workers
+    only.fail_health = True   # it starts draining: its /health answers 503
+    stack.check_all()
+    slow.join(10)
+    assert wait_until(loop_thread, lambda: not any(w.inflight for w in stack.gateway.workers))
+    assert len(stack.gateway.holding.binding.queue) == 1   # nowhere to go while it drains
+    only.fail_health = False
+    stack.check_all()
+    held.join(10)
+    assert not held.is_alive(), "still held with its worker back"
+    assert answer["r"].status_code == 200
+    assert held_outcomes(stack).get("placed") == 1

@@ -119,6 +119,7 @@ class Monitor:
         except (asyncio.TimeoutError, OSError):
             status, doc = 0, None
         ok = status == 200
+        back = ok and worker.draining   # it answered 503 before: it takes requests again
         worker.draining = status == 503
         code = doc.get("code") if isinstance(doc, dict) else None
         if isinstance(doc, dict) and isinstance(doc.get("error"), dict):   # an edge's refusal
@@ -130,8 +131,11 @@ class Monitor:
                         f" ({status} {code})" if not ok and isinstance(code, str) else "")
             if ok:
                 worker.breaker.reset()
+                back = True
             elif not status and self.hung is not None:   # unanswered, not draining (503)
                 self.hung(worker)
+        if back:   # the requests held in the gateway may go there now, not at their deadline
+            self.workers.drained()
         if not ok:
             return
         info = await self._server_info(worker, timeout)
