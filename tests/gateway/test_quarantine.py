@@ -90,3 +90,20 @@ def test_one_death_is_retried_elsewhere_as_before(make_stack):
     answered = [stack.client.post("/v1/completions", json=POISON) for _ in range(3)]
     assert [r.status_code for r in answered] == [200, 200, 200]
     assert doomed.poisoned and all(stack.worker_of(r) != 0 for r in answered)
+
+
+def test_a_second_death_on_the_last_attempt_is_refused_as_quarantined(make_stack):
+    # Before: the worker's 503 engine_core_died went to the client (one the OpenAI SDKs retry)
+    # and was not counted; only the client's retry was refused.
+    stack = make_stack(2, max_retries=1)
+    for worker in stack.fleet.workers:
+        engines_die_on_poison(worker)
+    answer = stack.client.post("/v1/completions", json=POISON)
+    assert answer.status_code == 500, answer.text
+    assert answer.json()["error"]["code"] == "request_quarantined"
+    assert answer.headers["x-should-retry"] == "false"
+    assert sum(w.poisoned for w in stack.fleet.workers) == 2
+    metrics = stack.client.get("/metrics").text
+    assert "radixpool_gateway_quarantined_requests_total 1.0" in metrics
+    assert stack.gateway.metrics.requests == {("gateway", "500"): 1}
+    assert not any(w.inflight for w in stack.gateway.workers)

@@ -400,12 +400,15 @@ class Gateway:
         try:
             if b"text/event-stream" not in (upstream.header(b"content-type") or b""):
                 data = await upstream.body()
+                if status == 503 and self._engine_died(data, body):   # its last attempt
+                    worker.breaker.record_failure("server_error", self.clock())
+                    self.policy.failed(decision, key)
+                    await self._quarantined(respond, started)
+                    return
                 await respond.send(status, headers, data)
                 usage = answer_usage(data) if status == 200 else None
                 if status >= 500:
                     seen.error = answer_error(status, data)
-                if status == 503:
-                    self._engine_died(data, body)
             else:
                 await respond.start(status, headers)
                 usage = await self._relay_events(upstream, respond, strip_usage, started, seen)
