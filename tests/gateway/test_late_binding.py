@@ -3,6 +3,7 @@ saturated is served once the worker drains; one whose client leaves while held i
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -153,3 +154,38 @@ def test_a_held_request_goes_to_its_worker_once_that_worker_stops_draining(
     assert not held.is_alive(), "still held with its worker back"
     assert answer["r"].status_code == 200
     assert held_outcomes(stack).get("placed") == 1
+
+
+def test_a_client_that_leaves_as_its_held_request_is_placed_is_not_served(
+        make_stack, loop_thread):
+    # Before: when the client left in the same moment its request was placed (as a request
+    # ahead of it ended, e.g. all at once when a stopping gateway closed its connections),
+    # asyncio.wait_for (Python 3.11) swallowed the cancellation: the request went to the worker
+    # for nobody and was counted as answered, while its client had got no answer.
+    stack = make_stack(workers=1, sim=SimConfig(decode_ms_per_token=100.0), late_binding=True,
+                       hold_queued_tokens=0, kv_events=False)
+    body = {"model": "sim-model", "max_tokens": 20,
+            "messages": [{"role": "user", "content": words(0, 40)}]}
+    slow = occupy(stack, loop_thread, body)
+    holding = stack.gateway.holding
+    only = stack.gateway.workers.get(stack.fleet.urls[0])
+
+    async def leave_as_placed() -> str:
+        key = stack.gateway.keys.build("/v1/completions", {"model": "sim-model",
+                                                            "prompt": words(500, 9)})
+        waiting = asyncio.create_task(holding.wait(key))
+        while not holding and not waiting.done():
+            await asyncio.sleep(0.01)
+        holding.offer(stack.gateway.clock() + holding.binding.queue.max_wait)  # placed now
+        waiting.cancel()   # and its client leaves in the same moment
+        try:
+            await waiting
+        except asyncio.CancelledError:
+            return "withdrawn"
+        return "sent"
+
+    assert loop_thread.run(leave_as_placed()) == "withdrawn"
+    assert only.inflight == 1   # the slow request's alone: the placement was given back
+    assert held_outcomes(stack) == {"left": 1, "now": 0}
+    slow.join(10)
+    assert wait_until(loop_thread, lambda: only.inflight == 0)

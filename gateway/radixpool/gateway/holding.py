@@ -47,9 +47,10 @@ class Holding:
         try:
             self.offer()
             if held.worker is None:
-                try:
-                    await asyncio.wait_for(waiter, deadline - self.clock())
-                except asyncio.TimeoutError:  # the timer may fire a hair early: it is due now
+                # not wait_for: on 3.11 it swallows a cancellation that comes as the waiter is
+                # set, and the request would go to its worker for a client already gone
+                await asyncio.wait((waiter,), timeout=deadline - self.clock())
+                if held.worker is None:  # the timer may fire a hair early: it is due now
                     self.offer(max(self.clock(), deadline))
             if held.worker is None:
                 queue.withdraw(held)
