@@ -631,3 +631,49 @@ def test_a_stream_from_a_worker_found_hung_is_cut_with_an_error_event(loop_threa
         error = json.loads(last[6:])["error"]
         assert error["code"] == "worker_failed" and "health checks" in error["message"]
         assert wait_for(lambda: worker.inflight == 0, 5)
+
+
+def test_a_request_whose_client_leaves_as_its_worker_connection_opens_is_not_sent():
+    # Before: asyncio.wait_for swallowed (Python 3.11) a cancellation that came as the
+    # connection opened: the request went to the worker for a client already gone, and the
+    # gateway counted its answer as delivered.
+    from radixpool.gateway.upstream import UpstreamPool
+
+    async def scenario() -> tuple[str, list[bytes]]:
+        received: list[bytes] = []
+
+        async def worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            if data := await reader.read(65536):
+                received.append(data)
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+            writer.close()
+
+        server = await asyncio.start_server(worker, "127.0.0.1", 0)
+        loop = asyncio.get_running_loop()
+        opened = loop.create_future()
+        real_open = loop.create_connection
+
+        async def open_then_wait(*args, **kwargs):
+            connection = await real_open(*args, **kwargs)
+            gate = loop.create_future()
+            opened.set_result(gate)
+            await gate
+            return connection
+
+        loop.create_connection = open_then_wait
+        pool = UpstreamPool("127.0.0.1", server.sockets[0].getsockname()[1], 5.0)
+        request = asyncio.create_task(pool.request("POST", "/generate", body=b"{}"))
+        gate = await opened
+        gate.set_result(None)   # the connection opens ...
+        request.cancel()        # ... as the client leaves
+        try:
+            await request
+            outcome = "sent"
+        except asyncio.CancelledError:
+            outcome = "given up"
+        await asyncio.sleep(0.2)   # time for a request that did go out to arrive
+        server.close()
+        return outcome, received
+
+    outcome, received = asyncio.run(scenario())
+    assert outcome == "given up" and received == []

@@ -257,6 +257,16 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
+def _abandon(opening: asyncio.Task) -> None:
+    """Give up opening a connection: one that opens all the same is closed, not left open."""
+    def close_if_opened(task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is None:
+            task.result()[1].close()
+
+    opening.cancel()
+    opening.add_done_callback(close_if_opened)
+
+
 class UpstreamResponse:
     __slots__ = ("_conn", "_pool", "headers", "status")
 
@@ -319,9 +329,19 @@ class UpstreamPool:
 
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
+        # Not wait_for: before Python 3.12 it swallows a cancellation (the client left) that
+        # comes as the connection opens, and the request would go out for nobody.
+        opening = loop.create_task(loop.create_connection(_Connection, self.host, self.port))
         try:
-            _, conn = await asyncio.wait_for(
-                loop.create_connection(_Connection, self.host, self.port), self.connect_timeout)
+            await asyncio.wait((opening,), timeout=self.connect_timeout)
+        except asyncio.CancelledError:
+            _abandon(opening)
+            raise
+        try:
+            if not opening.done():   # past connect_timeout
+                _abandon(opening)
+                raise asyncio.TimeoutError()
+            _, conn = opening.result()
         except (OSError, asyncio.TimeoutError, UnicodeError) as exc:
             # UnicodeError: a host name IDNA cannot encode (an empty or 64-character label)
             where = host_port(self.host, self.port)
