@@ -155,7 +155,8 @@ GW_TREE_TOKENS = MetricSpec(
     "Tokens (or prompt bytes, without a tokenizer) in the gateway's tree for the worker.",
     ("worker",))
 GW_RETRIES = MetricSpec(
-    "radixpool_gateway_retries_total", "counter", "Requests retried on another worker.")
+    "radixpool_gateway_retries_total", "counter",
+    "Retries on another worker (a request tried three times counts 2).")
 GW_QUARANTINED = MetricSpec(
     "radixpool_gateway_quarantined_requests_total", "counter",
     "Requests refused because two workers' engines died while holding the same request "

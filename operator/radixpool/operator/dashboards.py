@@ -115,7 +115,7 @@ def fleet_dashboard() -> dict[str, Any]:
              "legendFormat": "quarantined (query of death)"},
             {"expr": f"sum by (worker) ({_rate(m.GW_UPSTREAM_TIMEOUTS.name, POOL)})",
              "legendFormat": "upstream timeout {{worker}}"}], "reqps",
-            "Requests retried on another worker before the first byte; requests refused "
+            "Retries on another worker before the first byte; requests refused "
             "because two engines died holding them; requests cut at a worker's deadline."),
         _panel("Time to first token", [
             *_quantiles(m.TIME_TO_FIRST_TOKEN, POOL),
