@@ -195,8 +195,9 @@ def assert_grants_what_the_operator_does(granted, pool_body) -> None:
         assert {"create", "patch", "get"} <= granted[(group, plural[obj["kind"]])], obj["kind"]
     assert {"get", "list", "watch", "patch"} <= granted[(api.GROUP, api.PLURAL)]
     assert "patch" in granted[(api.GROUP, f"{api.PLURAL}/status")]
-    # The operator may grant the gateway only what it holds itself.
-    assert {"get", "list", "watch"} <= granted[("discovery.k8s.io", "endpointslices")]
+    # The operator may grant the gateway only what it holds itself, and holds no more: the
+    # gateway lists and watches EndpointSlices, and the operator never reads them.
+    assert granted[("discovery.k8s.io", "endpointslices")] == {"list", "watch"}
     for kind in ("poddisruptionbudgets", "servicemonitors", "networkpolicies"):
         assert "delete" in granted[(plural_group(kind), kind)]
     assert {"create"} <= granted[("", "events")] and {"list"} <= granted[("", "pods")]

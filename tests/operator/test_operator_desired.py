@@ -232,7 +232,7 @@ def test_gateway_may_watch_endpointslices_and_nothing_else(pool_body):
     objs = objects_of(pool_body())
     assert objs["Role/llama-gateway"]["rules"] == [{
         "apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-        "verbs": ["get", "list", "watch"]}]
+        "verbs": ["list", "watch"]}]
     binding = objs["RoleBinding/llama-gateway"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "llama-gateway",
                                     "namespace": "ml"}]

@@ -69,7 +69,7 @@ app.kubernetes.io/component: operator
   # The gateway's Role grants these; RBAC lets the operator grant only what it holds.
   - apiGroups: ["discovery.k8s.io"]
     resources: ["endpointslices"]
-    verbs: ["get", "list", "watch"]
+    verbs: ["list", "watch"]
   # Status: why pods fail (crash loops, image pulls, scheduling).
   - apiGroups: [""]
     resources: ["pods"]

@@ -1,8 +1,8 @@
 """The gateway: Deployment, Service (the pool's endpoint) and the RBAC to watch EndpointSlices.
 
 The gateway learns the worker set by watching the EndpointSlices of the headless worker Service,
-so it needs get/list/watch on `discovery.k8s.io/endpointslices` in the pool's namespace, nothing
-more: a Role, not a ClusterRole.
+so it needs list and watch on `discovery.k8s.io/endpointslices` in the pool's namespace, nothing
+more (it never reads one slice by name: no get): a Role, not a ClusterRole.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def desired_gateway_role(pool: Pool) -> dict[str, Any]:
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(pool),
         "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-                   "verbs": ["get", "list", "watch"]}],
+                   "verbs": ["list", "watch"]}],
     }
 
 
