@@ -233,6 +233,11 @@ def test_the_chart_installs_on_this_cluster_with_least_privilege(kube, release, 
     assert not can("escalate", "roles", "rbac.authorization.k8s.io")
     assert not can("get", "secrets")  # opt-in (rbac.readSecrets)
     assert not can("create", "clusterkopfpeerings", "kopf.dev", namespace="")
+    # the gateway lists and watches EndpointSlices (the operator grants what it holds); watching
+    # every namespace, kopf never lists namespaces
+    assert can("watch", "endpointslices", "discovery.k8s.io")
+    assert not can("get", "endpointslices", "discovery.k8s.io")
+    assert not can("list", "namespaces", namespace="")
 
 
 def control_key_name(pool: str, uid: str) -> str:
