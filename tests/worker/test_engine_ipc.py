@@ -101,16 +101,22 @@ def test_a_loop_bound_engine_gives_the_same_tokens_and_refuses_to_block_its_loop
     asyncio.run(main())
 
 
+async def stream_into(engine: Engine, fault) -> None:
+    """Stream a long answer, run `fault()` once its first tokens are in, and see the stream
+    end with the core's death."""
+    seen, faulted = 0, False
+    with pytest.raises(RuntimeError, match="died"):
+        async for chunk in engine.stream("long", {"max_new_tokens": 1500, "ignore_eos": True}):
+            seen += len(chunk.token_ids)
+            if seen >= 2 and not faulted:
+                faulted = True
+                fault()
+
+
 def test_a_core_that_dies_ends_streams_with_an_error_and_refuses_new_work(engine):
     async def main() -> None:
         engine.bind_loop()
-        seen = 0
-        with pytest.raises(RuntimeError, match="died"):
-            async for chunk in engine.stream("long", {"max_new_tokens": 1500,
-                                                      "ignore_eos": True}):
-                seen += len(chunk.token_ids)
-                if seen >= 2:
-                    engine._process.kill()   # the core crashes mid-stream
+        await stream_into(engine, engine._process.kill)   # the core crashes mid-stream
         with pytest.raises(RuntimeError, match="died"):
             await engine.generate_async("after", GREEDY)
         assert not engine.alive
@@ -125,15 +131,10 @@ def test_a_core_stuck_in_a_step_is_killed_by_the_watchdog(tiny_model):
     try:
         async def main() -> float:
             engine.bind_loop()
-            seen = 0
-            with pytest.raises(RuntimeError, match="died"):
-                async for chunk in engine.stream("long", {"max_new_tokens": 1500,
-                                                          "ignore_eos": True}):
-                    seen += len(chunk.token_ids)
-                    if seen >= 2 and engine.stall is None:
-                        os.kill(engine._process.pid, signal.SIGSTOP)
-                        stopped = time.monotonic()
-            return time.monotonic() - stopped
+            stopped: list[float] = []
+            await stream_into(engine, lambda: (os.kill(engine._process.pid, signal.SIGSTOP),
+                                               stopped.append(time.monotonic())))
+            return time.monotonic() - stopped[0]
 
         waited = asyncio.run(asyncio.wait_for(main(), 60))
         assert 2 <= waited < 10, waited
