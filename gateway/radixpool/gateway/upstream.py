@@ -166,28 +166,27 @@ class _Connection(asyncio.Protocol):
               total_timeout: float | None) -> asyncio.Future:
         loop = asyncio.get_running_loop()
         self._headers_ready = loop.create_future()
-        if self.answered_unasked:   # refused before it was asked: that answer is the answer
+        refused = self.answered_unasked   # before it was asked: that answer is the answer
+        if refused:
             self.answered_unasked, self.asked = False, not self.done
-            self._headers_ready.set_result(None)   # its status and headers are in
-            self._first_byte_timeout, self._total_timeout = None, total_timeout
-            self._first_byte_deadline = 0.0
-            self._total_deadline = loop.time() + total_timeout if total_timeout else 0.0
-            if not self.done:
-                self._arm(loop)
-            return self._headers_ready
-        self.status, self.headers, self.done, self.got_bytes = 0, [], False, False
-        self.keep_alive = False
-        self.asked = True
-        self._take()
-        self._error = None
+            self._headers_ready.set_result(None)
+            first_byte_timeout = None   # its status and headers are in
+        else:
+            self.status, self.headers, self.done, self.got_bytes = 0, [], False, False
+            self.keep_alive = False
+            self.asked = True
+            self._take()
+            self._error = None
         # one timer for both deadlines: set for the nearer, moved to the other when it is due
         self._first_byte_timeout, self._total_timeout = first_byte_timeout, total_timeout
         now = loop.time()
         self._first_byte_deadline = now + first_byte_timeout if first_byte_timeout else 0.0
         self._total_deadline = now + total_timeout if total_timeout else 0.0
-        self._arm(loop)
-        assert self.transport is not None
-        self.transport.write(data)
+        if not self.done:
+            self._arm(loop)
+        if not refused:
+            assert self.transport is not None
+            self.transport.write(data)
         return self._headers_ready
 
     def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
