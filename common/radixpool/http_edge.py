@@ -102,6 +102,7 @@ class EdgeLimits:
 FD_RESERVE = 256   # descriptors kept from clients: worker connections, files, child processes
 LINGER_IDLE_S = 2.0    # a closing connection waits this long for each more byte of its client
 LINGER_MAX_S = 10.0    # ... and this long in all, for the client to close its side too
+STOP_LINGER_S = 0.2     # ... once the server stops (its last answers' clients, briefly)
 
 
 def open_file_room() -> int:
@@ -180,7 +181,7 @@ class EdgeProtocol(HttpToolsProtocol):
         self._lingering = False   # answered for the last time: reading the client out
         self._linger_timer: asyncio.TimerHandle | None = None
         self._linger_ends = 0.0
-        self._stopping = False   # the server stops: a last answer closes at once
+        self._stopping = False   # the server stops: a last answer lingers STOP_LINGER_S at most
         self._arm_head_timer()
         if len(self.server_state.connections) > self.max_connections:
             self._make_room()
@@ -380,7 +381,7 @@ class EdgeProtocol(HttpToolsProtocol):
         transport = self.transport
         if transport.is_closing() or self._lingering:
             return
-        if self._stopping or not transport.can_write_eof():
+        if not transport.can_write_eof():
             transport.close()
             return
         self._lingering = True
@@ -388,7 +389,8 @@ class EdgeProtocol(HttpToolsProtocol):
         self._cancel_body_timer()
         self._unset_keepalive_if_required()
         transport.write_eof()
-        self._linger_ends = self.loop.time() + LINGER_MAX_S
+        # stopping, a moment only: the client reads its answer before a reset can overtake it
+        self._linger_ends = self.loop.time() + (STOP_LINGER_S if self._stopping else LINGER_MAX_S)
         self.flow.resume_reading()
         self._linger()
 
