@@ -59,14 +59,10 @@ class Reference:
     logprobs: torch.Tensor      # [FIRST_TOKENS, vocab] its log-softmax at each of those steps
 
 
-@pytest.fixture(scope="module")
-def prompts_and_reference(model_dir):
+def hf_reference(model_dir: str, prompts: list[list[int]]) -> list[Reference]:
+    """Hugging Face's greedy tokens and log-softmax for each prompt, on the GPU in bf16."""
     from transformers import AutoModelForCausalLM
 
-    rng = random.Random(0)
-    shared = [rng.randrange(5, 4000) for _ in range(300)]
-    prompts = [[rng.randrange(5, 4000) for _ in range(rng.randint(5, 400))] for _ in range(6)]
-    prompts += [shared + [11, 12], shared + [21, 22, 23]]
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
     references = []
     for ids in prompts:
@@ -76,7 +72,21 @@ def prompts_and_reference(model_dir):
         logits = torch.cat(out.logits).float()
         references.append(Reference(out.sequences[0, len(ids):].tolist(),
                                     torch.log_softmax(logits, dim=-1).cpu()))
-    return prompts, references
+    return references
+
+
+def mixed_prompts(seed: int) -> list[list[int]]:
+    """Six prompts of 5-400 tokens and two sharing a 300-token prefix."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(5, 4000) for _ in range(300)]
+    prompts = [[rng.randrange(5, 4000) for _ in range(rng.randint(5, 400))] for _ in range(6)]
+    return prompts + [shared + [11, 12], shared + [21, 22, 23]]
+
+
+@pytest.fixture(scope="module")
+def prompts_and_reference(model_dir):
+    prompts = mixed_prompts(0)
+    return prompts, hf_reference(model_dir, prompts)
 
 
 @dataclass
@@ -147,3 +157,42 @@ def test_greedy_follows_transformers_on_gpu(model_dir, prompts_and_reference, ba
     print(f"\n{backend}, page {page_size}, graphs {cuda_graph}: {compared} of "
           f"{FIRST_TOKENS * len(prompts)} steps equal Hugging Face's before a near-tie; "
           f"largest logprob error {worst:.4f}")
+
+
+WINDOW = 64   # keys a query sees, its own included: Mistral-7B-v0.1's 4096, scaled down
+
+
+@pytest.fixture(scope="module")
+def sliding_window_model(tmp_path_factory):
+    """A Mistral-architecture model whose window (64) is far shorter than the prompts (to 400
+    tokens) and the shared prefix (300): the window's edge falls inside every cached prefix."""
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    path = tmp_path_factory.mktemp("mistral-window")
+    config = MistralConfig(**SMALL, sliding_window=WINDOW,
+                           tie_word_embeddings=False)
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
+    prompts = mixed_prompts(1)
+    return str(path), prompts, hf_reference(str(path), prompts)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_sliding_window_follows_transformers_on_gpu(sliding_window_model, page_size):
+    """The torch backend masks keys a window or more behind their query on the GPU as on the
+    CPU: greedy tokens and logprobs follow Hugging Face's sliding-window attention, fresh and
+    from the radix cache, with the whole context (not capped at the window)."""
+    model_dir, prompts, references = sliding_window_model
+    core = EngineCore(EngineConfig(model_dir, device="cuda", attention_backend="torch",
+                                   page_size=page_size, kv_cache_tokens=32768,
+                                   max_running_requests=16, debug_invariants=True))
+    assert core.runner.context_length == SMALL["max_position_embeddings"]
+    fresh = generate(core, prompts, "a", logprobs=TOP_LOGPROBS)
+    cached = generate(core, prompts, "b")
+    assert core.stats().radix_cache_tokens > 0
+    compared = 0
+    for i, ref in enumerate(references):
+        compared += follows(fresh[i], ref, f"request {i}")[0]
+        follows(cached[i], ref, f"request {i} (cached)")
+    print(f"\nsliding window {WINDOW}, page {page_size}: {compared} of "
+          f"{FIRST_TOKENS * len(prompts)} steps equal Hugging Face's before a near-tie")
