@@ -6,6 +6,8 @@
 #           warm-up, each with an empty FlashInfer JIT cache
 #   soak    bench/gpu_soak.py for $SOAK_SECONDS (default 60), the invariant checker on
 #   small   bench/gpu.py's Qwen3-0.6B rows (host vs device per decode step, overlap on and off)
+#   server  bench/gpu_server.py: `radixpool worker` itself (HTTP process and engine core) on the
+#           GPU, called with the openai SDK, then its core stopped for the watchdog
 #   bench   the whole quick table (Llama-3.1-8B rows too), if over 150 s are left
 #
 #   bash bench/gpu_check.sh [SECONDS]     # SECONDS: the whole run's budget (default 570)
@@ -20,9 +22,13 @@
 #     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 #     -d .whl flashinfer-python==0.5.3 apache-tvm-ffi==0.1.15.post2 uvicorn==0.54.0 httptools==0.9.0 \
 #     xgrammar==0.2.8 jsonschema==4.26.0 jsonschema-specifications referencing rpds-py attrs \
-#     pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection typing_extensions==4.16.0
+#     pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection typing_extensions==4.16.0 \
+#     fastapi==0.165.0 starlette==1.10.0 opentelemetry-api==1.45.2 annotated-doc==0.0.7 \
+#     openai==3.57.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 jiter==0.19.0 \
+#     sniffio==1.3.1 anyio==4.16.0 h11==0.16.0 idna==3.20 jsonpointer==3.12
 # (uvicorn and httptools: one test parses the worker's command line, which imports the HTTP edge;
-# xgrammar, jsonschema and pydantic: the soak's constrained requests. apache-tvm-ffi must be the
+# xgrammar, jsonschema and pydantic: the soak's constrained requests; fastapi to jsonpointer: the
+# server stage's worker and its openai client, found by importing with PYTHONPROFILEIMPORTTIME=1. apache-tvm-ffi must be the
 # release pip resolves for the image, where xgrammar asks for >= 0.1.11: with 0.1.4 xgrammar
 # failed and the core ended every constrained request.) Add --platform manylinux2014_x86_64 for
 # pydantic-core and rpds-py.
@@ -87,6 +93,9 @@ for name in $STAGES; do
       stage small 200 python3 bench/gpu.py --preset gpu-quick --skip-llama \
         --out "$OUT/gpu_small.txt"
       tail -n 8 "$OUT/small.log" ;;
+    server)
+      stage server 330 python3 bench/gpu_server.py --log "$OUT/worker.log"
+      grep -E "^(PASS|FAIL)|failed$" "$OUT/server.log" ;;
     bench)
       if (( $(left) > 150 )); then
         stage bench 400 python3 bench/gpu.py --preset gpu-quick --out "$OUT/gpu_table.txt"
