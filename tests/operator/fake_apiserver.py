@@ -92,6 +92,9 @@ class Store:
         self.refuse: dict[str, str] = {}  # path → message answered with 422 to any write
         self.refuse_code: dict[str, int] = {}  # path → another status for `refuse` (apply's 500)
         self.forbid: dict[str, str] = {}  # path → message answered with 403 to any write
+        # path → the name of an admission webhook with side effects, which refuses (400) every
+        # dry run of the object, as the API server does before calling it
+        self.no_dry_run: dict[str, str] = {}
 
     def put(self, path: str, obj: dict[str, Any]) -> dict[str, Any]:
         with self.changed:
@@ -157,6 +160,15 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+
+    def _refuse_dry_run(self, path: str) -> bool:
+        webhook = self.store.no_dry_run.get(path)
+        if webhook is None:
+            return False
+        self._send(400, {"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                         "reason": "BadRequest", "code": 400,
+                         "message": f'admission webhook "{webhook}" does not support dry run'})
+        return True
 
     def _status(self, code: int, reason: str) -> None:
         self._send(code, {"kind": "Status", "apiVersion": "v1", "status": "Failure",
@@ -237,6 +249,9 @@ class Handler(BaseHTTPRequestHandler):
         body = self._body()
         name = body.get("metadata", {}).get("name") or f"gen-{self.store.version + 1}"
         body.setdefault("metadata", {})["name"] = name
+        # admission comes before storage: refused whether or not the object exists
+        if query.get("dryRun") and self._refuse_dry_run(f"{path}/{name}"):
+            return None
         if f"{path}/{name}" in self.store.objects:
             return self._send(409, {"kind": "Status", "apiVersion": "v1", "status": "Failure",
                                     "reason": "AlreadyExists", "code": 409,
@@ -248,6 +263,8 @@ class Handler(BaseHTTPRequestHandler):
     def do_PATCH(self) -> None:
         path, query = self._route("PATCH")
         body = self._body()
+        if query.get("dryRun") and self._refuse_dry_run(path):
+            return None
         if path in self.store.forbid:
             return self._send(403, {"kind": "Status", "apiVersion": "v1", "status": "Failure",
                                     "reason": "Forbidden", "code": 403,

@@ -254,3 +254,86 @@ def test_pods_roll_onto_a_remade_control_key_even_after_a_restart_failed(
     assert secret in store.objects
     annotations = store.objects[gateway]["spec"]["template"]["metadata"].get("annotations") or {}
     assert api.RESTARTED_AT_ANNOTATION in annotations
+
+
+WEBHOOK = "sidecar-injector.example.com"
+
+
+def test_a_webhook_that_cannot_dry_run_lets_the_pool_be_made_and_says_so(
+        server, kube_cluster, pool_body):
+    """An admission webhook with `sideEffects: Unknown` makes the API server refuse every dry
+    run of what it matches (400 "does not support dry run"). The operator read that as the
+    spec's fault: Accepted=False, RejectedByAPIServer, and nothing was ever made. It cannot
+    pre-check those objects, so it applies them without, and an Event says so."""
+    store, _ = server
+    for part in ("worker", "gateway"):
+        store.no_dry_run[f"apis/apps/v1/namespaces/ml/deployments/llama-{part}"] = WEBHOOK
+    outcome = reconcile_pool(pool_body(), kube_cluster, OperatorConfig())
+    accepted = outcome.status["conditions"][0]
+    assert (accepted["status"], accepted["reason"]) == ("True", "Valid"), accepted
+    assert not outcome.failure
+    for part in ("worker", "gateway"):
+        assert f"apis/apps/v1/namespaces/ml/deployments/llama-{part}" in store.objects
+    said = [e for e in outcome.events if e.reason == "AppliedWithoutDryRun"]
+    assert len(said) == 1 and said[0].type == "Normal"
+    assert f'Deployment llama-worker (admission webhook "{WEBHOOK}" does not support dry run)' \
+        in said[0].message and "Deployment llama-gateway" in said[0].message
+    # objects the webhook does not match are still dry-run before anything is written
+    patches = [(path, query) for method, path, query, _ in store.requests if method == "PATCH"]
+    first_write = next(i for i, (_, query) in enumerate(patches) if "dryRun" not in query)
+    assert "/api/v1/namespaces/ml/services/llama-workers" in [
+        path for path, query in patches[:first_write] if query.get("dryRun") == ["All"]]
+
+    again = reconcile_pool({**pool_body(), "status": outcome.status}, kube_cluster,
+                           OperatorConfig())
+    assert again.events == []   # nothing changed, nothing dry-run: said once, not every pass
+
+
+@pytest.mark.parametrize("code, message", [
+    (422, 'Deployment.apps "llama-worker" is invalid: spec.template.spec.containers[0].env[0]'
+          '.name: Invalid value: "1X"'),
+    (400, f'admission webhook "{WEBHOOK}" denied the request: env 1X is not allowed'),
+])
+def test_a_webhook_that_cannot_dry_run_still_has_real_refusals_reported(
+        server, kube_cluster, pool_body, code, message):
+    store, _ = server
+    path = "apis/apps/v1/namespaces/ml/deployments/llama-worker"
+    store.no_dry_run[path] = WEBHOOK
+    store.refuse[path], store.refuse_code[path] = message, code
+    outcome = reconcile_pool(pool_body(engine={"env": [{"name": "1X", "value": "v"}]}),
+                             kube_cluster, OperatorConfig())
+    accepted = outcome.status["conditions"][0]
+    assert (accepted["status"], accepted["reason"]) == ("False", "RejectedByAPIServer")
+    assert message.rsplit(": ", 1)[1] in accepted["message"]
+    assert path not in store.objects
+
+
+def test_the_control_key_comes_back_where_a_webhook_refuses_dry_runs_of_secrets(
+        server, kube_cluster, pool_body, monkeypatch):
+    """With pods running, the operator asks every minute whether the pool's control key is
+    missing by a dry-run create. A webhook matching Secrets that cannot dry-run refused it: the
+    pool turned Degraded (APIError) a minute after it was made, for good. The key is now made
+    without the dry run, and a key found missing that way still rolls the pods onto it, even
+    when the first roll fails."""
+    from radixpool.operator import kube
+
+    store, _ = server
+    monkeypatch.setattr(kube, "CREATE_RECHECK_SECONDS", 0.0)
+    secret = "api/v1/namespaces/ml/secrets/llama-control-key-uidllama"
+    gateway = "apis/apps/v1/namespaces/ml/deployments/llama-gateway"
+    store.no_dry_run[secret] = WEBHOOK
+    assert not reconcile_pool(pool_body(), kube_cluster, OperatorConfig()).failure
+    steady = reconcile_pool(pool_body(), kube_cluster, OperatorConfig())
+    assert not steady.failure, steady.failure
+    assert not any(e.type == "Warning" for e in steady.events)
+
+    del store.objects[secret]   # by hand; and the gateway's roll fails once
+    store.forbid[gateway] = "the API server had trouble"
+    assert reconcile_pool(pool_body(), kube_cluster, OperatorConfig()).failure
+    assert secret in store.objects
+    del store.forbid[gateway]
+    assert not reconcile_pool(pool_body(), kube_cluster, OperatorConfig()).failure
+    for part in ("worker", "gateway"):
+        template = store.objects[f"apis/apps/v1/namespaces/ml/deployments/llama-{part}"][
+            "spec"]["template"]
+        assert api.RESTARTED_AT_ANNOTATION in (template["metadata"].get("annotations") or {})

@@ -4,14 +4,17 @@ Server-side apply with `force=True` under the field manager `radixpool-operator`
 apply both a create and a repair: fields someone edited are taken back, fields the pool no longer
 sets are removed, and fields other controllers own (an HPA on the pool, not on the Deployment)
 are left alone. Every API error leaves here as `ObjectRejected` (400 / 422, or apply's 500 for an
-object it cannot type: the spec's fault) or
-`ApiFailure` naming the request and the object, never as the client's bare exception.
+object it cannot type: the spec's fault), `DryRunUnsupported` (a dry run an admission webhook
+will not take part in) or `ApiFailure` naming the request and the object, never as the client's
+bare exception.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import re
 import socket
 import time
 import uuid
@@ -27,7 +30,7 @@ from urllib3.exceptions import HTTPError
 
 from . import api
 from .desired import ObjectRef, ref_of
-from .reconcile import ApiFailure, ObjectRejected
+from .reconcile import ApiFailure, DryRunUnsupported, ObjectRejected
 from .status import Event
 
 SERVICE_MONITOR_CRD = "servicemonitors.monitoring.coreos.com"
@@ -38,6 +41,12 @@ CRD_RECHECK_SECONDS = 60.0
 CREATE_RECHECK_SECONDS = 60.0
 # Events name this component (`kubectl describe` shows it under From).
 REPORTING_COMPONENT = api.FIELD_MANAGER
+# What the API server answers (400) to a dry run that reaches an admission webhook declaring
+# side effects (`sideEffects: Unknown` or `Some`), whatever the object holds: the webhook is not
+# even called (k8s.io/apiserver, admission/plugin/webhook/errors: NewDryRunUnsupportedErr).
+DRY_RUN_UNSUPPORTED = re.compile(r'admission webhook ".*" does not support dry run')
+
+log = logging.getLogger("radixpool.operator")
 
 
 def load_api_client(kubeconfig: str | None = None) -> client.ApiClient:
@@ -49,6 +58,10 @@ def load_api_client(kubeconfig: str | None = None) -> client.ApiClient:
     except config.ConfigException:
         config.load_kube_config()
     return client.ApiClient()
+
+
+def _refuses_dry_run(error: DynamicApiError) -> bool:
+    return error.status == 400 and DRY_RUN_UNSUPPORTED.fullmatch(_api_message(error)[2]) is not None
 
 
 def _api_message(error: ApiException | DynamicApiError) -> tuple[int | None, str, str]:
@@ -88,6 +101,9 @@ class KubeCluster:
         self._monitors: tuple[float, bool] = (0.0, False)
         # create_once: (object, owner uid) → when it was last made or found present
         self._created: dict[tuple[ObjectRef, str], float] = {}
+        # create_once: objects made without a dry run whose `before` has yet to succeed
+        self._owed: set[tuple[ObjectRef, str]] = set()
+        self._told_no_dry_run: set[ObjectRef] = set()
         self.instance = socket.gethostname()
 
     def _resource(self, api_version: str, kind: str) -> Any:
@@ -142,6 +158,8 @@ class KubeCluster:
                     force_conflicts=True, dry_run="All" if dry_run else None).to_dict()
             except DynamicApiError as error:
                 message = _api_message(error)[2]
+                if dry_run and _refuses_dry_run(error):
+                    raise DryRunUnsupported(message) from error
                 # 500 "failed to create typed patch object": server-side apply could not read
                 # the object against its schema (an unknown key in an opaque core/v1 item, a
                 # duplicate list key): the spec's fault as much as a 422, and as lasting
@@ -160,26 +178,51 @@ class KubeCluster:
                     before: Callable[[], None] | None = None) -> bool:
         ref = ref_of(obj)
         owner = ",".join(o["uid"] for o in obj["metadata"].get("ownerReferences", []))
-        made = self._created.get((ref, owner))
+        key = (ref, owner)
+        if key in self._owed:
+            if before is not None:
+                before()
+            self._owed.discard(key)
+        made = self._created.get(key)
         if made is not None and time.monotonic() - made < CREATE_RECHECK_SECONDS:
             return False
-        created = True
+        created = unchecked = False
         with _naming("create", ref.kind, ref.namespace, ref.name):
             resource = self._resource(ref.api_version, ref.kind)
             try:
                 if before is not None:  # a dry run says whether it is missing
-                    resource.create(body=obj, namespace=ref.namespace, dry_run="All")
-                    before()
+                    try:
+                        resource.create(body=obj, namespace=ref.namespace, dry_run="All")
+                    except DynamicApiError as error:
+                        if not _refuses_dry_run(error):
+                            raise
+                        unchecked = True
+                        self._tell_no_dry_run(ref, _api_message(error)[2])
+                    else:
+                        before()
                 resource.create(body=obj, namespace=ref.namespace)
+                created = True
             except DynamicApiError as error:
                 if error.status != 409:  # 409: it exists already
                     raise
-                created = False
+        if created and unchecked:
+            # No dry run could say it was missing: made first, `before` after, and owed (run
+            # again on the next call) until it succeeds, as a 409 will not say it was missing.
+            self._owed.add(key)
+            before()
+            self._owed.discard(key)
         now = time.monotonic()
-        self._created = {key: at for key, at in self._created.items()
+        self._created = {seen: at for seen, at in self._created.items()
                          if now - at < CREATE_RECHECK_SECONDS}  # pools gone, made again
-        self._created[(ref, owner)] = now
+        self._created[key] = now
         return created
+
+    def _tell_no_dry_run(self, ref: ObjectRef, message: str) -> None:
+        """Logs, once per object, that an admission webhook refuses its dry runs."""
+        if ref not in self._told_no_dry_run:
+            self._told_no_dry_run.add(ref)
+            log.warning("cannot dry-run creating %s %s/%s (%s): created without one",
+                        ref.kind, ref.namespace, ref.name, message)
 
     def restart(self, ref: ObjectRef, stamp: str) -> None:
         patch = {"spec": {"template": {"metadata": {"annotations": {

@@ -3,11 +3,14 @@
 The order is the contract. Nothing is written to the cluster until the spec is valid, every
 Secret and PVC it names exists, and the API server has accepted every changed object in a dry run,
 so a rejected pool is never half-made (a pool that was valid and then gets a bad edit keeps running
-as it was, with `Accepted=False` saying why). Only objects that no longer hold what the pool wants
-are applied (server-side apply, forceful), so a pool whose objects are as wanted costs reads only,
-never a write; running this on a timer puts back whatever was edited or deleted. Status is computed
-from what is observed *after* applying. Any other API error (403, 404, 5xx) becomes
-`Degraded=True` with the API's message and the object it concerns, never an exception.
+as it was, with `Accepted=False` saying why). An object no dry run can check (an admission webhook
+with side effects refuses every dry run of what it matches) is applied unchecked, and a Normal
+Event says so: the API server may then refuse it only once others are written. Only objects that
+no longer hold what the pool wants are applied (server-side apply, forceful), so a pool whose
+objects are as wanted costs reads only, never a write; running this on a timer puts back whatever
+was edited or deleted. Status is computed from what is observed *after* applying. Any other API
+error (403, 404, 5xx) becomes `Degraded=True` with the API's message and the object it concerns,
+never an exception.
 """
 
 from __future__ import annotations
@@ -43,6 +46,12 @@ class ObjectRejected(Exception):
     spec's pass-through fields (env, volumes, tolerations, ...), not with the cluster."""
 
 
+class DryRunUnsupported(Exception):
+    """The API server could not dry-run an object: an admission webhook that matches it declares
+    side effects (`sideEffects: Unknown` or `Some`) and so refuses every dry run (400). Says
+    nothing about the object itself, so the object is applied unchecked."""
+
+
 class ApiFailure(Exception):
     """Any other API error, naming what was asked and of which object (403, 404, 409, 5xx)."""
 
@@ -75,7 +84,8 @@ class Cluster(Protocol):
     def apply(self, obj: dict[str, Any], *, dry_run: bool = False) -> dict[str, Any]:
         """Create or update `obj`, taking ownership of every field it sets; with `dry_run` the
         server validates and admits it without storing. Returns the object as stored. Raises
-        `ObjectRejected` on 400 / 422."""
+        `ObjectRejected` on 400 / 422, and `DryRunUnsupported` for a dry run an admission webhook
+        refuses to take part in."""
 
     def patch_json(self, ref: ObjectRef, operations: list[dict[str, Any]]) -> None:
         """Apply a JSON patch to the object."""
@@ -86,7 +96,9 @@ class Cluster(Protocol):
         Needs no read permission: an existing object is a 409 from the API server. Asked again
         now and then, and at once for a new owner, so a deleted object comes back. `before`
         runs when it is found missing, before it is made: if it raises, nothing is made (the
-        next call finds it missing again). True when this call made it."""
+        next call finds it missing again). Where no dry run can find it missing (an admission
+        webhook refuses them), `before` runs once it is made, and on each later call until it
+        succeeds. True when this call made it."""
 
     def restart(self, ref: ObjectRef, stamp: str) -> None:
         """Roll a Deployment's pods, as `kubectl rollout restart` does: `stamp` in a pod template
@@ -146,8 +158,9 @@ def _reconcile(body: dict[str, Any], cluster: Cluster, config: OperatorConfig,
         pool, verdict = None, Verdict(False, "InvalidSpec", str(invalid))
 
     live: dict[ObjectRef, dict[str, Any] | None] = {}
+    unchecked: list[str] = []
     if pool is not None and verdict.accepted:
-        refusal = _apply(pool, cluster, config, live)
+        refusal = _apply(pool, cluster, config, live, unchecked)
         if refusal is not None:
             verdict = refusal
 
@@ -160,7 +173,12 @@ def _reconcile(body: dict[str, Any], cluster: Cluster, config: OperatorConfig,
         served_name=pool.model.served_name if pool else _served_name(body),
         now=now,
     )
-    return Outcome(status=status, events=transition_events(body, status))
+    events = transition_events(body, status)
+    if unchecked:
+        message = "applied without a dry run: " + "; ".join(unchecked)
+        log.warning("%s/%s: %s", meta.get("namespace", "default"), meta["name"], message)
+        events.append(Event("Normal", "AppliedWithoutDryRun", message))
+    return Outcome(status=status, events=events)
 
 
 def _reads_secret(deployment: dict[str, Any], name: str) -> bool:
@@ -171,12 +189,13 @@ def _reads_secret(deployment: dict[str, Any], name: str) -> bool:
 
 
 def _apply(pool: Pool, cluster: Cluster, config: OperatorConfig,
-           live: dict[ObjectRef, dict[str, Any] | None]) -> Verdict | None:
+           live: dict[ObjectRef, dict[str, Any] | None], unchecked: list[str]) -> Verdict | None:
     """Apply the objects that do not hold what the pool wants, remove stray env vars and
     obsolete objects; why the pool cannot be made, or None. Objects of the same name the pool
     does not own (someone else's Service, say) are never taken over. Every changed object passes
     a dry run (validation and admission) before any is written, so a spec the server refuses
-    leaves nothing half-made. `live` is filled with the objects as they stand afterwards."""
+    leaves nothing half-made. `live` is filled with the objects as they stand afterwards,
+    `unchecked` with the objects applied without a dry run the API server would not do."""
     monitors = cluster.has_service_monitors()
     objects = desired_objects(pool, config, service_monitors=monitors)
     for obj in objects:
@@ -208,7 +227,7 @@ def _apply(pool: Pool, cluster: Cluster, config: OperatorConfig,
     checked = [obj for obj in changed if obj["kind"] not in NOT_DRY_RUN]
     running = [ref for ref, current in live.items()
                if ref.kind == "Deployment" and current is not None]
-    rejection = _apply_all(checked, cluster, pool, live, dry_run=True)
+    rejection = _dry_run_all(checked, cluster, pool, unchecked)
     if rejection is None:
         key = control_key_secret(pool)
         stale = [ref for ref in running
@@ -228,7 +247,7 @@ def _apply(pool: Pool, cluster: Cluster, config: OperatorConfig,
                 cluster.restart(ref, _now())
         cluster.create_once(key, before=roll_onto_new_key if stale else None)
         # admission may still refuse what its dry run let through
-        rejection = _apply_all(changed, cluster, pool, live, dry_run=False)
+        rejection = _apply_all(changed, cluster, pool, live)
     if rejection is not None:
         return Verdict(False, "RejectedByAPIServer", rejection)
     for obj in objects:
@@ -248,17 +267,35 @@ def _holds(obj: dict[str, Any], current: dict[str, Any] | None) -> bool:
     return current is not None and holds(obj, current) and sets_no_more_than(obj, current)
 
 
-def _apply_all(objects: list[dict[str, Any]], cluster: Cluster, pool: Pool,
-               live: dict[ObjectRef, dict[str, Any] | None], *, dry_run: bool) -> str | None:
-    """Apply each object in order; the first refusal, in the spec's terms, or None."""
+def _refusal(rejected: ObjectRejected, obj: dict[str, Any], pool: Pool) -> str:
+    """The API server's refusal of `obj`, in the spec's terms."""
+    message = in_spec_terms(str(rejected), obj, pool.spec)
+    return f"{obj['kind']} {obj['metadata']['name']}: {message}"
+
+
+def _dry_run_all(objects: list[dict[str, Any]], cluster: Cluster, pool: Pool,
+                 unchecked: list[str]) -> str | None:
+    """Dry-run each object in order; the first refusal, or None. An object whose dry run an
+    admission webhook will not take part in goes to `unchecked` (it cannot be checked, which is
+    no reason to refuse it: it is applied, and the webhook sees the real request)."""
     for obj in objects:
         try:
-            stored = cluster.apply(obj, dry_run=dry_run)
+            cluster.apply(obj, dry_run=True)
+        except DryRunUnsupported as refused:
+            unchecked.append(f"{obj['kind']} {obj['metadata']['name']} ({refused})")
         except ObjectRejected as rejected:
-            message = in_spec_terms(str(rejected), obj, pool.spec)
-            return f"{obj['kind']} {obj['metadata']['name']}: {message}"
-        if not dry_run:
-            live[ref_of(obj)] = stored
+            return _refusal(rejected, obj, pool)
+    return None
+
+
+def _apply_all(objects: list[dict[str, Any]], cluster: Cluster, pool: Pool,
+               live: dict[ObjectRef, dict[str, Any] | None]) -> str | None:
+    """Apply each object in order; the first refusal, or None."""
+    for obj in objects:
+        try:
+            live[ref_of(obj)] = cluster.apply(obj)
+        except ObjectRejected as rejected:
+            return _refusal(rejected, obj, pool)
     return None
 
 
