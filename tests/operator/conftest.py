@@ -189,3 +189,51 @@ def assert_k8s_valid():
                         f"{error.message}")
 
     return check
+
+
+# OpenShift's default SCC for every authenticated user, restricted-v2 (OpenShift 4.11+), as it
+# judges a pod: runAsUser MustRunAsRange and fsGroup MustRunAs within the namespace's range (its
+# openshift.io/sa.scc.uid-range annotation; the range is picked per namespace, so no fixed uid is
+# in it: this is one such range), seccomp runtime/default, no privilege escalation, every
+# capability dropped (NET_BIND_SERVICE alone may be added), no host namespaces or ports, and only
+# these volume types. It has no runAsGroup strategy: runAsGroup is not judged.
+RESTRICTED_V2_VOLUMES = frozenset({"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral",
+                                   "persistentVolumeClaim", "projected", "secret"})
+NAMESPACE_UIDS = range(1000680000, 1000690000)
+
+
+def restricted_v2_refusals(pod: dict[str, Any]) -> list[str]:
+    """Why restricted-v2 would refuse this pod spec (empty: admitted)."""
+    refusals = []
+    security = pod.get("securityContext") or {}
+    for key in ("runAsUser", "fsGroup"):
+        if key in security and security[key] not in NAMESPACE_UIDS:
+            refusals.append(f"pod {key} {security[key]} is not in the namespace's range")
+    if (security.get("seccompProfile") or {}).get("type", "RuntimeDefault") != "RuntimeDefault":
+        refusals.append("pod seccompProfile is not RuntimeDefault")
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod.get(key):
+            refusals.append(f"pod {key}")
+    for container in pod.get("initContainers", []) + pod["containers"]:
+        name, ctx = container["name"], container.get("securityContext") or {}
+        if "runAsUser" in ctx and ctx["runAsUser"] not in NAMESPACE_UIDS:
+            refusals.append(f"{name}: runAsUser {ctx['runAsUser']} is not in the range")
+        if ctx.get("allowPrivilegeEscalation", False) or ctx.get("privileged"):
+            refusals.append(f"{name}: privilege escalation")
+        capabilities = ctx.get("capabilities") or {}
+        if "ALL" not in capabilities.get("drop", []):
+            refusals.append(f"{name}: capabilities not all dropped")
+        if set(capabilities.get("add", [])) - {"NET_BIND_SERVICE"}:
+            refusals.append(f"{name}: capabilities added")
+        if any(port.get("hostPort") for port in container.get("ports", [])):
+            refusals.append(f"{name}: host port")
+    for volume in pod.get("volumes", []):
+        if not set(volume) - {"name"} <= RESTRICTED_V2_VOLUMES:
+            refusals.append(f"volume {volume['name']}: type not allowed")
+    return refusals
+
+
+@pytest.fixture(scope="session")
+def restricted_v2():
+    """`restricted_v2(pod_spec)`: why OpenShift's restricted-v2 SCC would refuse it."""
+    return restricted_v2_refusals

@@ -300,3 +300,51 @@ def test_fleet_service_monitor_skips_pools_that_have_their_own(pool_body):
     objs = desired_objects(parse_pool(pool_body()), OperatorConfig(), service_monitors=True)
     for service in (o for o in objs if o["kind"] == "Service"):
         assert api.OWN_MONITOR_LABEL in service["metadata"]["labels"]  # so not selected twice
+
+
+OPENSHIFT = {"openshift": {"enabled": True}}
+
+
+@pytest.mark.parametrize("values", [OPENSHIFT, {**CUSTOM, **OPENSHIFT}],
+                         ids=["openshift", "custom-openshift"])
+def test_on_openshift_the_operator_and_every_pool_take_their_uid_from_the_platform(
+        values, pool_body, monkeypatch, assert_k8s_valid, restricted_v2):
+    """OpenShift's restricted-v2 SCC refuses pods asking for a uid or fsGroup outside the
+    namespace's range: the operator's pod asked for 1000 (and so did every pool's), so nothing
+    started. `openshift.enabled` leaves them to the platform, in the operator's pod and, through
+    the operator, in every pool's pods; the rest of the hardening stays."""
+    report = helm.lint(str(CHART), values, strict=True, kube_version="v1.33.0")
+    assert [m for m in report["messages"] if m["severity"] >= 2] == [] == report["errors"]
+    deployment = by_kind(render(values))["Deployment"][0]
+    assert_k8s_valid(deployment)
+    pod = deployment["spec"]["template"]["spec"]
+    assert restricted_v2(pod) == []
+    assert pod["securityContext"] == {"runAsNonRoot": True,
+                                      "seccompProfile": {"type": "RuntimeDefault"}}
+    container = pod["containers"][0]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    for env in container["env"]:
+        monkeypatch.setenv(env["name"], env["value"])
+    for obj in desired_objects(parse_pool(pool_body()), OperatorConfig.from_env(),
+                               service_monitors=False):
+        if obj["kind"] == "Deployment":
+            assert restricted_v2(obj["spec"]["template"]["spec"]) == [], obj["metadata"]["name"]
+
+
+def test_vanilla_kubernetes_keeps_uid_1000_and_the_pod_security_context_is_a_value(
+        pool_body, monkeypatch, restricted_v2):
+    deployment = by_kind(render({}))["Deployment"][0]
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": 1000,
+                                      "runAsGroup": 1000,
+                                      "seccompProfile": {"type": "RuntimeDefault"}}
+    for env in pod["containers"][0]["env"]:
+        monkeypatch.setenv(env["name"], env["value"])
+    worker = next(o for o in desired_objects(parse_pool(pool_body()), OperatorConfig.from_env(),
+                                             service_monitors=False) if o["kind"] == "Deployment")
+    assert worker["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == 1000
+    # a key set to null is left out; others may be added
+    custom = by_kind(render({"podSecurityContext": {"runAsUser": None, "runAsGroup": None,
+                                                    "fsGroup": 2000}}))["Deployment"][0]
+    assert custom["spec"]["template"]["spec"]["securityContext"] == {
+        "runAsNonRoot": True, "fsGroup": 2000, "seccompProfile": {"type": "RuntimeDefault"}}

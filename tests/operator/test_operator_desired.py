@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -348,8 +349,6 @@ def test_a_node_drain_is_never_held_up_by_pods_that_serve_nothing(pool_body, rep
 
 def test_network_policy_lets_only_the_gateway_and_prometheus_reach_workers(pool_body,
                                                                           assert_k8s_valid):
-    import dataclasses
-
     assert not any(k.startswith("NetworkPolicy") for k in objects_of(pool_body()))
     config = dataclasses.replace(CONFIG, network_policy=True)
     objs = {f"{o['kind']}/{o['metadata']['name']}": o
@@ -394,3 +393,48 @@ def test_services_of_a_pool_with_its_own_service_monitor_say_so(pool_body):
     assert own["Service/llama-gateway"]["metadata"]["labels"][api.OWN_MONITOR_LABEL] == "true"
     without_crd = objects_of(pool_body(), service_monitors=False)
     assert api.OWN_MONITOR_LABEL not in without_crd["Service/llama-workers"]["metadata"]["labels"]
+
+
+def pod_specs(config: OperatorConfig, body) -> dict[str, dict]:
+    return {o["metadata"]["name"]: o["spec"]["template"]["spec"]
+            for o in desired_objects(parse_pool(body), config, service_monitors=False)
+            if o["kind"] == "Deployment"}
+
+
+@pytest.mark.parametrize("model", ["/models/llama", "hf://Qwen/Qwen3-8B", "pvc://models/llama"])
+def test_pods_take_their_uid_from_the_platform_where_it_assigns_them(pool_body, assert_k8s_valid,
+                                                                     restricted_v2, model):
+    """OpenShift's restricted-v2 SCC gives each namespace a uid range and refuses a pod asking
+    for a uid or fsGroup outside it: every pool's pods asked for 1000, so none started there.
+    With `--no-set-pod-uid` they ask for none, and keep everything else that hardens them."""
+    body = pool_body(model={"uri": model} if "://" in model else {"path": model})
+    fixed = pod_specs(CONFIG, body)
+    for pod in fixed.values():
+        assert {pod["securityContext"][key] for key in ("runAsUser", "runAsGroup",
+                                                        "fsGroup")} == {1000}
+        assert restricted_v2(pod)   # vanilla Kubernetes: as before, and refused there
+    config = dataclasses.replace(CONFIG, set_pod_uid=False)
+    for obj in desired_objects(parse_pool(body), config, service_monitors=False):
+        assert_k8s_valid(obj)
+    for name, pod in pod_specs(config, body).items():
+        assert restricted_v2(pod) == [], name
+        assert pod["securityContext"] == {"runAsNonRoot": True,
+                                          "seccompProfile": {"type": "RuntimeDefault"}}
+        for container in pod.get("initContainers", []) + pod["containers"]:
+            assert container["securityContext"] == {
+                "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}, name
+        assert pod == {**fixed[name], "securityContext": pod["securityContext"]}
+
+
+@pytest.mark.parametrize("value, fixed", [("", True), ("true", True), ("false", False),
+                                          ("0", False)])
+def test_whether_pods_get_a_uid_comes_from_the_environment(monkeypatch, value, fixed):
+    monkeypatch.setenv("RADIXPOOL_SET_POD_UID", value)
+    assert OperatorConfig.from_env().set_pod_uid is fixed
+
+
+def test_a_pod_uid_switch_that_is_no_switch_is_refused_at_start(monkeypatch):
+    monkeypatch.setenv("RADIXPOOL_SET_POD_UID", "openshift")
+    with pytest.raises(ValueError, match="RADIXPOOL_SET_POD_UID must be true or false"):
+        OperatorConfig.from_env()

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -92,3 +94,23 @@ def test_operator_defaults_point_at_the_images_the_chart_installs():
     chart_images = (f"{values['workerImage']['repository']}:{version}",
                     f"{values['image']['repository']}:{version}")
     assert chart_images == (DEFAULT_WORKER_IMAGE, DEFAULT_CONTROL_IMAGE)
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.worker", "Dockerfile.control"])
+def test_images_run_under_an_arbitrary_uid_in_group_0(name):
+    """OpenShift runs a container as a uid picked from the namespace's range, in group 0, with no
+    passwd entry: HOME comes from the image's environment, and the home directory (where every
+    cache goes: Hugging Face, FlashInfer's JIT, Triton, CUDA) must be group 0's with the owner's
+    permissions, or nothing but the operator's volumes can be written."""
+    final = final_stage(instructions(name))
+    env = env_of(final)
+    home = env["HOME"]
+    runs = " && ".join(arg for op, arg in final if op == "RUN")
+    assert re.search(rf"chown -R 1000:0 {home}( |$)", runs), runs
+    assert re.search(rf"chmod -R g=u {home}( |$)", runs), runs
+    # made before the chown, so under it: a cache directory made later would be root's alone
+    assert runs.index(f"{home}/.cache") < runs.index(f"chown -R 1000:0 {home}")
+    for variable, value in env.items():
+        if variable.endswith(("_HOME", "_CACHE_DIR", "_CACHE_PATH")):
+            assert value.startswith(f"{home}/.cache"), variable
+    assert ("WORKDIR", home) in final

@@ -47,6 +47,11 @@ def register(subparsers: Any) -> None:
                         default=None,
                         help="give each pool's workers a NetworkPolicy letting only its gateway "
                              "and Prometheus in (default: $RADIXPOOL_NETWORK_POLICY, else off)")
+    parser.add_argument("--set-pod-uid", action=argparse.BooleanOptionalAction, default=None,
+                        help="run pools' pods as uid, gid and fsGroup 1000 (the images' user); "
+                             "--no-set-pod-uid leaves them unset for the platform to assign, as "
+                             "OpenShift's restricted-v2 SCC requires (default: "
+                             "$RADIXPOOL_SET_POD_UID, else on)")
     parser.add_argument("--verbose", action="store_true")
     parser.set_defaults(func=run_operator)
 
@@ -84,6 +89,8 @@ def run_operator(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, gateway_image=args.gateway_image)
     if args.network_policy is not None:
         config = dataclasses.replace(config, network_policy=args.network_policy)
+    if args.set_pod_uid is not None:
+        config = dataclasses.replace(config, set_pod_uid=args.set_pod_uid)
     if not args.standalone:
         try:
             for created in ensure_peering(cluster, args.peering, args.namespaces or ()):

@@ -26,6 +26,7 @@ from .gateway import (
 )
 from .spec import Pool
 from .workers import (
+    POD_UID,
     UNHEALTHY_POD_EVICTION,
     desired_worker_deployment,
     desired_worker_service,
@@ -46,19 +47,22 @@ PEER_FIELDS = ("podSelector", "namespaceSelector", "ipBlock")
 
 @dataclass(frozen=True)
 class OperatorConfig:
-    """What the operator brings to every pool: images used when a pool names none, and whether
+    """What the operator brings to every pool: images used when a pool names none, whether
     each pool's workers get a NetworkPolicy (only the gateway and Prometheus may reach them;
-    `prometheus_peer` None: only the gateway)."""
+    `prometheus_peer` None: only the gateway), and whether pods are given their uid, gid and
+    fsGroup (`set_pod_uid`, the images' 1000) or get them from the platform (OpenShift)."""
 
     worker_image: str = DEFAULT_WORKER_IMAGE
     gateway_image: str = DEFAULT_CONTROL_IMAGE
     network_policy: bool = False
+    set_pod_uid: bool = True
     prometheus_peer: dict[str, Any] | None = field(
         default_factory=lambda: copy.deepcopy(DEFAULT_PROMETHEUS_PEER))
 
     @classmethod
     def from_env(cls) -> OperatorConfig:
-        """Raises ValueError for a RADIXPOOL_PROMETHEUS_PEER that is no NetworkPolicy peer."""
+        """Raises ValueError for a RADIXPOOL_PROMETHEUS_PEER that is no NetworkPolicy peer, or a
+        RADIXPOOL_SET_POD_UID that is neither true nor false."""
         peer = os.environ.get("RADIXPOOL_PROMETHEUS_PEER")
         return cls(
             worker_image=os.environ.get("RADIXPOOL_WORKER_IMAGE", DEFAULT_WORKER_IMAGE),
@@ -66,7 +70,23 @@ class OperatorConfig:
             network_policy=os.environ.get("RADIXPOOL_NETWORK_POLICY", "").lower()
             in ("1", "true", "yes"),
             prometheus_peer=parse_peer(peer) if peer else copy.deepcopy(DEFAULT_PROMETHEUS_PEER),
+            set_pod_uid=parse_switch("RADIXPOOL_SET_POD_UID", default=True),
         )
+
+    @property
+    def pod_uid(self) -> int | None:
+        return POD_UID if self.set_pod_uid else None
+
+
+def parse_switch(variable: str, *, default: bool) -> bool:
+    value = os.environ.get(variable, "").strip().lower()
+    if not value:
+        return default
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{variable} must be true or false, got {value!r}")
 
 
 def parse_peer(text: str) -> dict[str, Any] | None:
@@ -213,11 +233,11 @@ def desired_objects(pool: Pool, config: OperatorConfig, *,
     gateway_image = pool.gateway.get("image") or config.gateway_image
     objects = [
         desired_worker_service(pool),
-        desired_worker_deployment(pool, worker_image),
+        desired_worker_deployment(pool, worker_image, config.pod_uid),
         desired_gateway_service_account(pool),
         desired_gateway_role(pool),
         desired_gateway_role_binding(pool),
-        desired_gateway_deployment(pool, gateway_image),
+        desired_gateway_deployment(pool, gateway_image, config.pod_uid),
         desired_gateway_service(pool),
     ]
     if wants_pdb(pool):

@@ -14,6 +14,7 @@ from .spec import Pool
 from .workers import (
     ENDPOINT_PROPAGATION_SECONDS,
     HOME,
+    POD_UID,
     UNHEALTHY_POD_EVICTION,
     api_key_env,
     container_security,
@@ -96,7 +97,7 @@ def gateway_args(pool: Pool) -> list[str]:
     return args  # keys come from the environment only: RADIXPOOL_API_KEY, RADIXPOOL_WORKER_API_KEY
 
 
-def desired_gateway_deployment(pool: Pool, image: str) -> dict[str, Any]:
+def desired_gateway_deployment(pool: Pool, image: str, uid: int | None = POD_UID) -> dict[str, Any]:
     gw = pool.gateway
     # Readiness follows the workers (/health is 503 with none ready); liveness must not, or a
     # healthy gateway is restarted in a loop while the model loads: /livez is 200 while it serves.
@@ -125,7 +126,7 @@ def desired_gateway_deployment(pool: Pool, image: str) -> dict[str, Any]:
     pod_spec: dict[str, Any] = {
         "serviceAccountName": api.gateway_name(pool.name),
         "enableServiceLinks": False,
-        "securityContext": pod_security(),
+        "securityContext": pod_security(uid),
         "terminationGracePeriodSeconds": gateway_grace_seconds(pool),
         "containers": [container],
         "volumes": [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}],

@@ -10,7 +10,10 @@ Worker pods are built to survive real operations:
 - on deletion, preStop waits for the EndpointSlice change to reach the gateway, then SIGTERM makes
   the worker drain; the grace period covers both plus the drain timeout;
 - non-root, no privilege escalation, read-only root filesystem: the writable paths (/tmp, caches,
-  /dev/shm, the model cache) are volumes.
+  /dev/shm, the model cache) are volumes. They run as uid and gid `POD_UID`, or, where the
+  platform assigns each namespace its uids (OpenShift's restricted-v2 SCC refuses a pod that asks
+  for one outside the range), as whatever uid it gives them: the images work under any uid in
+  group 0, and every path written is a volume or group 0's.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from . import api
 from .spec import Pool
 
 HOME = api.WORKER_HOME
+POD_UID = 1000  # the images' own user (Dockerfile.worker, Dockerfile.control)
 MODEL_MOUNT = api.MODEL_MOUNT
 ENDPOINT_PROPAGATION_SECONDS = 5
 STARTUP_PERIOD_SECONDS = 10
@@ -121,9 +125,10 @@ def container_security() -> dict[str, Any]:
             "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
 
 
-def pod_security() -> dict[str, Any]:
-    return {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
-            "seccompProfile": {"type": "RuntimeDefault"}}
+def pod_security(uid: int | None) -> dict[str, Any]:
+    """`uid` None leaves runAsUser, runAsGroup and fsGroup to the platform."""
+    ids = {} if uid is None else {"runAsUser": uid, "runAsGroup": uid, "fsGroup": uid}
+    return {"runAsNonRoot": True, **ids, "seccompProfile": {"type": "RuntimeDefault"}}
 
 
 def _resources(pool: Pool) -> dict[str, Any]:
@@ -210,7 +215,7 @@ def termination_grace_seconds(pool: Pool) -> int:
     return pool.lifecycle["drainTimeoutSeconds"] + ENDPOINT_PROPAGATION_SECONDS + 15
 
 
-def desired_worker_deployment(pool: Pool, image: str) -> dict[str, Any]:
+def desired_worker_deployment(pool: Pool, image: str, uid: int | None = POD_UID) -> dict[str, Any]:
     engine, lifecycle = pool.engine, pool.lifecycle
     volumes, mounts = _volumes(pool)
     probes = _probes()
@@ -241,7 +246,7 @@ def desired_worker_deployment(pool: Pool, image: str) -> dict[str, Any]:
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "securityContext": pod_security(),
+        "securityContext": pod_security(uid),
         "terminationGracePeriodSeconds": termination_grace_seconds(pool),
         "containers": [container],
         "volumes": volumes,
