@@ -402,3 +402,21 @@ def test_what_the_pool_stops_setting_is_removed_from_its_objects(pool_body, make
     cluster.writes.clear()
     reconcile_pool(after, cluster, CONFIG, now=T1)
     assert cluster.writes == []  # and then nothing more to do
+
+
+def test_running_pools_give_up_their_uid_once_the_operator_is_told_to(cluster, pool_body):
+    """An operator moved to `--no-set-pod-uid` (the chart's openshift.enabled) takes runAsUser,
+    runAsGroup and fsGroup out of the pools it already made, which otherwise kept asking for
+    uid 1000 on a platform that refuses it."""
+    import dataclasses
+
+    reconcile_pool(pool_body(), cluster, CONFIG, now=T0)
+    platform = dataclasses.replace(CONFIG, set_pod_uid=False)
+    assert reconcile_pool(pool_body(), cluster, platform, now=T1).failure is None
+    for name in ("llama-worker", "llama-gateway"):
+        pod = cluster.stored("Deployment", "ml", name)["spec"]["template"]["spec"]
+        assert pod["securityContext"] == {"runAsNonRoot": True,
+                                          "seccompProfile": {"type": "RuntimeDefault"}}, name
+    cluster.writes.clear()
+    reconcile_pool(pool_body(), cluster, platform, now=T1)
+    assert cluster.writes == []
