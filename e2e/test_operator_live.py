@@ -13,6 +13,7 @@ and the suite checks objects, status, scale, drift, rollout, rejection and delet
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -326,6 +327,273 @@ def test_no_prometheus_peer_still_makes_every_pool(kube):
         assert [peer.pod_selector.match_labels for rule in policy.spec.ingress
                 for peer in rule._from] == [{"app.kubernetes.io/component": "gateway",
                                              "radixpool.io/pool": "nopeer"}]
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        kube.core.delete_namespace(name)
+
+
+# The cluster's etcd client URL (k8s-local's is in its kube-apiserver's --etcd-servers).
+ETCD = os.environ.get("RADIXPOOL_E2E_ETCD")
+
+
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[i]
+        i += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if byte < 0x80:
+            return value, i
+
+
+def _as_varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def replace_field(message: bytes, path: tuple[int, ...], value: bytes) -> bytes:
+    """`message` (protobuf wire format) with every length-delimited field at `path` (field
+    numbers through nested messages) set to `value`."""
+    out, i = bytearray(), 0
+    while i < len(message):
+        start = i
+        key, i = _varint(message, i)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            _, i = _varint(message, i)
+        elif wire in (1, 5):
+            i += 8 if wire == 1 else 4
+        elif wire == 2:
+            length, body = _varint(message, i)
+            i = body + length
+            if number == path[0]:
+                inner = (value if len(path) == 1
+                         else replace_field(message[body:i], path[1:], value))
+                out += _as_varint(key) + _as_varint(len(inner)) + inner
+                continue
+        else:
+            raise ValueError(f"unexpected wire type {wire}")
+        out += message[start:i]
+    return bytes(out)
+
+
+def etcd(call: str, **body: str) -> dict[str, Any]:
+    import base64
+    import json
+    import urllib.request
+
+    encoded = {k: base64.b64encode(v.encode("latin-1")).decode() for k, v in body.items()}
+    request = urllib.request.Request(f"{ETCD}/v3/kv/{call}", data=json.dumps(encoded).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        return json.load(answer)
+
+
+def make_side_effects_unknown(name: str) -> None:
+    """Rewrites a ValidatingWebhookConfiguration in etcd as a cluster upgraded from before
+    Kubernetes 1.22 holds one registered under v1beta1: `sideEffects: Unknown` (the v1 API takes
+    only None / NoneOnDryRun for a new webhook, but keeps what is stored)."""
+    import base64
+
+    key = f"/registry/validatingwebhookconfigurations/{name}"
+    stored = base64.b64decode(etcd("range", key=key)["kvs"][0]["value"])
+    assert stored.startswith(b"k8s\x00"), stored[:8]   # protobuf: runtime.Unknown
+    # runtime.Unknown.raw (2) → ValidatingWebhookConfiguration.webhooks (2) → .sideEffects (6)
+    changed = b"k8s\x00" + replace_field(stored[4:], (2, 2, 6), b"Unknown")
+    etcd("put", key=key, value=changed.decode("latin-1"))
+
+
+class AdmissionWebhook:
+    """A validating admission webhook over HTTPS on loopback (a self-signed certificate made by
+    `openssl`): allows everything except a pod template carrying the env var `DENY`, and records
+    the (kind, name, dryRun) of every request the API server sends it."""
+
+    def __init__(self, directory: Path):
+        import ssl
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        cert, key = directory / "webhook.crt", directory / "webhook.key"
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                        "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                        "-keyout", str(key), "-out", str(cert)], check=True,
+                       capture_output=True, timeout=60)
+        self.ca_bundle = cert.read_bytes()
+        self.seen: list[tuple[str, str, bool]] = []
+        seen = self.seen
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                import json
+
+                review = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                request = review["request"]
+                obj = request.get("object") or {}
+                seen.append((request["kind"]["kind"], request.get("name") or "",
+                             bool(request.get("dryRun"))))
+                containers = (((obj.get("spec") or {}).get("template") or {}).get("spec")
+                              or {}).get("containers") or []
+                denied = any(env.get("name") == "DENY" for c in containers
+                             for env in c.get("env") or [])
+                response: dict[str, Any] = {"uid": request["uid"], "allowed": not denied}
+                if denied:
+                    response["status"] = {"message": "env DENY is not allowed here"}
+                body = json.dumps({"apiVersion": "admission.k8s.io/v1",
+                                   "kind": "AdmissionReview", "response": response}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(cert, key)
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.httpd.socket = context.wrap_socket(self.httpd.socket, server_side=True)
+        self.url = f"https://127.0.0.1:{self.httpd.server_address[1]}/validate"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_a_webhook_that_cannot_dry_run_still_lets_pools_be_made(kube, namespace, operator,
+                                                                  tmp_path):
+    """A webhook with `sideEffects: Unknown` makes the API server refuse every dry run of what it
+    matches (400 "does not support dry run"). The operator took that for the spec's fault:
+    Accepted=False and nothing made, for every pool in the namespace; and with pods running,
+    its once-a-minute dry-run create of the control key failed too (Degraded). Such webhooks
+    live on in clusters upgraded from before 1.22 (registered under v1beta1); the v1 API makes
+    no new one, so the test registers it with None and rewrites it in etcd as they are stored."""
+    import base64
+
+    from kubernetes import client
+
+    if not ETCD:
+        pytest.skip("set RADIXPOOL_E2E_ETCD to the cluster's etcd URL: since Kubernetes 1.22 the "
+                    "API registers no new webhook with sideEffects Unknown (only one from an "
+                    "older cluster has it), so this test writes it so into etcd")
+    webhook = AdmissionWebhook(tmp_path)
+    admission = client.AdmissionregistrationV1Api(kube.core.api_client)
+    config_name = f"{namespace}-side-effects"
+    admission.create_validating_webhook_configuration({
+        "metadata": {"name": config_name},
+        "webhooks": [{
+            "name": "side-effects.radixpool-e2e.io",
+            "clientConfig": {"url": webhook.url,
+                             "caBundle": base64.b64encode(webhook.ca_bundle).decode()},
+            "rules": [{"apiGroups": ["", "apps"], "apiVersions": ["v1"],
+                       "operations": ["CREATE", "UPDATE"],
+                       "resources": ["deployments", "secrets"]}],
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
+            "sideEffects": "None", "failurePolicy": "Fail", "timeoutSeconds": 5,
+            "admissionReviewVersions": ["v1"]}]})
+    try:
+        make_side_effects_unknown(config_name)
+        assert admission.read_validating_webhook_configuration(config_name).webhooks[
+            0].side_effects == "Unknown"
+        probe = {"metadata": {"name": "probe"}, "data": {}}
+
+        def refuses_dry_run() -> bool:
+            try:
+                kube.core.create_namespaced_secret(namespace, probe, dry_run="All")
+            except kube.errors.ApiException as error:
+                return error.status == 400 and "does not support dry run" in error.body
+            return False
+        wait_for("the webhook to take effect", refuses_dry_run)
+
+        kube.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+                                                    pool_manifest("hooked"))
+        pool = wait_for("Accepted", lambda: condition(
+            p := get_pool(kube, namespace, "hooked"), "Accepted").get("status") and p)
+        assert condition(pool, "Accepted")["status"] == "True", condition(pool, "Accepted")
+        for deployment in ("hooked-worker", "hooked-gateway"):
+            assert kube.apps.read_namespaced_deployment(deployment, namespace)
+            assert ("Deployment", deployment, False) in webhook.seen  # it saw the real request
+        events = wait_for("the AppliedWithoutDryRun Event", lambda: [
+            e for e in kube.core.list_namespaced_event(
+                namespace, field_selector="involvedObject.name=hooked").items
+            if e.reason == "AppliedWithoutDryRun"])
+        assert 'admission webhook "side-effects.radixpool-e2e.io" does not support dry run' in (
+            events[0].message) and "Deployment hooked-worker" in events[0].message
+
+        # a webhook that denies is still the pool's refusal...
+        engine = {"device": "cpu", "resources": {"gpus": 0, "cpu": "100m", "memory": "512Mi"},
+                  "env": [{"name": "DENY", "value": "1"}]}
+        kube.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+                                                    pool_manifest("denied", engine=engine))
+        pool = wait_for("Accepted=False", lambda: condition(
+            p := get_pool(kube, namespace, "denied"), "Accepted").get("status") == "False" and p)
+        accepted = condition(pool, "Accepted")
+        assert accepted["reason"] == "RejectedByAPIServer"
+        assert "denied the request: env DENY is not allowed here" in accepted["message"]
+
+        # ...and the running pool's control key is still checked every minute: a create, which
+        # the webhook sees, answered 409 (present), not a dry run failing the pass.
+        key = next(name for kind, name, _ in webhook.seen
+                   if kind == "Secret" and name.startswith("hooked-control-key-"))
+        wait_for("the control key checked again", lambda: [
+            1 for kind, name, dry in webhook.seen if (kind, name, dry) == ("Secret", key, False)
+        ][1:], timeout=max(TIMEOUT, 150))
+        degraded = condition(get_pool(kube, namespace, "hooked"), "Degraded")
+        assert degraded.get("status") != "True", degraded
+    finally:
+        admission.delete_validating_webhook_configuration(config_name)
+        webhook.close()
+        for name in ("hooked", "denied"):
+            with contextlib.suppress(kube.errors.ApiException):
+                kube.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+                                                            name)
+
+
+def test_an_operator_told_to_leave_uids_to_the_platform_takes_them_out_of_running_pools(kube):
+    """OpenShift's restricted-v2 SCC refuses pods asking for a uid outside the namespace's range,
+    and every pool's pods asked for 1000. Moved to `--no-set-pod-uid` (the chart's
+    openshift.enabled), the operator takes runAsUser, runAsGroup and fsGroup out of the pools it
+    made before, and keeps the rest of their securityContext."""
+    name = f"radixpool-e2e-{uuid.uuid4().hex[:6]}"
+    kube.core.create_namespace({"metadata": {"name": name}})
+
+    def run_operator(set_uid: str) -> subprocess.Popen:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        return subprocess.Popen(
+            [sys.executable, "-m", "radixpool.cli", "operator", "--namespace", name,
+             "--standalone", "--kubeconfig", KUBECONFIG, "--resync-seconds", "3",
+             "--liveness", f"http://127.0.0.1:{port}/healthz"],
+            env={**os.environ, "RADIXPOOL_SET_POD_UID": set_uid})
+
+    def pod_security(deployment: str) -> dict[str, Any]:
+        pod = kube.apps.read_namespaced_deployment(deployment, name).spec.template.spec
+        return kube.core.api_client.sanitize_for_serialization(pod.security_context)
+
+    process = run_operator("true")
+    try:
+        kube.custom.create_namespaced_custom_object(GROUP, VERSION, name, PLURAL,
+                                                    pool_manifest("uids"))
+        for deployment in ("uids-worker", "uids-gateway"):
+            wait_for(f"{deployment} as uid 1000", lambda d=deployment: pod_security(d).get(
+                "runAsUser") == 1000)
+        process.terminate()
+        process.wait(timeout=30)
+        process = run_operator("false")
+        for deployment in ("uids-worker", "uids-gateway"):
+            security = wait_for(f"{deployment} without a uid", lambda d=deployment: (
+                s := pod_security(d)) and "runAsUser" not in s and s)
+            assert security == {"runAsNonRoot": True,
+                                "seccompProfile": {"type": "RuntimeDefault"}}, security
     finally:
         process.terminate()
         process.wait(timeout=30)
