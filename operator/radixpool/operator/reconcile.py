@@ -175,7 +175,7 @@ def _reconcile(body: dict[str, Any], cluster: Cluster, config: OperatorConfig,
     )
     events = transition_events(body, status)
     if unchecked:
-        message = "applied without a dry run: " + "; ".join(unchecked)
+        message = "no dry run before applying: " + "; ".join(unchecked)
         log.warning("%s/%s: %s", meta.get("namespace", "default"), meta["name"], message)
         events.append(Event("Normal", "AppliedWithoutDryRun", message))
     return Outcome(status=status, events=events)
