@@ -4,6 +4,7 @@ saturated is served once the worker drains; one whose client leaves while held i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -189,3 +190,53 @@ def test_a_client_that_leaves_as_its_held_request_is_placed_is_not_served(
     assert held_outcomes(stack) == {"left": 1, "now": 0}
     slow.join(10)
     assert wait_until(loop_thread, lambda: only.inflight == 0)
+
+
+def test_requests_still_held_when_the_gateway_drain_ends_get_503_draining(
+        make_stack, loop_thread):
+    # Before: a stopping gateway closed the connections of the requests still held when its
+    # drain ended, and the OpenAI SDK saw a connection error instead of a 503 it retries.
+    stack = make_stack(workers=1, sim=SimConfig(decode_ms_per_token=100.0), late_binding=True,
+                       hold_queued_tokens=0, kv_events=False, hold_max_seconds=30.0)
+    body = {"model": "sim-model", "max_tokens": 60,
+            "messages": [{"role": "user", "content": words(0, 40)}]}   # 6 s: outlives the drain
+
+    def slow() -> None:
+        with contextlib.suppress(httpx.HTTPError):   # cut when the drain ends
+            stack.client.post("/v1/chat/completions", json=body)
+
+    slow_thread = threading.Thread(target=slow)
+    slow_thread.start()
+    assert wait_until(loop_thread, lambda: any(w.inflight for w in stack.gateway.workers))
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+    answers = {}
+
+    def ask(stream: bool) -> None:
+        try:
+            client.chat.completions.create(**{**body, "max_tokens": 1}, stream=stream)
+            answers[stream] = "answered"
+        except openai.APIError as exc:
+            answers[stream] = exc
+
+    held = [threading.Thread(target=ask, args=(stream,)) for stream in (False, True)]
+    for thread in held:
+        thread.start()
+    assert wait_until(loop_thread, lambda: len(stack.gateway.holding.binding.queue) == 2)
+    stopping = threading.Thread(target=stack.loop.run,
+                                args=(stack.server.stop(drain_seconds=1.0),))
+    stopping.start()
+    assert wait_until(loop_thread, lambda: stack.gateway.draining)
+    arrival = httpx.post(stack.url + "/v1/chat/completions", json=body)   # during the drain
+    assert arrival.status_code == 503 and arrival.json()["error"]["code"] == "draining"
+    for thread in held:
+        thread.join(10)
+    stopping.join(10)
+    slow_thread.join(10)
+    for stream in (False, True):
+        answer = answers[stream]
+        assert isinstance(answer, openai.APIStatusError), (stream, answer)
+        assert answer.status_code == 503
+        assert answer.body == arrival.json()["error"]   # the same refusal as a new arrival's
+        for header in ("retry-after", "connection"):
+            assert answer.response.headers[header] == arrival.headers[header], header
+    assert stack.gateway.metrics.held_outcomes["rejected",] == 2

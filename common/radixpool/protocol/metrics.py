@@ -188,7 +188,8 @@ GW_WAIT_QUEUE = MetricSpec(
 GW_WAIT_QUEUE_OUTCOMES = MetricSpec(
     "radixpool_gateway_wait_queue_outcomes_total", "counter",
     "Requests that left the wait queue, by outcome (placed; overdue: sent at the deadline to a "
-    "saturated worker; left: the client disconnected; rejected: no worker at the deadline, 503).",
+    "saturated worker; left: the client disconnected; rejected: 503, no worker at the deadline "
+    "or still held when the gateway's drain ended).",
     ("outcome",))
 GW_WAIT_QUEUE_SECONDS = MetricSpec(
     "radixpool_gateway_wait_queue_seconds", "histogram",

@@ -1,5 +1,7 @@
 """The proxy's side of late binding: a held request waits here, on a future of its own, until the
-wait queue places it (the rules are in wait_queue.py)."""
+wait queue places it (the rules are in wait_queue.py), or until the gateway's drain ends
+(`close`: the proxy then answers it 503 `draining`, as it answers new arrivals during the
+drain)."""
 
 from __future__ import annotations
 
@@ -24,7 +26,9 @@ class Holding:
         self.metrics = metrics
         self.clock = clock
         self.release = release  # the proxy's: a placed request given back
-        self._waiters: dict[Held, asyncio.Future] = {}
+        # each held request's future, set when it is placed or given up, and its handler
+        self._waiters: dict[Held, tuple[asyncio.Future, asyncio.Task]] = {}
+        self.closed = False   # the gateway's drain ended: what was held then was given up
         workers.drain_hooks.append(self.offer)
 
     def __bool__(self) -> bool:
@@ -36,12 +40,13 @@ class Holding:
 
     async def wait(self, key: RouteKey) -> Held | None:
         """Hold the request until the wait queue places it (the worker already taken for it);
-        None when no worker was eligible even at its deadline. A client that leaves while held
-        withdraws it (counted as `left`)."""
+        None when no worker was eligible even at its deadline, or when `close` gave it up. A
+        client that leaves while held withdraws it (counted as `left`)."""
         queue = self.binding.queue
         held = queue.hold(key, self.clock())
         deadline = held.since + queue.max_wait
-        waiter = self._waiters[held] = asyncio.get_running_loop().create_future()
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters[held] = waiter, asyncio.current_task()
         self.metrics.holding += 1
         outcome = "placed"
         try:
@@ -58,7 +63,8 @@ class Holding:
             elif self.clock() >= deadline:
                 outcome = "overdue"
         except asyncio.CancelledError:
-            if not queue.withdraw(held):  # placed as the client left: give it back
+            if not queue.withdraw(held) and held.worker is not None:
+                # placed as the client left: give it back
                 self.release(held.worker, prefill_wait(held.decision, key), key.sequences)
                 self.binding.policy.failed(held.decision, key)
             outcome = "left"
@@ -73,6 +79,19 @@ class Holding:
         """A worker's queue drained (or one joined): offer the held requests again."""
         now = self.clock() if now is None else now
         for held in self.binding.release(now, lambda model: self.workers.eligible(now, model)):
-            waiter = self._waiters.get(held)
-            if waiter is not None and not waiter.done():
-                waiter.set_result(None)
+            self._wake(held)
+
+    def close(self) -> list[asyncio.Task]:
+        """The gateway's drain ended: every request still held is given up (counted as
+        `rejected`; its handler answers 503 `draining` rather than have its connection cut).
+        Returns those handlers, for the gateway to let them answer before it closes."""
+        self.closed = True
+        given_up = [held for held in self._waiters if self.binding.queue.withdraw(held)]
+        for held in given_up:
+            self._wake(held)
+        return [self._waiters[held][1] for held in given_up]
+
+    def _wake(self, held: Held) -> None:
+        waiter, _ = self._waiters.get(held, (None, None))
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)

@@ -84,6 +84,7 @@ log = logging.getLogger("radixpool.gateway")
 READ_ONLY_PATHS = ("/livez", "/health", "/metrics", "/v1/models")
 FORGET_EVERY_S = 60.0   # gone workers' counters are dropped on membership changes this often
 QUARANTINED = object()   # _dispatch's answer for a request a second dying engine held
+DRAINED = object()   # _dispatch's answer for a request still held when the gateway's drain ended
 WORKER_TIMEOUT = "worker_timeout"   # the code of a 504 (and of a stream cut) for a slow worker
 MODEL_PATH = "/v1/models/"   # + a model id
 DONE_EVENT = b"data: [DONE]\n\n"   # the last event of a whole OpenAI stream
@@ -260,8 +261,7 @@ class Gateway:
     async def proxy(self, request: Request, respond: Responder) -> None:
         started = time.perf_counter()
         if self.draining:
-            await self._refuse(respond, started, 503, "the gateway is shutting down; retry",
-                               "draining", headers=[(b"retry-after", b"1")])
+            await self._refuse_draining(respond, started)
             return
         try:
             parsed = await self.bodies.parse(request.path, request.body)
@@ -284,6 +284,9 @@ class Gateway:
         if picked is QUARANTINED:
             await self._quarantined(respond, started)
             return
+        if picked is DRAINED:
+            await self._refuse_draining(respond, started)
+            return
         if len(picked) == 2:
             status, message = picked
             await self._refuse(respond, started, status, message,
@@ -296,6 +299,11 @@ class Gateway:
                               started, parsed.body)
         finally:
             self._release(worker, prefill_wait(decision, key), key.sequences)
+
+    async def _refuse_draining(self, respond: Responder, started: float) -> None:
+        respond.closing = True   # held since before the drain: its connection closes too
+        await self._refuse(respond, started, 503, "the gateway is shutting down; retry",
+                           "draining", headers=[(b"retry-after", b"1")])
 
     async def _quarantined(self, respond: Responder, started: float) -> None:
         self.metrics.quarantined += 1
@@ -319,7 +327,8 @@ class Gateway:
         """Pick a worker and get its response headers, retrying connect errors and 503s on
         others. Returns the worker (its in-flight count taken), or the status and reason to
         answer with: 502 when a worker failed, 503 when none was available or all were busy;
-        or QUARANTINED when the request was in a second engine that died. A client that leaves
+        QUARANTINED when the request was in a second engine that died; or DRAINED when it was
+        still held when the gateway's drain ended. A client that leaves
         meanwhile is counted as a 499 here (a non-streamed request leaves before any header)."""
         tried: set[str] = set()
         errors: list[str] = []
@@ -342,6 +351,8 @@ class Gateway:
                     self._left("gateway", started)
                     raise
                 if held is None:
+                    if self.holding.closed:
+                        return DRAINED
                     break
                 worker, decision = held.worker, held.decision
                 wait = prefill_wait(decision, key)

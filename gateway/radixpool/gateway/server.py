@@ -21,6 +21,8 @@ from radixpool.tokenization import PromptTokenizer
 
 log = logging.getLogger("radixpool.gateway")
 
+REFUSALS_WAIT_S = 1.0   # at most this long for the requests held at the drain's end to be refused
+
 
 class GatewayServer:
     def __init__(self, config: GatewayConfig, tokenizer: PromptTokenizer | None = None) -> None:
@@ -55,14 +57,18 @@ class GatewayServer:
 
     async def stop(self, drain_seconds: float = 0.0) -> None:
         """Refuse new requests (503 `draining`, `/health` 503), let those in flight finish for
-        up to `drain_seconds`, then close."""
-        self.gateway.draining = True
+        up to `drain_seconds` (a request held by late binding is still placed meanwhile, and
+        answered 503 `draining` if still held at the end), then close."""
+        gateway = self.gateway
+        gateway.draining = True
         if self._discovery_stop is not None:
             self._discovery_stop.set()
         deadline = asyncio.get_running_loop().time() + drain_seconds
-        while (any(w.inflight for w in self.gateway.workers)
+        while ((gateway.holding or any(w.inflight for w in gateway.workers))
                and asyncio.get_running_loop().time() < deadline):
             await asyncio.sleep(0.05)
+        if gateway.holding is not None and (answering := gateway.holding.close()):
+            await asyncio.wait(answering, timeout=REFUSALS_WAIT_S)
         if self.server is not None:   # what is still answering has the rest of the drain
             await self.server.stop(grace=max(0.0, deadline - asyncio.get_running_loop().time()))
         if self.monitor is not None:

@@ -16,8 +16,10 @@ Bounds. A request held `hold_max_seconds` is sent anyway to its soonest worker, 
 the workers are up and merely busy, so a 503 would throw away work early binding would have done
 (the fallback is never worse than no queue). While `hold_max_requests` are held, new arrivals
 bypass the queue (early binding). Only when no eligible worker is left at the deadline is the
-request answered 503. A held request whose client leaves is withdrawn. Nothing is bound to a
-worker while held, so a worker that dies takes no held request with it.
+request answered 503, or when the gateway stops: held requests are still placed during its
+drain, and those left when it ends get 503 `draining`. A held request whose client leaves is
+withdrawn. Nothing is bound to a worker while held, so a worker that dies takes no held request
+with it.
 
 `WaitQueue` is the pure core (no clock, no I/O): the proxy and the virtual fleet
 (`bench/simfleet/virtual.py`) drive the same `LateBinding` around it.
