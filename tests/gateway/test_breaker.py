@@ -111,6 +111,20 @@ def test_from_any_history_consecutive_failures_open_it_until_the_cool_down(steps
 
 
 @settings(max_examples=300, deadline=None)
+@given(st.lists(outcomes, max_size=40))
+def test_from_any_history_a_blocking_breaker_says_when_it_lets_requests_through(steps):
+    # late binding sets its timer there: it must find the worker open to requests, not spin
+    b = CircuitBreaker(FAILURES, OPEN_S)
+    now = drive(b, steps)
+    until = b.blocked_until(now)
+    assert (until is None) == b.allows(now)
+    if until is not None:
+        assert now < until <= now + OPEN_S
+        assert not b.allows(until - OPEN_S * 0.01)
+        assert b.allows(until) and b.blocked_until(until) is None
+
+
+@settings(max_examples=300, deadline=None)
 @given(st.lists(outcomes, max_size=40), st.sampled_from(("success", *FAILURE_KINDS)))
 def test_from_any_history_a_half_open_outcome_resolves_the_state(steps, outcome):
     b = CircuitBreaker(FAILURES, OPEN_S)

@@ -240,3 +240,34 @@ def test_requests_still_held_when_the_gateway_drain_ends_get_503_draining(
         for header in ("retry-after", "connection"):
             assert answer.response.headers[header] == arrival.headers[header], header
     assert stack.gateway.metrics.held_outcomes["rejected",] == 2
+
+
+def test_a_held_request_goes_to_a_worker_as_soon_as_its_breaker_cool_down_ends(
+        make_stack, loop_thread):
+    # Before: nothing offered the held requests when a worker's breaker let requests through
+    # again: they waited for another request to end (5 s here) or their deadline (30 s).
+    stack = make_stack(workers=2, sim=SimConfig(decode_ms_per_token=100.0), late_binding=True,
+                       hold_queued_tokens=0, kv_events=False, hold_max_seconds=30.0,
+                       breaker_failures=1, breaker_open_seconds=1.0)
+    body = {"model": "sim-model", "max_tokens": 50,
+            "messages": [{"role": "user", "content": words(0, 40)}]}
+    slow = occupy(stack, loop_thread, body)   # 5 s on one worker
+    busy = next(w for w in stack.gateway.workers if w.inflight)
+    other = next(i for i, url in enumerate(stack.fleet.urls) if url != busy.url)
+    stack.fleet.workers[other].error = {}   # it fails the next request: its breaker opens
+    failed = stack.client.post("/v1/chat/completions", json={
+        **body, "max_tokens": 1, "messages": [{"role": "user", "content": words(1000, 40)}]})
+    assert failed.status_code == 500 and stack.worker_of(failed) == other
+    stack.fleet.workers[other].error = None
+    answer = {}   # a prompt of its own: the busy worker is not its cache owner to wait for
+    held = threading.Thread(target=lambda: answer.setdefault("r", stack.client.post(
+        "/v1/chat/completions", json={
+            **body, "max_tokens": 1, "messages": [{"role": "user", "content": words(2000, 40)}]
+        })))
+    held.start()
+    assert wait_until(loop_thread, lambda: len(stack.gateway.holding.binding.queue) == 1)
+    held.join(10)
+    assert slow.is_alive(), "the held request waited for the slow one to end"
+    assert answer["r"].status_code == 200 and stack.worker_of(answer["r"]) == other
+    assert held_outcomes(stack).get("placed") == 1
+    slow.join(10)

@@ -21,8 +21,10 @@ with the clock passed in (tests step it without sleeping).
   thus opens no breaker; a worker that fails every request so takes itself out (its `/health`).
 
 The proxy's whole interface: `allows(now)` (may a new request go there), `dispatched(now)` (one
-went), `record_success(now)`, `record_failure(kind, now)`, `record_request_error(now)`; the
-health monitor calls `reset()` when the worker's checks bring it back up.
+went), `record_success(now)`, `record_failure(kind, now)`, `record_request_error(now)`, and
+`blocked_until(now)` (when it lets requests through again by itself: late binding offers its
+held requests then); the health monitor calls `reset()` when the worker's checks bring it back
+up.
 """
 
 from __future__ import annotations
@@ -59,6 +61,17 @@ class CircuitBreaker:
         if state == "open":
             return False
         return self._probe_until is None or now >= self._probe_until
+
+    def blocked_until(self, now: float) -> float | None:
+        """When a breaker that lets no new request through now will let one through again by
+        itself: the cool-down's end, or a half-open probe's slot freed; None when it allows
+        requests now."""
+        state = self.state(now)
+        if state == "open":
+            return self._half_open_at
+        if state == "half_open" and self._probe_until is not None and now < self._probe_until:
+            return self._probe_until
+        return None
 
     def dispatched(self, now: float) -> None:
         """A request was sent; while half-open it is the probe and takes the slot."""

@@ -29,6 +29,9 @@ class Holding:
         # each held request's future, set when it is placed or given up, and its handler
         self._waiters: dict[Held, tuple[asyncio.Future, asyncio.Task]] = {}
         self.closed = False   # the gateway's drain ended: what was held then was given up
+        # offers again when the soonest breaker cool-down ends (no other event says so)
+        self._cool_down_timer: asyncio.TimerHandle | None = None
+        self._cool_down_ends = 0.0
         workers.drain_hooks.append(self.offer)
 
     def __bool__(self) -> bool:
@@ -80,6 +83,30 @@ class Holding:
         now = self.clock() if now is None else now
         for held in self.binding.release(now, lambda model: self.workers.eligible(now, model)):
             self._wake(held)
+        if self.binding.queue:
+            self._offer_when_a_breaker_lets_through()
+
+    def _offer_when_a_breaker_lets_through(self) -> None:
+        """Some requests stay held: offer them again the moment the soonest breaker that keeps
+        a worker out lets requests through again (its cool-down ends, or a lost probe's slot
+        frees), as no request or KV event need come then. One timer, for the soonest."""
+        now = self.clock()
+        ends = [end for worker in self.workers
+                if (end := worker.breaker.blocked_until(now)) is not None]
+        if not ends:
+            return
+        soonest = min(ends)
+        if self._cool_down_timer is not None:
+            if self._cool_down_ends <= soonest:
+                return
+            self._cool_down_timer.cancel()
+        self._cool_down_ends = soonest
+        self._cool_down_timer = asyncio.get_running_loop().call_later(
+            soonest - now, self._cool_down_ended)
+
+    def _cool_down_ended(self) -> None:
+        self._cool_down_timer = None
+        self.offer()
 
     def close(self) -> list[asyncio.Task]:
         """The gateway's drain ended: every request still held is given up (counted as

@@ -328,8 +328,10 @@ class Gateway:
         others. Returns the worker (its in-flight count taken), or the status and reason to
         answer with: 502 when a worker failed, 503 when none was available or all were busy;
         QUARANTINED when the request was in a second engine that died; or DRAINED when it was
-        still held when the gateway's drain ended. A client that leaves
-        meanwhile is counted as a 499 here (a non-streamed request leaves before any header)."""
+        still held when the gateway's drain ended. A client that leaves meanwhile is counted as
+        a 499 here (a non-streamed request leaves before any header). A failed worker's breaker
+        (and draining flag) are set before `_release` offers the held requests: none goes
+        there, and they are offered again when its cool-down ends."""
         tried: set[str] = set()
         errors: list[str] = []
         busy = 0
@@ -367,13 +369,13 @@ class Gateway:
                     "POST", path, headers, body, self.config.upstream_first_byte_timeout,
                     self.config.upstream_timeout)
             except UpstreamTimeout as exc:  # a hung worker: no retry (it may still be working)
-                self._release(worker, wait, key.sequences)
                 self._timed_out(worker, now)
+                self._release(worker, wait, key.sequences)
                 self.policy.failed(decision, key)
                 return 504, f"worker {worker.url} timed out: {exc}"
             except UpstreamError as exc:
-                self._release(worker, wait, key.sequences)
                 worker.breaker.record_failure("connect_error", self.clock())
+                self._release(worker, wait, key.sequences)
                 errors.append(f"{worker.url}: {exc}")
             except BaseException as exc:
                 self._release(worker, wait, key.sequences)
@@ -383,12 +385,12 @@ class Gateway:
             else:
                 if upstream.status != 503 or attempt == self.config.max_retries:
                     return worker, decision, upstream
-                self._release(worker, wait, key.sequences)
                 worker.breaker.record_failure("server_error", self.clock())
+                worker.draining = True  # cleared when its /health answers 200 again
+                self._release(worker, wait, key.sequences)
                 answer = b""
                 with contextlib.suppress(UpstreamError):
                     answer = await upstream.body()  # to the end: the connection is reused
-                worker.draining = True  # cleared when its /health answers 200 again
                 if self._engine_died(answer, body):
                     self.policy.failed(decision, key)
                     return QUARANTINED
