@@ -10,6 +10,7 @@ import time
 
 import httpx
 import openai
+import pytest
 
 from bench.simfleet import SimConfig
 from tests.gateway.conftest import words
@@ -270,4 +271,44 @@ def test_a_held_request_goes_to_a_worker_as_soon_as_its_breaker_cool_down_ends(
     assert slow.is_alive(), "the held request waited for the slow one to end"
     assert answer["r"].status_code == 200 and stack.worker_of(answer["r"]) == other
     assert held_outcomes(stack).get("placed") == 1
+    slow.join(10)
+
+
+@pytest.mark.parametrize("leaves", ["removed", "terminating", "draining"])
+def test_a_request_held_for_its_cache_owner_goes_elsewhere_once_the_owner_leaves(
+        make_stack, loop_thread, leaves):
+    # Before: a request held for its busy cache owner (the idle worker not worth a copy of its
+    # prefix) was not offered again when the owner left the rotation: it waited for the
+    # owner's requests to end (5 s here) or its deadline (30 s) with the other worker idle.
+    stack = make_stack(workers=2, sim=SimConfig(decode_ms_per_token=100.0), late_binding=True,
+                       hold_queued_tokens=0, kv_events=False, hold_max_seconds=30.0)
+    body = {"model": "sim-model", "max_tokens": 50,
+            "messages": [{"role": "user", "content": words(0, 40)}]}
+    slow = occupy(stack, loop_thread, body)   # 5 s at the prefix's owner
+    owner = next(w for w in stack.gateway.workers if w.inflight)
+    other = next(w for w in stack.gateway.workers if w is not owner)
+    short = threading.Thread(target=stack.client.post, args=("/v1/chat/completions",), kwargs={
+        "json": {**body, "max_tokens": 10,
+                 "messages": [{"role": "user", "content": words(1000, 40)}]}})
+    short.start()   # 1 s at the other worker, so that the next request is held, not spilled
+    assert wait_until(loop_thread, lambda: other.inflight)
+    answer = {}
+    held = threading.Thread(target=lambda: answer.setdefault("r", stack.client.post(
+        "/v1/chat/completions", json={**body, "max_tokens": 1})))
+    held.start()
+    assert wait_until(loop_thread, lambda: len(stack.gateway.holding.binding.queue) == 1)
+    short.join(10)
+    assert wait_until(loop_thread, lambda: not other.inflight)
+    assert len(stack.gateway.holding.binding.queue) == 1   # held for its owner
+    if leaves == "removed":
+        loop_thread.call(stack.gateway.workers.remove, owner.url)
+    elif leaves == "terminating":
+        loop_thread.call(stack.gateway.workers.reconcile, {other.url}, {owner.url})
+    else:   # its /health answers 503
+        stack.fleet.workers[stack.fleet.urls.index(owner.url)].fail_health = True
+        stack.check_all()
+    held.join(10)
+    assert slow.is_alive(), "the held request waited for its owner's request to end"
+    assert answer["r"].status_code == 200
+    assert answer["r"].headers["x-radixpool-worker"] == other.url
     slow.join(10)

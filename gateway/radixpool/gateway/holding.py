@@ -79,7 +79,8 @@ class Holding:
         return held if held.worker is not None else None
 
     def offer(self, now: float | None = None) -> None:
-        """A worker's queue drained (or one joined): offer the held requests again."""
+        """A worker's queue drained (or one joined, came back or left the rotation): offer the
+        held requests again."""
         now = self.clock() if now is None else now
         for held in self.binding.release(now, lambda model: self.workers.eligible(now, model)):
             self._wake(held)

@@ -3,9 +3,10 @@ capacity, the model's tokenizer, and the KV-event stream. All of them feed the p
 
 - Health: every `health_interval`, `GET /health`; results go through the hysteresis (N failures
   down, M successes up). A 503 marks the worker draining at once (no new requests); a 200 clears
-  it. Coming back up closes the circuit breaker. Going down because the checks went unanswered
-  (a hung worker, not a draining one) calls `hung`: the proxy retries elsewhere the requests
-  still waiting there for their response headers.
+  it. Coming back up closes the circuit breaker. A worker going out of rotation or back into it
+  has the requests held by late binding offered again (`WorkerSet.drained`). Going down because
+  the checks went unanswered (a hung worker, not a draining one) calls `hung`: the proxy retries
+  elsewhere the requests still waiting there for their response headers.
 - Identity: `GET /server_info` each round (`/get_server_info` for SGLang workers). A new
   `instance_id` (restart or `/flush_cache`) empties that worker's tree at once;
   `kv_capacity_tokens` (SGLang: `max_total_num_tokens`) sizes it.
@@ -119,7 +120,7 @@ class Monitor:
         except (asyncio.TimeoutError, OSError):
             status, doc = 0, None
         ok = status == 200
-        back = ok and worker.draining   # it answered 503 before: it takes requests again
+        serving = worker.health.healthy and not worker.draining
         worker.draining = status == 503
         code = doc.get("code") if isinstance(doc, dict) else None
         if isinstance(doc, dict) and isinstance(doc.get("error"), dict):   # an edge's refusal
@@ -131,10 +132,11 @@ class Monitor:
                         f" ({status} {code})" if not ok and isinstance(code, str) else "")
             if ok:
                 worker.breaker.reset()
-                back = True
             elif not status and self.hung is not None:   # unanswered, not draining (503)
                 self.hung(worker)
-        if back:   # the requests held in the gateway may go there now, not at their deadline
+        if (worker.health.healthy and not worker.draining) != serving:
+            # back: the requests held in the gateway may go there now, not at their deadline;
+            # out: those held for it as their cache owner may go elsewhere
             self.workers.drained()
         if not ok:
             return

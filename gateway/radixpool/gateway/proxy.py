@@ -125,7 +125,7 @@ class Gateway:
     def _membership(self, worker: Worker, joined: bool) -> None:
         if not joined:
             self.forget_pool(worker.url)
-        elif self.holding:
+        if self.holding:   # it may take held requests, or was the cache owner some waited for
             self.holding.offer()
         now = self.clock()
         if now >= self._next_forget:   # at most once a minute: a rollout changes many at once

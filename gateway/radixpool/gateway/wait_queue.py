@@ -6,7 +6,8 @@ policy picks already has more than `hold_queued_tokens` of prefill queued (`Work
 uncached tokens of the requests sent there whose prefill has not ended), the request is held;
 so are all later arrivals while anything is held (first come, first placed). Whenever a worker's
 queue drains (a KV event stores a prompt, a request ends or fails, a worker joins or its checks
-bring it back, or its breaker's cool-down ends), the held requests are offered again, oldest
+bring it back, or its breaker's cool-down ends), and whenever a worker leaves the rotation (the
+cache owner a request waited for may be gone), the held requests are offered again, oldest
 first, each to the worker where it would get its first token soonest counting the cache
 (`Policy.place`: queued prefill there + its uncached part + the reused prefixes it would push
 out; for `cache_aware`, among the prefix's owners when it has some, or an idle worker by the

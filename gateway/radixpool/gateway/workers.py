@@ -188,7 +188,8 @@ class WorkerSet:
         self._departed: dict[str, Worker] = {}
         self._models: set[str | None] | None = None   # the models served, when counted
         self.membership_hooks: list[MembershipHook] = []
-        self.drain_hooks: list[DrainHook] = []   # some worker's queued prefill went down
+        # some worker's queued prefill went down, or a worker joined or left the rotation
+        self.drain_hooks: list[DrainHook] = []
 
     def drained(self) -> None:
         for hook in self.drain_hooks:
@@ -253,11 +254,15 @@ class WorkerSet:
         terminating = {normalize_worker_url(url) for url in terminating} - ready
         for url in ready:
             self.add(url)   # clears `terminating` on a worker that came back
+        leaving = False
         for worker in self:
             if worker.url in terminating:
+                leaving = leaving or not worker.terminating
                 worker.terminating = True
             elif worker.url not in ready:
                 self.remove(worker.url)
+        if leaving:   # requests held for it as their cache owner may go elsewhere now
+            self.drained()
 
     def eligible(self, now: float, model: str | None = None) -> list[Worker]:
         """The workers a new request may go to: for `model`, those serving it; when none of
