@@ -312,3 +312,28 @@ def test_a_request_held_for_its_cache_owner_goes_elsewhere_once_the_owner_leaves
     assert answer["r"].status_code == 200
     assert answer["r"].headers["x-radixpool-worker"] == other.url
     slow.join(10)
+
+
+def test_a_held_request_goes_to_a_worker_whose_endpoint_is_ready_again(make_stack, loop_thread):
+    # Before: discovery clearing a worker's `terminating` (its endpoint ready again) offered
+    # the held requests nothing: they waited for another request to end (5 s here).
+    stack = make_stack(workers=2, sim=SimConfig(decode_ms_per_token=100.0), late_binding=True,
+                       hold_queued_tokens=0, kv_events=False, hold_max_seconds=30.0)
+    first, second = stack.fleet.urls
+    loop_thread.call(stack.gateway.workers.reconcile, {first}, {second})
+    body = {"model": "sim-model", "max_tokens": 50,
+            "messages": [{"role": "user", "content": words(0, 40)}]}
+    slow = occupy(stack, loop_thread, body)   # 5 s on the first, the only one in rotation
+    answer = {}   # a prompt of its own: the busy worker is not its cache owner to wait for
+    held = threading.Thread(target=lambda: answer.setdefault("r", stack.client.post(
+        "/v1/chat/completions", json={
+            **body, "max_tokens": 1, "messages": [{"role": "user", "content": words(2000, 40)}]
+        })))
+    held.start()
+    assert wait_until(loop_thread, lambda: len(stack.gateway.holding.binding.queue) == 1)
+    loop_thread.call(stack.gateway.workers.reconcile, {first, second}, set())
+    held.join(10)
+    assert slow.is_alive(), "the held request waited for the slow one to end"
+    assert answer["r"].status_code == 200
+    assert answer["r"].headers["x-radixpool-worker"] == second
+    slow.join(10)

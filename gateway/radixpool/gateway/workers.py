@@ -215,7 +215,9 @@ class WorkerSet:
         url = normalize_worker_url(url)
         worker = self.workers.get(url)
         if worker is not None:
-            worker.terminating = False
+            if worker.terminating:   # back in rotation: the held requests may go there now
+                worker.terminating = False
+                self.drained()
             return worker
         self._departed = {u: w for u, w in self._departed.items() if w.inflight}
         worker = self._departed.pop(url, None)
