@@ -90,7 +90,8 @@ def test_a_miss_the_tree_did_not_expect_trims_it(make_stack):
     worker = stack.gateway.workers.get(worker_url)
     assert worker.corrections.get("cached_tokens") == 1
     doc = stack.client.get("/metrics").text
-    assert 'radixpool_gateway_tree_corrections_total{source="cached_tokens"' in doc
+    assert ('radixpool_gateway_tree_corrections_total{source="cached_tokens",'
+            f'worker="{worker_url}"}} 1.0') in doc
 
 
 def test_kv_events_keep_the_tree_exact_under_worker_eviction(make_stack):

@@ -555,6 +555,20 @@ def test_a_long_requests_latency_lands_in_a_finite_bucket_above_it():
         assert le != "+Inf" and float(le) >= seconds, (name, le)
 
 
+def test_every_finish_reason_is_exported_at_zero_before_its_first_request():
+    """rate() needs an earlier sample: a worker's first aborted request, its series born at 1,
+    never showed on the boards' "Finished requests / s" (nor did the first `length`)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from radixpool.worker.server.metrics import WorkerMetrics
+
+    metrics = WorkerMetrics("m", "v", engine_fn=lambda: None, stats_fn=lambda: None)
+    samples = {s.labels["finish_reason"]: s.value
+               for f in text_string_to_metric_families(metrics.exposition().decode())
+               for s in f.samples if s.name == "radixpool_requests_total"}
+    assert samples == {"stop": 0.0, "length": 0.0, "abort": 0.0}
+
+
 def test_fields_a_request_leaves_out_take_the_models_generation_config(tmp_path, tiny_model):
     """As in vLLM and SGLang: Qwen3's generation_config.json asks for temperature 0.6, top_p
     0.95, top_k 20; a request without them sampled at OpenAI's temperature 1 and no top-k."""

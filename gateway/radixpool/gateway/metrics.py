@@ -31,6 +31,10 @@ from radixpool.gateway.workers import WorkerSet
 from radixpool.protocol import metrics as spec
 
 BUCKETS = spec.LATENCY_BUCKETS
+# Label values of rare events, exported at 0 before the first: Prometheus' rate() needs a
+# series' earlier sample, so one born at 1 would never show its first event on a dashboard.
+CORRECTION_SOURCES = ("cached_tokens", "instance_id", "kv_resync")
+HOLD_OUTCOMES = ("placed", "overdue", "left", "rejected")
 
 
 class _Histogram:
@@ -158,20 +162,25 @@ class GatewayMetrics:
         return generate_latest(self.registry)
 
     def collect(self):
+        live = () if self._state is None else [w.url for w in self._state[0]]
         yield _counter(spec.GW_REQUESTS, self.requests)
         yield _counter(spec.GW_ROUTE_DECISIONS, self.decisions)
         yield _counter(spec.GW_PROMPT_TOKENS, self.prompt)
         yield _counter(spec.GW_CACHED_TOKENS, self.cached)
         yield _counter(spec.GW_PREDICTED_CACHED_TOKENS, self.predicted)
-        yield _counter(spec.GW_TREE_CORRECTIONS, self.corrections)
-        yield _counter(spec.GW_UPSTREAM_TIMEOUTS, self.timeouts)
+        yield _counter(spec.GW_TREE_CORRECTIONS, {
+            **{(url, source): 0 for url in live for source in CORRECTION_SOURCES},
+            **self.corrections})
+        yield _counter(spec.GW_UPSTREAM_TIMEOUTS, {**{(url,): 0 for url in live},
+                                                   **self.timeouts})
         yield _counter(spec.GW_RETRIES, {(): self.retries})
         yield _counter(spec.GW_QUARANTINED, {(): self.quarantined})
         yield self.duration.family(spec.GW_REQUEST_DURATION)
         yield self.ttft.family(spec.GW_TIME_TO_FIRST_TOKEN)
         yield GaugeMetricFamily(spec.GW_WAIT_QUEUE.name, spec.GW_WAIT_QUEUE.help,
                                 value=self.holding)
-        yield _counter(spec.GW_WAIT_QUEUE_OUTCOMES, self.held_outcomes)
+        yield _counter(spec.GW_WAIT_QUEUE_OUTCOMES, {
+            **{(outcome,): 0 for outcome in HOLD_OUTCOMES}, **self.held_outcomes})
         yield self.hold.family(spec.GW_WAIT_QUEUE_SECONDS)
         if self._state is None:
             return

@@ -27,6 +27,9 @@ from radixpool.protocol import metrics as spec
 from radixpool.protocol.metrics import GRAMMAR_COMPILE_BUCKETS, LATENCY_BUCKETS, MetricSpec
 
 HIT_RATE_WINDOW = 1000   # finished requests in the `radixpool_cache_hit_rate` window
+# Exported at 0 from the start: rate() needs a series' earlier sample, so one born at 1 (the
+# first abort) would never show on a dashboard.
+FINISH_REASONS = ("stop", "length", "abort")
 
 
 def _counter(s: MetricSpec, registry: CollectorRegistry) -> Counter:
@@ -131,6 +134,8 @@ class WorkerMetrics:
         self.cached_tokens = _counter(spec.CACHED_PROMPT_TOKENS, r)
         self.generation_tokens = _counter(spec.GENERATION_TOKENS, r)
         self.requests = _counter(spec.REQUESTS, r)
+        for reason in FINISH_REASONS:
+            self.requests.labels(reason)
         self.ttft = _histogram(spec.TIME_TO_FIRST_TOKEN, r)
         self.itl = _histogram(spec.INTER_TOKEN_LATENCY, r)
         self.e2e = _histogram(spec.E2E_REQUEST_LATENCY, r)
