@@ -157,3 +157,24 @@ def test_workers_up_counts_each_worker_once_whatever_the_gateway_replicas():
     # Each gateway replica exports one series per worker: they are folded per worker first.
     assert re.fullmatch(r"sum\(max by \(worker\) \(radixpool_gateway_worker_healthy\{.*\}\)\)",
                         healthy), healthy
+
+
+# Grafana's thresholds for a stat panel that sets none.
+GRAFANA_DEFAULT_THRESHOLDS = {"mode": "absolute", "steps": [{"color": "green", "value": None},
+                                                            {"color": "red", "value": 80}]}
+
+
+def colour(panel: dict, value: float) -> str:
+    """The colour Grafana gives `value` on a stat panel: that of the last step at or below it."""
+    thresholds = panel["fieldConfig"]["defaults"].get("thresholds", GRAFANA_DEFAULT_THRESHOLDS)
+    return [step["color"] for step in thresholds["steps"]
+            if step["value"] is None or step["value"] <= value][-1]
+
+
+def test_stat_panels_colour_an_unhealthy_worker_red_and_a_large_pool_not():
+    # Without thresholds a worker failing its health checks (0) showed green, like a healthy
+    # one, and "Workers up" turned red for any pool of 80 workers or more.
+    panels = {p["title"]: p for p in boards()["radixpool-fleet.json"]["panels"]}
+    assert (colour(panels["Worker health"], 0), colour(panels["Worker health"], 1)) == \
+        ("red", "green")
+    assert {colour(panels["Workers up"], n) for n in (0, 1, 80, 500)} - {"text"} == set()

@@ -37,14 +37,29 @@ def _quantiles(histogram: m.MetricSpec, selector: str, by: str = "") -> list[dic
             for q in (0.5, 0.9, 0.99)]
 
 
+def _thresholds(*steps: tuple[str, float | None]) -> dict[str, Any]:
+    return {"mode": "absolute", "steps": [{"color": color, "value": value}
+                                          for color, value in steps]}
+
+
+# A stat panel left without thresholds gets Grafana's default (green, red from 80): a worker
+# that fails its health checks (0) showed green, and a pool of 80 workers or more showed red.
+HEALTHY = _thresholds(("red", None), ("green", 1))
+NEUTRAL = _thresholds(("text", None))
+
+
 def _panel(title: str, targets: list[dict[str, str]], unit: str, description: str,
-           kind: str = "timeseries") -> dict[str, Any]:
+           kind: str = "timeseries", thresholds: dict[str, Any] | None = None
+           ) -> dict[str, Any]:
+    defaults: dict[str, Any] = {"unit": unit}
+    if unit == "percentunit":   # ratios are 0-1: a fixed axis keeps 40% from looking like 100%
+        defaults |= {"min": 0, "max": 1}
+    if thresholds is not None:
+        defaults["thresholds"] = thresholds
     return {
         "type": kind, "title": title, "description": description,
         "datasource": {"type": "prometheus", "uid": "${datasource}"},
-        # Ratios are 0-1 (`percentunit`): a fixed axis keeps 40% from looking like 100%.
-        "fieldConfig": {"defaults": {"unit": unit, **({"min": 0, "max": 1} if unit == "percentunit"
-                                                       else {})}, "overrides": []},
+        "fieldConfig": {"defaults": defaults, "overrides": []},
         "targets": [{**target, "refId": chr(ord("A") + i),
                      "datasource": {"type": "prometheus", "uid": "${datasource}"}}
                     for i, target in enumerate(targets)],
@@ -183,7 +198,7 @@ def fleet_dashboard() -> dict[str, Any]:
         _panel("Worker health", [
             {"expr": f"min by (worker) ({m.GW_WORKER_HEALTHY.name}{{{POOL}}})",
              "legendFormat": "{{worker}}"}], "bool_yes_no",
-            "1: the gateway sends this worker traffic.", kind="stat"),
+            "1: the gateway sends this worker traffic.", kind="stat", thresholds=HEALTHY),
         _panel("Circuit breakers not closed", [
             # Each gateway replica has its own breakers: a worker shows if any replica's is.
             {"expr": f'max by (worker, state) ({m.GW_BREAKER_STATE.name}{{{POOL}, '
@@ -197,7 +212,8 @@ def fleet_dashboard() -> dict[str, Any]:
             # gateway routes to it, so more gateway replicas never count a worker twice.
             {"expr": f"sum(max by (worker) ({m.GW_WORKER_HEALTHY.name}{{{POOL}}}))",
              "legendFormat": "healthy (gateway)"}], "short",
-            "Workers exporting metrics vs workers the gateway routes to.", kind="stat"),
+            "Workers exporting metrics vs workers the gateway routes to.", kind="stat",
+            thresholds=NEUTRAL),
     ]
     return _dashboard("radixpool-fleet", "RadixPool / Fleet",
                       "Every pool's traffic, latency, cache effectiveness and worker health.",
