@@ -178,3 +178,14 @@ def test_stat_panels_colour_an_unhealthy_worker_red_and_a_large_pool_not():
     assert (colour(panels["Worker health"], 0), colour(panels["Worker health"], 1)) == \
         ("red", "green")
     assert {colour(panels["Workers up"], n) for n in (0, 1, 80, 500)} - {"text"} == set()
+
+
+def test_worker_hit_rate_follows_the_boards_window_not_the_last_1000_requests():
+    # radixpool_cache_hit_rate covers a worker's last 1000 requests however old they are: an
+    # idle worker, or one whose traffic changed an hour before, showed that old rate as now.
+    panel = next(p for p in boards()["radixpool-worker.json"]["panels"]
+                 if p["title"] == "Cache hit rate")
+    (target,) = panel["targets"]
+    assert set(series_names(target["expr"])) == {m.CACHED_PROMPT_TOKENS.name,
+                                                 m.PROMPT_TOKENS.name}
+    assert target["expr"].count("[$__rate_interval]") == 2

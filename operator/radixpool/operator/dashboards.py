@@ -242,10 +242,14 @@ def worker_dashboard() -> dict[str, Any]:
              "legendFormat": "cached {{pod}}"},
             {"expr": f"max by (pod) ({m.KV_CACHE_CAPACITY.name}{{{WORKER}}})",
              "legendFormat": "capacity {{pod}}"}], "short", "Tokens held vs KV capacity."),
+        # Over the board's window, not radixpool_cache_hit_rate (the last 1000 requests,
+        # however old): an idle worker would show the rate of an hour ago as current.
         _panel("Cache hit rate", [
-            {"expr": f"max by (pod) ({m.CACHE_HIT_RATE.name}{{{WORKER}}})",
+            {"expr": f"sum by (pod) ({_rate(m.CACHED_PROMPT_TOKENS.name, WORKER)}) / "
+                     f"sum by (pod) ({_rate(m.PROMPT_TOKENS.name, WORKER)})",
              "legendFormat": "{{pod}}"}], "percentunit",
-            "Cached / prompt tokens over recent requests."),
+            "Cached / prompt tokens of the requests each worker finished in the window; "
+            "empty while it finishes none."),
         _panel("Tokens / s", [
             {"expr": f"sum by (pod) ({_rate(m.PROMPT_TOKENS.name, WORKER)})",
              "legendFormat": "prompt {{pod}}"},
