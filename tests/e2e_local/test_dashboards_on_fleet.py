@@ -8,6 +8,7 @@ the specs; this checks the specs against the running code."""
 from __future__ import annotations
 
 import json
+import operator
 import re
 import uuid
 
@@ -20,12 +21,13 @@ from promql_check import SERIES, TARGET_LABELS
 
 from radixpool.operator.dashboards import dashboard_files
 
-from .fleet_probes import MODEL, eventually, long_text
+from .fleet_probes import MODEL, eventually, long_text, scrape
 
 pytestmark = pytest.mark.slow
 
 # Histogram-only labels Prometheus clients add to samples.
 SAMPLE_LABELS = frozenset({"le", "quantile"})
+ARITHMETIC = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
 
 
 def _fleet_samples(fleet) -> dict[str, list[dict[str, str]]]:
@@ -146,3 +148,37 @@ def test_every_dashboard_query_finds_the_series_and_label_values_a_fleet_exports
                 if not any(label in labels for labels in label_sets):
                     problems.append(f"{where}: {selector.name} has no label {label!r}")
     assert problems == [], "\n".join(problems)
+
+
+def _one_worker_value(expr: str, samples: dict[str, float]) -> float:
+    """A panel's query over one worker's unlabelled gauges (an aggregation of one series is that
+    series), evaluated on that worker's `/metrics` as Prometheus would."""
+    def value(node) -> float:
+        if isinstance(node, pp.VectorSelector):
+            return samples[node.name]
+        if isinstance(node, (pp.AggregateExpr, pp.ParenExpr)):
+            return value(node.expr)
+        if isinstance(node, pp.NumberLiteral):
+            return node.val
+        if isinstance(node, pp.BinaryExpr):
+            return ARITHMETIC[str(node.op)](value(node.lhs), value(node.rhs))
+        raise AssertionError(f"not a one-worker gauge query: {expr}")
+
+    return value(pp.parse(expr))
+
+
+def test_an_idle_worker_with_a_warm_cache_shows_no_kv_held_by_requests(fleet, sdk):
+    # The KV panels plotted radixpool_kv_cache_usage_ratio alone, which counts the radix cache:
+    # a warm worker's pool fills with cache and stays near full, idle or not, so the fleet
+    # board read as memory pressure what is reuse, evicted the moment a request needs room.
+    raw = sdk.chat.completions.with_raw_response.create(
+        model=MODEL, max_tokens=2, messages=[{"role": "user", "content": long_text(11, 300)}])
+    worker = raw.headers["x-radixpool-worker"]
+    eventually(lambda: scrape(worker)["radixpool_num_requests_running"] == 0, "the worker idles")
+    samples = scrape(worker)
+    assert samples["radixpool_kv_cache_usage_ratio"] * samples[
+        "radixpool_kv_cache_capacity_tokens"] >= 300   # its cache holds the prompt
+    panel = next(p for p in json.loads(dashboard_files()["radixpool-fleet.json"])["panels"]
+                 if p["title"].startswith("KV "))
+    (target,) = panel["targets"]
+    assert _one_worker_value(target["expr"], samples) == pytest.approx(0, abs=1e-9), panel

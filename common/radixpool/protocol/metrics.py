@@ -87,6 +87,10 @@ KV_CACHE_CAPACITY = MetricSpec(
     "radixpool_kv_cache_capacity_tokens", "gauge", "KV pool capacity in tokens.")
 RADIX_CACHE_TOKENS = MetricSpec(
     "radixpool_radix_cache_tokens", "gauge", "Tokens held by the radix cache.")
+KV_CACHE_EVICTABLE = MetricSpec(
+    "radixpool_kv_cache_evictable_tokens", "gauge",
+    "Tokens of the radix cache no running request uses: evicted on demand, so free to new "
+    "requests (a warm worker's usage ratio stays near 1; this much of it is cache).")
 CACHE_HIT_RATE = MetricSpec(
     "radixpool_cache_hit_rate", "gauge",
     "Cached / prompt tokens over the recent window of finished requests.")
@@ -114,7 +118,8 @@ WORKER_METRICS: tuple[MetricSpec, ...] = (
     PROMPT_TOKENS, CACHED_PROMPT_TOKENS, GENERATION_TOKENS, REQUESTS, RETRACTED_REQUESTS,
     RADIX_EVICTED_TOKENS, KV_DOUBLE_FREES, NONFINITE_LOGITS, NONFINITE_BROKEN,
     NUM_REQUESTS_RUNNING,
-    NUM_REQUESTS_WAITING, KV_CACHE_USAGE, KV_CACHE_CAPACITY, RADIX_CACHE_TOKENS, CACHE_HIT_RATE,
+    NUM_REQUESTS_WAITING, KV_CACHE_USAGE, KV_CACHE_CAPACITY, RADIX_CACHE_TOKENS,
+    KV_CACHE_EVICTABLE, CACHE_HIT_RATE,
     TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY, QUEUE_TIME,
     GRAMMAR_COMPILE_SECONDS, GRAMMAR_CACHE_HITS, WORKER_INFO,
 )

@@ -48,6 +48,13 @@ HEALTHY = _thresholds(("red", None), ("green", 1))
 NEUTRAL = _thresholds(("text", None))
 
 
+def _kv_held_by_requests(selector: str) -> str:
+    """Share of KV slots running requests hold: the usage ratio counts the radix cache too,
+    which fills a warm worker's pool and is evicted on demand."""
+    return (f"{m.KV_CACHE_USAGE.name}{{{selector}}} - {m.KV_CACHE_EVICTABLE.name}{{{selector}}}"
+            f" / {m.KV_CACHE_CAPACITY.name}{{{selector}}}")
+
+
 def _panel(title: str, targets: list[dict[str, str]], unit: str, description: str,
            kind: str = "timeseries", thresholds: dict[str, Any] | None = None
            ) -> dict[str, Any]:
@@ -163,9 +170,11 @@ def fleet_dashboard() -> dict[str, Any]:
         _panel("Queue per worker (waiting)", [
             {"expr": f"sum by (pod) ({m.NUM_REQUESTS_WAITING.name}{{{POOL}}})",
              "legendFormat": "{{pod}}"}], "short", "Requests waiting for admission."),
-        _panel("KV cache usage per worker", [
-            {"expr": f"max by (pod) ({m.KV_CACHE_USAGE.name}{{{POOL}}})",
-             "legendFormat": "{{pod}}"}], "percentunit", "Share of KV slots in use."),
+        _panel("KV held by requests per worker", [
+            {"expr": f"max by (pod) ({_kv_held_by_requests(POOL)})",
+             "legendFormat": "{{pod}}"}], "percentunit",
+            "Share of KV slots running requests hold: what runs out (see retractions). The "
+            "rest of a warm worker's pool is radix cache no request uses, evicted on demand."),
         _panel("Retractions / s", [
             {"expr": f"sum by (pod) ({_rate(m.RETRACTED_REQUESTS.name, POOL)})",
              "legendFormat": "{{pod}}"}], "reqps",
@@ -236,7 +245,11 @@ def worker_dashboard() -> dict[str, Any]:
              "legendFormat": "waiting {{pod}}"}], "short", "The worker's queue."),
         _panel("KV cache", [
             {"expr": f"max by (pod) ({m.KV_CACHE_USAGE.name}{{{WORKER}}})",
-             "legendFormat": "usage {{pod}}"}], "percentunit", "Share of KV slots in use."),
+             "legendFormat": "in use {{pod}}"},
+            {"expr": f"max by (pod) ({_kv_held_by_requests(WORKER)})",
+             "legendFormat": "held by requests {{pod}}"}], "percentunit",
+            "Share of KV slots in use (running requests and radix cache), and held by running "
+            "requests: the gap is cache no request uses, evicted on demand."),
         _panel("Radix cache size (tokens)", [
             {"expr": f"max by (pod) ({m.RADIX_CACHE_TOKENS.name}{{{WORKER}}})",
              "legendFormat": "cached {{pod}}"},

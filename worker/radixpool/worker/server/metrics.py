@@ -99,6 +99,7 @@ class EngineCollector(Collector):
             (spec.KV_CACHE_USAGE, stats.kv_used_tokens / capacity if capacity else 0.0),
             (spec.KV_CACHE_CAPACITY, capacity),
             (spec.RADIX_CACHE_TOKENS, stats.radix_cache_tokens),
+            (spec.KV_CACHE_EVICTABLE, stats.evictable_tokens),
         ):
             family = GaugeMetricFamily(s.name, s.help)
             family.add_metric([], value)
