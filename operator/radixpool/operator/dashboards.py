@@ -191,6 +191,12 @@ def fleet_dashboard() -> dict[str, Any]:
              "legendFormat": "{{source}}"}], "ops",
             "Times the gateway fixed a worker's prefix tree from ground truth (cached_tokens, "
             "a new instance_id, a KV-event resync): frequent ones mean stale routing."),
+        _panel("Routing tree size per worker (gateway)", [
+            {"expr": f"max by (worker) ({m.GW_TREE_TOKENS.name}{{{POOL}}})",
+             "legendFormat": "{{worker}}"}], "short",
+            "Tokens (prompt bytes, for a gateway without a tokenizer) the gateway's prefix tree "
+            "holds for each worker, largest over gateway replicas: compare with the worker's "
+            "radix cache on the worker board."),
         _panel("In flight per worker (gateway)", [
             {"expr": f"sum by (worker) ({m.GW_INFLIGHT.name}{{{POOL}}})",
              "legendFormat": "{{worker}}"}], "short", "The gateway's view of worker load."),
@@ -292,6 +298,15 @@ def worker_dashboard() -> dict[str, Any]:
              "legendFormat": "{{pod}}"}], "short",
             "1: a run of non-finite requests and the worker's own self-check all gave NaN or "
             "infinite logits; its /health and /livez answer 503 until the kubelet restarts it."),
+        _panel("Grammar compile time", _quantiles(m.GRAMMAR_COMPILE_SECONDS, WORKER, "pod"), "s",
+               "Structured output (JSON schema, regex, EBNF): time to compile a constraint "
+               "the grammar cache did not hold; the request waits for it."),
+        _panel("Constrained requests / s", [
+            {"expr": f"sum by (pod) ({_rate(m.GRAMMAR_COMPILE_SECONDS.name + '_count', WORKER)})",
+             "legendFormat": "compiled {{pod}}"},
+            {"expr": f"sum by (pod) ({_rate(m.GRAMMAR_CACHE_HITS.name, WORKER)})",
+             "legendFormat": "grammar cache hit {{pod}}"}], "ops",
+            "Structured-output requests whose grammar was compiled vs found in the cache."),
         _panel("Finished requests / s", [
             {"expr": f"sum by (pod, finish_reason) ({_rate(m.REQUESTS.name, WORKER)})",
              "legendFormat": "{{finish_reason}} {{pod}}"}], "reqps", "By finish reason."),
