@@ -145,7 +145,8 @@ def fleet_dashboard() -> dict[str, Any]:
              "legendFormat": "p99 at the gateway"}], "s",
             "Engine view (every request) and gateway view (streamed requests)."),
         _panel("Inter-token latency", _quantiles(m.INTER_TOKEN_LATENCY, POOL), "s",
-               "Time between streamed tokens."),
+               "Time between generated tokens, streamed or not (tokens that come together "
+               "share the gap)."),
         _panel("Request latency", [
             *_quantiles(m.E2E_REQUEST_LATENCY, POOL),
             {"expr": _quantiles(m.GW_REQUEST_DURATION, POOL)[2]["expr"],
@@ -162,8 +163,11 @@ def fleet_dashboard() -> dict[str, Any]:
              "legendFormat": "actual (workers' cached_tokens)"},
             {"expr": f"sum({_rate(m.GW_PREDICTED_CACHED_TOKENS.name, POOL)}) / {gw_prompt}",
              "legendFormat": "predicted (gateway's trees)"}], "percentunit",
-            "How often the prefix the gateway routed for was really cached: a gap means stale "
-            "routing trees."),
+            "Cached / prompt tokens of the answered requests in the window (each request is "
+            "counted by the one gateway replica it passed). The prediction counts whole "
+            "routing blocks, so on a healthy fleet actual runs a little above it; predicted "
+            "above actual means the gateway's trees promise prefixes the workers no longer "
+            "hold (stale routing)."),
         _panel("Load per worker (running)", [
             {"expr": f"sum by (pod) ({m.NUM_REQUESTS_RUNNING.name}{{{POOL}}})",
              "legendFormat": "{{pod}}"}], "short", "Requests in each worker's running batch."),
