@@ -217,3 +217,28 @@ def test_hit_rate_panel_says_which_gap_means_stale_routing():
                  if p["title"] == "Cache hit rate: actual vs predicted")
     assert "predicted above actual" in panel["description"]
     assert "a gap means stale" not in panel["description"]
+
+
+def test_the_pool_label_the_boards_filter_on_is_one_both_service_monitors_add():
+    # prometheus-operator makes each podTargetLabels entry a target label, other characters
+    # than [a-zA-Z0-9_] turned to "_": were the pod label renamed, every panel would go empty.
+    from radixpool.operator import api
+    from radixpool.operator.desired import desired_service_monitor
+    from radixpool.operator.spec import parse_pool
+
+    def target_label(pod_label: str) -> str:
+        return re.sub(r"[^a-zA-Z0-9_]", "_", pod_label)
+
+    pool = parse_pool({"apiVersion": api.API_VERSION, "kind": api.KIND,
+                       "metadata": {"name": "p", "namespace": "ns", "uid": "u",
+                                    "generation": 1},
+                       "spec": {"model": {"path": "/models/p"}}})
+    own = desired_service_monitor(pool)["spec"]["podTargetLabels"]
+    chart = (REPO / "charts/radixpool/templates/servicemonitor.yaml").read_text()
+    fleet_wide = re.findall(r"^\s+- ([\w./-]+)$", chart.split("podTargetLabels:")[1],
+                            re.MULTILINE)
+    for labels in (own, fleet_wide):
+        assert "radixpool_io_pool" in {target_label(label) for label in labels}, labels
+    for expr, _ in queries(boards()["radixpool-fleet.json"]):
+        if "$pool" in expr:
+            assert 'radixpool_io_pool=~"$pool"' in expr or "radixpool_io_pool)" in expr, expr
