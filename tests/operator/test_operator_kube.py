@@ -337,3 +337,29 @@ def test_the_control_key_comes_back_where_a_webhook_refuses_dry_runs_of_secrets(
         template = store.objects[f"apis/apps/v1/namespaces/ml/deployments/llama-{part}"][
             "spec"]["template"]
         assert api.RESTARTED_AT_ANNOTATION in (template["metadata"].get("annotations") or {})
+
+
+@pytest.mark.parametrize("code, message", [
+    (403, 'admission webhook "validation.gatekeeper.sh" denied the request: [no-env] env 1X is '
+          'not allowed'),
+    (403, 'deployments.apps "llama-worker" is forbidden: ValidatingAdmissionPolicy '
+          "'no-env' with binding 'no-env-ml' denied request: env 1X is not allowed"),
+])
+def test_an_admission_policy_refusing_with_403_is_the_specs_fault_not_a_permission(
+        server, kube_cluster, pool_body, code, message):
+    """Gatekeeper's webhooks deny with 403, and a ValidatingAdmissionPolicy with reason
+    Forbidden does too. The operator took that for a permission it lacked: Degraded (APIError),
+    retried for good, with Accepted=True over a pool that was never made. It is the spec's
+    refusal, as a 422 is: Accepted=False, RejectedByAPIServer, the policy's words, nothing
+    written."""
+    store, _ = server
+    path = "apis/apps/v1/namespaces/ml/deployments/llama-worker"
+    store.refuse[path], store.refuse_code[path] = message, code
+    outcome = reconcile_pool(pool_body(engine={"env": [{"name": "1X", "value": "v"}]}),
+                             kube_cluster, OperatorConfig())
+    accepted = outcome.status["conditions"][0]
+    assert (accepted["status"], accepted["reason"]) == ("False", "RejectedByAPIServer")
+    assert "env 1X is not allowed" in accepted["message"]
+    assert not outcome.failure
+    assert path not in store.objects
+

@@ -3,10 +3,10 @@
 Server-side apply with `force=True` under the field manager `radixpool-operator` makes every
 apply both a create and a repair: fields someone edited are taken back, fields the pool no longer
 sets are removed, and fields other controllers own (an HPA on the pool, not on the Deployment)
-are left alone. Every API error leaves here as `ObjectRejected` (400 / 422, or apply's 500 for an
-object it cannot type: the spec's fault), `DryRunUnsupported` (a dry run an admission webhook
-will not take part in) or `ApiFailure` naming the request and the object, never as the client's
-bare exception.
+are left alone. Every API error leaves here as `ObjectRejected` (400 / 422, an admission
+policy's refusal whatever its status, or apply's 500 for an object it cannot type: the spec's
+fault), `DryRunUnsupported` (a dry run an admission webhook will not take part in) or
+`ApiFailure` naming the request and the object, never as the client's bare exception.
 """
 
 from __future__ import annotations
@@ -45,6 +45,12 @@ REPORTING_COMPONENT = api.FIELD_MANAGER
 # side effects (`sideEffects: Unknown` or `Some`), whatever the object holds: the webhook is not
 # even called (k8s.io/apiserver, admission/plugin/webhook/errors: NewDryRunUnsupportedErr).
 DRY_RUN_UNSUPPORTED = re.compile(r'admission webhook ".*" does not support dry run')
+# How the API server words an admission policy's refusal, whatever status the policy chose (a
+# webhook's own code, 403 by Gatekeeper's habit; a ValidatingAdmissionPolicy's by its reason):
+# the object's fault, as a 422 is, never a permission the operator lacks.
+ADMISSION_DENIED = re.compile(
+    r'admission webhook ".*" denied the request'
+    r"|ValidatingAdmissionPolicy '.*' (with binding '.*' )?denied request")
 
 log = logging.getLogger("radixpool.operator")
 
@@ -163,8 +169,8 @@ class KubeCluster:
                 # 500 "failed to create typed patch object": server-side apply could not read
                 # the object against its schema (an unknown key in an opaque core/v1 item, a
                 # duplicate list key): the spec's fault as much as a 422, and as lasting
-                if error.status in (400, 422) or (error.status == 500
-                                                  and TYPED_PATCH_FAILED in message):
+                if (error.status in (400, 422) or ADMISSION_DENIED.search(message)
+                        or (error.status == 500 and TYPED_PATCH_FAILED in message)):
                     raise ObjectRejected(message or error.summary()) from error
                 raise
 
