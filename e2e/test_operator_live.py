@@ -412,9 +412,10 @@ def make_side_effects_unknown(name: str) -> None:
 class AdmissionWebhook:
     """A validating admission webhook over HTTPS on loopback (a self-signed certificate made by
     `openssl`): allows everything except a pod template carrying the env var `DENY`, and records
-    the (kind, name, dryRun) of every request the API server sends it."""
+    the (kind, name, dryRun) of every request the API server sends it. `deny_code` is the status
+    its refusal asks for (none: the API server answers 400; Gatekeeper asks for 403)."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, deny_code: int | None = None):
         import ssl
         import threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -447,6 +448,8 @@ class AdmissionWebhook:
                 response: dict[str, Any] = {"uid": request["uid"], "allowed": not denied}
                 if denied:
                     response["status"] = {"message": "env DENY is not allowed here"}
+                    if deny_code is not None:
+                        response["status"]["code"] = deny_code
                 body = json.dumps({"apiVersion": "admission.k8s.io/v1",
                                    "kind": "AdmissionReview", "response": response}).encode()
                 self.send_response(200)
@@ -555,6 +558,51 @@ def test_a_webhook_that_cannot_dry_run_still_lets_pools_be_made(kube, namespace,
             with contextlib.suppress(kube.errors.ApiException):
                 kube.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
                                                             name)
+
+
+def test_a_policy_webhook_denying_with_403_is_the_pools_refusal(kube, namespace, operator,
+                                                                 tmp_path):
+    """Gatekeeper's webhooks deny with 403. The operator took a 403 for a permission it lacked:
+    Degraded (APIError), retried for good, while Accepted stayed True over a pool never made."""
+    import base64
+
+    from kubernetes import client
+
+    webhook = AdmissionWebhook(tmp_path, deny_code=403)
+    admission = client.AdmissionregistrationV1Api(kube.core.api_client)
+    config_name = f"{namespace}-policy"
+    admission.create_validating_webhook_configuration({
+        "metadata": {"name": config_name},
+        "webhooks": [{
+            "name": "policy.radixpool-e2e.io",
+            "clientConfig": {"url": webhook.url,
+                             "caBundle": base64.b64encode(webhook.ca_bundle).decode()},
+            "rules": [{"apiGroups": ["apps"], "apiVersions": ["v1"],
+                       "operations": ["CREATE", "UPDATE"], "resources": ["deployments"]}],
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
+            "sideEffects": "None", "failurePolicy": "Fail", "timeoutSeconds": 5,
+            "admissionReviewVersions": ["v1"]}]})
+    engine = {"device": "cpu", "resources": {"gpus": 0, "cpu": "100m", "memory": "512Mi"},
+              "env": [{"name": "DENY", "value": "1"}]}
+    try:
+        kube.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+                                                    pool_manifest("policed", engine=engine))
+        pool = wait_for("Accepted=False", lambda: condition(
+            p := get_pool(kube, namespace, "policed"), "Accepted").get("status") == "False" and p)
+        accepted = condition(pool, "Accepted")
+        assert accepted["reason"] == "RejectedByAPIServer", accepted
+        assert ('admission webhook "policy.radixpool-e2e.io" denied the request: env DENY is '
+                "not allowed here") in accepted["message"]
+        assert condition(pool, "Degraded").get("status") != "True", condition(pool, "Degraded")
+        assert ("Deployment", "policed-worker", True) in webhook.seen   # refused at its dry run
+        with pytest.raises(kube.errors.ApiException):
+            kube.apps.read_namespaced_deployment("policed-worker", namespace)
+    finally:
+        admission.delete_validating_webhook_configuration(config_name)
+        webhook.close()
+        with contextlib.suppress(kube.errors.ApiException):
+            kube.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+                                                        "policed")
 
 
 def test_an_operator_told_to_leave_uids_to_the_platform_takes_them_out_of_running_pools(kube):
