@@ -20,7 +20,8 @@ from .generated import write_copies
 
 POOL = 'namespace=~"$namespace", radixpool_io_pool=~"$pool"'
 WORKER = f'{POOL}, pod=~"$pod"'
-ERRORS = f'{POOL}, code!~"2.."'
+SERVER_ERRORS = f'{POOL}, code=~"5.."'
+CLIENT_ERRORS = f'{POOL}, code=~"4.."'   # 499 (the client left) among them
 RATE = "[$__rate_interval]"
 DASHBOARD_DIRS = ("dashboards", "charts/radixpool/dashboards")
 
@@ -126,11 +127,14 @@ def fleet_dashboard() -> dict[str, Any]:
             {"expr": f"sum({_rate(m.GW_RETRIES.name, POOL)})", "legendFormat": "retries"}],
             "reqps", "What clients see, by HTTP status; retries before the first byte."),
         _panel("Gateway errors / s", [
-            {"expr": f"sum by (code) ({_rate(m.GW_REQUESTS.name, ERRORS)})",
-             "legendFormat": "{{code}}"}], "reqps",
-            "Responses other than 2xx, by HTTP status (worker=\"gateway\" series are the "
-            "gateway's own answers, e.g. 503 with no worker; a 200 stream that ended in an "
-            "error event counts under the error's status, e.g. 500)."),
+            {"expr": f"sum by (code) ({_rate(m.GW_REQUESTS.name, SERVER_ERRORS)})",
+             "legendFormat": "{{code}}"},
+            {"expr": f"sum({_rate(m.GW_REQUESTS.name, CLIENT_ERRORS)})",
+             "legendFormat": "4xx and 499 (the client's)"}], "reqps",
+            "Server errors by HTTP status (worker=\"gateway\" series are the gateway's own "
+            "answers, e.g. 503 with no worker; a 200 stream that ended in an error event counts "
+            "under the error's status, e.g. 500), and one line for the answers a client caused: "
+            "bad requests, and clients that left (499), which chat traffic has plenty of."),
         _panel("Retries, quarantines and upstream timeouts / s", [
             {"expr": f"sum({_rate(m.GW_RETRIES.name, POOL)})", "legendFormat": "retried"},
             {"expr": f"sum({_rate(m.GW_QUARANTINED.name, POOL)})",
