@@ -120,6 +120,9 @@ def _cel_rules() -> list[tuple[tuple[str, ...], str]]:
     ("pool", {"model": {}}, False),
     ("pool", {"model": {"path": "/m"}, "engine": {"kvCacheTokens": 10, "memFraction": 0.5}},
      False),
+    # less than one KV page: every worker exited at start
+    ("pool", {"model": {"path": "/m"}, "engine": {"kvCacheTokens": 8, "pageSize": 16}}, False),
+    ("pool", {"model": {"path": "/m"}, "engine": {"kvCacheTokens": 16, "pageSize": 16}}, True),
 ])
 def test_cel_rules_agree_with_the_operator_validation(name, spec, valid):
     """The API server's CEL rules (evaluated here by cel-python) reject exactly what the
@@ -144,7 +147,7 @@ def test_cel_rules_agree_with_the_operator_validation(name, spec, valid):
     except InvalidPool:
         operator_ok = False
     assert cel_ok == operator_ok == valid
-    assert len(_cel_rules()) == 2
+    assert len(_cel_rules()) == 3
 
 
 @pytest.mark.parametrize("name", ["Bad_Name", "9lives", "a" * 46, "ok-pool", "a" * 45])

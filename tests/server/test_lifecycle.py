@@ -312,7 +312,8 @@ def test_sigterm_with_a_kv_events_long_poll_open_exits_quietly(polled):
 
 
 @pytest.mark.parametrize("flags, says", [
-    (("--page-size", "64", "--kv-cache-tokens", "32"), "smaller than one page (64 tokens)"),
+    (("--device", "cpu", "--context-length", "1", "--page-size", "8"),
+     "KV cache of 4 tokens is smaller than one page (8 tokens)"),
     (("--context-length", "100000",),
      "may only shrink the model's context (2048 tokens: config.json max_position_embeddings)"),
 ])

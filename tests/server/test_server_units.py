@@ -87,6 +87,11 @@ def test_flags_become_a_validated_config(tmp_path):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["worker", "--model", "m", "--kv-cache-tokens", "1",
                                    "--mem-fraction", "0.5"])
+    # a KV pool of less than one page was refused only after the model had loaded
+    tiny = build_parser().parse_args(["worker", "--model", str(model), "--page-size", "16",
+                                      "--kv-cache-tokens", "8"])
+    with pytest.raises(ValueError, match=r"--kv-cache-tokens must be at least one KV page"):
+        config_from_args(tiny)
 
 
 def test_a_long_prefill_chunk_raises_the_step_budget_unless_one_is_given(tmp_path):

@@ -100,7 +100,8 @@ ENGINE = obj("The worker pods: image, resources, engine knobs and placement.", {
     "device": string("Where the engine runs; `auto` is `cuda` when `resources.gpus` is at "
                      "least 1, else `cpu` (`cuda` needs a GPU).", default="auto", enum=DEVICES),
     "dtype": string("Weight and activation dtype.", default="auto", enum=DTYPES),
-    "kvCacheTokens": integer("KV cache budget in tokens; excludes `memFraction`.", minimum=1),
+    "kvCacheTokens": integer("KV cache budget in tokens, at least one page (`pageSize`); "
+                             "excludes `memFraction`.", minimum=1),
     "memFraction": number("Fraction of the GPU memory free after loading the weights for the "
                           "KV cache, per-request tensors, step activations and CUDA graphs "
                           "(the worker uses 0.85 when neither this nor `kvCacheTokens` is "
@@ -129,7 +130,10 @@ ENGINE = obj("The worker pods: image, resources, engine knobs and placement.", {
         "A Secret in the pool's namespace.", {"name": string("The Secret's name.")},
         required=("name",), defaulted=False)),
 }, rules=(("!(has(self.kvCacheTokens) && has(self.memFraction))",
-           "set at most one of spec.engine.kvCacheTokens and spec.engine.memFraction"),))
+           "set at most one of spec.engine.kvCacheTokens and spec.engine.memFraction"),
+          # the worker's KV pool holds whole pages: with less than one it exits at start
+          ("!has(self.kvCacheTokens) || self.kvCacheTokens >= self.pageSize",
+           "spec.engine.kvCacheTokens must be at least spec.engine.pageSize (one KV page)")))
 
 GATEWAY = obj("The cache-aware gateway in front of the workers: the pool's endpoint.", {
     "replicas": integer("Gateway pods (active-active: each follows every worker's KV events).",

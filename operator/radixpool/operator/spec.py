@@ -265,6 +265,11 @@ def _check_rules(spec: dict[str, Any]) -> list[FieldError]:
     if page & (page - 1):
         errors.append(FieldError("spec.engine.pageSize", f"must be a power of two (the worker's "
                                                          f"--page-size), got {page}"))
+    kv_tokens = engine.get("kvCacheTokens")
+    if kv_tokens is not None and kv_tokens < page:
+        errors.append(FieldError("spec.engine.kvCacheTokens",
+                                 f"must be at least spec.engine.pageSize ({page}, one KV page), "
+                                 f"got {kv_tokens}"))
     chunk = engine.get("chunkedPrefillSize")
     if chunk is not None and chunk < page:
         errors.append(FieldError("spec.engine.chunkedPrefillSize",

@@ -74,12 +74,12 @@ class EngineConfig:
             fail("dtype", " | ".join(DTYPES))
         if self.kv_cache_tokens is not None and self.mem_fraction is not None:
             raise ValueError("set kv_cache_tokens or mem_fraction, not both")
-        if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
-            fail("kv_cache_tokens", "a positive number of tokens")
-        if self.mem_fraction is not None and not 0 < self.mem_fraction < 1:
-            fail("mem_fraction", "in (0, 1)")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             fail("page_size", "a power of two ≥ 1")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.page_size:
+            fail("kv_cache_tokens", f"at least one KV page, ≥ page_size ({self.page_size})")
+        if self.mem_fraction is not None and not 0 < self.mem_fraction < 1:
+            fail("mem_fraction", "in (0, 1)")
         if self.max_running_requests < 1:
             fail("max_running_requests", "≥ 1")
         if self.chunked_prefill_size < self.page_size:
