@@ -123,6 +123,13 @@ def _cel_rules() -> list[tuple[tuple[str, ...], str]]:
     # less than one KV page: every worker exited at start
     ("pool", {"model": {"path": "/m"}, "engine": {"kvCacheTokens": 8, "pageSize": 16}}, False),
     ("pool", {"model": {"path": "/m"}, "engine": {"kvCacheTokens": 16, "pageSize": 16}}, True),
+    # a CPU worker given --mem-fraction exited at start
+    ("pool", {"model": {"path": "/m"}, "engine": {"memFraction": 0.5, "device": "cpu"}}, False),
+    ("pool", {"model": {"path": "/m"}, "engine": {"memFraction": 0.5,
+                                                  "resources": {"gpus": 0}}}, False),
+    ("pool", {"model": {"path": "/m"}, "engine": {"memFraction": 0.5, "device": "cuda"}}, True),
+    ("pool", {"model": {"path": "/m"}, "engine": {"kvCacheTokens": 10,
+                                                  "resources": {"gpus": 0}}}, True),
 ])
 def test_cel_rules_agree_with_the_operator_validation(name, spec, valid):
     """The API server's CEL rules (evaluated here by cel-python) reject exactly what the
@@ -147,7 +154,7 @@ def test_cel_rules_agree_with_the_operator_validation(name, spec, valid):
     except InvalidPool:
         operator_ok = False
     assert cel_ok == operator_ok == valid
-    assert len(_cel_rules()) == 3
+    assert len(_cel_rules()) == 4
 
 
 @pytest.mark.parametrize("name", ["Bad_Name", "9lives", "a" * 46, "ok-pool", "a" * 45])

@@ -92,6 +92,10 @@ def test_flags_become_a_validated_config(tmp_path):
                                       "--kv-cache-tokens", "8"])
     with pytest.raises(ValueError, match=r"--kv-cache-tokens must be at least one KV page"):
         config_from_args(tiny)
+    cpu = build_parser().parse_args(["worker", "--model", str(model), "--device", "cpu",
+                                     "--mem-fraction", "0.5"])
+    with pytest.raises(ValueError, match=r"--mem-fraction sizes the KV cache from free GPU"):
+        config_from_args(cpu)
 
 
 def test_a_long_prefill_chunk_raises_the_step_budget_unless_one_is_given(tmp_path):

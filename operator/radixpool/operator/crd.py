@@ -105,7 +105,7 @@ ENGINE = obj("The worker pods: image, resources, engine knobs and placement.", {
     "memFraction": number("Fraction of the GPU memory free after loading the weights for the "
                           "KV cache, per-request tensors, step activations and CUDA graphs "
                           "(the worker uses 0.85 when neither this nor `kvCacheTokens` is "
-                          "set); excludes `kvCacheTokens`.",
+                          "set); excludes `kvCacheTokens`; GPU workers only.",
                           minimum=0, exclusive_minimum=True, maximum=1,
                           exclusive_maximum=True),   # the worker's --mem-fraction is in (0, 1)
     "pageSize": integer("Tokens per KV page.", default=1, minimum=1, maximum=256),
@@ -133,7 +133,12 @@ ENGINE = obj("The worker pods: image, resources, engine knobs and placement.", {
            "set at most one of spec.engine.kvCacheTokens and spec.engine.memFraction"),
           # the worker's KV pool holds whole pages: with less than one it exits at start
           ("!has(self.kvCacheTokens) || self.kvCacheTokens >= self.pageSize",
-           "spec.engine.kvCacheTokens must be at least spec.engine.pageSize (one KV page)")))
+           "spec.engine.kvCacheTokens must be at least spec.engine.pageSize (one KV page)"),
+          # a CPU worker (what `auto` is without GPUs) exits at start given --mem-fraction
+          ("!has(self.memFraction) || self.device == 'cuda' || "
+           "(self.device == 'auto' && self.resources.gpus >= 1)",
+           "spec.engine.memFraction sizes the KV cache from GPU memory: a CPU worker (device cpu, "
+           "or auto with resources.gpus 0) takes spec.engine.kvCacheTokens instead")))
 
 GATEWAY = obj("The cache-aware gateway in front of the workers: the pool's endpoint.", {
     "replicas": integer("Gateway pods (active-active: each follows every worker's KV events).",

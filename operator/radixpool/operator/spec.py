@@ -261,6 +261,13 @@ def _check_rules(spec: dict[str, Any]) -> list[FieldError]:
         errors.append(FieldError("spec.engine.device", "'cuda' needs spec.engine.resources.gpus "
                                                        "of at least 1: a pod given no GPU would "
                                                        "use one that belongs to another pod"))
+    on_cpu = engine["device"] == "cpu" or (engine["device"] == "auto"
+                                            and not engine["resources"]["gpus"])
+    if "memFraction" in engine and on_cpu:
+        errors.append(FieldError("spec.engine.memFraction",
+                                 "sizes the KV cache from GPU memory: a CPU worker (device cpu, "
+                                 "or auto with resources.gpus 0) takes spec.engine.kvCacheTokens "
+                                 "instead"))
     page = engine["pageSize"]
     if page & (page - 1):
         errors.append(FieldError("spec.engine.pageSize", f"must be a power of two (the worker's "

@@ -80,6 +80,9 @@ class EngineConfig:
             fail("kv_cache_tokens", f"at least one KV page, ≥ page_size ({self.page_size})")
         if self.mem_fraction is not None and not 0 < self.mem_fraction < 1:
             fail("mem_fraction", "in (0, 1)")
+        if self.mem_fraction is not None and self.device == "cpu":
+            raise ValueError("mem_fraction sizes the KV cache from free GPU memory; on CPU set "
+                             "kv_cache_tokens (or neither)")
         if self.max_running_requests < 1:
             fail("max_running_requests", "≥ 1")
         if self.chunked_prefill_size < self.page_size:
