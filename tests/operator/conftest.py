@@ -174,6 +174,42 @@ def pool_body():
     return make_pool
 
 
+def _cel_rules(node: dict[str, Any], path: tuple[str, ...] = ()
+               ) -> list[tuple[tuple[str, ...], str, str]]:
+    """(path of the schema node, CEL rule, message) for every x-kubernetes-validations entry."""
+    found = [(path, rule["rule"], rule["message"])
+             for rule in node.get("x-kubernetes-validations", [])]
+    for name, child in (node.get("properties") or {}).items():
+        found += _cel_rules(child, (*path, name))
+    return found
+
+
+@pytest.fixture(scope="session")
+def cel_refusals():
+    """`refusals(body)`: the messages of the CRD's CEL rules a pool (its defaults applied) breaks,
+    evaluated by cel-python as the API server evaluates them; `refusals.rules` lists them."""
+    import celpy
+
+    from radixpool.operator.crd import ROOT
+
+    env = celpy.Environment()
+    rules = _cel_rules(ROOT)
+    programs = [(path, env.program(env.compile(rule)), message) for path, rule, message in rules]
+
+    def refusals(body: dict[str, Any]) -> list[str]:
+        broken = []
+        for path, program, message in programs:
+            value = body
+            for key in path:
+                value = value[key]
+            if not program.evaluate({"self": celpy.json_to_cel(value)}):
+                broken.append(message)
+        return broken
+
+    refusals.rules = rules
+    return refusals
+
+
 @pytest.fixture(scope="session")
 def assert_k8s_valid():
     """Validate an object against the official Kubernetes schema for its kind (strict: unknown

@@ -8,8 +8,11 @@ import importlib
 import socket
 
 import pytest
+from hypothesis import assume, example, given, settings
+from hypothesis import strategies as st
 
 from radixpool.listen import listen_socket
+from radixpool.operator.crd import ROOT
 from radixpool.operator.gateway import gateway_args
 from radixpool.operator.spec import parse_pool
 from radixpool.operator.workers import worker_args
@@ -118,3 +121,87 @@ def test_pods_listen_where_their_pod_ip_reaches_them(pool_body, module, command,
             with socket.socket(family) as client:
                 client.settimeout(10)
                 assert client.connect_ex((address, sock.getsockname()[1])) == 0, address
+
+
+def _field(schema: dict) -> st.SearchStrategy | None:
+    """Values the CRD's schema allows for a scalar field, biased to its edges (bounds, powers of
+    two); None for the fields the pods' command lines do not carry (strings, quantities, lists
+    and opaque objects: they keep their defaults)."""
+    if "enum" in schema:
+        return st.sampled_from(schema["enum"])
+    kind = schema.get("type")
+    if kind == "boolean":
+        return st.booleans()
+    if kind == "integer":
+        low, high = schema["minimum"], schema["maximum"]
+        edges = [v for v in (low, low + 1, high - 1, high, *(2**k for k in range(31)))
+                 if low <= v <= high]
+        return st.one_of(st.sampled_from(edges), st.integers(low, high))
+    if kind == "number":
+        return st.floats(schema.get("minimum"), schema.get("maximum"),
+                         exclude_min=schema.get("exclusiveMinimum", False),
+                         exclude_max=schema.get("exclusiveMaximum", False),
+                         allow_nan=False, allow_infinity=False)
+    if kind == "object" and schema.get("properties"):
+        fields = {name: drawn for name, child in schema["properties"].items()
+                  if (drawn := _field(child)) is not None}
+        return st.fixed_dictionaries({}, optional=fields)
+    return None
+
+
+_SPEC = ROOT["properties"]["spec"]["properties"]
+POOL_SPECS = st.fixed_dictionaries(
+    {"model": st.sampled_from([{"path": "/models/m"}, {"uri": "hf://org/name@main"},
+                               {"uri": "pvc://claim/dir"}, {"uri": "pvc://claim/"}])},
+    optional={"replicas": _field(_SPEC["replicas"]),
+              "engine": _field(_SPEC["engine"]), "gateway": _field(_SPEC["gateway"]),
+              "lifecycle": _field(_SPEC["lifecycle"]),
+              "apiKeySecret": st.just({"name": "client-key"})})
+# what each Secret the pods read holds
+SECRET_VALUES = {"RADIXPOOL_API_KEY": "client key", "RADIXPOOL_CONTROL_API_KEY": "control key",
+                 "RADIXPOOL_WORKER_API_KEY": "control key"}
+
+
+def _pod_environment(container: dict) -> dict[str, str]:
+    return {env["name"]: env.get("value", SECRET_VALUES.get(env["name"], "x"))
+            for env in container["env"]}
+
+
+@settings(max_examples=300, deadline=None)
+@example(spec={"model": {"path": "/models/m"}})   # only the required fields
+@given(spec=POOL_SPECS)
+def test_every_pool_the_api_server_and_operator_accept_has_pods_that_start(
+        cel_refusals, tmp_path_factory, spec):
+    """A pool the CRD (schema and CEL) and the operator accept renders worker and gateway
+    command lines and environments that the worker's and the gateway's own flag parsing and
+    config validation accept: the alternative is Accepted=True over pods that exit at start."""
+    from radixpool.gateway.cli import config_from_args as gateway_config
+    from radixpool.operator.gateway import desired_gateway_deployment
+    from radixpool.operator.openapi import apply_defaults
+    from radixpool.operator.spec import InvalidPool
+    from radixpool.operator.workers import desired_worker_deployment
+    from radixpool.worker.server.config import config_from_args as worker_config
+
+    body = apply_defaults(ROOT, {"metadata": {"name": "llama", "namespace": "ml", "uid": "u-1"},
+                                 "spec": spec})
+    assume(not cel_refusals(body))
+    try:
+        pool = parse_pool(body)
+    except InvalidPool:
+        assume(False)
+    model = tmp_path_factory.getbasetemp() / "model"   # the checkpoint's directory in the pod
+    model.mkdir(exist_ok=True)
+    worker = desired_worker_deployment(pool, "worker:1")["spec"]["template"]["spec"][
+        "containers"][0]
+    argv = list(worker["args"])
+    argv[argv.index("--model") + 1] = str(model)
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in _pod_environment(worker).items():
+            env.setenv(name, value)
+        config = worker_config(parse("radixpool.worker.cli", "worker", argv))
+    assert config.engine.page_size == pool.engine["pageSize"]
+    gateway = desired_gateway_deployment(pool, "control:1")["spec"]["template"]["spec"][
+        "containers"][0]
+    config, _ = gateway_config(parse("radixpool.gateway.cli", "gateway", gateway["args"]),
+                               _pod_environment(gateway))
+    assert config.policy == pool.gateway["policy"]
