@@ -475,7 +475,7 @@ def test_a_pool_too_big_for_two_copies_in_its_annotations_is_handled_quietly(kub
 
     namespace = namespaces[1]
     manifest = pool_manifest("big", engine={
-        "device": "cpu", "args": ["--chat-template", "x" * 150_000],
+        "device": "cpu", "args": ["--control-api-key-file", "/keys/" + "x" * 150_000],
         "resources": {"gpus": 0, "cpu": "100m", "memory": "512Mi"}})
     # as `kubectl apply` makes it: its own copy of the manifest in an annotation (limit 256 KiB)
     manifest["metadata"]["annotations"] = {

@@ -98,7 +98,7 @@ def test_a_service_port_edited_by_hand_is_put_back_before_the_apply(pool_body):
 def test_refusals_are_named_in_spec_terms(pool_body):
     body = pool_body(engine={"env": [{"name": "A", "value": "1"}, {"name": "1B", "value": "2"}],
                              "tolerations": [{"key": "k", "operator": "Sometimes"}],
-                             "args": ["--bogus"]})
+                             "args": ["--skip-warmup"]})
     pool = parse_pool(body)
     objs = {o["metadata"]["name"]: o for o in desired_objects(
         pool, OperatorConfig(), service_monitors=False) if o["kind"] == "Deployment"}

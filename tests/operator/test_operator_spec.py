@@ -140,8 +140,32 @@ def test_rollout_counts_kubernetes_takes_are_accepted(pool_body, lifecycle):
 
 
 def test_worker_flags_the_operator_does_not_set_pass_through(pool_body):
-    args = ["--max-prefill-tokens", "16384", "--context-length=8192", "--skip-warmup", "4096"]
+    args = ["--max-prefill-tokens", "16384", "--context-length=8192", "--skip-warmup",
+            "--control-api-key-file", "/keys/control", "--eviction-policy", "lfu"]
     assert parse_pool(pool_body(engine={"args": args})).engine["args"] == args
+    # the kubelet expands $(VAR) from the container's env: the operator cannot judge it
+    expanded = ["--max-prefill-tokens", "$(STEP_TOKENS)"]
+    assert parse_pool(pool_body(engine={"args": expanded})).engine["args"] == expanded
+
+
+@pytest.mark.parametrize(("engine", "says"), [
+    ({"args": ["--skip-warmup", "4096"]}, "unrecognized arguments: 4096"),
+    ({"args": ["--no-such-flag"]}, "unrecognized arguments: --no-such-flag"),
+    ({"args": ["--help"]}, "unrecognized arguments: --help"),   # prints usage, exits 0
+    ({"args": ["--eviction-policy", "mru"]}, "invalid choice: 'mru'"),
+    ({"args": ["--max-prefill-tokens", "1024"]},
+     "--max-prefill-tokens must be ≥ chunked_prefill_size (2048)"),
+    ({"chunkedPrefillSize": 4096, "args": ["--max-prefill-tokens=4000"]},
+     "--max-prefill-tokens must be ≥ chunked_prefill_size (4096)"),
+    ({"args": ["--context-length", "0"]}, "--context-length must be ≥ 1"),
+])
+def test_a_worker_command_line_the_worker_refuses_is_refused(pool_body, engine, says):
+    """engine.args join the operator's flags in the worker's command line: one the worker
+    refuses was Accepted=True over worker pods that exited at start, every one of them."""
+    errors = errors_of(pool_body(engine=engine))
+    assert list(errors) == ["spec.engine.args"]
+    assert "the worker refuses its command line" in errors["spec.engine.args"]
+    assert says in errors["spec.engine.args"]
 
 
 def test_all_problems_are_reported_at_once(pool_body):

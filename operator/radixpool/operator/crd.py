@@ -117,7 +117,9 @@ ENGINE = obj("The worker pods: image, resources, engine knobs and placement.", {
                              default="lpm", enum=SCHEDULE_POLICIES),
     "logLevel": string("Engine log level.", default="info", enum=LOG_LEVELS),
     "args": array("Extra `radixpool worker` flags, appended last; not those the operator sets "
-                  "from the pool (`--port`, `--page-size`, `--log-level`, ...).",
+                  "from the pool (`--port`, `--page-size`, `--log-level`, ...). A command line "
+                  "the worker would refuse at start is refused (an argument holding `$(VAR)` "
+                  "is not judged).",
                   string("One argument.")),
     "env": opaque_list("Extra environment variables (core/v1 EnvVar)."),
     "nodeSelector": string_map("Node labels the worker pods require."),

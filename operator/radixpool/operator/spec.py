@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from radixpool.worker.server.config import check_worker_flags
+
 from . import api
 from .crd import ROOT
 from .openapi import FieldError, apply_defaults, validate
@@ -142,7 +144,7 @@ def parse_pool(body: dict[str, Any]) -> Pool:
     spec = defaulted["spec"]
     model = spec["model"]
     token = model.get("hfTokenSecret")
-    return Pool(
+    pool = Pool(
         name=name,
         namespace=metadata.get("namespace", "default"),
         uid=metadata.get("uid", ""),
@@ -155,6 +157,26 @@ def parse_pool(body: dict[str, Any]) -> Pool:
             cache_size=str(model["cacheSize"]),
         ),
     )
+    errors = _check_worker_command(pool)
+    if errors:
+        raise InvalidPool(errors)
+    return pool
+
+
+def _check_worker_command(pool: Pool) -> list[FieldError]:
+    """`engine.args` join the flags the operator writes in one command line: what the worker
+    would refuse at start (an unknown flag, a stray word, a bad value, a step budget below the
+    prefill chunk), as its own parser and config of this release judge it, is refused here.
+    An argument holding `$(VAR)` is only known once the kubelet expands it: not judged."""
+    from .workers import worker_args  # workers builds on Pool: imported where it is used
+
+    if any("$(" in arg for arg in pool.engine.get("args", [])):
+        return []
+    try:
+        check_worker_flags(worker_args(pool)[1:])
+    except ValueError as exc:
+        return [FieldError("spec.engine.args", f"the worker refuses its command line: {exc}")]
+    return []
 
 
 def _check_name(name: str) -> list[FieldError]:

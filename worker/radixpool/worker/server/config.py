@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
+from typing import NoReturn
 
 from radixpool.http_edge import EdgeLimits
 from radixpool.keys import KeySource, read_key
@@ -216,12 +218,30 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     if not os.path.isdir(args.model):
         raise ValueError(f"--model {args.model!r} is not a directory")
     try:
-        return _config_from_args(args)
+        return _config_from_args(args, _control_key(args.control_api_key_file))
     except ValueError as exc:
         raise _as_flag(exc) from None
 
 
-def _config_from_args(args: argparse.Namespace) -> ServerConfig:
+class _RefusingParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(message)
+
+
+def check_worker_flags(argv: Sequence[str]) -> None:
+    """A ValueError saying what `radixpool worker ARGV` would refuse at start, short of what
+    only its pod has (the model directory, key files, the environment): for the operator,
+    which writes the command line of pods it cannot run."""
+    parser = _RefusingParser(prog="radixpool worker", add_help=False)
+    add_worker_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        _config_from_args(args, control_api_key=None)
+    except ValueError as exc:
+        raise _as_flag(exc) from None
+
+
+def _config_from_args(args: argparse.Namespace, control_api_key: str | None) -> ServerConfig:
     engine = EngineConfig(
         model_path=args.model,
         device=args.device,
@@ -252,7 +272,7 @@ def _config_from_args(args: argparse.Namespace) -> ServerConfig:
         host=args.host,
         port=args.port,
         api_key=args.api_key,
-        control_api_key=_control_key(args.control_api_key_file),
+        control_api_key=control_api_key,
         drain_timeout=args.drain_timeout,
         log_level=args.log_level,
         tool_call_format=args.tool_call_format,
