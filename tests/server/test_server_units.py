@@ -92,6 +92,10 @@ def test_flags_become_a_validated_config(tmp_path):
                                       "--kv-cache-tokens", "8"])
     with pytest.raises(ValueError, match=r"--kv-cache-tokens must be at least one KV page"):
         config_from_args(tiny)
+    for flag in ("--watchdog-timeout", "--grammar-compile-timeout", "--startup-timeout"):
+        bad = build_parser().parse_args(["worker", "--model", str(model), flag, "0"])
+        with pytest.raises(ValueError, match=f"^{flag} must be"):   # not {flag}-s, no such flag
+            config_from_args(bad)
     cpu = build_parser().parse_args(["worker", "--model", str(model), "--device", "cpu",
                                      "--mem-fraction", "0.5"])
     with pytest.raises(ValueError, match=r"--mem-fraction sizes the KV cache from free GPU"):

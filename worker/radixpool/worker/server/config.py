@@ -205,11 +205,13 @@ def _control_key(path: str | None) -> str | None:
 
 
 def _as_flag(exc: ValueError) -> ValueError:
-    """`kv_cache_tokens must be ...` → `--kv-cache-tokens must be ...`."""
+    """`kv_cache_tokens must be ...` → `--kv-cache-tokens must be ...`; the seconds fields
+    (`watchdog_timeout_s`) are flags without their unit (`--watchdog-timeout`)."""
     message = str(exc)
     name = message.split(" ", 1)[0]
     if name.isidentifier() and name == name.lower():
-        message = "--" + name.replace("_", "-") + message[len(name):]
+        flag = "--" + name.removesuffix("_s").replace("_", "-")
+        message = flag + message[len(name):]
     return ValueError(message)
 
 
