@@ -117,6 +117,13 @@ def test_docs_spec_reference_is_current_and_lists_every_field():
     ("pool", {"model": {"path": "/m"}, "engine": {"memFraction": 0.5, "device": "cuda"}}, True),
     ("pool", {"model": {"path": "/m"}, "engine": {"kvCacheTokens": 10,
                                                   "resources": {"gpus": 0}}}, True),
+    # refused by the operator (Accepted=False) and, as these rules, by `kubectl apply` itself
+    ("pool", {"model": {"path": "/m"}, "engine": {"pageSize": 24}}, False),
+    ("pool", {"model": {"path": "/m"}, "engine": {"pageSize": 256}}, True),
+    ("pool", {"model": {"path": "/m"}, "engine": {"pageSize": 16, "chunkedPrefillSize": 8}},
+     False),
+    ("pool", {"model": {"path": "/m"}, "engine": {"device": "cuda", "resources": {"gpus": 0}}},
+     False),
 ])
 def test_cel_rules_agree_with_the_operator_validation(cel_refusals, name, spec, valid):
     """The API server's CEL rules (evaluated here by cel-python) reject exactly what the
@@ -132,7 +139,23 @@ def test_cel_rules_agree_with_the_operator_validation(cel_refusals, name, spec, 
     except InvalidPool:
         operator_ok = False
     assert cel_ok == operator_ok == valid
-    assert len(cel_refusals.rules) == 4
+    assert len(cel_refusals.rules) == 7
+
+
+def test_cel_rules_hold_on_the_defaults_of_their_objects(cel_refusals):
+    """The API server evaluates each rule on its object's schema default ({}: the nested
+    defaults are not applied there) when the CRD is applied, and refuses the CRD if one fails
+    ("no such key: pageSize evaluating rule ..."): every rule must pass with its fields absent."""
+    import celpy
+
+    env = celpy.Environment()
+    for path, rule, _ in cel_refusals.rules:
+        node = ROOT
+        for key in path:
+            node = node["properties"][key]
+        if "default" in node:
+            default = celpy.json_to_cel(node["default"])
+            assert env.program(env.compile(rule)).evaluate({"self": default}), rule
 
 
 @pytest.mark.parametrize("name", ["Bad_Name", "9lives", "a" * 46, "ok-pool", "a" * 45])

@@ -45,6 +45,8 @@ PERCENT_OF_ALL = r"^0*(100|[0-9]{1,2})%$"
 # An image reference holds no whitespace: a pod naming " repo/img" is refused by the API server,
 # so a Deployment with it never gets a pod.
 IMAGE = r"^\S*$"
+MAX_PAGE_SIZE = 256
+PAGE_SIZES = [2**k for k in range(MAX_PAGE_SIZE.bit_length())]   # the worker's: powers of two
 MODEL_URI = r"^(pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?/.*|hf://[^@\s]+/[^@\s]+(@[^@\s]+)?)$"
 
 
@@ -108,7 +110,8 @@ ENGINE = obj("The worker pods: image, resources, engine knobs and placement.", {
                           "set); excludes `kvCacheTokens`; GPU workers only.",
                           minimum=0, exclusive_minimum=True, maximum=1,
                           exclusive_maximum=True),   # the worker's --mem-fraction is in (0, 1)
-    "pageSize": integer("Tokens per KV page.", default=1, minimum=1, maximum=256),
+    "pageSize": integer("Tokens per KV page, a power of two.", default=1, minimum=1,
+                        maximum=MAX_PAGE_SIZE),
     "maxRunningRequests": integer("Most requests in the running batch.", minimum=1),
     "chunkedPrefillSize": integer("Longest prefill chunk in tokens; at least `pageSize`. "
                                   "Above 8192 it also raises the tokens one step may compute.",
@@ -131,16 +134,26 @@ ENGINE = obj("The worker pods: image, resources, engine knobs and placement.", {
     "imagePullSecrets": array("Secrets for pulling the worker and gateway images.", obj(
         "A Secret in the pool's namespace.", {"name": string("The Secret's name.")},
         required=("name",), defaulted=False)),
-}, rules=(("!(has(self.kvCacheTokens) && has(self.memFraction))",
-           "set at most one of spec.engine.kvCacheTokens and spec.engine.memFraction"),
-          # the worker's KV pool holds whole pages: with less than one it exits at start
-          ("!has(self.kvCacheTokens) || self.kvCacheTokens >= self.pageSize",
-           "spec.engine.kvCacheTokens must be at least spec.engine.pageSize (one KV page)"),
-          # a CPU worker (what `auto` is without GPUs) exits at start given --mem-fraction
-          ("!has(self.memFraction) || self.device == 'cuda' || "
-           "(self.device == 'auto' && self.resources.gpus >= 1)",
-           "spec.engine.memFraction sizes the KV cache from GPU memory: a CPU worker (device cpu, "
-           "or auto with resources.gpus 0) takes spec.engine.kvCacheTokens instead")))
+}, rules=(
+    # The API server also checks each rule on the default ({}) when the CRD is applied: a rule
+    # reading a field must pass when the field is absent.
+    ("!has(self.device) || self.device != 'cuda' || self.resources.gpus >= 1",
+     "spec.engine.device 'cuda' needs spec.engine.resources.gpus of at least 1"),
+    (f"!has(self.pageSize) || self.pageSize in {PAGE_SIZES}",
+     "spec.engine.pageSize must be a power of two (the worker's --page-size)"),
+    ("!has(self.chunkedPrefillSize) || self.chunkedPrefillSize >= self.pageSize",
+     "spec.engine.chunkedPrefillSize must be at least spec.engine.pageSize"),
+    ("!(has(self.kvCacheTokens) && has(self.memFraction))",
+     "set at most one of spec.engine.kvCacheTokens and spec.engine.memFraction"),
+    # the worker's KV pool holds whole pages: with less than one it exits at start
+    ("!has(self.kvCacheTokens) || self.kvCacheTokens >= self.pageSize",
+     "spec.engine.kvCacheTokens must be at least spec.engine.pageSize (one KV page)"),
+    # a CPU worker (what `auto` is without GPUs) exits at start given --mem-fraction
+    ("!has(self.memFraction) || self.device == 'cuda' || "
+     "(self.device == 'auto' && self.resources.gpus >= 1)",
+     "spec.engine.memFraction sizes the KV cache from GPU memory: a CPU worker (device cpu, "
+     "or auto with resources.gpus 0) takes spec.engine.kvCacheTokens instead"),
+))
 
 GATEWAY = obj("The cache-aware gateway in front of the workers: the pool's endpoint.", {
     "replicas": integer("Gateway pods (active-active: each follows every worker's KV events).",
