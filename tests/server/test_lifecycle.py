@@ -16,7 +16,7 @@ import httpx
 import pytest
 from openai import OpenAI
 from worker_process import API_KEY as KEY
-from worker_process import free_port
+from worker_process import WorkerProcess, free_port
 
 pytestmark = pytest.mark.slow
 CORE_DEATH_EXIT_S = 10
@@ -380,3 +380,21 @@ def test_sigterm_while_the_model_loads_stops_the_worker_and_its_core_at_once(tin
         with contextlib.suppress(OSError):
             fd = os.open(model / "model.safetensors", os.O_WRONLY | os.O_NONBLOCK)
             os.close(fd)
+
+
+def test_the_engine_core_logs_at_the_workers_log_level(tiny_model, tmp_path):
+    """--log-level (a pool's engine.logLevel) stopped at the front end: the engine core, a
+    process of its own, logged its INFO lines at any level asked, in another format."""
+    worker = WorkerProcess(tiny_model, tmp_path / "worker.log", "--log-level", "warning")
+    try:
+        worker.wait_ready()
+    finally:
+        worker.stop()
+    log = worker.log()
+    assert "radixpool.worker.model_runner" not in log and "warm-up:" not in log, log[-2000:]
+    info = WorkerProcess(tiny_model, tmp_path / "info.log", "--log-level", "info")
+    try:
+        info.wait_ready()
+    finally:
+        info.stop()
+    assert " INFO radixpool.core: warm-up: " in info.log(), info.log()[-2000:]

@@ -16,8 +16,7 @@ from typing import Any
 import yaml
 
 from radixpool.gateway.config import POLICIES
-from radixpool.worker.config import DEVICES, DTYPES, SCHEDULE_POLICIES
-from radixpool.worker.server.config import LOG_LEVELS
+from radixpool.worker.config import DEVICES, DTYPES, LOG_LEVELS, SCHEDULE_POLICIES
 
 from . import api
 from .generated import write_copies

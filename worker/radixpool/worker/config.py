@@ -9,6 +9,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 EVICTION_POLICIES = ("lru", "lfu", "probation")  # radixpool.worker.mem.eviction
 JUMP_FORWARD_MODES = ("exact", "retokenize", "off")   # structured output, see below
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,8 @@ class EngineConfig:
     # Before saying it is ready, run two short requests through every kernel a first request
     # needs (a GPU compiles or loads some on first use), then start the cache over.
     warmup: bool = True
+    # What the core process logs (its own process: the front end's logging does not reach it).
+    log_level: str = "info"
 
     def __post_init__(self) -> None:
         def fail(name: str, expected: str) -> None:
@@ -103,6 +106,8 @@ class EngineConfig:
             fail("grammar_compile_timeout_s", "> 0 seconds")
         if not self.watchdog_timeout_s >= 2:   # a busy core speaks every second
             fail("watchdog_timeout_s", "≥ 2 seconds")
+        if self.log_level not in LOG_LEVELS:
+            fail("log_level", " | ".join(LOG_LEVELS))
         if isinstance(self.jump_forward, bool):
             object.__setattr__(self, "jump_forward", "exact" if self.jump_forward else "off")
         if self.jump_forward not in JUMP_FORWARD_MODES:

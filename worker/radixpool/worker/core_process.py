@@ -204,9 +204,10 @@ class _Loop:
 def main(argv: list[str]) -> None:
     """`python -m radixpool.worker.core_process CONFIG_JSON SOCKET_FD PARENT_PID`."""
     config = EngineConfig(**json.loads(argv[0]))
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run_core(config, int(argv[1]), int(argv[2]))
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=os.environ.get("RADIXPOOL_LOG_LEVEL", "INFO").upper())
     main(sys.argv[1:])

@@ -19,12 +19,12 @@ from radixpool.worker.config import (
     DTYPES,
     EVICTION_POLICIES,
     JUMP_FORWARD_MODES,
+    LOG_LEVELS,
     SCHEDULE_POLICIES,
     EngineConfig,
 )
 from radixpool.worker.server.tool_format import TOOL_FORMAT_FLAGS, TOOL_FORMATS
 
-LOG_LEVELS = ("debug", "info", "warning", "error")
 API_KEY_ENV = "RADIXPOOL_API_KEY"
 CONTROL_KEY_ENV = "RADIXPOOL_CONTROL_API_KEY"
 
@@ -266,6 +266,7 @@ def _config_from_args(args: argparse.Namespace, control_api_key: str | None) -> 
         watchdog_timeout_s=args.watchdog_timeout,
         startup_timeout_s=args.startup_timeout,
         warmup=not args.skip_warmup,
+        log_level=args.log_level,
     )
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     return ServerConfig(
