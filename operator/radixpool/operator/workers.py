@@ -32,6 +32,11 @@ POD_UID = 1000  # the images' own user (Dockerfile.worker, Dockerfile.control)
 MODEL_MOUNT = api.MODEL_MOUNT
 ENDPOINT_PROPAGATION_SECONDS = 5
 STARTUP_PERIOD_SECONDS = 10
+# The worker's own loading deadline (--startup-timeout) starts once its process has imported
+# and begun to load; the startup probe's starts with the container. The probe allows this much
+# more, so a load that overruns ends with the worker saying why ("engine core not ready after
+# N s", exit 1), not with the kubelet stopping it mid-load and a log that does not say.
+STARTUP_MARGIN_SECONDS = 60
 # A pod that is not ready (a worker loading or broken, a gateway with no worker ready) serves
 # nothing, so a drain may evict it. Under the default (IfHealthyBudget) a budget with too few
 # ready pods refuses even those: a scaled-to-zero pool's gateways, never ready, held every drain
@@ -220,7 +225,7 @@ def desired_worker_deployment(pool: Pool, image: str, uid: int | None = POD_UID)
     volumes, mounts = _volumes(pool)
     probes = _probes()
     probes["startupProbe"]["failureThreshold"] = math.ceil(
-        lifecycle["startupTimeoutSeconds"] / STARTUP_PERIOD_SECONDS)
+        (lifecycle["startupTimeoutSeconds"] + STARTUP_MARGIN_SECONDS) / STARTUP_PERIOD_SECONDS)
     container = {
         "name": "worker", "image": image,
         "imagePullPolicy": engine.get("imagePullPolicy", "IfNotPresent"),
