@@ -79,14 +79,29 @@ def test_worker_accepts_the_operator_command_line(pool_body, spec):
     assert args.startup_timeout == pool.lifecycle["startupTimeoutSeconds"] == 1800
 
 
-def test_worker_reads_the_api_key_from_the_environment_the_pod_sets(pool_body, monkeypatch):
+def test_worker_reads_the_api_key_from_the_environment_the_pod_sets(pool_body, monkeypatch,
+                                                                   tmp_path):
+    """As the gateway reads it: a Secret made from a file (`kubectl create secret generic
+    --from-file`) holds the key with a newline, which the worker kept, so the key that worked
+    at the gateway got 401 from a worker; a blank one the gateway refuses, the worker too."""
+    from radixpool.gateway.cli import config_from_args as gateway_config
+    from radixpool.operator.gateway import gateway_args
     from radixpool.operator.workers import api_key_env
+    from radixpool.worker.server.config import config_from_args as worker_config
 
     pool = parse_pool(pool_body(**FULL))
     assert [e["name"] for e in api_key_env(pool)] == ["RADIXPOOL_API_KEY"]
-    monkeypatch.setenv("RADIXPOOL_API_KEY", "s3cret")
-    args = parse("radixpool.worker.cli", "worker", worker_args(pool))
-    assert args.api_key == "s3cret"
+    argv = worker_args(pool)
+    argv[argv.index("--model") + 1] = str(tmp_path)
+    gateway = parse("radixpool.gateway.cli", "gateway", gateway_args(pool))
+    monkeypatch.setenv("RADIXPOOL_API_KEY", "s3cret\n")
+    assert worker_config(parse("radixpool.worker.cli", "worker", argv)).api_key == "s3cret"
+    assert gateway_config(gateway, {"RADIXPOOL_API_KEY": "s3cret\n"})[0].api_key == "s3cret"
+    monkeypatch.setenv("RADIXPOOL_API_KEY", " \n")
+    with pytest.raises(ValueError, match=r"\$RADIXPOOL_API_KEY is set but empty"):
+        worker_config(parse("radixpool.worker.cli", "worker", argv))
+    with pytest.raises(ValueError, match=r"\$RADIXPOOL_API_KEY is set but empty"):
+        gateway_config(gateway, {"RADIXPOOL_API_KEY": " \n"})
 
 
 @pytest.mark.parametrize(("engine", "device"), [

@@ -138,7 +138,7 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                    help="the same as --jump-forward off")
     p.add_argument("--debug-invariants", action="store_true",
                    help="check KV cache invariants whenever the engine goes idle (slow)")
-    p.add_argument("--api-key", metavar="KEY", default=os.environ.get(API_KEY_ENV),
+    p.add_argument("--api-key", metavar="KEY",
                    help="require `Authorization: Bearer KEY` on every endpoint except /health, "
                         f"/livez and /metrics (default: ${API_KEY_ENV}, else no key)")
     p.add_argument("--control-api-key-file", metavar="PATH",
@@ -204,6 +204,14 @@ def _control_key(path: str | None) -> str | None:
     return read_key(source, path, None, os.environ)[0]
 
 
+def _serving_key(argv_value: str | None) -> str | None:
+    """`--api-key`, else $RADIXPOOL_API_KEY read as the gateway reads it (trimmed: a Secret made
+    from a file ends with its newline; blank is refused)."""
+    if argv_value is not None:
+        return argv_value
+    return read_key(KeySource("serving", API_KEY_ENV, "--api-key"), None, None, os.environ)[0]
+
+
 def _as_flag(exc: ValueError) -> ValueError:
     """`kv_cache_tokens must be ...` → `--kv-cache-tokens must be ...`; the seconds fields
     (`watchdog_timeout_s`) are flags without their unit (`--watchdog-timeout`)."""
@@ -220,7 +228,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     if not os.path.isdir(args.model):
         raise ValueError(f"--model {args.model!r} is not a directory")
     try:
-        return _config_from_args(args, _control_key(args.control_api_key_file))
+        return _config_from_args(args, _serving_key(args.api_key),
+                                 _control_key(args.control_api_key_file))
     except ValueError as exc:
         raise _as_flag(exc) from None
 
@@ -238,12 +247,13 @@ def check_worker_flags(argv: Sequence[str]) -> None:
     add_worker_arguments(parser)
     args = parser.parse_args(argv)
     try:
-        _config_from_args(args, control_api_key=None)
+        _config_from_args(args, args.api_key, control_api_key=None)
     except ValueError as exc:
         raise _as_flag(exc) from None
 
 
-def _config_from_args(args: argparse.Namespace, control_api_key: str | None) -> ServerConfig:
+def _config_from_args(args: argparse.Namespace, api_key: str | None,
+                      control_api_key: str | None) -> ServerConfig:
     engine = EngineConfig(
         model_path=args.model,
         device=args.device,
@@ -274,7 +284,7 @@ def _config_from_args(args: argparse.Namespace, control_api_key: str | None) -> 
         served_model_name=name,
         host=args.host,
         port=args.port,
-        api_key=args.api_key,
+        api_key=api_key,
         control_api_key=control_api_key,
         drain_timeout=args.drain_timeout,
         log_level=args.log_level,
