@@ -9,9 +9,11 @@ watchdog to find.
 The other GPU checks drive `EngineCore` in-process (tests, `gpu_soak.py`, `gpu.py`); this one
 runs the server's own process layout, so what only shows there does: the core started in a fresh
 interpreter on the device, the warm-up before ready, the heartbeat the watchdog reads, the
-OpenAI routes' streaming and structured output over real HTTP. Each check prints one line, PASS
-or FAIL with what it saw; the exit status is the number of failures. Figures it prints (start,
-ready, the shared-prefix batch's time and hit rate) are one run's, not a benchmark.
+OpenAI routes' streaming and structured output over real HTTP; last, on a GPU, a second start
+asking for twice the KV pool the first sized must be refused at once. Each check prints one
+line, PASS or FAIL with what it saw; the exit status is the number of failures. Figures it
+prints (start, ready, the shared-prefix batch's time and hit rate) are one run's, not a
+benchmark.
 """
 
 from __future__ import annotations
@@ -215,6 +217,26 @@ def watchdog_check(c: Checks, client, proc: subprocess.Popen, model: str) -> Non
             f"worker exit code {code}")
 
 
+def oversized_kv_check(c: Checks, cmd: list[str], worker_log: Path, log_path: Path) -> None:
+    """A worker asked for twice the KV pool the first one sized for itself must refuse at
+    start, naming the largest pool that leaves a step room, not fail mid-serving."""
+    import re
+
+    sized = re.search(r"KV capacity (\d+) tokens", worker_log.read_text(errors="replace"))
+    if not c.check("oversized kv_cache_tokens: first pool's size", sized is not None,
+                   "read from the first worker's log"):
+        return
+    tokens = 2 * int(sized.group(1))
+    with open(log_path, "w") as log:
+        proc = subprocess.run(cmd + ["--kv-cache-tokens", str(tokens)], stdout=log,
+                              stderr=subprocess.STDOUT, timeout=240)
+    said = [line for line in log_path.read_text(errors="replace").splitlines()
+            if "set kv_cache_tokens to at most" in line]
+    c.check("oversized kv_cache_tokens", proc.returncode != 0 and bool(said),
+            f"--kv-cache-tokens {tokens}: exit code {proc.returncode}; "
+            f"{said[-1][-220:] if said else 'no refusal naming the largest pool that fits'}")
+
+
 def main() -> int:
     import openai
     import torch
@@ -259,6 +281,8 @@ def main() -> int:
         c.check("metrics", cached_metric >= cached,
                 f"{CACHED_PROMPT_TOKENS.name} {cached_metric:.0f} >= usage's {cached}")
         watchdog_check(c, client, proc, "m")
+        if args.device == "cuda":   # a CPU pool given outright is not checked against memory
+            oversized_kv_check(c, cmd, log_path, log_path.with_name("worker-oversized.log"))
     finally:
         if proc.poll() is None:
             for core in children(proc.pid):

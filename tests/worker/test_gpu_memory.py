@@ -18,6 +18,7 @@ from radixpool.worker.mem.memory_plan import (
     GIB,
     PerRequestMemory,
     StepMemory,
+    check_kv_tokens_fit,
     check_weights_fit,
     kv_tokens_for_memory,
 )
@@ -131,3 +132,27 @@ def test_loader_holds_one_checkpoint_tensor_at_a_time(tiny_model, monkeypatch):
     runner = ModelRunner(EngineConfig(str(tiny_model), device="cpu", kv_cache_tokens=256))
     assert len(alive) >= 10 and most_alive == 1
     assert runner.model.lm_head.weight.abs().sum() > 0
+
+
+def test_a_kv_pool_given_outright_must_leave_room_for_a_step(tmp_path):
+    """kv_cache_tokens taking the whole device let a worker start and then run out of memory at
+    its first long prefill, losing every request in flight. It is refused at start, naming
+    what a step needs and the largest pool that leaves room for it; a pool that fits passes."""
+    spec = reference("llama-3.1-8b", tmp_path)
+    per_token = KVPool.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                                       torch.bfloat16)
+    per_request = PerRequestMemory(260, 8192, spec.vocab_size, 260, 256)
+    step = step_memory(spec, 256)
+    free = 60 * GIB
+    whole = free // per_token   # every free byte as KV
+    with pytest.raises(ValueError) as err:
+        check_kv_tokens_fit(whole, free, per_token, per_request, 16, step)
+    message = str(err.value)
+    for part in (f"kv_cache_tokens {whole}", "step activations (max_prefill_tokens)",
+                 "decode CUDA graphs", "60.00 GiB free", "or size the pool with mem_fraction"):
+        assert part in message, part
+    most = int(message.split("set kv_cache_tokens to at most ")[1].split(",")[0])
+    assert most % 16 == 0 and most < whole
+    check_kv_tokens_fit(most, free, per_token, per_request, 16, step)   # the advice fits
+    with pytest.raises(ValueError):
+        check_kv_tokens_fit(most + 16, free, per_token, per_request, 16, step)

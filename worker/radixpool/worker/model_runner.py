@@ -7,7 +7,8 @@ request→token table. `forward(batch)` computes one `ForwardBatch` and returns 
 `req_to_token[row, prefix_len:seq_len] = out_cache_loc` for the step before calling `forward`.
 
 KV cache size, in tokens:
-- `kv_cache_tokens` when given;
+- `kv_cache_tokens` when given (on GPU, refused at start when it leaves no room for those
+  tensors, activations and graphs: `check_kv_tokens_fit`);
 - on GPU, `mem_fraction` (default 0.85) of the memory still free once the weights are loaded,
   less every per-request tensor, the largest step's activations and the CUDA graphs
   (`mem/memory_plan.py`), all reserved before the pool is sized;
@@ -55,6 +56,7 @@ from radixpool.worker.mem.memory_plan import (
     ModelShape,
     PerRequestMemory,
     StepMemory,
+    check_kv_tokens_fit,
     check_weights_fit,
     kv_tokens_for_memory,
 )
@@ -336,6 +338,10 @@ class ModelRunner:
                                            self.dtype)
         if cfg.kv_cache_tokens is not None:
             tokens = cfg.kv_cache_tokens
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                check_kv_tokens_fit(tokens, free, per_token, self.per_request, cfg.page_size,
+                                    self.step_memory)
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             tokens = kv_tokens_for_memory(free, cfg.mem_fraction or DEFAULT_GPU_MEM_FRACTION,

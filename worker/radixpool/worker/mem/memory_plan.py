@@ -7,7 +7,9 @@ taken out of it *first*, and the KV pool gets the rest, in whole pages. The rema
 `1 - mem_fraction` is slack for the allocator's fragmentation and the CUDA context. A full batch
 therefore never runs out of memory because something grew after the KV cache took its share (the
 penalty counts never grow past `penalty_rows`). When nothing is left for the KV cache, the error
-lists every reservation so the user sees what did not fit.
+lists every reservation so the user sees what did not fit. A pool sized outright
+(`kv_cache_tokens`) must leave the same reservations free, or the worker refuses to start
+(`check_kv_tokens_fit`), rather than fail at its first long prefill.
 """
 
 from __future__ import annotations
@@ -101,24 +103,34 @@ class PerRequestMemory:
         return self.table_bytes + self.penalty_bytes + self.sampler_bytes
 
 
-def kv_tokens_for_memory(free_bytes: int, mem_fraction: float, kv_bytes_per_token: int,
-                         per_request: PerRequestMemory, page_size: int,
-                         step: StepMemory | None = None) -> int:
-    """KV tokens (whole pages) that fit in `mem_fraction` of `free_bytes` once the per-request
-    tensors, the step's activations and the CUDA graphs are reserved."""
+def _reservations(per_request: PerRequestMemory, step: StepMemory | None) -> dict[str, int]:
+    """What the device must hold beside the KV pool, by what the user can change to shrink it."""
     reserved = {"per-request tensors (max_running_requests, context_length)":
                 per_request.total_bytes}
     if step is not None:
         reserved["step activations (max_prefill_tokens)"] = step.activation_bytes
         reserved["decode CUDA graphs (--disable-cuda-graph to drop)"] = step.graph_bytes
+    return reserved
+
+
+def _listing(reserved: dict[str, int]) -> str:
+    return ", ".join(f"{name} {size / GIB:.2f} GiB" for name, size in reserved.items())
+
+
+def kv_tokens_for_memory(free_bytes: int, mem_fraction: float, kv_bytes_per_token: int,
+                         per_request: PerRequestMemory, page_size: int,
+                         step: StepMemory | None = None) -> int:
+    """KV tokens (whole pages) that fit in `mem_fraction` of `free_bytes` once the per-request
+    tensors, the step's activations and the CUDA graphs are reserved."""
+    reserved = _reservations(per_request, step)
     budget = int(free_bytes * mem_fraction) - sum(reserved.values())
     tokens = max(0, budget) // kv_bytes_per_token
     tokens -= tokens % page_size
     if tokens < page_size:
-        listing = ", ".join(f"{name} {size / GIB:.2f} GiB" for name, size in reserved.items())
         raise ValueError(
             f"mem_fraction {mem_fraction} of {free_bytes / GIB:.2f} GiB free leaves no room for "
-            f"one KV page ({page_size * kv_bytes_per_token / GIB:.3f} GiB) after {listing}: "
+            f"one KV page ({page_size * kv_bytes_per_token / GIB:.3f} GiB) after "
+            f"{_listing(reserved)}: "
             f"raise mem_fraction or lower max_running_requests / context_length / "
             f"max_prefill_tokens")
     return tokens
@@ -130,3 +142,22 @@ def check_weights_fit(weight_bytes: int, free_bytes: int, where: str) -> None:
         raise MemoryError(f"the model's weights ({weight_bytes / GIB:.2f} GiB) do not fit in "
                           f"the {free_bytes / GIB:.2f} GiB free on {where}: use a smaller "
                           f"model, a smaller --dtype, or a larger device")
+
+
+def check_kv_tokens_fit(tokens: int, free_bytes: int, kv_bytes_per_token: int,
+                        per_request: PerRequestMemory, page_size: int, step: StepMemory) -> None:
+    """A KV pool of `tokens` given outright (`kv_cache_tokens`) must leave room for what every
+    step needs beside it: one that takes it all starts, then fails at its first long prefill
+    (the device runs out mid-step and every request in flight is lost). Raises ValueError
+    naming the largest pool that fits."""
+    reserved = _reservations(per_request, step)
+    need = tokens * kv_bytes_per_token + sum(reserved.values())
+    if need <= free_bytes:
+        return
+    most = max(0, free_bytes - sum(reserved.values())) // kv_bytes_per_token
+    most -= most % page_size
+    raise ValueError(
+        f"kv_cache_tokens {tokens} ({tokens * kv_bytes_per_token / GIB:.2f} GiB) and what a step "
+        f"needs beside it ({_listing(reserved)}) come to {need / GIB:.2f} GiB, more than the "
+        f"{free_bytes / GIB:.2f} GiB free after the weights: set kv_cache_tokens to at most "
+        f"{most}, or size the pool with mem_fraction")
