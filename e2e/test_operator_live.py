@@ -130,6 +130,14 @@ def condition(pool: dict[str, Any], kind: str) -> dict[str, Any]:
     return {}
 
 
+def refused_pool(kube, namespace: str, name: str, **spec: Any) -> dict[str, Any]:
+    """Create a pool the API server or the operator refuses; the pool once Accepted=False."""
+    kube.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+                                                pool_manifest(name, **spec))
+    return wait_for("Accepted=False", lambda: condition(
+        p := get_pool(kube, namespace, name), "Accepted").get("status") == "False" and p)
+
+
 def owned_names(kube, namespace: str, pool: str) -> set[str]:
     selector = f"radixpool.io/pool={pool}"
     return {item.metadata.name
@@ -253,10 +261,7 @@ def test_a_malformed_env_item_is_reported_in_status(kube, namespace, operator):
     traceback every minute in the operator's log."""
     engine = {"device": "cpu", "resources": {"gpus": 0, "cpu": "100m", "memory": "512Mi"},
               "env": [{"name": "TOKEN", "valueFrom": "secretKeyRef"}]}
-    kube.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
-                                                pool_manifest("badenv", engine=engine))
-    pool = wait_for("Accepted=False", lambda: condition(
-        p := get_pool(kube, namespace, "badenv"), "Accepted").get("status") == "False" and p)
+    pool = refused_pool(kube, namespace, "badenv", engine=engine)
     assert "spec.engine.env[0].valueFrom" in condition(pool, "Accepted")["message"]
     kube.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "badenv")
 
@@ -266,10 +271,7 @@ def test_a_refused_volume_is_named_as_the_pools_own_field(kube, namespace, opera
               "volumes": [{"name": "data", "emptyDir": {}}],
               "volumeMounts": [{"name": "data", "mountPath": "/data"},
                                {"name": "missing", "mountPath": "/other"}]}
-    kube.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
-                                                pool_manifest("mounts", engine=engine))
-    pool = wait_for("Accepted=False", lambda: condition(
-        p := get_pool(kube, namespace, "mounts"), "Accepted").get("status") == "False" and p)
+    pool = refused_pool(kube, namespace, "mounts", engine=engine)
     accepted = condition(pool, "Accepted")
     assert accepted["reason"] == "RejectedByAPIServer"
     assert "spec.engine.volumeMounts[1].name (spec.template.spec.containers[0].volumeMounts[" \
@@ -282,10 +284,7 @@ def test_an_object_already_holding_a_pools_name_is_left_alone(kube, namespace, o
     kube.core.create_namespaced_service(namespace, {
         "metadata": {"name": "taken-gateway", "labels": {"app": "billing"}},
         "spec": {"selector": {"app": "billing"}, "ports": [{"name": "http", "port": 8080}]}})
-    kube.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
-                                                pool_manifest("taken"))
-    pool = wait_for("Accepted=False", lambda: condition(
-        p := get_pool(kube, namespace, "taken"), "Accepted").get("status") == "False" and p)
+    pool = refused_pool(kube, namespace, "taken")
     accepted = condition(pool, "Accepted")
     assert accepted["reason"] == "NameConflict"
     assert f"Service {namespace}/taken-gateway" in accepted["message"]
@@ -466,6 +465,23 @@ class AdmissionWebhook:
         self.url = f"https://127.0.0.1:{self.httpd.server_address[1]}/validate"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
+    def register(self, admission, config_name: str, webhook_name: str, namespace: str,
+                 rules: list[dict[str, Any]]) -> None:
+        """A ValidatingWebhookConfiguration sending this webhook what `rules` match in
+        `namespace` (sideEffects None: the v1 API takes no other for a new one)."""
+        import base64
+
+        admission.create_validating_webhook_configuration({
+            "metadata": {"name": config_name},
+            "webhooks": [{
+                "name": webhook_name,
+                "clientConfig": {"url": self.url,
+                                 "caBundle": base64.b64encode(self.ca_bundle).decode()},
+                "rules": rules,
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
+                "sideEffects": "None", "failurePolicy": "Fail", "timeoutSeconds": 5,
+                "admissionReviewVersions": ["v1"]}]})
+
     def close(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
@@ -479,7 +495,6 @@ def test_a_webhook_that_cannot_dry_run_still_lets_pools_be_made(kube, namespace,
     its once-a-minute dry-run create of the control key failed too (Degraded). Such webhooks
     live on in clusters upgraded from before 1.22 (registered under v1beta1); the v1 API makes
     no new one, so the test registers it with None and rewrites it in etcd as they are stored."""
-    import base64
 
     from kubernetes import client
 
@@ -490,18 +505,9 @@ def test_a_webhook_that_cannot_dry_run_still_lets_pools_be_made(kube, namespace,
     webhook = AdmissionWebhook(tmp_path)
     admission = client.AdmissionregistrationV1Api(kube.core.api_client)
     config_name = f"{namespace}-side-effects"
-    admission.create_validating_webhook_configuration({
-        "metadata": {"name": config_name},
-        "webhooks": [{
-            "name": "side-effects.radixpool-e2e.io",
-            "clientConfig": {"url": webhook.url,
-                             "caBundle": base64.b64encode(webhook.ca_bundle).decode()},
-            "rules": [{"apiGroups": ["", "apps"], "apiVersions": ["v1"],
-                       "operations": ["CREATE", "UPDATE"],
-                       "resources": ["deployments", "secrets"]}],
-            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
-            "sideEffects": "None", "failurePolicy": "Fail", "timeoutSeconds": 5,
-            "admissionReviewVersions": ["v1"]}]})
+    webhook.register(admission, config_name, "side-effects.radixpool-e2e.io", namespace, [
+        {"apiGroups": ["", "apps"], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
+         "resources": ["deployments", "secrets"]}])
     try:
         make_side_effects_unknown(config_name)
         assert admission.read_validating_webhook_configuration(config_name).webhooks[
@@ -534,10 +540,7 @@ def test_a_webhook_that_cannot_dry_run_still_lets_pools_be_made(kube, namespace,
         # a webhook that denies is still the pool's refusal...
         engine = {"device": "cpu", "resources": {"gpus": 0, "cpu": "100m", "memory": "512Mi"},
                   "env": [{"name": "DENY", "value": "1"}]}
-        kube.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
-                                                    pool_manifest("denied", engine=engine))
-        pool = wait_for("Accepted=False", lambda: condition(
-            p := get_pool(kube, namespace, "denied"), "Accepted").get("status") == "False" and p)
+        pool = refused_pool(kube, namespace, "denied", engine=engine)
         accepted = condition(pool, "Accepted")
         assert accepted["reason"] == "RejectedByAPIServer"
         assert "denied the request: env DENY is not allowed here" in accepted["message"]
@@ -564,31 +567,19 @@ def test_a_policy_webhook_denying_with_403_is_the_pools_refusal(kube, namespace,
                                                                  tmp_path):
     """Gatekeeper's webhooks deny with 403. The operator took a 403 for a permission it lacked:
     Degraded (APIError), retried for good, while Accepted stayed True over a pool never made."""
-    import base64
 
     from kubernetes import client
 
     webhook = AdmissionWebhook(tmp_path, deny_code=403)
     admission = client.AdmissionregistrationV1Api(kube.core.api_client)
     config_name = f"{namespace}-policy"
-    admission.create_validating_webhook_configuration({
-        "metadata": {"name": config_name},
-        "webhooks": [{
-            "name": "policy.radixpool-e2e.io",
-            "clientConfig": {"url": webhook.url,
-                             "caBundle": base64.b64encode(webhook.ca_bundle).decode()},
-            "rules": [{"apiGroups": ["apps"], "apiVersions": ["v1"],
-                       "operations": ["CREATE", "UPDATE"], "resources": ["deployments"]}],
-            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
-            "sideEffects": "None", "failurePolicy": "Fail", "timeoutSeconds": 5,
-            "admissionReviewVersions": ["v1"]}]})
+    webhook.register(admission, config_name, "policy.radixpool-e2e.io", namespace, [
+        {"apiGroups": ["apps"], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
+         "resources": ["deployments"]}])
     engine = {"device": "cpu", "resources": {"gpus": 0, "cpu": "100m", "memory": "512Mi"},
               "env": [{"name": "DENY", "value": "1"}]}
     try:
-        kube.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
-                                                    pool_manifest("policed", engine=engine))
-        pool = wait_for("Accepted=False", lambda: condition(
-            p := get_pool(kube, namespace, "policed"), "Accepted").get("status") == "False" and p)
+        pool = refused_pool(kube, namespace, "policed", engine=engine)
         accepted = condition(pool, "Accepted")
         assert accepted["reason"] == "RejectedByAPIServer", accepted
         assert ('admission webhook "policy.radixpool-e2e.io" denied the request: env DENY is '
