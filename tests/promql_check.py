@@ -7,8 +7,9 @@ against the metric specs, the way an SRE reading the panel would.
   do not carry;
 - `rate()`/`irate()`/`increase()` over a gauge or info metric, or a counter or histogram
   series plotted raw (an ever-rising line);
-- two vectors combined (`/`, `>`, ...) whose labels cannot pair up (an empty panel), or `on()`
-  naming a label one side lacks;
+- two vectors combined (`/`, `>`, ...) whose labels cannot pair up (an empty panel), `on()`
+  naming a label one side lacks, or `group_left()`/`group_right()` copying a label the "one"
+  side lacks (the result carries the labels it copies);
 - a `_bucket` series anywhere but under `histogram_quantile`, or one whose aggregation drops `le`.
 """
 
@@ -56,9 +57,10 @@ class _Checker:
         if isinstance(node, pp.BinaryExpr):
             left = self.labels(node.lhs, in_range, in_quantile)
             right = self.labels(node.rhs, in_range, in_quantile)
-            if not (_is_scalar(node.lhs) or _is_scalar(node.rhs)):
-                self.matching(node, left, right)
-            return right if _is_scalar(node.lhs) else left
+            if _is_scalar(node.lhs) or _is_scalar(node.rhs):
+                return right if _is_scalar(node.lhs) else left
+            self.matching(node, left, right)
+            return self.joined(node, left, right)
         self.found.append(f"unexpected PromQL node {type(node).__name__}: {node}")
         return frozenset()
 
@@ -99,6 +101,22 @@ class _Checker:
             self.found.append(f"the sides of {node} carry different labels "
                               f"({sorted((left ^ right) - ignored)}): no series pairs up")
 
+    def joined(self, node, left: frozenset[str], right: frozenset[str]) -> frozenset[str]:
+        """The labels of a binary operation's result: the "many" side's (the left one, but for
+        `group_right`), plus those `group_left(...)`/`group_right(...)` copy from the other."""
+        modifier = node.modifier
+        card = modifier.card if modifier is not None else None
+        if card == pp.VectorMatchCardinality.ManyToOne:
+            many, one, side = left, right, "right"
+        elif card == pp.VectorMatchCardinality.OneToMany:
+            many, one, side = right, left, "left"
+        else:
+            return left
+        copied = frozenset(modifier.group_labels)
+        for label in copied:
+            self.need(label, one, f"group_left/group_right in {node}, {side} side")
+        return many | copied
+
     def call(self, node, in_quantile: bool) -> frozenset[str]:
         name = node.func.name
         if name == "histogram_quantile":
@@ -124,6 +142,8 @@ class _Checker:
         grouped = frozenset(node.modifier.labels)
         for label in grouped:
             self.need(label, inner, f"{op} by/without")
+        if op in ("topk", "bottomk"):   # they pick series within each group, labels and all
+            return inner
         if node.modifier.type == pp.AggModifierType.By:
             return grouped
         return inner - grouped

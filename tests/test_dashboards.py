@@ -110,6 +110,10 @@ def test_every_panel_has_the_unit_its_queries_are_in(name):
      "different labels"),
     ("sum by (worker) (rate(radixpool_gateway_cached_tokens_total[5m])) / on (worker) "
      "sum(rate(radixpool_gateway_prompt_tokens_total[5m]))", "", "label 'worker' (on()"),
+    ("sum by (pod) (rate(radixpool_requests_total[5m])) * on (pod) group_left (model) "
+     "max by (pod) (radixpool_worker_info)", "{{model}}", "label 'model' (group_left"),
+    ("sum by (pod) (rate(radixpool_requests_total[5m])) * on (pod) group_left "
+     "max by (pod, model) (radixpool_worker_info)", "{{model}}", "label 'model' (legend"),
 ])
 def test_the_checker_catches_what_a_panel_gets_wrong(expr, legend, complaint):
     assert any(complaint in problem for problem in problems(expr, legend)), problems(expr, legend)
@@ -125,6 +129,11 @@ def test_the_checker_catches_what_a_panel_gets_wrong(expr, legend, complaint):
      "(finish_reason) group_left sum by (pod) (rate(radixpool_requests_total[5m]))", ""),
     ("sum(rate(radixpool_queue_time_seconds_sum[5m])) / "
      "sum(rate(radixpool_queue_time_seconds_count[5m])) * 1000 > 0.5", ""),
+    # a join copying an info series' label onto each line; topk keeps one per pod, labels and all
+    ("sum by (pod) (rate(radixpool_requests_total[5m])) * on (pod) group_left (model) "
+     "topk by (pod) (1, radixpool_worker_info)", "{{pod}} {{model}}"),
+    ("max by (pod) (radixpool_worker_info) * on (pod) group_right "
+     "sum by (pod, finish_reason) (rate(radixpool_requests_total[5m]))", "{{finish_reason}}"),
 ])
 def test_the_checker_passes_a_well_formed_query(expr, legend):
     assert problems(expr, legend) == []
