@@ -176,12 +176,38 @@ def test_fleet_view_covers_what_operators_watch():
 
 
 def test_workers_up_counts_each_worker_once_whatever_the_gateway_replicas():
-    panel = next(p for p in boards()["radixpool-fleet.json"]["panels"]
-                 if p["title"] == "Workers up")
+    board = boards()["radixpool-fleet.json"]
+    panel = next(p for p in board["panels"] if p["title"] == "Workers up")
     healthy = next(t["expr"] for t in panel["targets"] if "gateway_worker_healthy" in t["expr"])
     # Each gateway replica exports one series per worker: they are folded per worker first.
     assert re.fullmatch(r"sum\(max by \(worker\) \(radixpool_gateway_worker_healthy\{.*\}\)\)",
                         healthy), healthy
+    # So do they each worker's pod name, and two replicas may name two pods for one address a
+    # moment after a new pod reuses it: a join takes one per worker (else lines double, or the
+    # query fails on duplicate series on its "one" side).
+    info = m.GW_WORKER_INFO.series[0]
+    joins = [expr for expr, _ in queries(board) if info in expr]
+    assert joins
+    for expr in joins:
+        assert expr.count(info) == expr.count(f"topk by (worker) (1, {info}{{"), expr
+
+
+def test_per_worker_gateway_panels_name_the_workers_pods():
+    # The gateway's per-worker series carry the worker's address: the panels' lines read
+    # "http://10.1.2.3:8000", no pod an SRE could find on the worker board, and a restarted
+    # pod showed as a new address. They show the pod's name (`worker_pod`) instead.
+    per_worker = [(panel["title"], t) for panel in boards()["radixpool-fleet.json"]["panels"]
+                  for t in panel["targets"] if re.search(r"by \(worker\b", t["expr"])]
+    assert {title for title, _ in per_worker} >= {
+        "In flight per worker (gateway)", "Worker health", "Circuit breakers not closed",
+        "Routing tree size per worker (gateway)",
+        "Retries, quarantines and upstream timeouts / s"}
+    for title, target in per_worker:
+        if title == "Workers up":   # a count, no line per worker
+            continue
+        assert "{{worker_pod}}" in target["legendFormat"], (title, target)
+        assert "{{worker}}" not in target["legendFormat"], (title, target)
+        assert "group_left (worker_pod)" in target["expr"], (title, target)
 
 
 # Grafana's thresholds for a stat panel that sets none.

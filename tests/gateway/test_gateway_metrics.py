@@ -375,3 +375,48 @@ def test_rare_events_are_exported_at_zero_before_the_first_so_rate_shows_it(make
     for outcome in ("placed", "overdue", "left", "rejected"):
         assert samples["radixpool_gateway_wait_queue_outcomes_total",
                        (("outcome", outcome),)] == 0, outcome
+
+
+def test_each_workers_pod_is_named_beside_its_series_until_they_go(make_stack, loop_thread):
+    # The per-worker series named a worker by its address only: on Grafana an SRE could not
+    # tell which pod a line was, nor join it to the worker's own series (labelled `pod`).
+    stack = make_stack(2)
+    first, second = stack.fleet.urls
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+
+    def named(samples: dict) -> dict[str, str]:
+        found = {}
+        for (name, labels), value in samples.items():
+            if name == "radixpool_gateway_worker_info":
+                assert value == 1
+                found[dict(labels)["worker"]] = dict(labels)["worker_pod"]
+        return found
+
+    # workers given by address (--worker-urls): no pod, so their host:port
+    assert named(scrape(stack)) == {url: url.removeprefix("http://") for url in (first, second)}
+    assert [w["pod"] for w in stack.client.get("/workers").json()["workers"]] == [None, None]
+    pods = {first: "pool-worker-0", second: "pool-worker-1"}
+    loop_thread.call(stack.gateway.workers.reconcile, {first, second}, set(), pods)
+    served = set()
+    for i in range(40):   # until both answered (each then has counters)
+        raw = client.completions.with_raw_response.create(model="sim-model",
+                                                          prompt=words(i * 50, 20), max_tokens=1)
+        served.add(raw.headers["x-radixpool-worker"])
+        if served == set(pods):
+            break
+    assert served == set(pods)
+    samples = scrape(stack)
+    assert named(samples) == pods
+    assert per_worker_series(samples) == set(pods)
+    assert {w["url"]: w["pod"] for w in stack.client.get("/workers").json()["workers"]} == pods
+
+    # the second's pod goes: its name stays as long as its series (a join keeps their last
+    # values), and goes with them
+    loop_thread.call(stack.gateway.workers.reconcile, {first}, set(), {first: "pool-worker-0"})
+    move_clock(stack, GRACE_S / 2)
+    samples = scrape(stack)
+    assert second in per_worker_series(samples) and named(samples) == pods
+    move_clock(stack, GRACE_S)
+    samples = scrape(stack)
+    assert per_worker_series(samples) == {first}
+    assert named(samples) == {first: "pool-worker-0"}

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from radixpool.gateway.config import GatewayConfig
-from radixpool.gateway.discovery import EndpointSliceState, slice_endpoints
+from radixpool.gateway.discovery import EndpointSliceState, slice_endpoints, slice_pods
 from radixpool.gateway.health import HealthHysteresis
 from radixpool.gateway.proxy import Gateway
 
@@ -37,9 +37,12 @@ def eps(name, endpoints, port=8000, port_name="http"):
             "endpoints": endpoints}
 
 
-def ep(address, ready=True, terminating=False):
+def ep(address, ready=True, terminating=False, pod=None):
     conditions = {"ready": ready, "serving": ready or terminating, "terminating": terminating}
-    return {"addresses": [address], "conditions": conditions}
+    endpoint = {"addresses": [address], "conditions": conditions}
+    if pod is not None:
+        endpoint["targetRef"] = {"kind": "Pod", "namespace": "llm", "name": pod, "uid": "u"}
+    return endpoint
 
 
 def test_slice_splits_ready_terminating_and_not_ready():
@@ -62,6 +65,35 @@ def test_watch_events_maintain_the_worker_set_across_slices():
     state.apply("DELETED", eps("a", []))
     assert state.workers() == ({"http://10.0.0.2:8000", "http://10.0.0.3:8000"}, set())
     assert not state.apply("BOOKMARK", {"metadata": {"name": "x"}})
+
+
+def test_endpoints_name_their_pods_and_the_gateway_keeps_them_per_worker():
+    # Gateway series named a worker by its address only: on the dashboards an SRE could not
+    # tell which pod a line was. The EndpointSlice says it, in each endpoint's targetRef.
+    s = eps("svc-1", [ep("10.0.0.1", pod="pool-worker-0"),
+                      ep("10.0.0.2", ready=False, terminating=True, pod="pool-worker-1"),
+                      {"addresses": ["10.0.0.3"], "targetRef": {"kind": "Node", "name": "n1"}},
+                      ep("10.0.0.4")])
+    assert slice_pods(s) == {"http://10.0.0.1:8000": "pool-worker-0",
+                             "http://10.0.0.2:8000": "pool-worker-1"}
+    state = EndpointSliceState("http")
+    state.replace([s, eps("svc-2", [ep("10.0.0.5", pod="pool-worker-2")])])
+    assert state.pods() == {"http://10.0.0.1:8000": "pool-worker-0",
+                            "http://10.0.0.2:8000": "pool-worker-1",
+                            "http://10.0.0.5:8000": "pool-worker-2"}
+
+    gw = Gateway(GatewayConfig(k8s_service="pool-workers"))
+    gw.workers.reconcile(*state.workers(), state.pods())
+    pods = {w.url: (w.pod, w.pod_label) for w in gw.workers}
+    # an endpoint that names no pod keeps its host:port as its label
+    assert pods == {"http://10.0.0.1:8000": ("pool-worker-0", "pool-worker-0"),
+                    "http://10.0.0.3:8000": (None, "10.0.0.3:8000"),
+                    "http://10.0.0.4:8000": (None, "10.0.0.4:8000"),
+                    "http://10.0.0.5:8000": ("pool-worker-2", "pool-worker-2")}
+    # the address is reused by a new pod: the worker takes the new name
+    state.apply("MODIFIED", eps("svc-2", [ep("10.0.0.5", pod="pool-worker-3")]))
+    gw.workers.reconcile(*state.workers(), state.pods())
+    assert gw.workers.get("http://10.0.0.5:8000").pod == "pool-worker-3"
 
 
 def test_discovered_set_drains_terminating_and_removes_vanished_workers():
@@ -133,7 +165,7 @@ class FakeDiscoveryApi:
         self.lists += 1
         if self.lists == 2:
             self.stop.set()  # second LIST (after the watch expired): enough
-        items = [eps("a", [ep("10.0.0.1")]), eps("b", [ep("10.0.0.2")])]
+        items = [eps("a", [ep("10.0.0.1", pod="w-1")]), eps("b", [ep("10.0.0.2")])]
         return SimpleNamespace(items=items, metadata=SimpleNamespace(resource_version="7"))
 
 
@@ -155,13 +187,15 @@ def test_watch_shell_lists_then_follows_events_and_relists_on_expiry():
     stop = threading.Event()
     seen = []
     api = FakeDiscoveryApi(stop)
-    watch_endpoint_slices(api, "pool", "llm", None, lambda r, t: seen.append((r, t)), stop,
-                          watcher=FakeWatch())
+    watch_endpoint_slices(api, "pool", "llm", None, lambda r, t, p: seen.append((r, t, p)),
+                          stop, watcher=FakeWatch())
     both = {"http://10.0.0.1:8000", "http://10.0.0.2:8000"}
-    assert seen[0] == (both, set())
-    assert seen[1] == ({"http://10.0.0.2:8000"}, {"http://10.0.0.1:8000"})
-    assert seen[2] == ({"http://10.0.0.2:8000", "http://10.0.0.3:8000"}, {"http://10.0.0.1:8000"})
-    assert seen[3] == (both, set()) and api.lists == 2   # the re-list replaced everything
+    pod = {"http://10.0.0.1:8000": "w-1"}
+    assert seen[0] == (both, set(), pod)
+    assert seen[1] == ({"http://10.0.0.2:8000"}, {"http://10.0.0.1:8000"}, {})
+    assert seen[2] == ({"http://10.0.0.2:8000", "http://10.0.0.3:8000"}, {"http://10.0.0.1:8000"},
+                       {})
+    assert seen[3] == (both, set(), pod) and api.lists == 2   # the re-list replaced everything
 
 
 def test_a_silently_dropped_watch_connection_is_relisted(monkeypatch):
@@ -195,7 +229,9 @@ def test_a_silently_dropped_watch_connection_is_relisted(monkeypatch):
                                 "items": [{"addressType": "IPv4", "metadata": {"name": "a"},
                                            "ports": [{"name": "http", "port": 8000}],
                                            "endpoints": [{"addresses": ["10.0.0.1"],
-                                                          "conditions": {"ready": True}}]}]})
+                                                          "conditions": {"ready": True},
+                                                          "targetRef": {"kind": "Pod",
+                                                                        "name": "w-1"}}]}]})
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
@@ -212,7 +248,8 @@ def test_a_silently_dropped_watch_connection_is_relisted(monkeypatch):
     api = client.DiscoveryV1Api(client.ApiClient(cfg))
     stop, seen = threading.Event(), []
     shell = threading.Thread(target=kubernetes_watch.watch_endpoint_slices,
-                             args=(api, "pool", "llm", None, lambda r, t: seen.append(r), stop),
+                             args=(api, "pool", "llm", None,
+                                   lambda r, t, p: seen.append((r, p)), stop),
                              daemon=True)
     shell.start()
     try:
@@ -220,7 +257,8 @@ def test_a_silently_dropped_watch_connection_is_relisted(monkeypatch):
         while len(lists) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert len(lists) >= 2, "the watch hung on a silent connection and never re-listed"
-        assert seen[0] == {"http://10.0.0.1:8000"}
+        # through the official client's models: the pod's name survives (as `targetRef`)
+        assert seen[0] == ({"http://10.0.0.1:8000"}, {"http://10.0.0.1:8000": "w-1"})
     finally:
         stop.set()
         release.set()

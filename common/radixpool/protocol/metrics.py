@@ -146,6 +146,13 @@ GW_BREAKER_STATE = MetricSpec(
     "radixpool_gateway_breaker_state", "gauge",
     "The worker's circuit breaker: 1 on its current state (closed, open, half_open), 0 on the "
     "others. An open breaker sends the worker no traffic, healthy or not.", ("worker", "state"))
+GW_WORKER_INFO = MetricSpec(
+    "radixpool_gateway_worker", "info",
+    "1 for each worker the gateway has series of: `worker` (its address, the label of the other "
+    "radixpool_gateway_* series) and `worker_pod`, its pod's name as its EndpointSlice names it "
+    "(the `pod` label of the worker's own series), else, for a worker given by --worker-urls or "
+    "the admin API, its host:port. Join on `worker` to show pods.",
+    ("worker", "worker_pod"))
 GW_PROMPT_TOKENS = MetricSpec(
     "radixpool_gateway_prompt_tokens_total", "counter",
     "Prompt tokens of answered requests, as the workers reported them.", ("worker",))
@@ -202,7 +209,7 @@ GW_WAIT_QUEUE_SECONDS = MetricSpec(
 
 GATEWAY_METRICS: tuple[MetricSpec, ...] = (
     GW_REQUESTS, GW_ROUTE_DECISIONS, GW_INFLIGHT, GW_WORKER_HEALTHY, GW_BREAKER_STATE,
-    GW_PROMPT_TOKENS,
+    GW_WORKER_INFO, GW_PROMPT_TOKENS,
     GW_CACHED_TOKENS, GW_PREDICTED_CACHED_TOKENS, GW_TREE_TOKENS, GW_RETRIES, GW_QUARANTINED,
     GW_REQUEST_DURATION, GW_TIME_TO_FIRST_TOKEN, GW_HIT_RATE, GW_TREE_CORRECTIONS,
     GW_UPSTREAM_TIMEOUTS, GW_WAIT_QUEUE, GW_WAIT_QUEUE_OUTCOMES, GW_WAIT_QUEUE_SECONDS,

@@ -36,6 +36,7 @@ def describe(fleet: WorkerSet, worker: Worker, now: float) -> dict:
     info = worker.info
     return {
         "url": worker.url,
+        "pod": worker.pod,
         "eligible": worker.eligible(now),
         "healthy": worker.health.healthy,
         "draining": worker.draining,

@@ -20,7 +20,7 @@ from radixpool.gateway.discovery import EndpointSliceState
 
 log = logging.getLogger("radixpool.gateway")
 
-OnChange = Callable[[set[str], set[str]], None]
+OnChange = Callable[[set[str], set[str], dict[str, str]], None]   # ready, terminating, pods
 
 
 class DiscoveryUnavailable(RuntimeError):
@@ -35,7 +35,8 @@ LIST_SECONDS = 30
 
 def start_watch(service: str, namespace: str, port_name: str | None,
                 on_change: OnChange) -> threading.Event:
-    """Watch the Service's EndpointSlices; `on_change(ready, terminating)` runs on this loop.
+    """Watch the Service's EndpointSlices; `on_change(ready, terminating, pods)` runs on this
+    loop (`pods`: URL → pod name, where the endpoint names one).
     Set the returned event to stop (the thread ends at its next wake-up)."""
     from kubernetes import client, config
 
@@ -51,8 +52,8 @@ def start_watch(service: str, namespace: str, port_name: str | None,
     loop = asyncio.get_running_loop()
     stop = threading.Event()
 
-    def deliver(ready: set[str], terminating: set[str]) -> None:
-        loop.call_soon_threadsafe(on_change, ready, terminating)
+    def deliver(ready: set[str], terminating: set[str], pods: dict[str, str]) -> None:
+        loop.call_soon_threadsafe(on_change, ready, terminating, pods)
 
     threading.Thread(target=watch_endpoint_slices,
                      args=(client.DiscoveryV1Api(), service, namespace, port_name, deliver, stop),
@@ -75,7 +76,7 @@ def watch_endpoint_slices(api, service: str, namespace: str, port_name: str | No
                 namespace, label_selector=selector,
                 _request_timeout=(CONNECT_SECONDS, LIST_SECONDS))
             state.replace(plain(item) for item in listed.items)
-            deliver(*state.workers())
+            deliver(*state.workers(), state.pods())
             stream = (watcher or _new_watch()).stream(
                 api.list_namespaced_endpoint_slice, namespace, label_selector=selector,
                 resource_version=listed.metadata.resource_version, timeout_seconds=WATCH_SECONDS,
@@ -85,7 +86,7 @@ def watch_endpoint_slices(api, service: str, namespace: str, port_name: str | No
                     break  # ERROR is typically 410 Gone: re-list
                 raw = event.get("raw_object") or plain(event["object"])
                 if state.apply(event["type"], raw):
-                    deliver(*state.workers())
+                    deliver(*state.workers(), state.pods())
         except Exception as exc:  # API or network trouble: keep the last known set, re-list
             log.warning("EndpointSlice watch for %s/%s: %r; re-listing", namespace, service, exc)
             stop.wait(2.0)

@@ -13,6 +13,10 @@ carries on its series; after, they start again at 0 (a new series to Prometheus)
 figures never lose removed workers' history: the fleet's hit rate (`worker="all"`) comes from
 totals kept apart, and `sum(rate(...))` over the per-worker counters is unaffected by a series
 ending (only a plain `sum(...)` of them, no `rate`, drops when one goes).
+
+Pods: `radixpool_gateway_worker_info{worker, worker_pod}` names the pod behind each address that
+has series, removed workers' included until their series go, so a dashboard's join on `worker`
+keeps every line; a worker's pod name is remembered when it joins, leaves, and at each scrape.
 """
 
 from __future__ import annotations
@@ -22,12 +26,17 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+)
 
 from radixpool.gateway.breaker import BREAKER_STATES
 from radixpool.gateway.config import GatewayConfig
 from radixpool.gateway.prefix_index import PrefixIndex
-from radixpool.gateway.workers import WorkerSet
+from radixpool.gateway.workers import Worker, WorkerSet
 from radixpool.protocol import metrics as spec
 
 BUCKETS = spec.LATENCY_BUCKETS
@@ -90,6 +99,7 @@ class GatewayMetrics:
         self.duration = _Histogram()
         self.ttft = _Histogram()
         self.fleet = TokenTotals()
+        self.pods: dict[str, str] = {}   # worker address -> its worker_pod label
         self.forget_after = forget_after
         self._gone: dict[str, float] = {}   # worker address -> since when it has been gone
         self.registry = CollectorRegistry(auto_describe=False)
@@ -128,14 +138,18 @@ class GatewayMetrics:
         self.held_outcomes[outcome,] += 1
         self.hold.observe(seconds)
 
-    # --- workers gone -------------------------------------------------------------------------
+    # --- workers come and gone ----------------------------------------------------------------
+    def named(self, worker: Worker) -> None:
+        """Remember `worker`'s pod: its series keep that name after it leaves, until they go."""
+        self.pods[worker.url] = worker.pod_label
+
     def forget_gone(self, workers: WorkerSet, now: float) -> None:
         """Drop the counters of workers gone for `forget_after` seconds: neither in the fleet
         nor finishing requests there. A scan of the per-worker counters: run at a scrape (which
         reads them all anyway) and after membership changes, not per request."""
         counts = self._per_worker
         live = {"gateway", *(w.url for w in workers), *(w.url for w in workers.departed)}
-        seen = {key[0] for c in counts for key in c}
+        seen = {key[0] for c in counts for key in c} | set(self.pods)
         gone = self._gone
         for url in seen - live:
             gone.setdefault(url, now)
@@ -149,6 +163,7 @@ class GatewayMetrics:
                 del c[key]
         for url in expired:
             del gone[url]
+            self.pods.pop(url, None)
 
     @property
     def _per_worker(self) -> tuple[dict, ...]:
@@ -158,6 +173,8 @@ class GatewayMetrics:
 
     # --- the scrape ---------------------------------------------------------------------------
     def render(self, workers: WorkerSet, index: PrefixIndex, now: float) -> bytes:
+        for worker in (*workers, *workers.departed):   # a pod name may change (address reused)
+            self.named(worker)
         self.forget_gone(workers, now)
         self._state = (workers, index, now)
         return generate_latest(self.registry)
@@ -176,6 +193,10 @@ class GatewayMetrics:
             **self.corrections})
         yield _counter(spec.GW_UPSTREAM_TIMEOUTS, {**{(url,): 0 for url in live},
                                                    **self.timeouts})
+        info = InfoMetricFamily(spec.GW_WORKER_INFO.name, spec.GW_WORKER_INFO.help)
+        for url, pod in self.pods.items():
+            info.add_metric(spec.GW_WORKER_INFO.labels, {"worker": url, "worker_pod": pod})
+        yield info
         yield _counter(spec.GW_RETRIES, {(): self.retries})
         yield _counter(spec.GW_QUARANTINED, {(): self.quarantined})
         yield self.duration.family(spec.GW_REQUEST_DURATION)

@@ -123,6 +123,7 @@ class Gateway:
             self.workers.add(url)
 
     def _membership(self, worker: Worker, joined: bool) -> None:
+        self.metrics.named(worker)
         if not joined:
             self.forget_pool(worker.url)
         if self.holding:   # it may take held requests, or was the cache owner some waited for

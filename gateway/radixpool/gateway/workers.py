@@ -32,6 +32,7 @@ class Worker:
     url: str
     health: HealthHysteresis
     breaker: CircuitBreaker
+    pod: str | None = None      # its pod's name, where discovery's endpoint names it
     host: str = ""
     port: int = 0
     inflight: int = 0
@@ -67,6 +68,12 @@ class Worker:
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
         self.host, self.port = parts.hostname or "", parts.port or 80
+
+    @property
+    def pod_label(self) -> str:
+        """Its `worker_pod` label: the pod's name, else (a static worker, no Kubernetes) its
+        host:port, so per-pod panels still show it."""
+        return self.pod or urlsplit(self.url).netloc
 
     def eligible(self, now: float) -> bool:
         return (self.health.healthy and not self.draining and not self.terminating
@@ -209,12 +216,15 @@ class WorkerSet:
     def get(self, url: str) -> Worker | None:
         return self.workers.get(url)
 
-    def add(self, url: str) -> Worker:
+    def add(self, url: str, pod: str | None = None) -> Worker:
         """Add a worker (or clear `terminating` on a known one); the hooks hear of new ones.
-        `host:port` and `http://host:port/` are one worker, whose watchers start once."""
+        `host:port` and `http://host:port/` are one worker, whose watchers start once. `pod`,
+        when given, is its pod's name (a known worker takes the new one: an address reused)."""
         url = normalize_worker_url(url)
         worker = self.workers.get(url)
         if worker is not None:
+            if pod is not None:
+                worker.pod = pod
             if worker.terminating:   # back in rotation: the held requests may go there now
                 worker.terminating = False
                 self.drained()
@@ -223,10 +233,13 @@ class WorkerSet:
         worker = self._departed.pop(url, None)
         if worker is not None:
             worker.removed = worker.terminating = False
+            if pod is not None:
+                worker.pod = pod
         else:
             cfg = self.config
             worker = Worker(url, HealthHysteresis(cfg.health_failures, cfg.health_successes),
-                            CircuitBreaker(cfg.breaker_failures, cfg.breaker_open_seconds))
+                            CircuitBreaker(cfg.breaker_failures, cfg.breaker_open_seconds),
+                            pod=pod)
         self.workers[url] = worker
         self._models = None
         self.index.add_worker(url, self.tree_capacity(None))
@@ -249,18 +262,22 @@ class WorkerSet:
                 hook(worker, False)
         return worker
 
-    def reconcile(self, ready: set[str], terminating: set[str]) -> None:
+    def reconcile(self, ready: set[str], terminating: set[str],
+                  pods: dict[str, str] | None = None) -> None:
         """Match discovery: add ready endpoints, drain terminating ones (they finish their
-        streams but get no new requests), remove the ones that disappeared."""
+        streams but get no new requests), remove the ones that disappeared. `pods`: URL → the
+        endpoint's pod name, where it names one."""
         ready = {normalize_worker_url(url) for url in ready}
         terminating = {normalize_worker_url(url) for url in terminating} - ready
+        pods = {normalize_worker_url(url): pod for url, pod in (pods or {}).items()}
         for url in ready:
-            self.add(url)   # clears `terminating` on a worker that came back
+            self.add(url, pods.get(url))   # clears `terminating` on a worker that came back
         leaving = False
         for worker in self:
             if worker.url in terminating:
                 leaving = leaving or not worker.terminating
                 worker.terminating = True
+                worker.pod = pods.get(worker.url, worker.pod)
             elif worker.url not in ready:
                 self.remove(worker.url)
         if leaving:   # requests held for it as their cache owner may go elsewhere now

@@ -38,6 +38,16 @@ def _quantiles(histogram: m.MetricSpec, selector: str, by: str = "") -> list[dic
             for q in (0.5, 0.9, 0.99)]
 
 
+def _with_pods(per_worker: str) -> str:
+    """A query with one series per worker address, each given its pod's name (`worker_pod`,
+    the `pod` of the worker's own series) from the gateway's info series. Every gateway replica
+    exports one per worker, and for a moment after an address is reused by a new pod two
+    replicas may name different pods: `topk by (worker) (1, ...)` keeps one per worker, so no
+    line is doubled and the join never fails on duplicates."""
+    return (f"{per_worker} * on (worker) group_left (worker_pod) "
+            f"topk by (worker) (1, {m.GW_WORKER_INFO.series[0]}{{{POOL}}})")
+
+
 def _thresholds(*steps: tuple[str, float | None]) -> dict[str, Any]:
     return {"mode": "absolute", "steps": [{"color": color, "value": value}
                                           for color, value in steps]}
@@ -139,8 +149,9 @@ def fleet_dashboard() -> dict[str, Any]:
             {"expr": f"sum({_rate(m.GW_RETRIES.name, POOL)})", "legendFormat": "retried"},
             {"expr": f"sum({_rate(m.GW_QUARANTINED.name, POOL)})",
              "legendFormat": "quarantined (query of death)"},
-            {"expr": f"sum by (worker) ({_rate(m.GW_UPSTREAM_TIMEOUTS.name, POOL)})",
-             "legendFormat": "upstream timeout {{worker}}"}], "reqps",
+            {"expr": _with_pods(
+                f"sum by (worker) ({_rate(m.GW_UPSTREAM_TIMEOUTS.name, POOL)})"),
+             "legendFormat": "upstream timeout {{worker_pod}}"}], "reqps",
             "Retries on another worker before the first byte; requests refused "
             "because two engines died holding them; requests cut at a worker's deadline."),
         _panel("Time to first token", [
@@ -200,14 +211,14 @@ def fleet_dashboard() -> dict[str, Any]:
             "Times the gateway fixed a worker's prefix tree from ground truth (cached_tokens, "
             "a new instance_id, a KV-event resync): frequent ones mean stale routing."),
         _panel("Routing tree size per worker (gateway)", [
-            {"expr": f"max by (worker) ({m.GW_TREE_TOKENS.name}{{{POOL}}})",
-             "legendFormat": "{{worker}}"}], "short",
+            {"expr": _with_pods(f"max by (worker) ({m.GW_TREE_TOKENS.name}{{{POOL}}})"),
+             "legendFormat": "{{worker_pod}}"}], "short",
             "Tokens (prompt bytes, for a gateway without a tokenizer) the gateway's prefix tree "
             "holds for each worker, largest over gateway replicas: compare with the worker's "
             "radix cache on the worker board."),
         _panel("In flight per worker (gateway)", [
-            {"expr": f"sum by (worker) ({m.GW_INFLIGHT.name}{{{POOL}}})",
-             "legendFormat": "{{worker}}"}], "short", "The gateway's view of worker load."),
+            {"expr": _with_pods(f"sum by (worker) ({m.GW_INFLIGHT.name}{{{POOL}}})"),
+             "legendFormat": "{{worker_pod}}"}], "short", "The gateway's view of worker load."),
         _panel("Gateway wait queue (late binding)", [
             {"expr": f"sum({m.GW_WAIT_QUEUE.name}{{{POOL}}})", "legendFormat": "held now"}],
             "short", "Requests the gateways hold while their worker has prefill queued."),
@@ -219,14 +230,14 @@ def fleet_dashboard() -> dict[str, Any]:
         _panel("Time held in the gateway", _quantiles(m.GW_WAIT_QUEUE_SECONDS, POOL), "s",
                "Arrival at the gateway to being sent to a worker, for held requests."),
         _panel("Worker health", [
-            {"expr": f"min by (worker) ({m.GW_WORKER_HEALTHY.name}{{{POOL}}})",
-             "legendFormat": "{{worker}}"}], "bool_yes_no",
+            {"expr": _with_pods(f"min by (worker) ({m.GW_WORKER_HEALTHY.name}{{{POOL}}})"),
+             "legendFormat": "{{worker_pod}}"}], "bool_yes_no",
             "1: the gateway sends this worker traffic.", kind="stat", thresholds=HEALTHY),
         _panel("Circuit breakers not closed", [
             # Each gateway replica has its own breakers: a worker shows if any replica's is.
-            {"expr": f'max by (worker, state) ({m.GW_BREAKER_STATE.name}{{{POOL}, '
-                     f'state!="closed"}}) > 0',
-             "legendFormat": "{{state}} {{worker}}"}], "short",
+            {"expr": _with_pods(f'(max by (worker, state) ({m.GW_BREAKER_STATE.name}{{{POOL}, '
+                                f'state!="closed"}}) > 0)'),
+             "legendFormat": "{{state}} {{worker_pod}}"}], "short",
             "Workers some gateway sends no traffic (open) or one probe at a time (half_open), "
             "after consecutive failed requests; empty when every breaker is closed."),
         _panel("Workers up", [
