@@ -124,8 +124,9 @@ def gateway(kube, pool, workers, tmp_path_factory) -> Iterator[SimpleNamespace]:
 
 
 def endpoint_slice(name: str, service: str, worker: str, *, ready: bool = True,
-                   terminating: bool = False) -> dict[str, Any]:
-    """One worker's slice, written as the endpoint controller writes a pod's."""
+                   terminating: bool = False, pod: str | None = None) -> dict[str, Any]:
+    """One worker's slice, written as the endpoint controller writes a pod's (`pod`, by
+    default `<name>-0`, is its targetRef)."""
     address, port = worker.removeprefix("http://").rsplit(":", 1)
     return {
         "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
@@ -135,8 +136,19 @@ def endpoint_slice(name: str, service: str, worker: str, *, ready: bool = True,
         "addressType": "IPv4",
         "ports": [{"name": "http", "port": int(port), "protocol": "TCP"}],
         "endpoints": [{"addresses": [address], "conditions": {
-            "ready": ready, "serving": True, "terminating": terminating}}],
+            "ready": ready, "serving": True, "terminating": terminating},
+            "targetRef": {"kind": "Pod", "name": pod or f"{name}-0"}}],
     }
+
+
+def pods_named(gateway: SimpleNamespace) -> dict[str, str]:
+    """worker URL → pod, as `radixpool_gateway_worker_info` says on the gateway's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{gateway.url}/metrics", timeout=5).text
+    return {s.labels["worker"]: s.labels["worker_pod"]
+            for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name == "radixpool_gateway_worker_info"}
 
 
 def fleet_view(gateway: SimpleNamespace) -> dict[str, dict[str, Any]]:
@@ -168,6 +180,9 @@ def test_the_gateway_follows_the_worker_services_endpoint_slices_as_its_own_acco
     wait_for("both ready workers discovered", lambda: {
         u for u, w in fleet_view(gateway).items() if w["eligible"]} == {a, b})
     assert served_by(gateway, 12) <= {a, b}
+    # each worker is named by its pod, the targetRef of its endpoint (dashboards join on it)
+    assert {u: w["pod"] for u, w in fleet_view(gateway).items()} == {a: "llm-a-0", b: "llm-b-0"}
+    assert pods_named(gateway) == {a: "llm-a-0", b: "llm-b-0"}
 
     # b's pod is terminating: it finishes what it has and gets nothing new
     slices.replace_namespaced_endpoint_slice(
@@ -184,8 +199,10 @@ def test_the_gateway_follows_the_worker_services_endpoint_slices_as_its_own_acco
         view := fleet_view(gateway)).keys() == {b, c} and view[c]["eligible"])
     assert served_by(gateway, 12) == {c}
 
-    # b is back (a pod of the same address turned ready again)
+    # b is back: a new pod took the old one's address
     slices.replace_namespaced_endpoint_slice(
-        "llm-b", pool.namespace, endpoint_slice("llm-b", pool.service, b))
+        "llm-b", pool.namespace, endpoint_slice("llm-b", pool.service, b, pod="llm-b-1"))
     wait_for("b eligible again", lambda: fleet_view(gateway).get(b, {}).get("eligible"))
+    assert fleet_view(gateway)[b]["pod"] == "llm-b-1"
+    assert pods_named(gateway)[b] == "llm-b-1" and pods_named(gateway)[c] == "llm-c-0"
     assert "re-listing" not in gateway.log.read_text(), "the watch broke (RBAC?)"
