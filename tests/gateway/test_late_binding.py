@@ -36,6 +36,17 @@ def occupy(stack, loop_thread, body: dict) -> threading.Thread:
     return slow
 
 
+def hold(stack, loop_thread, body: dict) -> tuple[threading.Thread, dict]:
+    """A request in the background, once the gateway holds it; when the thread ends, its
+    answer is the dict's "r"."""
+    answer: dict = {}
+    held = threading.Thread(target=lambda: answer.setdefault("r", stack.client.post(
+        "/v1/chat/completions", json=body)))
+    held.start()
+    assert wait_until(loop_thread, lambda: len(stack.gateway.holding.binding.queue) == 1)
+    return held, answer
+
+
 def test_a_request_held_behind_a_saturated_worker_is_served_when_its_prefill_ends(
         make_stack, loop_thread):
     # one worker, prefills of 0.3 s: the second request arrives while the first is prefilling
@@ -116,11 +127,7 @@ def test_a_held_request_goes_to_a_remaining_worker_when_the_others_leave(make_st
     for thread in busy:
         thread.start()
     assert wait_until(loop_thread, lambda: all(w.inflight for w in stack.gateway.workers))
-    answer = {}
-    held = threading.Thread(target=lambda: answer.setdefault("r", stack.client.post(
-        "/v1/chat/completions", json={**body, "max_tokens": 1})))
-    held.start()
-    assert wait_until(loop_thread, lambda: len(stack.gateway.holding.binding.queue) == 1)
+    held, answer = hold(stack, loop_thread, {**body, "max_tokens": 1})
     gone = stack.fleet.urls[0]
     loop_thread.call(stack.gateway.workers.remove, gone)
     held.join(10)
@@ -139,11 +146,7 @@ def test_a_held_request_goes_to_its_worker_once_that_worker_stops_draining(
     body = {"model": "sim-model", "max_tokens": 20,
             "messages": [{"role": "user", "content": words(0, 40)}]}
     slow = occupy(stack, loop_thread, body)
-    answer = {}
-    held = threading.Thread(target=lambda: answer.setdefault("r", stack.client.post(
-        "/v1/chat/completions", json={**body, "max_tokens": 1})))
-    held.start()
-    assert wait_until(loop_thread, lambda: len(stack.gateway.holding.binding.queue) == 1)
+    held, answer = hold(stack, loop_thread, {**body, "max_tokens": 1})
     only, = stack.fleet.workers
     only.fail_health = True   # it starts draining: its /health answers 503
     stack.check_all()
@@ -261,13 +264,9 @@ def test_a_held_request_goes_to_a_worker_as_soon_as_its_breaker_cool_down_ends(
         **body, "max_tokens": 1, "messages": [{"role": "user", "content": words(1000, 40)}]})
     assert failed.status_code == 500 and stack.worker_of(failed) == other
     stack.fleet.workers[other].error = None
-    answer = {}   # a prompt of its own: the busy worker is not its cache owner to wait for
-    held = threading.Thread(target=lambda: answer.setdefault("r", stack.client.post(
-        "/v1/chat/completions", json={
-            **body, "max_tokens": 1, "messages": [{"role": "user", "content": words(2000, 40)}]
-        })))
-    held.start()
-    assert wait_until(loop_thread, lambda: len(stack.gateway.holding.binding.queue) == 1)
+    # a prompt of its own: the busy worker is not its cache owner to wait for
+    held, answer = hold(stack, loop_thread, {
+        **body, "max_tokens": 1, "messages": [{"role": "user", "content": words(2000, 40)}]})
     held.join(10)
     assert slow.is_alive(), "the held request waited for the slow one to end"
     assert answer["r"].status_code == 200 and stack.worker_of(answer["r"]) == other
@@ -293,11 +292,7 @@ def test_a_request_held_for_its_cache_owner_goes_elsewhere_once_the_owner_leaves
                  "messages": [{"role": "user", "content": words(1000, 40)}]}})
     short.start()   # 1 s at the other worker, so that the next request is held, not spilled
     assert wait_until(loop_thread, lambda: other.inflight)
-    answer = {}
-    held = threading.Thread(target=lambda: answer.setdefault("r", stack.client.post(
-        "/v1/chat/completions", json={**body, "max_tokens": 1})))
-    held.start()
-    assert wait_until(loop_thread, lambda: len(stack.gateway.holding.binding.queue) == 1)
+    held, answer = hold(stack, loop_thread, {**body, "max_tokens": 1})
     short.join(10)
     assert wait_until(loop_thread, lambda: not other.inflight)
     assert len(stack.gateway.holding.binding.queue) == 1   # held for its owner
@@ -325,13 +320,9 @@ def test_a_held_request_goes_to_a_worker_whose_endpoint_is_ready_again(make_stac
     body = {"model": "sim-model", "max_tokens": 50,
             "messages": [{"role": "user", "content": words(0, 40)}]}
     slow = occupy(stack, loop_thread, body)   # 5 s on the first, the only one in rotation
-    answer = {}   # a prompt of its own: the busy worker is not its cache owner to wait for
-    held = threading.Thread(target=lambda: answer.setdefault("r", stack.client.post(
-        "/v1/chat/completions", json={
-            **body, "max_tokens": 1, "messages": [{"role": "user", "content": words(2000, 40)}]
-        })))
-    held.start()
-    assert wait_until(loop_thread, lambda: len(stack.gateway.holding.binding.queue) == 1)
+    # a prompt of its own: the busy worker is not its cache owner to wait for
+    held, answer = hold(stack, loop_thread, {
+        **body, "max_tokens": 1, "messages": [{"role": "user", "content": words(2000, 40)}]})
     loop_thread.call(stack.gateway.workers.reconcile, {first, second}, set())
     held.join(10)
     assert slow.is_alive(), "the held request waited for the slow one to end"
