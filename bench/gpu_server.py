@@ -49,17 +49,13 @@ def write_model(directory: Path, *, scaled_down: bool) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from bench.soak_mix import write_tokenizer
     from radixpool.worker.model.reference_configs import write_reference_config
-    from radixpool.worker.tiny_model import CHAT_TEMPLATE, train_tokenizer
+    from radixpool.worker.tiny_model import CHAT_TEMPLATE
 
     directory.mkdir(parents=True)
-    tok = train_tokenizer(0)
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "pad_token": "<pad>", "chat_template": CHAT_TEMPLATE,
-        "clean_up_tokenization_spaces": False}))
-    overrides = dict(vocab_size=tok.get_vocab_size(), bos_token_id=1, eos_token_id=2)
+    vocab = write_tokenizer(directory, chat_template=CHAT_TEMPLATE)
+    overrides = dict(vocab_size=vocab, bos_token_id=1, eos_token_id=2)
     if scaled_down:
         overrides = {**TINY, **overrides, "head_dim": 64}
     write_reference_config(directory, "qwen3-0.6b", **overrides)

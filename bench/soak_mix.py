@@ -68,16 +68,19 @@ def missing_packages() -> dict[str, str]:
     return missing
 
 
-def write_tokenizer(model_dir: Path) -> int:
-    """Give a random-weight model dir the tiny model's tokenizer (grammars and text need one);
-    returns its vocabulary size. Its special tokens are ids 0-4: <s> is 1 and </s> is 2."""
+def write_tokenizer(model_dir: Path, chat_template: str | None = None) -> int:
+    """Give a random-weight model dir the tiny model's tokenizer (grammars and text need one),
+    with `chat_template` when given (the chat routes need one); returns its vocabulary size.
+    Its special tokens are ids 0-4: <s> is 1 and </s> is 2."""
     from radixpool.worker.tiny_model import train_tokenizer
 
     tok = train_tokenizer(0)
     tok.save(str(model_dir / "tokenizer.json"))
-    (model_dir / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "pad_token": "<pad>", "clean_up_tokenization_spaces": False}))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+              "eos_token": "</s>", "pad_token": "<pad>", "clean_up_tokenization_spaces": False}
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
     return tok.get_vocab_size()
 
 
