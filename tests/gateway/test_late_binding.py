@@ -329,3 +329,80 @@ def test_a_held_request_goes_to_a_worker_whose_endpoint_is_ready_again(make_stac
     assert answer["r"].status_code == 200
     assert answer["r"].headers["x-radixpool-worker"] == second
     slow.join(10)
+
+
+def break_kv_events(stack, sim) -> threading.Thread:
+    """The worker's `/kv_events` answers 500 from now on (its snapshot still works); a request
+    around the gateway changes the worker's load, so that the open poll answers and the next
+    one fails. Returns that request's thread: it ends once the worker's queued prefills do."""
+    from bench.simfleet.http_server import error_body
+
+    async def broken(request, respond) -> None:
+        await respond.send(*error_body(500, "event log unavailable"))
+
+    sim.kv_events = broken
+    around = threading.Thread(target=httpx.post, args=(sim.url + "/generate",),
+                              kwargs={"json": {"text": words(3000, 5), "max_tokens": 1},
+                                      "timeout": 30})
+    around.start()
+    return around
+
+
+def test_a_held_request_is_offered_again_when_its_workers_kv_events_stop(
+        make_stack, loop_thread):
+    # Before: a request held because the KV events counted a long prefill queued at its worker
+    # stayed held when the event stream broke and the gateway fell back to estimating that
+    # queue from the worker's answers (small here): it waited for the long request to end.
+    stack = make_stack(workers=1, sim=SimConfig(prefill_us_per_token=15000.0),
+                       late_binding=True, hold_queued_tokens=100, hold_max_seconds=30.0)
+    sim = stack.fleet.workers[0]
+    worker = stack.gateway.workers.get(sim.url)
+    assert wait_until(loop_thread, lambda: worker.kv_events_live)
+    small = {"model": "sim-model", "max_tokens": 1,
+             "messages": [{"role": "user", "content": words(0, 10)}]}
+    assert stack.client.post("/v1/chat/completions", json=small).status_code == 200
+    # about 200 uncached tokens: 3 s of prefill, counted as queued by the KV events
+    slow = occupy(stack, loop_thread, {**small, "messages": [
+        {"role": "user", "content": words(1000, 200)}]})
+    assert wait_until(loop_thread, lambda: worker.queued(0) > 100)
+    held, answer = hold(stack, loop_thread, {**small, "messages": [
+        {"role": "user", "content": words(2000, 10)}]})
+    around = break_kv_events(stack, sim)
+    assert wait_until(loop_thread, lambda: not stack.gateway.holding)
+    assert slow.is_alive(), "the held request waited for the long one to end"
+    assert held_outcomes(stack).get("placed") == 1
+    for thread in (held, slow, around):
+        thread.join(30)
+    assert answer["r"].status_code == 200
+
+
+def test_a_held_request_is_offered_again_when_a_resync_shows_the_prefill_it_waited_for_ended(
+        make_stack, loop_thread):
+    # Before: a prefill that ended while the KV events were not followed was still counted as
+    # queued after a resync from the worker's snapshot (its event was never seen), and the
+    # held request waited for the long request's answer to end (5 s of decode here).
+    stack = make_stack(workers=1, sim=SimConfig(prefill_us_per_token=5000.0,
+                                                decode_ms_per_token=100.0),
+                       late_binding=True, hold_queued_tokens=100, hold_max_seconds=30.0)
+    sim = stack.fleet.workers[0]
+    worker = stack.gateway.workers.get(sim.url)
+    assert wait_until(loop_thread, lambda: worker.kv_events_live)
+    # a long answered prompt: the estimate without events keeps the next request held too
+    big = {"model": "sim-model", "max_tokens": 1,
+           "messages": [{"role": "user", "content": words(0, 300)}]}
+    assert stack.client.post("/v1/chat/completions", json=big).status_code == 200
+    slow = occupy(stack, loop_thread, {**big, "max_tokens": 50, "messages": [
+        {"role": "user", "content": words(1000, 200)}]})   # 1 s of prefill, 5 s of decode
+    assert wait_until(loop_thread, lambda: worker.queued(0) > 100)
+    held, answer = hold(stack, loop_thread, {**big, "messages": [
+        {"role": "user", "content": words(2000, 10)}]})
+    around = break_kv_events(stack, sim)
+    # queued after the long prompt: once it is answered, the long prefill has ended. The
+    # gateway retries the events every half second, each time from the worker's snapshot,
+    # which holds the long prompt now
+    around.join(30)
+    assert wait_until(loop_thread, lambda: not stack.gateway.holding)
+    assert slow.is_alive(), "the held request waited for the long one to end"
+    for thread in (held, slow):
+        thread.join(30)
+    assert answer["r"].status_code == 200

@@ -223,9 +223,7 @@ class Monitor:
             if self.keys.generation != units:   # new units: the tree was emptied
                 since, units = None, self.keys.generation
             usable = self._kv_usable(worker)
-            worker.kv_events_live = usable and since is not None
-            if not worker.kv_events_live:
-                worker.observe_load(None)
+            self._follow(worker, usable and since is not None)
             if not usable:
                 since = None
                 self.index.stop_following(worker.url)
@@ -243,8 +241,7 @@ class Monitor:
                     KV_POLL_SECONDS + self.config.health_timeout + 5)
                 if status == 404:
                     log.info("worker %s serves no /kv_events; relying on cached_tokens", worker.url)
-                    worker.kv_events_live = False
-                    worker.observe_load(None)
+                    self._follow(worker, False)
                     self.index.stop_following(worker.url)
                     return
                 if status != 200 or not isinstance(doc, dict) or doc["instance_id"] != instance:
@@ -267,17 +264,32 @@ class Monitor:
             except (asyncio.TimeoutError, OSError, KeyError, ValueError, TypeError) as exc:
                 log.debug("kv events from %s: %r", worker.url, exc)
                 since = None
-                worker.kv_events_live = False
-                worker.observe_load(None)
+                self._follow(worker, False)
                 self.index.stop_following(worker.url)
                 await asyncio.sleep(min(self.config.health_interval, KV_RETRY_SECONDS))
 
+    def _follow(self, worker: Worker, live: bool) -> None:
+        """Whether the worker's KV events are followed now. A change moves its queued prefill
+        from the events' count to the estimate from its answers, or back, which can free a
+        worker for the requests held in the gateway: they are offered again at once, not when
+        a request ends there."""
+        changed = worker.kv_events_live != live
+        worker.kv_events_live = live
+        if not live:
+            worker.observe_load(None)
+        if changed:
+            self.workers.drained()
+
     async def _resync(self, worker: Worker, count: bool) -> tuple[int, str]:
-        """Replace the worker's tree by its snapshot; `count` a resync after the first sync."""
+        """Replace the worker's tree by its snapshot; `count` a resync after the first sync.
+        The prefills the gateway still waited for whose prompt the snapshot holds ended while
+        the events were not followed."""
         status, doc = await self._get_json(worker, "/kv_events/snapshot", 30.0)
         if status != 200 or not isinstance(doc, dict):
             raise ValueError(f"snapshot answered {status}")
-        self.index.load_snapshot(worker.url, from_hex(doc["blocks"]))
+        blocks = from_hex(doc["blocks"])
+        self.index.load_snapshot(worker.url, blocks)
+        worker.prefill_stored(blocks)
         instance = str(doc["instance_id"])
         if worker.instance_id is not None and instance != worker.instance_id:
             # The tree now follows the new instance (restart or flush) from its snapshot on:

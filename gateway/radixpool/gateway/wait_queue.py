@@ -6,13 +6,13 @@ policy picks already has more than `hold_queued_tokens` of prefill queued (`Work
 uncached tokens of the requests sent there whose prefill has not ended), the request is held; so
 are all later arrivals while anything is held (first come, first placed). Whenever a worker's
 queue drains (a KV event stores a prompt, a request ends or fails, a worker joins or its checks
-or discovery bring it back, or its breaker's cool-down ends), and whenever a worker leaves the
-rotation (the cache owner a request waited for may be gone), the held requests are offered
-again, oldest first, each to the worker where it would get its first token soonest counting the
-cache (`Policy.place`: queued prefill there + its uncached part + the reused prefixes it would
-push out; for `cache_aware`, among the prefix's owners when it has some, or an idle worker by
-the spill rule); it is sent when that worker is no longer saturated, else it keeps waiting,
-without blocking younger requests bound elsewhere.
+or discovery bring it back, its breaker's cool-down ends, or its KV events stop or start being
+followed), and whenever a worker leaves the rotation (the cache owner a request waited for may
+be gone), the held requests are offered again, oldest first, each to the worker where it would
+get its first token soonest counting the cache (`Policy.place`: queued prefill there + its
+uncached part + the reused prefixes it would push out; for `cache_aware`, among the prefix's
+owners when it has some, or an idle worker by the spill rule); it is sent when that worker is
+no longer saturated, else it keeps waiting, without blocking younger requests bound elsewhere.
 
 Bounds. A request held `hold_max_seconds` is sent anyway to its soonest worker, saturated or not:
 the workers are up and merely busy, so a 503 would throw away work early binding would have done
