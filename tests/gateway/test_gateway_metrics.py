@@ -358,20 +358,24 @@ def test_without_a_tokenizer_the_tree_size_is_in_prompt_bytes_as_its_help_says()
 
 
 def test_rare_events_are_exported_at_zero_before_the_first_so_rate_shows_it(make_stack):
-    # rate() needs an earlier sample: a worker's first 5xx or upstream timeout, the first held
-    # request rejected or the first tree correction from a KV resync, each a series born at 1,
-    # never showed on the fleet board.
+    # rate() needs an earlier sample: a worker's first 5xx, 4xx, client gone (499), retry or
+    # upstream timeout, the first held request rejected or the first tree correction from a
+    # KV resync, each a series born at 1, never showed on the fleet board.
     stack = make_stack(2)
     samples = scrape(stack)
     keys = {(name, labels) for name, labels in samples}
     for worker in stack.fleet.urls:
         assert ("radixpool_gateway_upstream_timeouts_total", (("worker", worker),)) in keys
-        for code in ("500", "502", "503", "504"):   # the fleet board's "Gateway errors / s"
-            assert ("radixpool_gateway_requests_total",
-                    (("code", code), ("worker", worker))) in keys, code
+        assert samples["radixpool_gateway_route_decisions_total",
+                       (("reason", "retry"), ("worker", worker))] == 0
         for source in ("cached_tokens", "instance_id", "kv_resync"):
             assert ("radixpool_gateway_tree_corrections_total",
                     (("source", source), ("worker", worker))) in keys, source
+    for worker in ("gateway", *stack.fleet.urls):
+        # the fleet board's "Gateway errors / s": 5xx by code, and one line for 4xx and 499
+        for code in ("500", "502", "503", "504", "400", "404", "413", "499"):
+            assert samples["radixpool_gateway_requests_total",
+                           (("code", code), ("worker", worker))] == 0, (worker, code)
     for outcome in ("placed", "overdue", "left", "rejected"):
         assert samples["radixpool_gateway_wait_queue_outcomes_total",
                        (("outcome", outcome),)] == 0, outcome

@@ -43,6 +43,9 @@ BUCKETS = spec.LATENCY_BUCKETS
 # Label values of rare events, exported at 0 before the first: Prometheus' rate() needs a
 # series' earlier sample, so one born at 1 would never show its first event on a dashboard.
 SERVER_ERRORS = ("500", "502", "503", "504")   # by each worker, and by the gateway itself
+# the client's: a bad body or too large a one (the gateway's own check, or the worker's), a model
+# no worker serves, the client gone before its answer was whole
+CLIENT_ERRORS = ("400", "404", "413", "499")
 CORRECTION_SOURCES = ("cached_tokens", "instance_id", "kv_resync")
 HOLD_OUTCOMES = ("placed", "overdue", "left", "rejected")
 
@@ -182,9 +185,11 @@ class GatewayMetrics:
     def collect(self):
         live = () if self._state is None else [w.url for w in self._state[0]]
         yield _counter(spec.GW_REQUESTS, {
-            **{(url, code): 0 for url in ("gateway", *live) for code in SERVER_ERRORS},
+            **{(url, code): 0 for url in ("gateway", *live)
+               for code in (*SERVER_ERRORS, *CLIENT_ERRORS)},
             **self.requests})
-        yield _counter(spec.GW_ROUTE_DECISIONS, self.decisions)
+        yield _counter(spec.GW_ROUTE_DECISIONS, {**{(url, "retry"): 0 for url in live},
+                                                 **self.decisions})
         yield _counter(spec.GW_PROMPT_TOKENS, self.prompt)
         yield _counter(spec.GW_CACHED_TOKENS, self.cached)
         yield _counter(spec.GW_PREDICTED_CACHED_TOKENS, self.predicted)
