@@ -15,11 +15,14 @@ from radixpool.worker.attention.base import AttentionShape, create_backend
 from radixpool.worker.config import EngineConfig
 from radixpool.worker.mem.kv_pool import KVPool
 from radixpool.worker.mem.memory_plan import (
+    CPU_MEM_FRACTION,
     GIB,
+    HostMemory,
     PerRequestMemory,
     StepMemory,
     check_kv_tokens_fit,
     check_weights_fit,
+    host_memory,
     kv_tokens_for_memory,
 )
 from radixpool.worker.model import CausalLM, loader, model_spec
@@ -156,3 +159,52 @@ def test_a_kv_pool_given_outright_must_leave_room_for_a_step(tmp_path):
     check_kv_tokens_fit(most, free, per_token, per_request, 16, step)   # the advice fits
     with pytest.raises(ValueError):
         check_kv_tokens_fit(most + 16, free, per_token, per_request, 16, step)
+
+
+def test_host_memory_is_the_containers_limit_less_its_anonymous_memory(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       65536000 kB\nMemAvailable:   32768000 kB\n")
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "memory.max").write_text(f"{4 * GIB}\n")
+    # page cache (file) is left out: the kernel reclaims it before the limit kills anything
+    (v2 / "memory.stat").write_text(f"anon {GIB}\nfile {2 * GIB}\n")
+    assert host_memory(str(v2), str(meminfo)) == HostMemory(3 * GIB,
+                                                            "the container's memory limit")
+    (v2 / "memory.max").write_text("max\n")   # no limit: the host's
+    assert host_memory(str(v2), str(meminfo)) == HostMemory(32768000 * 1024,
+                                                            "the host's available memory")
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory/memory.limit_in_bytes").write_text(f"{2 * GIB}\n")
+    (v1 / "memory/memory.stat").write_text(f"rss {GIB}\ntotal_rss {GIB // 2}\n")
+    assert host_memory(str(v1), str(meminfo)).free_bytes == 2 * GIB - GIB // 2
+    (v1 / "memory/memory.limit_in_bytes").write_text("9223372036854771712\n")
+    assert host_memory(str(v1), str(meminfo)).bound == "the host's available memory"
+    assert host_memory(str(tmp_path / "none"), str(tmp_path / "none")) is None
+
+
+def test_a_cpu_worker_in_a_small_container_sizes_its_kv_to_the_limit(tiny_model, monkeypatch):
+    """On CPU the KV pool's pages are only touched as the cache fills: a pool larger than the
+    container's memory limit started, and the worker was killed for memory once the cache
+    grew (the default 2 GiB pool in a 1 GiB pod, or a kv_cache_tokens too large). The default
+    now shrinks to fit, and a kv_cache_tokens that does not fit is refused at start."""
+    import radixpool.worker.model_runner as model_runner
+
+    roomy = ModelRunner(EngineConfig(str(tiny_model), device="cpu"))
+    per_token = roomy.kv_pool.bytes_per_token(roomy.num_layers, roomy.num_kv_heads,
+                                              roomy.head_dim, roomy.dtype)
+    reserved = roomy.per_request.total_bytes + roomy.step_memory.activation_bytes
+    # room for 1000 tokens of KV in the part of it a CPU worker's default pool may take
+    small = HostMemory(int((reserved + 1000 * per_token) / CPU_MEM_FRACTION) + 1,
+                       "the container's memory limit")
+    monkeypatch.setattr(model_runner, "host_memory", lambda: small)
+    runner = ModelRunner(EngineConfig(str(tiny_model), device="cpu"))
+    assert 1000 - runner.config.page_size < runner.kv_pool.capacity <= 1000 < roomy.kv_pool.capacity
+    with pytest.raises(ValueError) as err:
+        ModelRunner(EngineConfig(str(tiny_model), device="cpu", kv_cache_tokens=100_000))
+    message = str(err.value)
+    assert "the container's memory limit leaves" in message
+    most = int(message.split("set kv_cache_tokens to at most ")[1].split(",")[0])
+    assert ModelRunner(EngineConfig(str(tiny_model), device="cpu", kv_cache_tokens=most)
+                       ).kv_pool.capacity == most   # the advice fits

@@ -13,7 +13,11 @@ KV cache size, in tokens:
   less every per-request tensor, the largest step's activations and the CUDA graphs
   (`mem/memory_plan.py`), all reserved before the pool is sized;
 - on CPU, min(4 × context_length, what fits in 2 GiB): enough for a few full-length requests
-  without letting a large model's KV take the host's memory by surprise.
+  without letting a large model's KV take the host's memory by surprise; less in a container
+  whose memory limit (or a host whose available memory) does not hold that beside the per-request
+  tensors and activations (`cpu_kv_tokens`), and a `kv_cache_tokens` that does not fit there is
+  refused (the pool's pages are touched only as the cache fills: it would start, and the worker
+  be killed for memory later).
 
 Weights are allocated on the target device and filled tensor by tensor from the safetensors
 files (`model/loader.py`): the host never holds more than one checkpoint tensor. Running out of
@@ -58,6 +62,8 @@ from radixpool.worker.mem.memory_plan import (
     StepMemory,
     check_kv_tokens_fit,
     check_weights_fit,
+    cpu_kv_tokens,
+    host_memory,
     kv_tokens_for_memory,
 )
 from radixpool.worker.model import CausalLM, ModelSpec, load_checkpoint, model_spec
@@ -243,6 +249,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             check_weights_fit(self.shape.weight_bytes, free, str(self.device))
+        elif (host := host_memory()) is not None:
+            check_weights_fit(self.shape.weight_bytes, host.free_bytes, f"the CPU ({host.bound})")
         try:
             with _default_tensor_placement(self.device, self.dtype):
                 self.model = CausalLM(self.spec, self.attn_backend)
@@ -336,12 +344,16 @@ class ModelRunner:
         cfg = self.config
         per_token = KVPool.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim,
                                            self.dtype)
+        host = host_memory() if self.device.type == "cpu" else None
         if cfg.kv_cache_tokens is not None:
             tokens = cfg.kv_cache_tokens
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
                 check_kv_tokens_fit(tokens, free, per_token, self.per_request, cfg.page_size,
                                     self.step_memory)
+            elif host is not None:
+                check_kv_tokens_fit(tokens, host.free_bytes, per_token, self.per_request,
+                                    cfg.page_size, self.step_memory, host)
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             tokens = kv_tokens_for_memory(free, cfg.mem_fraction or DEFAULT_GPU_MEM_FRACTION,
@@ -352,6 +364,13 @@ class ModelRunner:
                              "on CPU set kv_cache_tokens")
         else:
             tokens = min(CPU_KV_CONTEXTS * self.context_length, CPU_KV_BYTES // per_token)
+            if host is not None:
+                fits = cpu_kv_tokens(tokens, host, per_token, self.per_request, cfg.page_size,
+                                     self.step_memory)
+                if fits < tokens:
+                    log.warning("KV cache of %d tokens (not the default %d): what fits in %s",
+                                fits, tokens, host.bound)
+                tokens = fits
         if tokens < cfg.page_size:
             raise ValueError(f"KV cache of {tokens} tokens is smaller than one page "
                              f"({cfg.page_size} tokens)")

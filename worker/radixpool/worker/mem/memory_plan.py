@@ -10,6 +10,12 @@ penalty counts never grow past `penalty_rows`). When nothing is left for the KV 
 lists every reservation so the user sees what did not fit. A pool sized outright
 (`kv_cache_tokens`) must leave the same reservations free, or the worker refuses to start
 (`check_kv_tokens_fit`), rather than fail at its first long prefill.
+
+On CPU the same reservations are checked against the host memory the worker may still take
+(`host_memory`: the container's memory limit, else the host's available memory): the pool's pages
+are only touched as the cache fills, so a pool too large would start and the worker be killed
+for memory hours later. The default pool shrinks to fit (`cpu_kv_tokens`); one given outright is
+refused.
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ from dataclasses import dataclass
 # logprobs, and the Gumbel noise / candidate scores.
 SAMPLER_VOCAB_BUFFERS = 3
 INT64_BYTES, FLOAT32_BYTES, BOOL_BYTES, INT32_BYTES = 8, 4, 1, 4
+# The part of the host memory left to a CPU worker that its default KV pool may take: the rest is
+# for the HTTP process, the tokenizer and the allocator's slack.
+CPU_MEM_FRACTION = 0.8
 GIB = 1 << 30
 
 
@@ -109,7 +118,8 @@ def _reservations(per_request: PerRequestMemory, step: StepMemory | None) -> dic
                 per_request.total_bytes}
     if step is not None:
         reserved["step activations (max_prefill_tokens)"] = step.activation_bytes
-        reserved["decode CUDA graphs (--disable-cuda-graph to drop)"] = step.graph_bytes
+        if step.graph_bytes:
+            reserved["decode CUDA graphs (--disable-cuda-graph to drop)"] = step.graph_bytes
     return reserved
 
 
@@ -145,19 +155,95 @@ def check_weights_fit(weight_bytes: int, free_bytes: int, where: str) -> None:
 
 
 def check_kv_tokens_fit(tokens: int, free_bytes: int, kv_bytes_per_token: int,
-                        per_request: PerRequestMemory, page_size: int, step: StepMemory) -> None:
+                        per_request: PerRequestMemory, page_size: int, step: StepMemory,
+                        host: HostMemory | None = None) -> None:
     """A KV pool of `tokens` given outright (`kv_cache_tokens`) must leave room for what every
     step needs beside it: one that takes it all starts, then fails at its first long prefill
-    (the device runs out mid-step and every request in flight is lost). Raises ValueError
-    naming the largest pool that fits."""
+    (the device runs out mid-step and every request in flight is lost). On CPU (`host`), the
+    pool's pages are only touched as the cache fills, so one too large starts and the worker
+    is killed for memory hours later. Raises ValueError naming the largest pool that fits."""
     reserved = _reservations(per_request, step)
     need = tokens * kv_bytes_per_token + sum(reserved.values())
     if need <= free_bytes:
         return
     most = max(0, free_bytes - sum(reserved.values())) // kv_bytes_per_token
     most -= most % page_size
+    where = "free after the weights" if host is None else f"that {host.bound} leaves"
+    other = ("size the pool with mem_fraction" if host is None
+             else "lower max_running_requests / context_length / max_prefill_tokens")
     raise ValueError(
         f"kv_cache_tokens {tokens} ({tokens * kv_bytes_per_token / GIB:.2f} GiB) and what a step "
         f"needs beside it ({_listing(reserved)}) come to {need / GIB:.2f} GiB, more than the "
-        f"{free_bytes / GIB:.2f} GiB free after the weights: set kv_cache_tokens to at most "
-        f"{most}, or size the pool with mem_fraction")
+        f"{free_bytes / GIB:.2f} GiB {where}: set kv_cache_tokens to at most {most}, or "
+        f"{other}")
+
+
+def cpu_kv_tokens(default: int, host: HostMemory, kv_bytes_per_token: int,
+                  per_request: PerRequestMemory, page_size: int, step: StepMemory) -> int:
+    """The CPU's default pool (`default` tokens), shrunk to fit in `CPU_MEM_FRACTION` of what
+    `host` leaves once the per-request tensors and the step's activations are reserved (a
+    small container). Raises ValueError when not one page fits."""
+    reserved = _reservations(per_request, step)
+    budget = int(host.free_bytes * CPU_MEM_FRACTION) - sum(reserved.values())
+    most = max(0, budget) // kv_bytes_per_token
+    most -= most % page_size
+    if most < page_size:
+        raise ValueError(
+            f"{CPU_MEM_FRACTION} of the {host.free_bytes / GIB:.2f} GiB that {host.bound} "
+            f"leaves holds no KV page ({page_size * kv_bytes_per_token / GIB:.3f} GiB) after "
+            f"{_listing(reserved)}: give the worker more memory, or lower max_running_requests "
+            f"/ context_length / max_prefill_tokens")
+    return min(default, most)
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """The host memory a CPU worker may still take, and what bounds it."""
+
+    free_bytes: int
+    bound: str   # "the container's memory limit" or "the host's available memory"
+
+
+# A cgroup v1 limit this large (2^63 rounded down to a page) means none.
+CGROUP_V1_UNLIMITED = 1 << 62
+
+
+def host_memory(cgroup_root: str = "/sys/fs/cgroup", meminfo: str = "/proc/meminfo"
+                ) -> HostMemory | None:
+    """What this process may still take: the lower of the host's MemAvailable and, in a
+    container with a memory limit (cgroup v2 `memory.max`, or v1 `memory.limit_in_bytes`), that
+    limit less the container's anonymous memory. Page cache is left out of the use, as the
+    kernel reclaims it before the limit kills anything. None when neither can be read."""
+    found: list[HostMemory] = []
+    available = _field(_read(meminfo), "MemAvailable:")
+    if available is not None:
+        found.append(HostMemory(available * 1024, "the host's available memory"))
+    for limit_file, stat_file, anon_field in (
+            ("memory.max", "memory.stat", "anon"),
+            ("memory/memory.limit_in_bytes", "memory/memory.stat", "total_rss")):
+        limit_text = _read(f"{cgroup_root}/{limit_file}")
+        if limit_text is None:
+            continue
+        if limit_text.strip().isdigit() and int(limit_text) < CGROUP_V1_UNLIMITED:
+            anon = _field(_read(f"{cgroup_root}/{stat_file}"), anon_field) or 0
+            found.append(HostMemory(max(0, int(limit_text) - anon),
+                                    "the container's memory limit"))
+        break
+    return min(found, key=lambda m: m.free_bytes) if found else None
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _field(text: str | None, name: str) -> int | None:
+    """The number after `name` on its line of a /proc/meminfo- or memory.stat-style file."""
+    for line in (text or "").splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and parts[0] == name and parts[1].isdigit():
+            return int(parts[1])
+    return None
