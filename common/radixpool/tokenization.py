@@ -57,10 +57,15 @@ class ToolArguments(dict):
         return self.text
 
 
-def _template_messages(messages: list[dict]) -> list[dict]:
-    """`messages` with each assistant tool call's JSON-text `arguments` as `ToolArguments`."""
+def _template_messages(messages: list[dict], developer_role: bool) -> list[dict]:
+    """`messages` with each assistant tool call's JSON-text `arguments` as `ToolArguments`, and,
+    unless the template names the `developer_role`, a `developer` message (OpenAI's name for the
+    system prompt since o1) as a `system` one: Qwen's templates print nothing for a role they do
+    not know, so the instructions were dropped without a word."""
     out = []
     for message in messages:
+        if message.get("role") == "developer" and not developer_role:
+            message = {**message, "role": "system"}
         calls = message.get("tool_calls")
         if isinstance(calls, list) and calls:
             message = {**message, "tool_calls": [_template_call(call) for call in calls]}
@@ -205,7 +210,8 @@ class PromptTokenizer:
             source = self.tool_use_template
         try:
             return self._compiled_template(source).render(
-                messages=_template_messages(messages), add_generation_prompt=add_generation_prompt,
+                messages=_template_messages(messages, "developer" in source),
+                add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
         except TemplateError as exc:
             raise ChatTemplateError(f"chat template rejected the messages: {exc}") from exc

@@ -80,6 +80,33 @@ def test_n_choices(client):
     assert per_choice == {c.index: c.message.content for c in r.choices}
 
 
+QWEN_STYLE_TEMPLATE = (   # Qwen2.5's and Qwen3's rule: a role it does not know prints nothing
+    "{% for m in messages %}{% if m.role in ('system', 'user', 'assistant') %}"
+    "{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endif %}{% endfor %}")
+
+
+def test_a_developer_message_is_the_system_prompt(client, http):
+    """OpenAI's `developer` role (its name for the system prompt since o1) reached the chat
+    template as it came: Qwen's templates, which know no such role, dropped the message
+    without a word, and the tiny model's printed a `developer` turn no model was trained on.
+    It is the system prompt now, tools or not, for a template that does not name the role."""
+    from radixpool.tokenization import PromptTokenizer
+
+    tool = {"type": "function", "function": {"name": "clock", "parameters": {"type": "object"}}}
+    for extra in ({}, {"tools": [tool], "tool_choice": "none"}):
+        replies = [client.chat.completions.create(
+            model="tiny", messages=[{"role": role, "content": "answer in French"},
+                                    {"role": "user", "content": "hello"}],
+            max_tokens=6, temperature=0, extra_body={"ignore_eos": True}, **extra)
+            for role in ("system", "developer")]
+        assert replies[1].usage.prompt_tokens == replies[0].usage.prompt_tokens
+        assert replies[1].choices[0].message.content == replies[0].choices[0].message.content
+    files = {**http.get("/tokenizer").json()["files"], "chat_template.jinja": QWEN_STYLE_TEMPLATE}
+    rendered = PromptTokenizer(files).render_chat(
+        [{"role": "developer", "content": "answer in French"}, {"role": "user", "content": "hi"}])
+    assert "<|im_start|>system\nanswer in French" in rendered
+
+
 def test_seed_reproducible(client):
     kw = {"max_tokens": 16, "temperature": 1.0, "extra_body": {"ignore_eos": True}}
     a = chat(client, "tell me something", seed=1234, **kw).choices[0].message.content
