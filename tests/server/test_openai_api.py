@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 
+import openai
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -105,6 +106,15 @@ def test_a_developer_message_is_the_system_prompt(client, http):
     rendered = PromptTokenizer(files).render_chat(
         [{"role": "developer", "content": "answer in French"}, {"role": "user", "content": "hi"}])
     assert "<|im_start|>system\nanswer in French" in rendered
+
+
+def test_web_search_asked_for_with_its_defaults_is_refused(client):
+    """`web_search_options={}` is how OpenAI's own example turns web search on (each of its
+    options has a default): it was taken for unset, and the model answered alone, unsearched."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        chat(client, "what is in the news today?", max_tokens=2, web_search_options={})
+    assert refused.value.body["param"] == "web_search_options"
+    assert "web search is not supported" in refused.value.body["message"]
 
 
 def test_seed_reproducible(client):

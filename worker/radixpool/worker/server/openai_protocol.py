@@ -202,8 +202,11 @@ _UNSUPPORTED = {
 
 
 def _reject_unsupported(name: str, value: Any) -> None:
-    if value in (None, [], {}) or (name == "modalities" and value == ["text"]):
-        return   # (["text"] is OpenAI's default: what a text model gives anyway)
+    # (["text"] is OpenAI's default: what a text model gives anyway; `web_search_options` {}
+    # asks for web search with its defaults, as OpenAI's own example does)
+    if value is None or (value in ([], {}) and name != "web_search_options") or \
+            (name == "modalities" and value == ["text"]):
+        return
     raise ValueError(f"{_UNSUPPORTED[name]} is not supported by this server")
 
 
