@@ -117,6 +117,18 @@ def test_web_search_asked_for_with_its_defaults_is_refused(client):
     assert "web search is not supported" in refused.value.body["message"]
 
 
+def test_a_bad_token_id_is_named_where_it_is(client):
+    """Token ids with one negative id (a -1 pad, a -100 label) were answered "(prompt[0]: Input
+    should be a valid string)": the first form the prompt's union tried, not the form sent."""
+    for prompt, where in (([5, 6, -1], "prompt[2]"), ([[5], [6, -100]], "prompt[1][1]"),
+                          ([-1], "prompt[0]")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+        assert refused.value.body["param"] == "prompt"
+        assert f"({where}: Input should be greater than or equal to 0)" in \
+            refused.value.body["message"]
+
+
 def test_seed_reproducible(client):
     kw = {"max_tokens": 16, "temperature": 1.0, "extra_body": {"ignore_eos": True}}
     a = chat(client, "tell me something", seed=1234, **kw).choices[0].message.content

@@ -148,7 +148,7 @@ def _union_error(errors: list[dict], loc: tuple[Any, ...]) -> APIError:
     """Pydantic reports one error per union branch; answer with the forms the field accepts."""
     cut = next(i for i, part in enumerate(loc) if _union_tag(part))
     prefix, param = loc[:cut], field_path(loc[:cut])
-    forms, detail = [], None
+    forms, detail, best = [], None, None
     for err in errors:
         eloc = tuple(err.get("loc", ()))
         if eloc[:cut] != prefix or len(eloc) <= cut:
@@ -156,12 +156,23 @@ def _union_error(errors: list[dict], loc: tuple[Any, ...]) -> APIError:
         form = _FORMS.get(eloc[cut], str(eloc[cut]))
         if form not in forms:
             forms.append(form)
-        if detail is None and len(eloc) > cut + 1:
-            inner = eloc[:cut] + tuple(p for p in eloc[cut + 1:] if not _union_tag(p))
-            detail = f"{field_path(inner)}: {err.get('msg')}"
-        elif detail is None and not str(err.get("type", "")).endswith("_type"):
+        nested, mismatch = eloc[cut + 1:], str(err.get("type", "")).endswith("_type")
+        if nested:
+            inner = eloc[:cut] + tuple(p for p in nested if not _union_tag(p))
+            found = f"{field_path(inner)}: {err.get('msg')}"
+        elif not mismatch:
             # the value has this form but breaks its limit (17 stop strings where 16 are taken)
-            detail = f"{param}: {err.get('msg')}"
+            found = f"{param}: {err.get('msg')}"
+        else:
+            continue
+        # A branch whose type held where it broke, furthest into the value, is the form the
+        # client sent: token ids with one negative id are not "prompt[0]: a valid string".
+        # Between type mismatches the first stands (their words differ between pydantic's JSON
+        # and Python modes: "a valid array" / "a valid list").
+        reach = (not mismatch, tuple(p for p in nested if isinstance(p, int)) if not mismatch
+                 else ())
+        if best is None or reach > best:
+            best, detail = reach, found
     message = f"invalid value for '{param}': expected {' or '.join(forms)}"
     if detail:
         message += f" ({detail})"
