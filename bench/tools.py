@@ -83,6 +83,10 @@ def agent(client: OpenAI, index: int, turns: int) -> tuple[int, int, int, int]:
         prompt += reply.usage.prompt_tokens
         cached += reply.usage.prompt_tokens_details.cached_tokens
         message = reply.choices[0].message
+        if reply.choices[0].finish_reason == "length" and message.tool_calls:
+            # the last call was cut off (its arguments so far): an agent asks again instead
+            message.tool_calls = message.tool_calls[:-1] or None
+            message.content = message.content or ""
         for call in message.tool_calls or []:
             calls += 1
             try:

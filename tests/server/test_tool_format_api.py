@@ -84,7 +84,10 @@ def test_forced_calls_in_the_models_format_validate(clients, fmt, choice):
     reply = client.chat.completions.create(   # parallel: one or more calls, each valid
         model="tiny", messages=MSG, tools=TOOLS, tool_choice=choice, max_tokens=400,
         temperature=1.0, seed=7)
-    _valid(reply.choices[0].message.tool_calls, only)
+    calls = reply.choices[0].message.tool_calls
+    if reply.choices[0].finish_reason == "length":   # the last call cut off: its part so far
+        calls = calls[:-1]
+    _valid(calls, only)
 
 
 @pytest.mark.parametrize("fmt", list(TEMPLATES))

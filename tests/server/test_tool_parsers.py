@@ -45,13 +45,18 @@ def test_hermes_text_around_calls_and_bad_blocks_stay_text():
         assert parse_tool_calls("hermes", NAMES, text) == (text, [])
 
 
-def test_a_call_cut_off_stays_text_and_earlier_calls_stand():
+def test_a_call_cut_off_keeps_its_arguments_so_far_and_earlier_calls_stand():
+    # As its stream sends it (and as OpenAI answers a call cut by max_tokens): it was left in
+    # the content, so the streamed and whole replies differed.
     cut = TWO_CALLS[:-30]
     content, calls = parse_tool_calls("hermes", NAMES, cut)
-    assert [c.name for c in calls] == ["get_weather"]
-    assert content == cut[cut.index("<tool_call>", 10):]
+    assert [(c.name, c.finished) for c in calls] == [("get_weather", True), ("add", False)]
+    assert content is None and calls[1].arguments == '{"a": 1, "b'
     only = TWO_CALLS[:40]
-    assert parse_tool_calls("hermes", NAMES, only) == (only, [])
+    content, calls = parse_tool_calls("hermes", NAMES, only)
+    assert content is None and [(c.name, c.arguments, c.finished) for c in calls] == [
+        ("get_weather", "", False)]   # cut before its arguments: the stream sent its name
+    assert parse_tool_calls("hermes", NAMES, TWO_CALLS[:20]) == (TWO_CALLS[:20], [])  # no name
 
 
 def test_llama3_and_mistral_formats():
@@ -60,9 +65,11 @@ def test_llama3_and_mistral_formats():
                          '{"name": "get_weather", "parameters": {"city": "Oslo"}}')
     assert content is None and [(c.name, c.arguments) for c in calls] == [
         ("add", '{"a": 1}'), ("get_weather", '{"city": "Oslo"}')]
-    for text in ("plain answer", '{"name": "nope", "parameters": {}}', '{"name": "add", "par',
+    for text in ("plain answer", '{"name": "nope", "parameters": {}}',
                  'text first {"name": "add", "parameters": {"a": 1}}'):
         assert parse_tool_calls("llama3", NAMES, text) == (text, [])
+    content, calls = parse_tool_calls("llama3", NAMES, '{"name": "add", "par')   # cut off
+    assert content is None and [(c.name, c.finished) for c in calls] == [("add", False)]
     content, calls = parse_tool_calls(
         "mistral", NAMES, 'Sure. [TOOL_CALLS][{"name": "add", "arguments": {"a": 2}}]')
     assert content == "Sure." and calls[0].name == "add" and calls[0].arguments == '{"a": 2}'

@@ -150,6 +150,29 @@ def test_a_reply_cut_anywhere_never_loses_or_invents_text(data, fmt):
     assert all(len(e.text) <= len(cut) for e in events if isinstance(e, Content))
 
 
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), fmt=st.sampled_from(sorted(REPLIES)))
+def test_a_reply_cut_anywhere_reads_whole_as_it_streams(data, fmt):
+    """The non-streamed reply (`parse_tool_calls`) says what its stream said, a call cut off
+    by max_tokens included: it was left in the content, as its stream had sent it as a call."""
+    reply, _, _ = data.draw(REPLIES[fmt])
+    cut = reply[:data.draw(st.integers(0, len(reply)))]
+    events, _ = _streamed(fmt, _pieces(data.draw, cut))
+    content, calls = "", {}
+    for event in events:
+        if isinstance(event, Content):
+            content += event.text
+        elif isinstance(event, CallStart):
+            calls[event.index] = (event.name, "")
+        elif isinstance(event, ArgumentsPiece):
+            name, arguments = calls[event.index]
+            calls[event.index] = (name, arguments + event.text)
+    whole_content, whole_calls = parse_tool_calls(fmt, NAMES, cut)
+    assert [(c.name, c.arguments) for c in whole_calls] == [calls[i] for i in sorted(calls)]
+    assert whole_content == (content or None if calls else cut)
+    assert calls or content == cut
+
+
 def test_a_call_name_comes_as_soon_as_it_is_complete_then_arguments_in_pieces():
     parser = ToolCallParser("mistral", NAMES)
     assert parser.feed("Sure. [TOOL") == [Content("Sure.")]

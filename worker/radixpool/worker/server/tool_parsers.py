@@ -50,9 +50,11 @@ class ArgumentsPiece:
 
 @dataclass(frozen=True)
 class CallCut:
-    """Call `index` never finished; `text` is all the model wrote of it."""
+    """Call `index` never finished; `text` is all the model wrote of it. `ended`: the output
+    ended inside it (max_tokens, a stop string), rather than going off the call syntax."""
     index: int
     text: str
+    ended: bool = False
 
 
 ToolEvent = Content | CallStart | ArgumentsPiece | CallCut
@@ -63,6 +65,7 @@ class ToolCall:
     name: str
     arguments: str    # JSON text, as the model wrote it
     id: str
+    finished: bool = True   # False: cut off (max_tokens, a stop string): its arguments so far
 
     def openai(self) -> dict[str, Any]:
         return {"id": self.id, "type": "function",
@@ -172,7 +175,7 @@ class ToolCallParser:
         out: list[ToolEvent] = []
         rest, self.buffer = self.buffer, ""
         if self.state in ("keys", "arguments"):
-            out.append(CallCut(self.started - 1, self.raw + rest))
+            out.append(CallCut(self.started - 1, self.raw + rest, ended=True))
         elif self.state in ("text", "passthrough", "head"):
             self._content(self.pending + rest, out)
         self.pending, self.state = "", "passthrough"
@@ -319,8 +322,10 @@ class ToolCallParser:
 
 def parse_tool_calls(fmt: ToolFormat, names: set[str] | frozenset[str],
                      text: str) -> tuple[str | None, list[ToolCall]]:
-    """A whole reply → (content, finished calls). A call the output cut off stays in the
-    content as the model wrote it; a reply with no finished call is all content, verbatim."""
+    """A whole reply → (content, calls), as its stream gives them: a call the output ended in
+    (`finished` False) keeps the arguments written so far, as its stream sent them; one that
+    went off the call syntax is content as the model wrote it; a reply with no call is all
+    content, verbatim."""
     parser = ToolCallParser(fmt, names)
     content, calls = "", {}
     for event in parser.feed(text) + parser.finish():
@@ -331,6 +336,9 @@ def parse_tool_calls(fmt: ToolFormat, names: set[str] | frozenset[str],
         elif isinstance(event, ArgumentsPiece):
             call = calls[event.index]
             calls[event.index] = ToolCall(call.name, call.arguments + event.text, call.id)
+        elif event.ended:   # the stream sent its start and pieces, and takes nothing back
+            call = calls[event.index]
+            calls[event.index] = ToolCall(call.name, call.arguments, call.id, finished=False)
         else:
             del calls[event.index]
             content += event.text

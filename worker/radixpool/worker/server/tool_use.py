@@ -63,9 +63,10 @@ class ToolUse:
         content, calls = parse_tool_calls(self.format, self.names, text)
         if not calls:
             return {"role": "assistant", "content": text}, finish_reason
+        finished = any(call.finished for call in calls)   # as `stream_finish_reason` says
         return ({"role": "assistant", "content": content,
                  "tool_calls": [call.openai() for call in calls]},
-                "tool_calls" if finish_reason == "stop" else finish_reason)
+                "tool_calls" if finish_reason == "stop" and finished else finish_reason)
 
     def stream(self) -> ToolCallStream | None:
         if not self.calls_possible:
