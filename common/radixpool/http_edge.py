@@ -32,10 +32,12 @@ request's response (whose request is then aborted). `EdgeProtocol`:
   gets 503. Without it a client holding a thousand idle sockets took the process to its
   descriptor limit: it then accepted and dropped every connection, and could open none to its
   workers;
-- a response that waits `write_stall_timeout` on a client that reads none of it (the
-  connection's send buffer full all that time) ends: the connection is dropped, so the handler
-  sees a disconnect and the request is aborted. Flow control alone kept such a stream's request
-  running to its last token, holding its KV, while the output piled up in the server;
+- a response that waits `write_stall_timeout` on a client that reads none of it (no byte of
+  what waits in the connection's send buffer leaves all that time) ends: the connection is
+  dropped, so the handler sees a disconnect and the request is aborted. Flow control alone
+  kept such a stream's request running to its last token, holding its KV, while the output
+  piled up in the server. A client that reads a large answer slowly, its buffer taking longer
+  than that to empty, reads on;
 - a client that leaves (or half-closes) with a request pipelined behind the one being answered
   has that one told it left: uvicorn told only the newest request, so the one being answered ran
   on to its end (holding its worker) and then failed writing to the closed connection;
@@ -62,8 +64,12 @@ close after uvicorn's `timeout_keep_alive`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import json
 import resource
+import struct
+import termios
 from dataclasses import dataclass
 
 import httptools
@@ -175,6 +181,7 @@ class EdgeProtocol(HttpToolsProtocol):
         self._head_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
         self._stall_timer: asyncio.TimerHandle | None = None
+        self._stall_unsent = 0    # bytes waiting on the client when the stall clock started
         self._running = None   # the request being answered (uvicorn's `cycle` is the newest)
         self._refusal: bytes | None = None   # sent once the responses ahead of it are complete
         self._joined: _HeadJoined | None = None   # the newest request's writer
@@ -225,12 +232,16 @@ class EdgeProtocol(HttpToolsProtocol):
     def pause_writing(self) -> None:
         super().pause_writing()
         if self._stall_timer is None:
-            self._stall_timer = self.loop.call_later(self.limits.write_stall_timeout,
-                                                     self._write_stalled)
+            self._arm_stall_timer()
 
     def resume_writing(self) -> None:
         self._cancel_stall_timer()   # the client read: a slow reader is not a stalled one
         super().resume_writing()
+
+    def _arm_stall_timer(self) -> None:
+        self._stall_unsent = self._unsent()
+        self._stall_timer = self.loop.call_later(self.limits.write_stall_timeout,
+                                                 self._write_stalled)
 
     def _cancel_stall_timer(self) -> None:
         if self._stall_timer is not None:
@@ -241,10 +252,27 @@ class EdgeProtocol(HttpToolsProtocol):
         self._stall_timer = None
         if not self.flow.write_paused:
             return
+        if self._unsent() < self._stall_unsent:
+            # the client read some of it: a large answer to a slow reader drains for longer
+            # than the timeout, and that reader is not a stalled one either
+            self._arm_stall_timer()
+            return
         self.logger.warning("dropped a connection whose client read nothing of its answer for "
                             "%g s", self.limits.write_stall_timeout)
         # abort, not close: close would wait for the unread buffer to drain, that is forever
         self.transport.abort()
+
+    def _unsent(self) -> int:
+        """Bytes of the answers not yet taken by the client: those waiting here, and those in
+        the kernel's send queue (the kernel wakes a writer only once much of a large send
+        buffer is free: a slow reader's progress shows there first)."""
+        unsent = self.transport.get_write_buffer_size()
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None and hasattr(termios, "TIOCOUTQ"):   # Linux
+            with contextlib.suppress(OSError):
+                queued = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4)
+                unsent += struct.unpack("i", queued)[0]
+        return unsent
 
     def data_received(self, data: bytes) -> None:
         if self._lingering:

@@ -448,6 +448,36 @@ def test_a_client_that_reads_nothing_for_the_write_stall_timeout_is_dropped(loop
         loop_thread.run(server.stop())
 
 
+def test_a_client_that_reads_a_large_answer_slowly_but_steadily_is_not_dropped(loop_thread):
+    # The stall clock ran from the write that filled the send buffer to the one moment the
+    # buffer was empty again: a 16 MiB answer to a client reading all the time, but taking
+    # longer than `write_stall_timeout` to drain it, was dropped as if it read nothing
+    from radixpool.gateway.http_edge import EdgeLimits, EdgeServer
+
+    answer = bytes(range(256)) * (64 << 10)   # 16 MiB, one write
+
+    async def large(request, respond) -> None:
+        await respond.send(200, [], answer)
+
+    server = EdgeServer(large, "127.0.0.1", 0, EdgeLimits(write_stall_timeout=1.0))
+    loop_thread.run(server.start())
+    try:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        sock.connect(("127.0.0.1", server.port))
+        sock.sendall(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        got = []
+        sock.settimeout(10)
+        with contextlib.suppress(ConnectionResetError):
+            while more := sock.recv(64 << 10):   # at most 64 KiB per 5 ms: 13 MB/s
+                got.append(more)
+                time.sleep(0.005)
+        sock.close()
+        assert Responses(b"".join(got)).messages == [(200, answer)]
+    finally:
+        loop_thread.run(server.stop())
+
+
 @pytest.mark.parametrize("broken", [b"zz\r\n", b"5\r\n{}"], ids=["bad-chunk-size", "cut-short"])
 def test_a_chunked_body_whose_framing_breaks_after_a_whole_json_chunk_reaches_no_worker(
         make_stack, broken):
