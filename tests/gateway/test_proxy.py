@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from bench.simfleet import SimConfig, SimFleet, kill
+from bench.simfleet import SimConfig, SimFleet, SimWorker, kill
 from tests.gateway.conftest import words
 
 
@@ -394,6 +394,29 @@ def test_the_gateway_presents_its_worker_key_to_keyed_workers(make_stack):
     direct = httpx.post(stack.fleet.urls[0] + "/generate", json={"text": "w1"},
                         headers={"authorization": "Bearer client-key"})
     assert direct.status_code == 401  # the workers really do check
+
+
+def test_headers_the_client_names_in_connection_stay_at_the_gateway(make_stack, monkeypatch):
+    # RFC 9110 7.6.1: the fields a request's `Connection` names are for that hop alone, and a
+    # proxy removes them; the gateway passed them on to the workers
+    seen: list[dict[bytes, bytes]] = []
+    serve = SimWorker.__call__
+
+    async def recording(self, request, respond) -> None:
+        if request.path == "/v1/completions":
+            seen.append(request.headers)
+        await serve(self, request, respond)
+
+    monkeypatch.setattr(SimWorker, "__call__", recording)
+    stack = make_stack(1)
+    answer = stack.client.post(
+        "/v1/completions", json={"model": "sim-model", "prompt": "w1", "max_tokens": 1},
+        headers={"connection": "keep-alive, X-Hop-Only", "x-hop-only": "1",
+                 "x-end-to-end": "1", "x-request-id": "mine"})
+    assert answer.status_code == 200
+    forwarded, = seen
+    assert b"x-hop-only" not in forwarded
+    assert forwarded[b"x-end-to-end"] == b"1" and forwarded[b"x-request-id"] == b"mine"
 
 
 def test_no_worker_means_503_and_unhealthy_gateway(make_stack):

@@ -49,6 +49,7 @@ from radixpool.gateway.feedback import (
 )
 from radixpool.gateway.holding import Holding
 from radixpool.gateway.http_edge import (
+    REQUEST_ID,
     Headers,
     Request,
     Responder,
@@ -529,8 +530,12 @@ class Gateway:
     def forwarded_headers(self, request: Request) -> Headers:
         """The client's end-to-end headers (the request id among them: the edge gives every
         request one), with the gateway's worker key (when it has one) in place of the
-        client's."""
-        headers = [(k, v) for k, v in request.headers.items() if k not in self._unforwarded]
+        client's. The fields its `Connection` names are for this hop alone (RFC 9110 7.6.1)."""
+        unforwarded = self._unforwarded
+        if (connection := request.headers.get(b"connection")) is not None:
+            named = {name.strip().lower() for name in connection.split(b",")}
+            unforwarded = unforwarded | (named - {REQUEST_ID})   # the edge's id goes on
+        headers = [(k, v) for k, v in request.headers.items() if k not in unforwarded]
         headers.extend(self.upstream_auth)
         return headers
 
