@@ -320,25 +320,32 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def _feed(self, data: bytes) -> bool:
         self._unset_keepalive_if_required()
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            message = f"malformed HTTP request: {exc}"
-            if self._in_head:
-                self._refuse(400, message, "invalid_http_request")
-            else:   # the framing of a body broke: its request, begun, can never be finished
-                self._abort_body(400, message, "invalid_http_request")
-            return False
-        except httptools.HttpParserUpgrade:
-            if self._should_upgrade():
-                self.handle_websocket_upgrade()
-            elif self._declares_body():
-                # the parser took what follows the head for the new protocol: the request is
-                # complete to the application, with its body lost
-                self.cycle.disconnected = True
-                self._abort_body(400, "this server does not switch protocols: send the request "
-                                      "without `Upgrade`", "upgrade_not_supported")
-            return False   # otherwise served as is, over HTTP/1.1 (as uvicorn does)
+        rest = memoryview(data)
+        while rest:
+            try:
+                self.parser.feed_data(rest)
+                return True
+            except httptools.HttpParserError as exc:
+                message = f"malformed HTTP request: {exc}"
+                if self._in_head:
+                    self._refuse(400, message, "invalid_http_request")
+                else:   # the framing of a body broke: its request, begun, can never be finished
+                    self._abort_body(400, message, "invalid_http_request")
+                return False
+            except httptools.HttpParserUpgrade as switch:
+                if self._should_upgrade():
+                    self.handle_websocket_upgrade()
+                    return False
+                if self._declares_body():
+                    # the parser took what follows the head for the new protocol: the request
+                    # is complete to the application, with its body lost
+                    self.cycle.disconnected = True
+                    self._abort_body(400, "this server does not switch protocols: send the "
+                                          "request without `Upgrade`", "upgrade_not_supported")
+                    return False
+                # served as is, over HTTP/1.1 (as uvicorn does): what follows the head is the
+                # next request, which uvicorn dropped
+                rest = rest[switch.args[0]:]
         return True
 
     def _declares_body(self) -> bool:

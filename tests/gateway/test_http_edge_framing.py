@@ -132,6 +132,25 @@ def test_a_request_asking_to_upgrade_is_served_over_http_1_1_or_refused_never_ha
     assert stack.client.post("/v1/completions", content=whole).status_code == 200
 
 
+@pytest.mark.parametrize("first", [
+    b"GET /livez HTTP/1.1\r\nupgrade: h2c\r\nconnection: upgrade\r\n\r\n",
+    b"CONNECT /livez HTTP/1.1\r\n\r\n",
+], ids=["upgrade", "connect"])
+@pytest.mark.parametrize("count", [1, 3000])
+def test_requests_pipelined_behind_one_not_switched_in_the_same_read_are_answered(
+        make_stack, first, count):
+    # The parser stops at the end of a head asking to switch protocols (CONNECT always does),
+    # and what followed it in the same read was dropped: served over HTTP/1.1 instead, that
+    # request was answered and the one behind it never was, its client left waiting until the
+    # connection's idle timeout. Thousands of them in one read must not recurse either.
+    stack = make_stack(1, header_read_timeout=3.0)
+    with connect(stack.url) as c:
+        c.sendall(first * count
+                  + b"GET /livez HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        messages = Responses(read_until_closed(c, 10.0)).messages
+    assert len(messages) == count + 1 and messages[-1] == (200, b'{"status":"ok"}')
+
+
 @pytest.mark.parametrize("broken", [
     b"transfer-encoding: chunked\r\n\r\nzz\r\n",   # a bad chunk size
     b"connection: upgrade\r\nupgrade: h2c\r\ncontent-length: 2\r\n\r\n{}",   # a body to switch
