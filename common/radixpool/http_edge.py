@@ -43,7 +43,8 @@ request's response (whose request is then aborted). `EdgeProtocol`:
   on to its end (holding its worker) and then failed writing to the closed connection;
 - an HTTP/1.0 request's streamed answer is sent as it is, ended by closing the connection:
   uvicorn framed it in chunked encoding, which HTTP/1.0 has not (RFC 9112 §6.1), so an HTTP/1.0
-  client read the chunk sizes as part of its event stream;
+  client read the chunk sizes as part of its event stream; and its `Expect: 100-continue` is
+  ignored (RFC 9110 §10.1.1): uvicorn's `100 Continue` was read as the answer;
 - a connection that ends after a whole answer (a refusal, a 413 before the body, `connection:
   close`) is closed the way RFC 9112 §9.6 asks: the answer and then a FIN go out, and what the
   client still sends is read and dropped until it closes too (or `LINGER_IDLE_S` passes without
@@ -383,6 +384,8 @@ class EdgeProtocol(HttpToolsProtocol):
                                                      self._close_after_answer)
         if self.scope.get("http_version") == "1.0":
             cycle.__class__ = _CloseDelimited
+            # nor a `100 Continue`, which it would take for its answer (RFC 9110 10.1.1)
+            cycle.waiting_for_100_continue = False
 
     def on_body(self, body: bytes) -> None:
         self._body_pieces += 1

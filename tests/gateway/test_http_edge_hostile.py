@@ -198,6 +198,21 @@ def test_an_http_1_0_client_gets_its_stream_unframed_and_ended_by_the_close(make
     assert b"content-length: 15\r\n" in got and got.endswith(b'{"status":"ok"}')
 
 
+def test_an_http_1_0_client_that_asks_for_100_continue_reads_its_answer_not_a_100(make_stack):
+    # RFC 9110 10.1.1: a server ignores a 100-continue expectation in an HTTP/1.0 request (1xx
+    # answers are HTTP/1.1's); the edge sent `100 Continue` first, which such a client takes
+    # for its whole answer
+    stack = make_stack(1)
+    body = json.dumps({"prompt": "w1 w2", "max_tokens": 3}).encode()
+    with connect(stack.url) as c:
+        c.sendall(b"POST /v1/completions HTTP/1.0\r\nexpect: 100-continue\r\n"
+                  b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                  % (len(body), body))
+        got = read_until_closed(c)
+    assert got.startswith(b"HTTP/1.1 200"), got[:100]
+    assert json.loads(got.partition(b"\r\n\r\n")[2])["choices"]
+
+
 def test_a_request_target_the_url_parser_refuses_gets_400_alone_or_pipelined(make_stack):
     # `CONNECT host:port` passed the request parser and broke uvicorn's URL parser in the
     # head's callback: the edge took the error for a broken body that did not exist and failed
