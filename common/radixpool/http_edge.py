@@ -28,8 +28,9 @@ request's response (whose request is then aborted). `EdgeProtocol`:
   descriptors for the server's own connections to workers, files and children; a proxy's
   share is halved, each client it answers holding a connection to a worker too). One more
   closes the oldest connection that has no request being answered (idle, or still sending a
-  head), as nginx reuses its keep-alive connections; when every one is answering, the new one
-  gets 503. Without it a client holding a thousand idle sockets took the process to its
+  head), as nginx reuses its keep-alive connections, and the next oldest for a 64th of the
+  limit with it (finding them looks at every connection); when every one is answering, the
+  new one gets 503. Without it a client holding a thousand idle sockets took the process to its
   descriptor limit: it then accepted and dropped every connection, and could open none to its
   workers;
 - a response that waits `write_stall_timeout` on a client that reads none of it (no byte of
@@ -110,6 +111,7 @@ FD_RESERVE = 256   # descriptors kept from clients: worker connections, files, c
 LINGER_IDLE_S = 2.0    # a closing connection waits this long for each more byte of its client
 LINGER_MAX_S = 10.0    # ... and this long in all, for the client to close its side too
 STOP_LINGER_S = 0.2     # ... once the server stops (its last answers' clients, briefly)
+ROOM_SHARE = 64   # past the connection limit, room is made for this share of it at once
 
 
 def open_file_room() -> int:
@@ -198,8 +200,12 @@ class EdgeProtocol(HttpToolsProtocol):
         """Too many connections: close the oldest that only wait out their client after their
         last answer, then the oldest idle ones, and refuse this one if that is not room enough.
         One with an answer still to send, closed or not, keeps its descriptor until its client
-        reads it (or `write_stall_timeout`): it counts, and closing it makes no room."""
-        held = [c for c in self.server_state.connections
+        reads it (or `write_stall_timeout`): it counts, and closing it makes no room.
+        Each pass looks at every connection (4.5 ms for 4096), so room is made for the next
+        `1 / ROOM_SHARE` of the limit at once: a pass per new connection let a flood of them
+        at the limit take the event loop, and hold up everyone else's requests."""
+        connections = self.server_state.connections
+        held = [c for c in connections
                 if not c.transport.is_closing() or c.transport.get_write_buffer_size()]
         excess = len(held) - self.max_connections
         if excess <= 0:
@@ -208,8 +214,11 @@ class EdgeProtocol(HttpToolsProtocol):
                          and not c.transport.get_write_buffer_size()), key=lambda c: c._opened_at)
         spare = ([c for c in others if c._lingering]
                  + [c for c in others if not c._lingering and not c._answering()])
-        for connection in spare[:excess]:
+        for connection in spare[:excess + self.max_connections // ROOM_SHARE]:
             connection.transport.close()
+            # nothing left to send: gone now, not at the loop's next turn, so the connections
+            # accepted meanwhile find the room made and pass no one over again
+            connections.discard(connection)
         if excess > len(spare):
             self._refuse(503, f"the server holds its limit of {self.max_connections} open "
                               "connections, all of them being answered; retry",
