@@ -147,6 +147,18 @@ def test_read_only_endpoints_refuse_other_methods(make_stack):
     assert stack.fleet.workers[0].requests == 0
 
 
+def test_workers_answers_head_and_names_its_methods_in_a_405(make_stack):
+    # /workers refused HEAD, which whatever takes GET takes (RFC 9110 9.3.2), and answered
+    # every other method it does not take with a 405 without `Allow` or a code, unlike the rest
+    stack = make_stack(1, admin_api_key="admin-key")
+    head = stack.client.head("/workers")
+    assert head.status_code == 200 and head.content == b""
+    assert int(head.headers["content-length"]) > 0   # the length a GET's answer has
+    r = stack.client.request("PUT", "/workers", headers={"authorization": "Bearer admin-key"})
+    assert r.status_code == 405 and r.headers["allow"] == "GET, HEAD, POST, DELETE"
+    assert r.json()["error"]["code"] == "method_not_allowed"
+
+
 def test_a_pipelined_expect_100_continue_stays_out_of_the_previous_stream(make_stack):
     stack = make_stack(1)
     with connect(stack.url) as c:

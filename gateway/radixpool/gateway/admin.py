@@ -16,7 +16,13 @@ from __future__ import annotations
 import json
 from urllib.parse import parse_qs
 
-from radixpool.gateway.http_edge import Headers, Request, error_body, json_body
+from radixpool.gateway.http_edge import (
+    Headers,
+    Request,
+    error_body,
+    json_body,
+    method_not_allowed,
+)
 from radixpool.gateway.metrics import TokenTotals
 from radixpool.gateway.workers import Worker, WorkerSet
 
@@ -85,10 +91,11 @@ def workers_document(fleet: WorkerSet, totals: TokenTotals, now: float) -> dict:
 def workers_endpoint(fleet: WorkerSet, totals: TokenTotals, request: Request, now: float
                      ) -> tuple[int, Headers, bytes]:
     """`totals`: the fleet's since the gateway started (`GatewayMetrics.fleet`)."""
-    if request.method == "GET":
+    if request.method in ("GET", "HEAD"):   # (the edge sends no body to a HEAD)
         return json_body(200, workers_document(fleet, totals, now))
     if request.method not in ("POST", "DELETE"):
-        return error_body(405, f"/workers accepts GET, POST and DELETE, not {request.method}")
+        return method_not_allowed(f"/workers accepts GET, POST and DELETE, not "
+                                  f"{request.method}", "GET, HEAD, POST, DELETE")
     if not fleet.config.static_mode:
         return error_body(409, "workers come from Kubernetes discovery (--k8s-service); "
                                "add or remove them there")
