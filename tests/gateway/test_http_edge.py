@@ -78,12 +78,28 @@ def test_slow_loris_connections_are_closed_after_the_header_timeout(make_stack):
 
 
 def test_an_idle_keep_alive_connection_is_closed_after_the_timeout(make_stack):
-    stack = make_stack(1, header_read_timeout=1.0)
+    stack = make_stack(1, keep_alive_timeout=1.0)
     with connect(stack.url) as c:
         c.sendall(b"GET /livez HTTP/1.1\r\nhost: x\r\n\r\n")
         started = time.monotonic()
         got = read_until_closed(c, 10.0)
     assert got.startswith(b"HTTP/1.1 200") and time.monotonic() - started < 8.0
+
+
+def test_a_keep_alive_connection_idle_past_the_header_timeout_still_serves(make_stack):
+    # An idle keep-alive connection closed after --header-read-timeout (10 s), while proxies in
+    # front keep theirs to the gateway idle longer (AWS ALB and ingress-nginx 60 s): a request
+    # such a proxy sent on one the gateway was closing failed, a 502 for its client (a POST is
+    # not retried). The head's deadline is the header timeout; the wait for it is not.
+    stack = make_stack(1, header_read_timeout=0.5)
+    with connect(stack.url) as c:
+        c.sendall(b"GET /livez HTTP/1.1\r\nhost: x\r\n\r\n")
+        got = b""
+        while not got.endswith(b'{"status":"ok"}'):
+            got += c.recv(4096)
+        time.sleep(2.0)   # 4 header timeouts
+        c.sendall(b"GET /livez HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        assert Responses(read_until_closed(c)).messages == [(200, b'{"status":"ok"}')]
 
 
 def test_a_1_mib_header_gets_431_and_never_reaches_a_worker(make_stack):

@@ -123,8 +123,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    choices=("debug", "info", "warning", "error"))
     e = p.add_argument_group("limits and timeouts (the HTTP edge)")
     e.add_argument("--header-read-timeout", type=float, default=D.header_read_timeout,
-                   help="seconds to receive a request's headers; idle keep-alive connections "
-                        "close after it too")
+                   help="seconds to receive a request's headers (408 after)")
+    e.add_argument("--keep-alive-timeout", type=float, default=D.keep_alive_timeout,
+                   help="seconds an idle client connection stays open; above the idle timeout "
+                        "of any proxy in front that keeps connections to the gateway")
     e.add_argument("--max-header-bytes", type=int, default=D.max_header_bytes,
                    help="request line + headers above this get 431")
     e.add_argument("--body-read-timeout", type=float, default=D.body_read_timeout,
@@ -180,7 +182,8 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.e
         hold_queued_tokens=args.hold_queued_tokens, hold_max_requests=args.hold_max_requests,
         hold_max_seconds=args.hold_max_seconds, tree_capacity_tokens=args.tree_capacity_tokens,
         text_block_bytes=args.text_block_bytes, log_level=args.log_level,
-        header_read_timeout=args.header_read_timeout, max_header_bytes=args.max_header_bytes,
+        header_read_timeout=args.header_read_timeout, keep_alive_timeout=args.keep_alive_timeout,
+        max_header_bytes=args.max_header_bytes,
         body_read_timeout=args.body_read_timeout, max_connections=args.max_connections,
         write_stall_timeout=args.write_stall_timeout,
         upstream_first_byte_timeout=args.upstream_first_byte_timeout,

@@ -91,7 +91,8 @@ class GatewayConfig:
     text_block_bytes: int = 64
     log_level: str = "info"
     # the HTTP edge: limits and deadlines (seconds), by default the workers' own (EdgeLimits)
-    header_read_timeout: float = EdgeLimits.header_read_timeout   # also closes idle keep-alives
+    header_read_timeout: float = EdgeLimits.header_read_timeout
+    keep_alive_timeout: float = 75.0   # an idle client connection stays open this long
     max_header_bytes: int = EdgeLimits.max_header_bytes
     body_read_timeout: float = EdgeLimits.body_read_timeout
     max_connections: int = EdgeLimits.max_connections   # client connections open at once
@@ -143,6 +144,7 @@ class GatewayConfig:
         _check(self.tree_capacity_tokens > 0, "tree_capacity_tokens", "> 0")
         _check(self.text_block_bytes > 0, "text_block_bytes", "> 0")
         _check(self.header_read_timeout >= 0.001, "header_read_timeout", ">= 0.001")
+        _check(self.keep_alive_timeout >= 0.001, "keep_alive_timeout", ">= 0.001")
         _check(self.max_header_bytes >= 8192, "max_header_bytes", ">= 8192")
         _check(self.max_connections >= 1, "max_connections", ">= 1")
         _check(self.write_stall_timeout > 0, "write_stall_timeout", "> 0")

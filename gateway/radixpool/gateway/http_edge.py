@@ -93,9 +93,12 @@ def method_not_allowed(message: str, allowed: str) -> tuple[int, Headers, bytes]
 
 @dataclass(frozen=True)
 class EdgeLimits(ProtocolLimits):
-    """The protocol's limits (`radixpool.http_edge`; an idle keep-alive connection also closes
-    after `header_read_timeout`), and the edge's own."""
+    """The protocol's limits (`radixpool.http_edge`), and the edge's own."""
 
+    # Longer than the idle timeouts of the proxies that keep connections to the gateway (AWS
+    # ALB and ingress-nginx: 60 s): a connection closed as the proxy reuses it fails that
+    # request (a 502), and the proxy does not retry a POST
+    keep_alive_timeout: float = 75.0
     max_body_bytes: int = 32 << 20
     disconnect_watch_after: float = 0.05  # seconds a handler runs before its client is watched
     large_body_budget_bytes: int = 256 << 20   # bodies over LARGE_BODY_BYTES held at once
@@ -220,7 +223,7 @@ class EdgeServer:
             http=edge_protocol(self.limits, DESCRIPTORS_PER_CONNECTION),
             ws="none", log_level="warning", access_log=False, proxy_headers=False,
             server_header=False, date_header=False,
-            timeout_keep_alive=self.limits.header_read_timeout)
+            timeout_keep_alive=self.limits.keep_alive_timeout)
         config.load()
         protocol = config.http_protocol_class
         state = self._state

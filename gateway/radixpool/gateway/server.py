@@ -49,7 +49,8 @@ class GatewayServer:
                                                self.gateway.workers.reconcile)
         cfg = self.config
         self.server = EdgeServer(self.gateway, cfg.host, cfg.port, EdgeLimits(
-            header_read_timeout=cfg.header_read_timeout, max_header_bytes=cfg.max_header_bytes,
+            header_read_timeout=cfg.header_read_timeout,
+            keep_alive_timeout=cfg.keep_alive_timeout, max_header_bytes=cfg.max_header_bytes,
             max_body_bytes=cfg.max_body_bytes, body_read_timeout=cfg.body_read_timeout,
             max_connections=cfg.max_connections, write_stall_timeout=cfg.write_stall_timeout,
             large_body_budget_bytes=cfg.large_body_budget_bytes), screen=self.gateway.screen)
