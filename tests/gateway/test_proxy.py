@@ -412,10 +412,11 @@ def test_headers_the_client_names_in_connection_stay_at_the_gateway(make_stack, 
     answer = stack.client.post(
         "/v1/completions", json={"model": "sim-model", "prompt": "w1", "max_tokens": 1},
         headers={"connection": "keep-alive, X-Hop-Only", "x-hop-only": "1",
-                 "x-end-to-end": "1", "x-request-id": "mine"})
+                 "x-end-to-end": "1", "x-request-id": "mine",
+                 "proxy-authorization": "Basic cHJveHk6c2VjcmV0"})   # a forward proxy's
     assert answer.status_code == 200
     forwarded, = seen
-    assert b"x-hop-only" not in forwarded
+    assert b"x-hop-only" not in forwarded and b"proxy-authorization" not in forwarded
     assert forwarded[b"x-end-to-end"] == b"1" and forwarded[b"x-request-id"] == b"mine"
 
 

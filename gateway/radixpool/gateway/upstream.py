@@ -46,10 +46,12 @@ from radixpool.listen import host_port
 Headers = list[tuple[bytes, bytes]]
 BUFFER_HIGH_WATER = 256 << 10   # bytes of a response held unread before reading pauses
 
-# Not forwarded in either direction: hop-by-hop headers, framing the proxy redoes itself, and
-# `expect` (the gateway already answered the client's 100-continue and sends the body at once).
+# Not forwarded in either direction: hop-by-hop headers, framing the proxy redoes itself,
+# `expect` (the gateway already answered the client's 100-continue and sends the body at once),
+# and the proxy credentials and challenges meant for a proxy (RFC 9110 11.7), not a worker.
 HOP_BY_HOP = frozenset((b"connection", b"keep-alive", b"transfer-encoding", b"content-length",
-                        b"host", b"upgrade", b"proxy-connection", b"te", b"trailer", b"expect"))
+                        b"host", b"upgrade", b"proxy-connection", b"te", b"trailer", b"expect",
+                        b"proxy-authorization", b"proxy-authenticate"))
 
 
 class UpstreamError(ConnectionError):
