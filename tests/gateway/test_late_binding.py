@@ -348,25 +348,34 @@ def break_kv_events(stack, sim) -> threading.Thread:
     return around
 
 
+def held_behind_a_long_prefill(make_stack, loop_thread, sim: SimConfig, answered_words: int,
+                               long_tokens: int):
+    """One worker with its KV events followed: a prompt of `answered_words` answered (it sets
+    the estimate of its queue without events), then a long prompt (200 uncached tokens,
+    `long_tokens` of output) that the events count as queued, and a request held behind it.
+    Returns the stack, the simulated worker, the long request's thread, and `hold`'s pair."""
+    stack = make_stack(workers=1, sim=sim, late_binding=True, hold_queued_tokens=100,
+                       hold_max_seconds=30.0)
+    worker = stack.gateway.workers.get(stack.fleet.urls[0])
+    assert wait_until(loop_thread, lambda: worker.kv_events_live)
+    body = {"model": "sim-model", "max_tokens": 1,
+            "messages": [{"role": "user", "content": words(0, answered_words)}]}
+    assert stack.client.post("/v1/chat/completions", json=body).status_code == 200
+    slow = occupy(stack, loop_thread, {**body, "max_tokens": long_tokens, "messages": [
+        {"role": "user", "content": words(1000, 200)}]})
+    assert wait_until(loop_thread, lambda: worker.queued(0) > 100)
+    held, answer = hold(stack, loop_thread, {**body, "messages": [
+        {"role": "user", "content": words(2000, 10)}]})
+    return stack, stack.fleet.workers[0], slow, held, answer
+
+
 def test_a_held_request_is_offered_again_when_its_workers_kv_events_stop(
         make_stack, loop_thread):
     # Before: a request held because the KV events counted a long prefill queued at its worker
     # stayed held when the event stream broke and the gateway fell back to estimating that
     # queue from the worker's answers (small here): it waited for the long request to end.
-    stack = make_stack(workers=1, sim=SimConfig(prefill_us_per_token=15000.0),
-                       late_binding=True, hold_queued_tokens=100, hold_max_seconds=30.0)
-    sim = stack.fleet.workers[0]
-    worker = stack.gateway.workers.get(sim.url)
-    assert wait_until(loop_thread, lambda: worker.kv_events_live)
-    small = {"model": "sim-model", "max_tokens": 1,
-             "messages": [{"role": "user", "content": words(0, 10)}]}
-    assert stack.client.post("/v1/chat/completions", json=small).status_code == 200
-    # about 200 uncached tokens: 3 s of prefill, counted as queued by the KV events
-    slow = occupy(stack, loop_thread, {**small, "messages": [
-        {"role": "user", "content": words(1000, 200)}]})
-    assert wait_until(loop_thread, lambda: worker.queued(0) > 100)
-    held, answer = hold(stack, loop_thread, {**small, "messages": [
-        {"role": "user", "content": words(2000, 10)}]})
+    stack, sim, slow, held, answer = held_behind_a_long_prefill(
+        make_stack, loop_thread, SimConfig(prefill_us_per_token=15000.0), 10, 1)  # 3 s prefill
     around = break_kv_events(stack, sim)
     assert wait_until(loop_thread, lambda: not stack.gateway.holding)
     assert slow.is_alive(), "the held request waited for the long one to end"
@@ -381,21 +390,10 @@ def test_a_held_request_is_offered_again_when_a_resync_shows_the_prefill_it_wait
     # Before: a prefill that ended while the KV events were not followed was still counted as
     # queued after a resync from the worker's snapshot (its event was never seen), and the
     # held request waited for the long request's answer to end (5 s of decode here).
-    stack = make_stack(workers=1, sim=SimConfig(prefill_us_per_token=5000.0,
-                                                decode_ms_per_token=100.0),
-                       late_binding=True, hold_queued_tokens=100, hold_max_seconds=30.0)
-    sim = stack.fleet.workers[0]
-    worker = stack.gateway.workers.get(sim.url)
-    assert wait_until(loop_thread, lambda: worker.kv_events_live)
-    # a long answered prompt: the estimate without events keeps the next request held too
-    big = {"model": "sim-model", "max_tokens": 1,
-           "messages": [{"role": "user", "content": words(0, 300)}]}
-    assert stack.client.post("/v1/chat/completions", json=big).status_code == 200
-    slow = occupy(stack, loop_thread, {**big, "max_tokens": 50, "messages": [
-        {"role": "user", "content": words(1000, 200)}]})   # 1 s of prefill, 5 s of decode
-    assert wait_until(loop_thread, lambda: worker.queued(0) > 100)
-    held, answer = hold(stack, loop_thread, {**big, "messages": [
-        {"role": "user", "content": words(2000, 10)}]})
+    # A long answered prompt: the estimate without events keeps the request held too.
+    stack, sim, slow, held, answer = held_behind_a_long_prefill(
+        make_stack, loop_thread, SimConfig(prefill_us_per_token=5000.0,
+                                           decode_ms_per_token=100.0), 300, 50)
     around = break_kv_events(stack, sim)
     # queued after the long prompt: once it is answered, the long prefill has ended. The
     # gateway retries the events every half second, each time from the worker's snapshot,

@@ -127,15 +127,21 @@ def _listing(reserved: dict[str, int]) -> str:
     return ", ".join(f"{name} {size / GIB:.2f} GiB" for name, size in reserved.items())
 
 
+def _whole_pages(budget: int, reserved: dict[str, int], kv_bytes_per_token: int,
+                 page_size: int) -> int:
+    """KV tokens, in whole pages, that `budget` bytes hold once `reserved` is taken out."""
+    tokens = max(0, budget - sum(reserved.values())) // kv_bytes_per_token
+    return tokens - tokens % page_size
+
+
 def kv_tokens_for_memory(free_bytes: int, mem_fraction: float, kv_bytes_per_token: int,
                          per_request: PerRequestMemory, page_size: int,
                          step: StepMemory | None = None) -> int:
     """KV tokens (whole pages) that fit in `mem_fraction` of `free_bytes` once the per-request
     tensors, the step's activations and the CUDA graphs are reserved."""
     reserved = _reservations(per_request, step)
-    budget = int(free_bytes * mem_fraction) - sum(reserved.values())
-    tokens = max(0, budget) // kv_bytes_per_token
-    tokens -= tokens % page_size
+    tokens = _whole_pages(int(free_bytes * mem_fraction), reserved, kv_bytes_per_token,
+                          page_size)
     if tokens < page_size:
         raise ValueError(
             f"mem_fraction {mem_fraction} of {free_bytes / GIB:.2f} GiB free leaves no room for "
@@ -166,8 +172,7 @@ def check_kv_tokens_fit(tokens: int, free_bytes: int, kv_bytes_per_token: int,
     need = tokens * kv_bytes_per_token + sum(reserved.values())
     if need <= free_bytes:
         return
-    most = max(0, free_bytes - sum(reserved.values())) // kv_bytes_per_token
-    most -= most % page_size
+    most = _whole_pages(free_bytes, reserved, kv_bytes_per_token, page_size)
     where = "free after the weights" if host is None else f"that {host.bound} leaves"
     other = ("size the pool with mem_fraction" if host is None
              else "lower max_running_requests / context_length / max_prefill_tokens")
@@ -184,9 +189,8 @@ def cpu_kv_tokens(default: int, host: HostMemory, kv_bytes_per_token: int,
     `host` leaves once the per-request tensors and the step's activations are reserved (a
     small container). Raises ValueError when not one page fits."""
     reserved = _reservations(per_request, step)
-    budget = int(host.free_bytes * CPU_MEM_FRACTION) - sum(reserved.values())
-    most = max(0, budget) // kv_bytes_per_token
-    most -= most % page_size
+    most = _whole_pages(int(host.free_bytes * CPU_MEM_FRACTION), reserved, kv_bytes_per_token,
+                        page_size)
     if most < page_size:
         raise ValueError(
             f"{CPU_MEM_FRACTION} of the {host.free_bytes / GIB:.2f} GiB that {host.bound} "
