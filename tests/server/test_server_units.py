@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import random
 import subprocess
 import sys
 import threading
@@ -21,7 +22,12 @@ from radixpool.protocol.metrics import WORKER_METRICS
 from radixpool.worker.server.config import config_from_args
 from radixpool.worker.server.errors import field_path, validation_error
 from radixpool.worker.server.lifecycle import Lifecycle, Phase
-from radixpool.worker.server.logprobs import TokenText, completion_logprobs
+from radixpool.worker.server.logprobs import (
+    TextCover,
+    TokenEntry,
+    TokenText,
+    completion_logprobs,
+)
 from radixpool.worker.server.metrics import HitRateWindow
 from radixpool.worker.server.native_api import _meta
 from radixpool.worker.server.nonfinite_watch import NonfiniteWatch
@@ -156,6 +162,10 @@ def test_validation_errors_name_the_field(model, body, param, words):
     assert err.body()["error"]["type"] == "invalid_request_error"
 
 
+def entries(spell: TokenText, ids: list[int]) -> list[TokenEntry]:
+    return [TokenEntry(i, *spell(i), 0.0, (), True) for i in ids]
+
+
 @pytest.mark.parametrize("tokenizer", ["bpe", "sentencepiece"])
 def test_logprob_tokens_spell_their_own_bytes(tiny_model_factory, tokenizer):
     """Byte-level BPE and byte-fallback tokens: each token's bytes are its own, so they join to
@@ -171,8 +181,8 @@ def test_logprob_tokens_spell_their_own_bytes(tiny_model_factory, tokenizer):
     assert b"".join(raw for _, raw in spelled) == text.encode()
     assert any(token.startswith("bytes:\\x") for token, _ in spelled)
     assert all(token == raw.decode() for token, raw in spelled if not token.startswith("bytes:"))
-    first, offset = completion_logprobs(spell, ids[:3], [0.0] * 3, None)
-    rest, _ = completion_logprobs(spell, ids[3:], [0.0] * (len(ids) - 3), None, offset)
+    first, offset = completion_logprobs(spell, entries(spell, ids[:3]))
+    rest, _ = completion_logprobs(spell, entries(spell, ids[3:]), offset)
     offsets = first["text_offset"] + rest["text_offset"]
     assert offsets == sorted(offsets) and offsets[-1] == len(text) - 1
     tokens = first["tokens"] + rest["tokens"]
@@ -192,17 +202,50 @@ def test_text_offset_of_a_token_after_a_character_that_never_completes(tiny_mode
            lead, lead, *words.encode(" é", add_special_tokens=False)]
     text = words.decode(ids)
     assert text == "\ufffd15 ok\ufffd\ufffd é"
-    whole, _ = completion_logprobs(spell, ids, [0.0] * len(ids), None)
+    whole, _ = completion_logprobs(spell, entries(spell, ids))
     offset = None
     pieces = []
     for k in range(len(ids)):   # streamed one token a chunk: the same offsets
-        piece, offset = completion_logprobs(spell, ids[k:k + 1], [0.0], None, offset)
+        piece, offset = completion_logprobs(spell, entries(spell, ids[k:k + 1]), offset)
         pieces += piece["text_offset"]
     assert pieces == whole["text_offset"]
     spelled = list(zip(whole["tokens"], whole["text_offset"], strict=True))
     assert [at for token, at in spelled if token.startswith("bytes:")] == [0, 6, 7]
     assert all(text.startswith(token, at) for token, at in spelled
                if not token.startswith("bytes:"))
+
+
+def test_logprob_entries_cover_a_cut_text_however_it_was_streamed(tiny_model):
+    """A stop string may cut the text anywhere, and a stream hands text out late (held while it
+    may begin a stop string, or inside a character): the entries handed out cover exactly the
+    text, the token the cut goes through cut to its bytes in the text, streamed or not."""
+    from radixpool.tokenization import PromptTokenizer
+
+    words = PromptTokenizer.from_dir(tiny_model)
+    spell = TokenText(words)
+    lead = next(i for i in range(words.tokenizer.get_vocab_size()) if spell(i)[1] == b"\xdb")
+    ids = [*words.encode(" 東京🎉 café", add_special_tokens=False), lead,
+           *words.encode("15 ok", add_special_tokens=False)]
+    text = words.decode(ids)
+    logprobs = [-float(k) for k in range(len(ids))]
+    for cut in range(len(text) + 1):
+        said = text[:cut]
+        whole = TextCover(spell).take(ids, logprobs, None, said, frozenset(), end=True, cut=True)
+        assert b"".join(e.raw for e in whole).decode(errors="replace") == said
+        assert [e.logprob for e in whole] == logprobs[:len(whole)]
+        assert all(e.raw == spell(e.token_id)[1] for e in whole[:-1])
+        for seed in range(3):
+            rng, cover, streamed, sent, k = random.Random(seed), TextCover(spell), [], 0, 0
+            while k < len(ids):
+                step = rng.randint(1, 3)
+                ready = words.decode(ids[:k + step]).rstrip("\ufffd")
+                assert text.startswith(ready)
+                upto = max(sent, min(cut, len(ready) - rng.randint(0, 3)))
+                streamed += cover.take(ids[k:k + step], logprobs[k:k + step], None,
+                                       text[sent:upto], frozenset())
+                sent, k = upto, k + step
+            streamed += cover.take([], [], None, said[sent:], frozenset(), end=True, cut=True)
+            assert streamed == whole, (cut, seed)
 
 
 def test_generate_logprobs_of_tokens_with_no_mass_are_valid_json():

@@ -4,6 +4,9 @@ A token may hold part of a character (a byte-level BPE splits "🎉" over severa
 byte-fallback model spells it as `<0xF0>`...). Such a token's `bytes` are its own bytes, so the
 `bytes` of a reply's tokens join to its text's UTF-8, and its `token` is spelled `bytes:\\xf0`
 as OpenAI spells it (never U+FFFD: two different byte tokens would read the same).
+
+The entries cover exactly a reply's text (`TextCover`): a stop string cuts the text inside its
+tokens, and a stream holds text back while it may begin one, so the entries are held with it.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from radixpool.tokenization import PromptTokenizer
 
@@ -70,10 +74,7 @@ class TokenText:
         raw = self._own_bytes(token_id)
         if raw is None:   # a token whose text really is U+FFFD
             return text, text.encode()
-        try:
-            return raw.decode(), raw
-        except UnicodeDecodeError:
-            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
+        return spell_bytes(raw), raw
 
     def _own_bytes(self, token_id: int) -> bytes | None:
         piece = self.tokenizer.tokenizer.id_to_token(token_id)
@@ -87,33 +88,133 @@ class TokenText:
         return None
 
 
+def spell_bytes(raw: bytes) -> str:
+    """A token's bytes as OpenAI spells them: its text, or `bytes:\\xf0` when they are no text."""
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
 def finite_logprob(value: float) -> float:
     """A logprob JSON can carry: -inf (a token the model gave no mass) is MIN_LOGPROB."""
     return value if math.isfinite(value) else MIN_LOGPROB
 
 
-def chat_logprobs(token_text: TokenText, token_ids: Sequence[int], logprobs: Sequence[float],
-                  top: TopLogprobs | None, skipped: frozenset[int] = frozenset()) -> dict:
-    """`content`: one entry per token of the message. A token the text leaves out (`skipped`:
-    the special tokens, unless the request shows them), such as the end-of-turn token that ended
-    the output, is no part of it and gets none, as in OpenAI's answers."""
-    content = []
-    for i, (token_id, logprob) in enumerate(zip(token_ids, logprobs, strict=False)):
-        if token_id in skipped:
-            continue
-        text, raw = token_text(token_id)
-        alternatives = top[i] if top and i < len(top) else ()
-        content.append({
-            "token": text,
-            "logprob": finite_logprob(logprob),
-            "bytes": list(raw),
-            "top_logprobs": [
-                {"token": (spelled := token_text(alt))[0], "logprob": finite_logprob(lp),
-                 "bytes": list(spelled[1])}
-                for alt, lp in alternatives
-            ],
-        })
-    return {"content": content}
+class TokenEntry(NamedTuple):
+    """One token's logprob entry, spelled as OpenAI shows it."""
+
+    token_id: int
+    token: str
+    raw: bytes
+    logprob: float
+    top: Sequence[tuple[int, float]]
+    in_text: bool   # False: a token the text leaves out (a skipped special token, a stop token)
+
+
+class TextCover:
+    """The entries of one choice's tokens that its text covers so far, each handed out once.
+
+    A stream holds back text that may begin a stop string (and the bytes of an unfinished
+    character), so a token's entry goes out once the text spells it whole: tokens are counted in
+    characters as the text counts them (their bytes decoded, U+FFFD for bytes that are no
+    character), up to a token that ends a character. At the end every token goes out, unless the
+    text ends inside its tokens' text (`cut`: a stop string ended it): the tokens past the cut
+    are dropped, and the one the cut goes through keeps the part of its bytes in the text (and
+    its logprobs). So the entries' `bytes` join to the text however it was chunked, and a stream's
+    entries are the whole answer's.
+    """
+
+    def __init__(self, token_text: TokenText) -> None:
+        self.token_text = token_text
+        self._pending: list[tuple[int, float, Sequence[tuple[int, float]]]] = []
+        self._covered = 0   # characters of the text that the handed-out tokens spell
+        self._chars = 0     # characters of the text so far
+
+    def take(self, token_ids: Sequence[int], logprobs: Sequence[float], top: TopLogprobs | None,
+             text: str, skipped: frozenset[int], end: bool = False,
+             cut: bool = False) -> list[TokenEntry]:
+        """Add a chunk (its tokens and its text); return the entries the text now covers. `end`:
+        the choice's last chunk; `skipped`: the token ids the text leaves out."""
+        self._pending += ((token_id, logprob, top[i] if top and i < len(top) and top[i] else ())
+                          for i, (token_id, logprob)
+                          in enumerate(zip(token_ids, logprobs, strict=False)))
+        self._chars += len(text)
+        if end and not cut:
+            ready, self._pending = self._pending, []
+            return [self._entry(*item, skipped) for item in ready]
+        entries = self._whole(skipped)
+        if end:
+            entries += self._straddling(skipped)
+            self._pending = []
+        return entries
+
+    def _whole(self, skipped: frozenset[int]) -> list[TokenEntry]:
+        decoder = _utf8_decoder()
+        chars, ready, covered = self._covered, 0, self._covered
+        for k, (token_id, _, _) in enumerate(self._pending, 1):
+            chars += len(decoder.decode(self._bytes(token_id, skipped)))
+            if chars > self._chars:
+                break
+            if not decoder.getstate()[0]:   # no character left open: the text holds it all
+                ready, covered = k, chars
+        done, self._pending, self._covered = self._pending[:ready], self._pending[ready:], covered
+        return [self._entry(*item, skipped) for item in done]
+
+    def _straddling(self, skipped: frozenset[int]) -> list[TokenEntry]:
+        """At a cut: the tokens that spell the text's last characters, the last one cut to the
+        bytes the text holds."""
+        decoder = _utf8_decoder()
+        chars, entries = self._covered, []
+        for token_id, logprob, top in self._pending:
+            raw = self._bytes(token_id, skipped)
+            open_bytes = decoder.getstate()[0]
+            if open_bytes and raw and not _continues(open_bytes, raw[:1]):
+                # the character the tokens before began never completes: theirs is its U+FFFD
+                chars += len(decoder.decode(b"", final=True))
+                decoder.reset()
+            if chars >= self._chars:
+                break
+            state, got = decoder.getstate(), 0
+            for size in range(1, len(raw) + 1):
+                decoder.setstate(state)
+                got = len(decoder.decode(raw[:size]))
+                if chars + got >= self._chars:
+                    last = self._entry(token_id, logprob, top, skipped)
+                    if size < len(raw):
+                        last = last._replace(token=spell_bytes(raw[:size]), raw=raw[:size])
+                    return [*entries, last]
+            chars += got
+            entries.append(self._entry(token_id, logprob, top, skipped))
+        return entries
+
+    def _bytes(self, token_id: int, skipped: frozenset[int]) -> bytes:
+        return b"" if token_id in skipped else self.token_text(token_id)[1]
+
+    def _entry(self, token_id: int, logprob: float, top: Sequence[tuple[int, float]],
+               skipped: frozenset[int]) -> TokenEntry:
+        token, raw = self.token_text(token_id)
+        return TokenEntry(token_id, token, raw, logprob, top, token_id not in skipped)
+
+
+def _utf8_decoder() -> codecs.IncrementalDecoder:
+    return codecs.getincrementaldecoder("utf-8")("replace")
+
+
+def chat_logprobs(token_text: TokenText, entries: Sequence[TokenEntry]) -> dict:
+    """`content`: one entry per token of the message. A token the text leaves out (the special
+    tokens, unless the request shows them), such as the end-of-turn token that ended the output,
+    is no part of it and gets none, as in OpenAI's answers."""
+    return {"content": [{
+        "token": entry.token,
+        "logprob": finite_logprob(entry.logprob),
+        "bytes": list(entry.raw),
+        "top_logprobs": [
+            {"token": (spelled := token_text(alt))[0], "logprob": finite_logprob(lp),
+             "bytes": list(spelled[1])}
+            for alt, lp in entry.top
+        ],
+    } for entry in entries if entry.in_text]}
 
 
 @dataclass
@@ -146,26 +247,17 @@ def _continues(pending: bytes, byte: bytes) -> bool:
     return True
 
 
-def completion_logprobs(token_text: TokenText, token_ids: Sequence[int],
-                        logprobs: Sequence[float], top: TopLogprobs | None,
-                        offset: TextOffset | None = None,
-                        skipped: frozenset[int] = frozenset()) -> tuple[dict, TextOffset]:
+def completion_logprobs(token_text: TokenText, entries: Sequence[TokenEntry],
+                        offset: TextOffset | None = None) -> tuple[dict, TextOffset]:
     """The legacy shape, and the text offset just after these tokens (for the next chunk). A
-    token the text leaves out (`skipped`) is listed where the text goes on, taking no room."""
+    token the text leaves out is listed where the text goes on, taking no room."""
     offset = offset or TextOffset()
-    tokens, offsets = [], []
-    for token_id in token_ids[: len(logprobs)]:
-        text, raw = token_text(token_id)
-        tokens.append(text)
-        offsets.append(offset.chars if token_id in skipped else offset.advance(raw))
-    top_maps = None
-    if top is not None:
-        top_maps = [{token_text(alt)[0]: finite_logprob(lp) for alt, lp in alternatives}
-                    for alternatives in top[: len(tokens)]]
     doc = {
-        "tokens": tokens,
-        "token_logprobs": [finite_logprob(lp) for lp in logprobs[: len(tokens)]],
-        "top_logprobs": top_maps,
-        "text_offset": offsets,
+        "tokens": [entry.token for entry in entries],
+        "token_logprobs": [finite_logprob(entry.logprob) for entry in entries],
+        "top_logprobs": [{token_text(alt)[0]: finite_logprob(lp) for alt, lp in entry.top}
+                         for entry in entries],
+        "text_offset": [offset.advance(entry.raw) if entry.in_text else offset.chars
+                        for entry in entries],
     }
     return doc, offset

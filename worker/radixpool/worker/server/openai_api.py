@@ -25,7 +25,13 @@ from radixpool.worker.server.generation import (
     start_all,
     until_disconnect,
 )
-from radixpool.worker.server.logprobs import TextOffset, chat_logprobs, completion_logprobs
+from radixpool.worker.server.logprobs import (
+    TextCover,
+    TextOffset,
+    TokenEntry,
+    chat_logprobs,
+    completion_logprobs,
+)
 from radixpool.worker.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from radixpool.worker.server.request_checks import chat_prompt_field
 from radixpool.worker.server.sse import DONE, EventStream, sse
@@ -70,6 +76,30 @@ class UsageTally:
     def doc(self) -> dict:
         return usage(sum(self.prompt_lengths), sum(self.completion.values()),
                      sum(self.cached.values()))
+
+
+def ends_inside_tokens(finish_reason: str | None, matched_stop: str | int | None) -> bool:
+    """Whether a choice's text ends inside its tokens' text: a stop string cut it, or it was
+    aborted with text held back."""
+    return isinstance(matched_stop, str) or finish_reason == "abort"
+
+
+def fork_entries(state: WorkerState, fork: ForkOutput, text: str,
+                 skip_special_tokens: bool) -> list[TokenEntry]:
+    """The logprob entries of a whole answer's tokens that its text covers."""
+    return TextCover(state.token_text).take(
+        fork.token_ids, fork.logprobs, fork.top_logprobs, text,
+        state.token_text.skipped(skip_special_tokens, fork.trimmed_stop_token), end=True,
+        cut=ends_inside_tokens(fork.finish_reason, fork.matched_stop))
+
+
+def chunk_entries(state: WorkerState, cover: TextCover, chunk: Any,
+                  skip_special_tokens: bool) -> list[TokenEntry]:
+    """The logprob entries a stream's chunk releases (those its text so far covers)."""
+    return cover.take(chunk.token_ids, chunk.logprobs or [], chunk.top_logprobs, chunk.text,
+                      state.token_text.skipped(skip_special_tokens, chunk.trimmed_stop_token),
+                      end=chunk.finished,
+                      cut=ends_inside_tokens(chunk.finish_reason, chunk.matched_stop))
 
 
 def router(state: WorkerState) -> APIRouter:
@@ -126,10 +156,8 @@ def router(state: WorkerState) -> APIRouter:
             choices.append({
                 "index": fork.index,
                 "message": message,
-                "logprobs": (chat_logprobs(state.token_text, fork.token_ids, fork.logprobs,
-                                           fork.top_logprobs,
-                                           state.token_text.skipped(params.skip_special_tokens,
-                                                                    fork.trimmed_stop_token))
+                "logprobs": (chat_logprobs(state.token_text, fork_entries(
+                    state, fork, fork.full_text, params.skip_special_tokens))
                              if params.logprobs is not None else None),
                 "finish_reason": finish_reason,
             })
@@ -178,10 +206,8 @@ def router(state: WorkerState) -> APIRouter:
                 text = fork.full_text
                 logprobs = None
                 if params.logprobs is not None:
-                    logprobs, _ = completion_logprobs(
-                        state.token_text, fork.token_ids, fork.logprobs, fork.top_logprobs,
-                        skipped=state.token_text.skipped(params.skip_special_tokens,
-                                                         fork.trimmed_stop_token))
+                    logprobs, _ = completion_logprobs(state.token_text, fork_entries(
+                        state, fork, text, params.skip_special_tokens))
                 choices.append({
                     "index": p * params.n + fork.index,
                     "text": echo[p] + text if body.echo else text,
@@ -228,11 +254,14 @@ def _chat_events(state: WorkerState, run: EngineRun, body: ChatCompletionRequest
                  "finish_reason": None} for i in range(body.n)]
 
     parsers = {i: tools.stream() for i in range(body.n)}
+    covers = {i: TextCover(state.token_text) for i in range(body.n)}
 
     async def choices() -> AsyncIterator[dict]:
         async for chunk in run:
             tally.add(0, chunk)
-            if not (chunk.text or chunk.finished or (want_logprobs and chunk.token_ids)):
+            entries = (chunk_entries(state, covers[chunk.index], chunk, body.skip_special_tokens)
+                       if want_logprobs else [])
+            if not (chunk.text or chunk.finished or entries):
                 continue   # text held back (a possible stop string or an unfinished character)
             parser = parsers.get(chunk.index)
             if parser is None:
@@ -241,11 +270,7 @@ def _chat_events(state: WorkerState, run: EngineRun, body: ChatCompletionRequest
                 deltas = parser.feed(chunk.text) if chunk.text else []
                 if chunk.finished:
                     deltas += parser.finish()
-            logprobs = (chat_logprobs(state.token_text, chunk.token_ids, chunk.logprobs or [],
-                                      chunk.top_logprobs,
-                                      state.token_text.skipped(body.skip_special_tokens,
-                                                               chunk.trimmed_stop_token))
-                        if want_logprobs else None)
+            logprobs = chat_logprobs(state.token_text, entries) if want_logprobs else None
             for i, delta in enumerate(deltas[:-1]):
                 yield {"index": chunk.index, "delta": delta,
                        "logprobs": logprobs if i == 0 else None, "finish_reason": None}
@@ -274,17 +299,19 @@ def _completion_events(state: WorkerState, runs: list[EngineRun], body: Completi
 
     async def choices() -> AsyncIterator[dict]:
         offsets: dict[int, TextOffset] = {}
+        covers: dict[int, TextCover] = {}
         async for p, chunk in merge_streams(runs):
             tally.add(p, chunk)
-            if not (chunk.text or chunk.finished or (want_logprobs and chunk.token_ids)):
-                continue
             index = p * n + chunk.index
+            entries = (chunk_entries(state, covers.setdefault(index, TextCover(state.token_text)),
+                                     chunk, body.skip_special_tokens)
+                       if want_logprobs else [])
+            if not (chunk.text or chunk.finished or entries):
+                continue   # text held back (a possible stop string or an unfinished character)
             logprobs = None
             if want_logprobs:
-                logprobs, offsets[index] = completion_logprobs(
-                    state.token_text, chunk.token_ids, chunk.logprobs or [], chunk.top_logprobs,
-                    offsets.get(index),
-                    state.token_text.skipped(body.skip_special_tokens, chunk.trimmed_stop_token))
+                logprobs, offsets[index] = completion_logprobs(state.token_text, entries,
+                                                               offsets.get(index))
             yield {"index": index, "text": chunk.text, "logprobs": logprobs,
                    "finish_reason": chunk.finish_reason if chunk.finished else None}
 
