@@ -112,6 +112,10 @@ LINGER_IDLE_S = 2.0    # a closing connection waits this long for each more byte
 LINGER_MAX_S = 10.0    # ... and this long in all, for the client to close its side too
 STOP_LINGER_S = 0.2     # ... once the server stops (its last answers' clients, briefly)
 ROOM_SHARE = 64   # past the connection limit, room is made for this share of it at once
+# Past the limit with every connection being answered: new ones are refused without another look
+# at them all for this long (a pass costs 4.5 ms at 4096; clients retrying at overload would
+# spend the loop on passes that find nothing).
+FULL_RECHECK_S = 0.05
 
 
 def open_file_room() -> int:
@@ -203,8 +207,13 @@ class EdgeProtocol(HttpToolsProtocol):
         reads it (or `write_stall_timeout`): it counts, and closing it makes no room.
         Each pass looks at every connection (4.5 ms for 4096), so room is made for the next
         `1 / ROOM_SHARE` of the limit at once: a pass per new connection let a flood of them
-        at the limit take the event loop, and hold up everyone else's requests."""
-        connections = self.server_state.connections
+        at the limit take the event loop, and hold up everyone else's requests. A pass that
+        finds no room refuses the new connections of the next `FULL_RECHECK_S` without one."""
+        state = self.server_state
+        if self.loop.time() < getattr(state, "radixpool_full_until", 0.0):
+            self._refuse_full()   # a pass just now found no room: none is likely yet
+            return
+        connections = state.connections
         held = [c for c in connections
                 if not c.transport.is_closing() or c.transport.get_write_buffer_size()]
         excess = len(held) - self.max_connections
@@ -220,9 +229,13 @@ class EdgeProtocol(HttpToolsProtocol):
             # accepted meanwhile find the room made and pass no one over again
             connections.discard(connection)
         if excess > len(spare):
-            self._refuse(503, f"the server holds its limit of {self.max_connections} open "
-                              "connections, all of them being answered; retry",
-                         "too_many_connections")
+            state.radixpool_full_until = self.loop.time() + FULL_RECHECK_S
+            self._refuse_full()
+
+    def _refuse_full(self) -> None:
+        self._refuse(503, f"the server holds its limit of {self.max_connections} open "
+                          "connections, all of them being answered; retry",
+                     "too_many_connections")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
