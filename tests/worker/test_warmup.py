@@ -99,6 +99,28 @@ def test_the_warm_up_fits_a_short_context(tiny_model, context_length):
     assert core.runner.kv_pool.available_size() == core.runner.kv_pool.capacity
 
 
+
+@pytest.mark.parametrize("page_size,kv_tokens", [(16, 48), (32, 64)])
+def test_the_warm_up_fits_a_kv_pool_smaller_than_the_context(tiny_model, page_size, kv_tokens,
+                                                             caplog):
+    # the pool, not the 2,048-token context, bounds the prompts this worker takes
+    core = EngineCore(config(tiny_model, page_size=page_size, kv_cache_tokens=kv_tokens,
+                             chunked_prefill_size=page_size))
+    sampled = []
+    sample = core.sampler.sample
+
+    def spy_sample(logits, rows, **kw):
+        sampled.extend(r.params for r in rows)
+        return sample(logits, rows, **kw)
+
+    core.sampler.sample = spy_sample
+    with caplog.at_level("WARNING", logger="radixpool.core"):
+        assert core.warm_up() > 0
+    assert "warm-up skipped" not in caplog.text
+    assert any(p.temperature == 0 for p in sampled), "the greedy request did not run"
+    assert any(p.temperature > 0 for p in sampled), "the sampling request did not run"
+    assert core.runner.kv_pool.available_size() == core.runner.kv_pool.capacity
+
 def test_a_fault_in_the_warm_up_stops_the_start_and_says_so(tiny_model, monkeypatch):
     def broken_forward(self, batch):
         raise RuntimeError("no kernel image is available for execution on the device")

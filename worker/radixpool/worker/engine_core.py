@@ -137,8 +137,10 @@ class EngineCore:
         so the first constrained request does not wait for it. Returns the steps run.
         An exception is a fault the first request would have met: the worker must not start.
         """
-        ctx, page = self.runner.context_length, self.config.page_size
-        prompt_room = max(1, ctx - WARMUP_OUTPUT_TOKENS)
+        page = self.config.page_size
+        # the prompts this worker takes: shorter than its context and than its KV pool
+        room = min(self.runner.context_length, self.runner.kv_pool.capacity)
+        prompt_room = max(1, room - WARMUP_OUTPUT_TOKENS)
         first_len = max(1, min(2 * page + 3, prompt_room // 2))
         second_len = min(first_len + page + 1, prompt_room)
         vocab = self.runner.vocab_size
