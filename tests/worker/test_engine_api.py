@@ -10,6 +10,7 @@ import pytest
 
 from radixpool.worker import Engine
 from radixpool.worker.engine_errors import EngineBusy, RequestFault, RidInUse
+from radixpool.worker.messages import GenerateRequest
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +57,37 @@ def test_aborting_a_forked_request_ends_every_fork(engine):
     assert engine.stats().running == 0 and engine.stats().waiting == 0
     engine.check_invariants()
 
+
+
+def test_an_abort_from_another_thread_as_the_forks_are_sent_ends_every_fork(engine,
+                                                                            monkeypatch):
+    # Fork 0's first token sends the other forks (from the thread reading the core's output);
+    # the caller aborts from its own thread at that moment: no fork may run on for nobody.
+    send, aborter = engine._send, []
+
+    def send_racing_an_abort(msg):
+        if isinstance(msg, GenerateRequest) and msg.rid.endswith("/1") and not aborter:
+            aborter.append(threading.Thread(target=engine.abort, args=("raced",)))
+            aborter[0].start()
+            aborter[0].join(1.0)   # the abort lands between the hand-over and this send
+        send(msg)
+
+    monkeypatch.setattr(engine, "_send", send_racing_an_abort)
+
+    async def collect() -> dict[int, list]:
+        got: dict[int, list] = {}
+        async for chunk in engine.stream(input_ids=[1, *range(730, 770)], rid="raced",
+                                         sampling_params={"max_new_tokens": 200, "n": 2,
+                                                          "ignore_eos": True}):
+            got.setdefault(chunk.index, []).append(chunk)
+        return got
+
+    got = asyncio.run(collect())
+    aborter[0].join()
+    # (fork 0 may have finished while the abort waited)
+    assert got[1][-1].finish_reason == "abort"
+    assert sum(len(c.token_ids) for c in got[1]) < 200
+    engine.check_invariants()
 
 def test_same_seed_same_output_different_seed_differs(engine):
     params = {"max_new_tokens": 12, "temperature": 1.0, "seed": 1234, "ignore_eos": True}

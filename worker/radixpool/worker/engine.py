@@ -376,10 +376,12 @@ class Engine:
         """Send the sibling forks held back behind `first`, or end them if it ended early."""
         with self._deferred_lock:
             deferred, first.deferred = first.deferred, []
-        if delta.error is None and delta.finish_reason != "abort":
-            for request in deferred:
-                self._send(request)
-            return
+            if delta.error is None and delta.finish_reason != "abort":
+                # sent under the lock: an abort from another thread finds them held or sent,
+                # never taken and not yet sent (its AbortRequest would reach the core first)
+                for request in deferred:
+                    self._send(request)
+                return
         for request in deferred:  # refused, aborted or faulted before its prompt was cached
             sibling = self._forks.get(request.rid)
             if sibling is not None:   # the same prompt: the same answer (a fault stays one)
