@@ -70,8 +70,10 @@ def pages(tokens: int, page_size: int) -> int:
 
 
 def make_scheduler(page_size: int, capacity_tokens: int, *, chunk: int = 2048,
-                   max_prefill: int = 8192, max_running: int = 64, context: int = 4096):
-    """The real scheduler over a one-layer pool, with a `FakeModel` reading that pool."""
+                   max_prefill: int = 8192, max_running: int = 64, context: int = 4096,
+                   **config: object):
+    """The real scheduler over a one-layer pool, with a `FakeModel` reading that pool;
+    `config` sets other `EngineConfig` fields (eviction and schedule policies, ...)."""
     import torch
 
     from radixpool.worker.config import EngineConfig
@@ -81,11 +83,11 @@ def make_scheduler(page_size: int, capacity_tokens: int, *, chunk: int = 2048,
 
     pool = KVPool(capacity_tokens, page_size, 1, 1, 1, torch.float32, "cpu")
     rows = ReqToTokenPool(max_running + 4, context, "cpu")
-    cache = RadixCache(pool, page_size, max(16, page_size))
-    config = EngineConfig("unused", page_size=page_size, max_running_requests=max_running,
-                          chunked_prefill_size=chunk, max_prefill_tokens=max(chunk, max_prefill),
-                          debug_invariants=True)
-    sched = Scheduler(config, pool, rows, cache, context, (2,))
+    cfg = EngineConfig("unused", page_size=page_size, max_running_requests=max_running,
+                       chunked_prefill_size=chunk, max_prefill_tokens=max(chunk, max_prefill),
+                       debug_invariants=True, **config)
+    cache = RadixCache(pool, page_size, max(16, page_size), cfg.eviction_policy)
+    sched = Scheduler(cfg, pool, rows, cache, context, (2,))
     return sched, FakeModel(pool, rows.table)
 
 

@@ -1,12 +1,14 @@
 """KV accounting under pressure, as a property: random workloads on pools barely large enough.
 
 Prompts from a few shared stems (so the radix cache shares and splits), random max tokens, stop
-tokens, late arrivals, aborts and flushes, page sizes 1, 4 and 16, the real scheduler with a fake
-model that reads its KV back (`kv_driver`). After every step: no slot leaked or owned twice, lock
-counts balanced, cached (evictable + protected) + free + owned by requests = capacity, and the
-scheduler makes progress whenever it has work. At the end every request finished with exactly
-its tokens, or was aborted by us — with the synchronous loop and with the overlapped one (step
-N+1 scheduled before step N's tokens reach the host), so both give the same tokens.
+tokens, cache salts, late arrivals, aborts and flushes, page sizes 1, 4 and 16, a context that may
+end generations, every eviction and schedule policy, requests past the starvation bound or not,
+the real scheduler with a fake model that reads its KV back (`kv_driver`). After every step: no
+slot leaked or owned twice, lock counts balanced, cached (evictable + protected) + free + owned by
+requests = capacity, and the scheduler makes progress whenever it has work. At the end every
+request finished with exactly its tokens, or was aborted by us — with the synchronous loop and
+with the overlapped one (step N+1 scheduled before step N's tokens reach the host), so both give
+the same tokens.
 
 CI runs a bounded number of examples; RADIXPOOL_HYPOTHESIS_EXAMPLES=N runs more.
 """
@@ -28,6 +30,7 @@ EXAMPLES = int(os.environ.get("RADIXPOOL_HYPOTHESIS_EXAMPLES", "60"))
 @st.composite
 def workloads(draw):
     page_size = draw(st.sampled_from([1, 4, 16]))
+    context = draw(st.sampled_from([4096, 4096, 24, 48]))
     stems = draw(st.lists(st.lists(st.integers(5, 60), min_size=0, max_size=40),
                           min_size=1, max_size=3))
     reqs = []
@@ -36,16 +39,21 @@ def workloads(draw):
         cut = draw(st.integers(0, len(stem)))
         tail = draw(st.lists(st.integers(5, 60), min_size=1, max_size=30))
         reqs.append({
-            "prompt": stem[:cut] + tail,
+            "prompt": (stem[:cut] + tail)[:context - 1],
+            "salt": draw(st.sampled_from([None, None, "", "a"])),
             "max_new": draw(st.integers(1, 24)),
             "stop": draw(st.sampled_from([(), (), (7,), (11, 23)])),
             "min_new": draw(st.sampled_from([0, 0, 3])),
             "arrive": draw(st.integers(0, 12)),
             "abort": draw(st.one_of(st.none(), st.none(), st.integers(0, 30))),
         })
-    need = max(pages(len(r["prompt"]) + r["max_new"], page_size) for r in reqs)
+    need = max(pages(min(len(r["prompt"]) + r["max_new"], context), page_size) for r in reqs)
     return {
         "page_size": page_size,
+        "context": context,
+        "eviction": draw(st.sampled_from(["lru", "lfu", "probation"])),
+        "schedule": draw(st.sampled_from(["lpm", "fcfs"])),
+        "starving": draw(st.booleans()),   # arrived long ago: offered in arrival order
         "capacity": (need + draw(st.integers(0, 3))) * page_size,
         "chunk": page_size * draw(st.sampled_from([1, 2, 4, 16])),
         "prefill": draw(st.integers(1, 3)),
@@ -79,7 +87,8 @@ def test_kv_accounting_holds_under_pressure(w):
     note(repr(w))
     sched, model = make_scheduler(w["page_size"], w["capacity"], chunk=w["chunk"],
                                   max_prefill=w["chunk"] * w["prefill"],
-                                  max_running=w["max_running"])
+                                  max_running=w["max_running"], context=w["context"],
+                                  eviction_policy=w["eviction"], schedule_policy=w["schedule"])
     loop = Loop(sched, model, overlap=w["overlap"])
     outcomes: dict[str, Outcome] = {}
     aborted: set[str] = set()
@@ -89,7 +98,9 @@ def test_kv_accounting_holds_under_pressure(w):
             if r["arrive"] == t:
                 params = SamplingParams(max_new_tokens=r["max_new"], stop_token_ids=r["stop"],
                                         min_new_tokens=min(r["min_new"], r["max_new"]))
-                delta = sched.add(Req(rid, list(r["prompt"]), params, 0, arrival_time=1e12))
+                arrival = float(t) if w["starving"] else 1e12
+                delta = sched.add(Req(rid, list(r["prompt"]), params, 0, r["salt"],
+                                      arrival_time=arrival))
                 if delta is not None:
                     collect(outcomes, [delta])
             if r["abort"] == t and r["arrive"] <= t:
@@ -117,6 +128,8 @@ def test_kv_accounting_holds_under_pressure(w):
         got = outcomes[rid]
         want, reason = expected_output(r["prompt"], r["max_new"], r["stop"],
                                        min(r["min_new"], r["max_new"]))
+        if len(r["prompt"]) + len(want) > w["context"]:   # the context ends it first
+            want, reason = want[:w["context"] - len(r["prompt"])], "length"
         assert got.error is None, got
         if rid in aborted:
             assert got.finish_reason == "abort" and got.tokens == want[:len(got.tokens)]
