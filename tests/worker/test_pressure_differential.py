@@ -4,10 +4,10 @@ engine, whatever the pool size, page size, chunk size, batch, cache hits, retrac
 One workload (shared prefixes cut mid-page, identical prompts, seeded sampling forks, penalties,
 a grammar, stop tokens, requests arriving late, aborts mid-prefill and mid-decode with the rid
 reused at once) runs in engines whose pool barely holds the longest request, with chunks that are
-not a multiple of the page. The reference is each request alone, with plenty of KV, whole-prompt
-prefill and token-by-token grammar decoding. A request that outgrew the pool ends with "length"
-and a prefix of its reference; usage counts and the invariant checker are checked too, and after
-a flush every KV page is free.
+not a multiple of the page, under each eviction policy and FCFS too. The reference is each
+request alone, with plenty of KV, whole-prompt prefill and token-by-token grammar decoding. A
+request that outgrew the pool ends with "length" and a prefix of its reference; usage counts and
+the invariant checker are checked too, and after a flush every KV page is free.
 """
 
 from __future__ import annotations
@@ -99,20 +99,21 @@ def run_pressed(core: EngineCore, reqs, aborts: dict[str, int]) -> dict[str, dic
     return out
 
 
-@pytest.mark.parametrize("page_size,chunk,slack,overlap,seed", [
-    (16, 17, 16, False, 0),
-    (16, 33, 32, True, 1),
-    (1, 17, 2, True, 2),
-    (1, 33, 40, False, 3),
+@pytest.mark.parametrize("page_size,chunk,slack,overlap,seed,eviction,schedule", [
+    (16, 17, 16, False, 0, "lru", "lpm"),
+    (16, 33, 32, True, 1, "probation", "fcfs"),
+    (1, 17, 2, True, 2, "lfu", "lpm"),
+    (1, 33, 40, False, 3, "probation", "lpm"),
 ])
 def test_tight_pool_gives_every_request_its_tokens_alone(tiny_model, page_size, chunk, slack,
-                                                         overlap, seed):
+                                                         overlap, seed, eviction, schedule):
     model = str(tiny_model)
     reqs = workload(seed)
     longest = max(len(prompt) + p.max_new_tokens for _, prompt, p, _, _ in reqs)
     core = EngineCore(EngineConfig(
         model, device="cpu", kv_cache_tokens=longest + slack, page_size=page_size,
         chunked_prefill_size=chunk, max_prefill_tokens=2 * chunk, overlap_schedule=overlap,
+        eviction_policy=eviction, schedule_policy=schedule,
         max_queue_wait_s=1e-6, debug_invariants=True))   # (the starvation path too)
     rng = random.Random(seed)
     aborts = {rid: rng.randint(0, 8) for rid, *_ in rng.sample(reqs, 3)}
