@@ -24,7 +24,8 @@ class EngineConfig:
     max_running_requests: int = 256
     # Prompt tokens computed per request per step; longer prompts are prefilled chunk by chunk.
     chunked_prefill_size: int = 2048
-    # Total new tokens (prefill + decode) one step may compute.
+    # Total new tokens (prefill + decode) one step may compute; decoding requests always get
+    # their one token each (more of them than this: the step computes no prompt tokens).
     max_prefill_tokens: int = 8192
     schedule_policy: str = "lpm"
     # Which unlocked radix-cache leaves are freed first: lru | lfu (with ageing) | probation.

@@ -98,7 +98,8 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prefill-tokens", type=int, metavar="N",
                    help="new tokens (prefill + decode) one engine step may compute, at least "
                         f"--chunked-prefill-size (default: {_default('max_prefill_tokens')}, "
-                        "or --chunked-prefill-size when that is larger)")
+                        "or --chunked-prefill-size when that is larger); every decoding "
+                        "request still gets its token, past it if need be, and prompts wait")
     p.add_argument("--schedule-policy", choices=SCHEDULE_POLICIES,
                    default=_default("schedule_policy"),
                    help="waiting-queue order: lpm (longest cached prefix first) or fcfs "
