@@ -186,6 +186,31 @@ def test_a_prompt_longer_than_the_kv_pool_is_refused_naming_its_field(slow_prefi
     assert ok.status_code == 200   # and it keeps serving
 
 
+def test_a_default_output_length_is_cut_to_the_room_the_context_leaves(http):
+    # A prompt 8 tokens short of the context: with max_tokens left out (16 by default), a
+    # completion was refused, while with max_tokens null it was answered; /generate's default
+    # of 128 was refused too. Defaults now end at the context; a length asked for must fit.
+    long = [5] * 2040
+    for body in ({"prompt": long}, {"prompt": long, "max_tokens": None}):
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        assert r.json()["usage"]["completion_tokens"] == 8
+    r = http.post("/generate", json={"input_ids": long})
+    assert r.status_code == 200, r.text
+    assert r.json()["meta_info"]["completion_tokens"] == 8
+    for path, body, param in [
+        ("/v1/completions", {"prompt": long, "max_tokens": 16}, "max_tokens"),
+        ("/generate", {"input_ids": long, "sampling_params": {"max_new_tokens": 128}},
+         "sampling_params.max_new_tokens"),
+    ]:
+        r = http.post(path, json=body)
+        error = r.json()["error"]
+        assert r.status_code == 400 and (error["param"], error["code"]) == (
+            param, "context_length_exceeded"), error
+        assert "ask for at most 8" in error["message"]
+
+
 def test_a_request_for_too_many_completions_is_refused_naming_its_field(http):
     # Each completion is an engine request: a few hundred bytes asking for 100,000 of them kept
     # the worker busy for minutes instead of being refused.

@@ -98,8 +98,10 @@ class GenerateBody(BaseModel):
         p = build_params(doc, served.vocab_size, {}, sp_prefix, served.sampling_defaults)
         choices += p.n
         check_choices(choices, f"{sp_prefix}n")
-        served.token_budget(len(ids), p.max_new_tokens, prompt_param,
-                            f"{sp_prefix}max_new_tokens")
+        # a max_new_tokens given must fit; the default (128, or the model's) is cut to the room
+        # the context leaves, as the scheduler ends a request at the context
+        served.token_budget(len(ids), p.max_new_tokens if "max_new_tokens" in doc else None,
+                            prompt_param, f"{sp_prefix}max_new_tokens")
         return p, sp_prefix, choices
 
     def prompts(self) -> tuple[list[str | list[int]], bool]:

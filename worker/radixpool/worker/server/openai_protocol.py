@@ -327,7 +327,9 @@ Prompt = str | Texts | TokenIds | TokenIdLists
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
-    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = 16
+    # Unset (or null): OpenAI's default of 16, cut to the room the context leaves; a value given
+    # must fit, or the request is refused naming it.
+    max_tokens: Annotated[StrictInt, Field(ge=1, description="default 16")] | None = None
     logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     echo: StrictBool = False
     best_of: Annotated[StrictInt, Field(ge=1, le=128)] | None = None
