@@ -667,3 +667,57 @@ def test_fields_a_request_leaves_out_take_the_models_generation_config(tmp_path,
     asyncio.run(scenario())
     assert [(p.temperature, p.top_p, p.top_k) for p in engine.params] == [
         (0.6, 0.95, 20), (0.2, 0.95, 1), (0.6, 0.95, 20), (0.6, 0.95, -1)]
+
+
+class _FakeRun:
+    """An `EngineRun` as `start_all` sees it: its first token comes when `gate` opens, or it
+    is refused at once with `error`."""
+
+    def __init__(self, index: int, started: list[int], gate: asyncio.Event,
+                 error: Exception | None = None) -> None:
+        self.index, self.started, self.gate, self.error = index, started, gate, error
+        self.finished = self.closed = False
+
+    async def first(self) -> None:
+        self.started.append(self.index)
+        if self.error is not None:
+            raise self.error
+        await self.gate.wait()
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+class _StayingClient:
+    async def receive(self) -> dict:
+        await asyncio.Event().wait()   # never leaves
+        return {}
+
+
+def test_a_batch_sends_every_prompt_to_the_engine_at_once():
+    # Each prompt of a batch (/generate and /v1/completions take lists) went to the engine
+    # only once the one before it had its first token, so the engine never batched them: a
+    # batch of 64 short prompts took 64 prefill steps instead of one.
+    from radixpool.worker.server.generation import start_all
+
+    async def main() -> None:
+        started: list[int] = []
+        gate = asyncio.Event()
+        runs = [_FakeRun(i, started, gate) for i in range(4)]
+        batch = asyncio.ensure_future(start_all(_StayingClient(), runs))
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert started == [0, 1, 2, 3] and not batch.done()   # all sent, none answered yet
+        gate.set()
+        await batch
+        assert not any(run.closed for run in runs)
+        # one refused: the others are closed (aborted) and the refusal is raised at once
+        started.clear()
+        gate = asyncio.Event()
+        refused = ValueError("bad prompt")
+        runs = [_FakeRun(i, started, gate, refused if i == 2 else None) for i in range(4)]
+        with pytest.raises(ValueError, match="bad prompt"):
+            await asyncio.wait_for(start_all(_StayingClient(), runs), 5)
+        assert all(run.closed for run in runs)
+
+    asyncio.run(main())

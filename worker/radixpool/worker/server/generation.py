@@ -297,14 +297,22 @@ async def merge_streams(runs: list[EngineRun]) -> AsyncIterator[tuple[int, Any]]
 
 
 async def start_all(request: Request, runs: list[EngineRun]) -> None:
-    """Start every run (up to its first token: a bad request is refused with a 400 by then).
-    If one is rejected, close the others and re-raise; if the client leaves meanwhile, abort
+    """Start every run at once, so the engine batches them (one after another, each prompt
+    waited for the one before it to reach its first token), and wait for their first tokens: a
+    bad request is refused with a 400 by then. If one is rejected, close the others and
+    re-raise the first refusal in the batch's order; if the client leaves meanwhile, abort
     them all (a long prompt waiting or in prefill is not computed for nobody)."""
     async def first_tokens() -> None:
+        tasks = [asyncio.ensure_future(run.first()) for run in runs]
         try:
-            for run in runs:
-                await run.first()
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception()]
+            if failed:
+                raise failed[0].exception()
         except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             for run in runs:
                 await run.close()
             raise
