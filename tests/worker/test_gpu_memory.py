@@ -151,7 +151,7 @@ def test_a_kv_pool_given_outright_must_leave_room_for_a_step(tmp_path):
     with pytest.raises(ValueError) as err:
         check_kv_tokens_fit(whole, free, per_token, per_request, 16, step)
     message = str(err.value)
-    for part in (f"kv_cache_tokens {whole}", "step activations (max_prefill_tokens)",
+    for part in (f"kv_cache_tokens {whole}", "step activations (max_prefill_tokens, max_running_",
                  "decode CUDA graphs", "60.00 GiB free", "or size the pool with mem_fraction"):
         assert part in message, part
     most = int(message.split("set kv_cache_tokens to at most ")[1].split(",")[0])
@@ -208,3 +208,16 @@ def test_a_cpu_worker_in_a_small_container_sizes_its_kv_to_the_limit(tiny_model,
     most = int(message.split("set kv_cache_tokens to at most ")[1].split(",")[0])
     assert ModelRunner(EngineConfig(str(tiny_model), device="cpu", kv_cache_tokens=most)
                        ).kv_pool.capacity == most   # the advice fits
+
+
+def test_a_decode_step_of_every_running_request_is_reserved_for(tiny_model):
+    """A step decoding more requests than --max-prefill-tokens computes a token of each: its
+    activations were sized from --max-prefill-tokens alone, so a pool sized to the byte could
+    run out at a full decode batch without CUDA graphs."""
+    runner = ModelRunner(EngineConfig(str(tiny_model), device="cpu", kv_cache_tokens=256,
+                                      max_prefill_tokens=64, chunked_prefill_size=64,
+                                      max_running_requests=512))
+    assert runner.step_memory.max_step_tokens == 512
+    runner = ModelRunner(EngineConfig(str(tiny_model), device="cpu", kv_cache_tokens=256,
+                                      max_prefill_tokens=4096, max_running_requests=8))
+    assert runner.step_memory.max_step_tokens == 4096

@@ -226,7 +226,10 @@ class ModelRunner:
             log.info("decode CUDA graphs off: attention backend %r cannot be captured",
                      self.attention_backend_name)
         graph_batch = min(config.max_running_requests, DEFAULT_MAX_GRAPH_BATCH)
-        self.step_memory = StepMemory(self.shape, config.max_prefill_tokens,
+        # a step computes up to max_prefill_tokens, or a token of each running request when
+        # more than that many decode (no prompt tokens then)
+        self.step_memory = StepMemory(self.shape,
+                                      max(config.max_prefill_tokens, config.max_running_requests),
                                       config.max_running_requests,
                                       graph_batch if use_graphs else 0,
                                       graph_batch * self.pages_per_context if use_graphs else 0)

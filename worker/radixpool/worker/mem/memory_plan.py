@@ -68,7 +68,7 @@ class StepMemory:
     """What a forward step needs beyond the weights and the KV pool."""
 
     model: ModelShape
-    max_step_tokens: int      # the largest step (max_prefill_tokens)
+    max_step_tokens: int      # the largest step (max_prefill_tokens, or max_running_requests)
     max_batch: int            # logits rows of a step
     graph_batch: int          # largest captured decode batch; 0 without CUDA graphs
     graph_kv_pages: int       # the page-index buffer captured graphs read (0 without graphs)
@@ -117,7 +117,8 @@ def _reservations(per_request: PerRequestMemory, step: StepMemory | None) -> dic
     reserved = {"per-request tensors (max_running_requests, context_length)":
                 per_request.total_bytes}
     if step is not None:
-        reserved["step activations (max_prefill_tokens)"] = step.activation_bytes
+        reserved["step activations (max_prefill_tokens, max_running_requests)"] = \
+            step.activation_bytes
         if step.graph_bytes:
             reserved["decode CUDA graphs (--disable-cuda-graph to drop)"] = step.graph_bytes
     return reserved
