@@ -33,12 +33,12 @@ request's response (whose request is then aborted). `EdgeProtocol`:
   new one gets 503. Without it a client holding a thousand idle sockets took the process to its
   descriptor limit: it then accepted and dropped every connection, and could open none to its
   workers;
-- a response that waits `write_stall_timeout` on a client that reads none of it (no byte of
-  what waits in the connection's send buffer leaves all that time) ends: the connection is
-  dropped, so the handler sees a disconnect and the request is aborted. Flow control alone
-  kept such a stream's request running to its last token, holding its KV, while the output
-  piled up in the server. A client that reads a large answer slowly, its buffer taking longer
-  than that to empty, reads on;
+- a response that waits `write_stall_timeout` on a client that reads (almost) none of it
+  (less than `STALL_PROGRESS_BYTES` of what waits for it leaves in all that time) ends: the
+  connection is dropped, so the handler sees a disconnect and the request is aborted. Flow
+  control alone kept such a stream's request running to its last token, holding its KV, while
+  the output piled up in the server. A client that reads a large answer slowly, its buffer
+  taking longer than that to empty, reads on;
 - a client that leaves (or half-closes) with a request pipelined behind the one being answered
   has that one told it left: uvicorn told only the newest request, so the one being answered ran
   on to its end (holding its worker) and then failed writing to the closed connection;
@@ -116,6 +116,9 @@ ROOM_SHARE = 64   # past the connection limit, room is made for this share of it
 # at them all for this long (a pass costs 4.5 ms at 4096; clients retrying at overload would
 # spend the loop on passes that find nothing).
 FULL_RECHECK_S = 0.05
+# A client reading its answer on must take this much of it (or all that waits) in every
+# `write_stall_timeout`: 16 KiB a minute is 270 bytes a second, far below any real link.
+STALL_PROGRESS_BYTES = 16 << 10
 
 
 def open_file_room() -> int:
@@ -275,13 +278,14 @@ class EdgeProtocol(HttpToolsProtocol):
         self._stall_timer = None
         if not self.flow.write_paused:
             return
-        if self._unsent() < self._stall_unsent:
-            # the client read some of it: a large answer to a slow reader drains for longer
-            # than the timeout, and that reader is not a stalled one either
+        if self._stall_unsent - self._unsent() >= min(STALL_PROGRESS_BYTES, self._stall_unsent):
+            # the client read on: a large answer to a slow reader drains for longer than the
+            # timeout, and that reader is not a stalled one either (one taking a byte now and
+            # then, to hold its answer in memory for good, is)
             self._arm_stall_timer()
             return
-        self.logger.warning("dropped a connection whose client read nothing of its answer for "
-                            "%g s", self.limits.write_stall_timeout)
+        self.logger.warning("dropped a connection whose client read less than %d bytes of its "
+                            "answer in %g s", STALL_PROGRESS_BYTES, self.limits.write_stall_timeout)
         # abort, not close: close would wait for the unread buffer to drain, that is forever
         self.transport.abort()
 

@@ -506,6 +506,49 @@ def test_a_client_that_reads_a_large_answer_slowly_but_steadily_is_not_dropped(l
         loop_thread.run(server.stop())
 
 
+def test_a_client_that_takes_its_answer_a_trickle_at_a_time_is_dropped(loop_thread):
+    # A client reading a little now and then counted as reading on: it held its answer (and
+    # the worker's request, for a stream) in memory for as long as it liked.
+    from radixpool.gateway.http_edge import EdgeLimits, EdgeServer
+
+    answer = bytes(range(256)) * (64 << 10)   # 16 MiB, one write
+
+    async def large(request, respond) -> None:
+        await respond.send(200, [], answer)
+
+    server = EdgeServer(large, "127.0.0.1", 0, EdgeLimits(write_stall_timeout=1.0))
+    loop_thread.run(server.start())
+    reading = threading.Event()
+    reading.set()
+
+    def trickle() -> None:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 10)
+            sock.connect(("127.0.0.1", server.port))
+            sock.sendall(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            sock.settimeout(10)
+            with contextlib.suppress(OSError):
+                while reading.is_set() and sock.recv(2048):
+                    time.sleep(0.25)   # 8 KiB a second: some of it leaves in every second
+
+    client = threading.Thread(target=trickle)
+    client.start()
+    try:
+        connections = server._state.connections
+        deadline = time.monotonic() + 2
+        while not connections and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert connections
+        deadline = time.monotonic() + 5   # the trickle goes on past this
+        while connections and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not connections, "a client taking 8 KiB a second held its answer"
+    finally:
+        reading.clear()
+        client.join(15)
+        loop_thread.run(server.stop())
+
+
 @pytest.mark.parametrize("broken", [b"zz\r\n", b"5\r\n{}"], ids=["bad-chunk-size", "cut-short"])
 def test_a_chunked_body_whose_framing_breaks_after_a_whole_json_chunk_reaches_no_worker(
         make_stack, broken):

@@ -135,7 +135,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="client connections open at once (fewer if the open-file limit is "
                         "lower); past it the oldest idle one closes, or 503 if none is idle")
     e.add_argument("--write-stall-timeout", type=float, default=D.write_stall_timeout,
-                   help="seconds an answer may wait on a client that reads none of it; then "
+                   help="seconds an answer may wait on a client that reads (almost) none of it "
+                        "(under 16 KiB); then "
                         "the connection is dropped (and the worker's request aborted)")
     e.add_argument("--upstream-first-byte-timeout", type=float,
                    default=D.upstream_first_byte_timeout,

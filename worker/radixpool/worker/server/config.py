@@ -180,7 +180,8 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default: {EdgeLimits.max_connections})")
     p.add_argument("--write-stall-timeout", type=float, default=EdgeLimits.write_stall_timeout,
                    metavar="SECONDS",
-                   help="how long an answer may wait on a client that reads none of it; then "
+                   help="how long an answer may wait on a client that reads (almost) none of it "
+                        "(under 16 KiB); then "
                         "the connection is dropped and its request aborted, freeing its KV "
                         f"(default: {EdgeLimits.write_stall_timeout:g})")
     p.add_argument("--tool-call-format", choices=TOOL_FORMAT_FLAGS, default="auto",
