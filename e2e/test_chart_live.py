@@ -544,6 +544,28 @@ def test_helm_upgrade_changes_the_release_in_place_and_back(kube, release, as_ch
                    for m in kube.core.list_namespaced_config_map(release.namespace).items)
 
 
+def test_helm_upgrade_to_standalone_and_back(kube, release):
+    """`helm upgrade --set peering.enabled=false` failed (422): the Deployment kept the
+    rollingUpdate settings the API server had filled in, and it refuses them beside
+    `type: Recreate`, so a release could not be switched to one standalone replica."""
+    name = next(d for d in release.manifest if d["kind"] == "Deployment")["metadata"]["name"]
+
+    def operator_pod() -> Any:
+        return kube.apps.read_namespaced_deployment(name, release.namespace).spec
+
+    standalone = release.helm.upgrade(str(CHART), release.name, {"peering": {"enabled": False}},
+                                      namespace=release.namespace, timeout=120,
+                                      reset_values=True)
+    assert standalone["status"] == "deployed"
+    assert operator_pod().strategy.type == "Recreate"
+    assert "--standalone" in operator_pod().template.spec.containers[0].args
+    restored = release.helm.upgrade(str(CHART), release.name, {}, namespace=release.namespace,
+                                    timeout=120, reset_values=True)
+    assert restored["status"] == "deployed"
+    assert operator_pod().strategy.type == "RollingUpdate"
+    assert "--standalone" not in operator_pod().template.spec.containers[0].args
+
+
 def test_uninstall_leaves_no_pool_stuck(kube, release, namespaces, as_chart, tmp_path):
     namespace = namespaces[0]
     leftover = Operator(as_chart, tmp_path / "operator.log")

@@ -254,7 +254,8 @@ def test_standalone_with_more_than_one_replica_is_refused():
     # nor two for a moment: a rolling update's surge pod would reconcile beside the old one
     assert deployment["spec"]["strategy"] == {"type": "Recreate"}
     peered = by_kind(render({}))["Deployment"][0]
-    assert "strategy" not in peered["spec"]   # peering decides which replica works
+    # peering decides which replica works; the defaults written out, for Helm to own
+    assert peered["spec"]["strategy"]["type"] == "RollingUpdate"
 
 
 def test_chart_supports_kubernetes_1_28():
