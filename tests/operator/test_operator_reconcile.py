@@ -186,6 +186,20 @@ def test_steady_state_writes_nothing(cluster, pool_body):
     assert cluster.writes == [] and again.status == first.status and again.events == []
 
 
+def test_a_volume_mounted_twice_is_not_applied_again_and_again(cluster, pool_body):
+    """One volume at two paths (a ConfigMap's keys by subPath) was drift on every pass: its
+    mounts were compared by their shared name, so each pass dry-ran and applied the worker
+    Deployment again, for good."""
+    body = pool_body(engine={"volumes": [{"name": "extra", "configMap": {"name": "extra"}}],
+                             "volumeMounts": [
+                                 {"name": "extra", "mountPath": "/etc/a", "subPath": "a"},
+                                 {"name": "extra", "mountPath": "/etc/b", "subPath": "b"}]})
+    first = reconcile_pool(body, cluster, CONFIG, now=T0)
+    cluster.writes.clear()
+    reconcile_pool(with_status(body, first.status), cluster, CONFIG, now=T1)
+    assert cluster.writes == []
+
+
 def test_a_changed_spec_rewrites_only_what_changed(cluster, pool_body):
     reconcile_pool(pool_body(replicas=2), cluster, CONFIG, now=T0)
     cluster.writes.clear()

@@ -52,9 +52,16 @@ def _named(items: list[Any]) -> bool:
     return bool(items) and all(isinstance(item, dict) and "name" in item for item in items)
 
 
-# Named items are compared by name, one-sided, as others may add their own. A RoleBinding's
-# subjects are one atomic list, replaced whole by an apply: a subject added by hand is drift.
+# Named items are compared by name (a volume mount by its path), one-sided, as others may add
+# their own. A RoleBinding's subjects are one atomic list, replaced whole by an apply: a subject
+# added by hand is drift.
 WHOLE_LISTS = frozenset({"subjects"})
+
+
+def _item_key(item: dict[str, Any]) -> Any:
+    """A named item's key, as the API server merges them: a volume mount's is its path (one
+    volume may be mounted at several), any other's its name."""
+    return item.get("mountPath") or item["name"]
 
 
 def holds(desired: Any, live: Any) -> bool:
@@ -69,8 +76,8 @@ def holds(desired: Any, live: Any) -> bool:
         if not isinstance(live, list):
             return False
         if _named(desired) and _named(live):
-            by_name = {item["name"]: item for item in live}
-            return all(item["name"] in by_name and holds(item, by_name[item["name"]])
+            by_key = {_item_key(item): item for item in live}
+            return all(_item_key(item) in by_key and holds(item, by_key[_item_key(item)])
                        for item in desired)
         return len(desired) == len(live) and all(map(holds, desired, live))
     return _same_scalar(desired, live)
