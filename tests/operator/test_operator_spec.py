@@ -131,6 +131,20 @@ def test_invalid_field_is_named_with_what_was_expected(pool_body, spec, field, e
     assert expected in errors[field]
 
 
+@pytest.mark.parametrize("interval", ["30s", "1m30s", "1h", "500ms", "2m"])
+def test_a_scrape_interval_prometheus_takes_is_accepted(pool_body, interval):
+    # only <n>ms, <n>s or <n>m were: 1m30s and 1h, which Prometheus and prometheus-operator
+    # take, were refused
+    body = pool_body(monitoring={"serviceMonitor": {"interval": interval}})
+    assert parse_pool(body).spec["monitoring"]["serviceMonitor"]["interval"] == interval
+
+
+@pytest.mark.parametrize("interval", ["", "1.5m", "30", "1m 30s", "30sec"])
+def test_a_scrape_interval_prometheus_refuses_is_refused(pool_body, interval):
+    body = pool_body(monitoring={"serviceMonitor": {"interval": interval}})
+    assert "spec.monitoring.serviceMonitor.interval" in errors_of(body)
+
+
 @pytest.mark.parametrize("lifecycle", [
     {"maxSurge": "250%", "maxUnavailable": "100%"},
     {"maxSurge": 0, "maxUnavailable": 3, "podDisruptionBudget": {"maxUnavailable": "50%"}},

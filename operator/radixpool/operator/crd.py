@@ -200,10 +200,15 @@ LIFECYCLE = obj("Startup, drain, rollout and disruption settings.", {
     }),
 })
 
+PROMETHEUS_DURATION = (r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?"
+                       r"(([0-9]+)s)?(([0-9]+)ms)?)$")
+
 MONITORING = obj("Prometheus scraping.", {
     "serviceMonitor": obj("A prometheus-operator ServiceMonitor for workers and gateway.", {
         "enabled": boolean("Create it when the ServiceMonitor CRD is installed.", default=True),
-        "interval": string("Scrape interval.", default="15s", pattern=r"^[0-9]+(ms|s|m)$"),
+        # Prometheus' duration, as prometheus-operator's own CRD checks it: 30s, 1m30s, 1h
+        "interval": string("Scrape interval (a Prometheus duration: 15s, 1m30s, 1h).",
+                           default="15s", pattern=PROMETHEUS_DURATION, min_length=1),
         "labels": string_map("Labels of the ServiceMonitor: those your Prometheus selects "
                              "ServiceMonitors by (kube-prometheus-stack: release=<its release>)."),
     }),

@@ -57,9 +57,10 @@ def number(description: str, *, default: float | None = None, minimum: float | N
 
 
 def string(description: str, *, default: str | None = None, enum: tuple[str, ...] | None = None,
-           pattern: str | None = None, max_length: int | None = None) -> Schema:
+           pattern: str | None = None, max_length: int | None = None,
+           min_length: int | None = None) -> Schema:
     return _node("string", description, default, enum=list(enum) if enum else None,
-                 pattern=pattern, maxLength=max_length)
+                 pattern=pattern, maxLength=max_length, minLength=min_length)
 
 
 def boolean(description: str, *, default: bool | None = None) -> Schema:
@@ -158,6 +159,8 @@ def validate(schema: Schema, value: Any, path: str) -> list[FieldError]:
             errors.append(FieldError(path, f"{value!r} does not match {schema['pattern']}"))
         if "maxLength" in schema and len(value) > schema["maxLength"]:
             errors.append(FieldError(path, f"must be at most {schema['maxLength']} characters"))
+        if "minLength" in schema and len(value) < schema["minLength"]:
+            errors.append(FieldError(path, f"must be at least {schema['minLength']} characters"))
     if kind == "array":
         for index, item in enumerate(value):
             errors += validate(schema["items"], item, f"{path}[{index}]")
