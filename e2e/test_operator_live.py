@@ -332,6 +332,60 @@ def test_no_prometheus_peer_still_makes_every_pool(kube):
         kube.core.delete_namespace(name)
 
 
+SERVICE_MONITOR_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "metadata": {"name": "servicemonitors.monitoring.coreos.com"},
+    "spec": {"group": "monitoring.coreos.com", "scope": "Namespaced",
+             "names": {"kind": "ServiceMonitor", "listKind": "ServiceMonitorList",
+                       "plural": "servicemonitors", "singular": "servicemonitor"},
+             "versions": [{"name": "v1", "served": True, "storage": True, "schema": {
+                 "openAPIV3Schema": {"type": "object",
+                                     "x-kubernetes-preserve-unknown-fields": True}}}]}}
+
+
+def test_prometheus_operator_uninstalled_leaves_pools_healthy(kube, namespace):   # its CRDs
+    """With prometheus-operator uninstalled (its ServiceMonitor CRD gone), every pool went
+    Degraded (a 404 with an empty message, as a Warning Event) until the operator looked for
+    the CRD again a minute later: now the pass that finds it gone goes on without it."""
+    name = f"radixpool-e2e-{uuid.uuid4().hex[:6]}"
+    crd = SERVICE_MONITOR_CRD["metadata"]["name"]
+    kube.ext.create_custom_resource_definition(SERVICE_MONITOR_CRD)
+    kube.core.create_namespace({"metadata": {"name": name}})
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "radixpool.cli", "operator", "--namespace", name, "--standalone",
+         "--kubeconfig", KUBECONFIG, "--liveness", f"http://127.0.0.1:{port}/healthz"])
+    try:
+        wait_for("the ServiceMonitor CRD served", lambda: any(
+            c.type == "Established" and c.status == "True"
+            for c in kube.ext.read_custom_resource_definition(crd).status.conditions or []))
+        kube.custom.create_namespaced_custom_object(GROUP, VERSION, name, PLURAL,
+                                                    pool_manifest("watched"))
+        wait_for("the pool's ServiceMonitor", lambda: kube.custom.list_namespaced_custom_object(
+            "monitoring.coreos.com", "v1", name, "servicemonitors")["items"])
+        kube.ext.delete_custom_resource_definition(crd)
+        wait_for("the CRD gone", lambda: not any(
+            c.metadata.name == crd for c in kube.ext.list_custom_resource_definition().items))
+        kube.custom.patch_namespaced_custom_object(GROUP, VERSION, name, PLURAL, "watched",
+                                                   {"spec": {"replicas": 2}})
+        pool = wait_for("the change reconciled", lambda: (
+            p := get_pool(kube, name, "watched"))["status"].get("observedGeneration") == 2
+            and p, timeout=30)
+        assert condition(pool, "Degraded").get("status") != "True", condition(pool, "Degraded")
+        assert condition(pool, "Accepted")["status"] == "True"
+        warnings = [(e.reason, e.message) for e in kube.core.list_namespaced_event(name).items
+                    if e.type == "Warning"]
+        assert not warnings, warnings
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        kube.core.delete_namespace(name)
+        with contextlib.suppress(kube.errors.ApiException):
+            kube.ext.delete_custom_resource_definition(crd)
+
+
 # The cluster's etcd client URL (k8s-local's is in its kube-apiserver's --etcd-servers).
 ETCD = os.environ.get("RADIXPOOL_E2E_ETCD")
 

@@ -10,7 +10,7 @@ import pytest
 
 from radixpool.operator import api
 from radixpool.operator.desired import ObjectRef
-from radixpool.operator.reconcile import ApiFailure, ObjectRejected
+from radixpool.operator.reconcile import ApiFailure, KindGone, ObjectRejected
 from radixpool.operator.status import Event
 
 K8S_VERSION = "1.33"
@@ -48,7 +48,9 @@ class FakeCluster:
 
     def __init__(self, *, service_monitors: bool = False):
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
-        self.service_monitors = service_monitors
+        # whether the ServiceMonitor CRD is installed, and what the operator last saw of it
+        # (KubeCluster keeps that for a minute, and forgets it when an apply finds it gone)
+        self.service_monitors = self._monitors_seen = service_monitors
         self.applies = 0
         self.writes: list[tuple[str, str, str]] = []  # (verb, kind, name) of every write
         self.refuse: dict[str, str] = {}  # kind → the API server's message, on any apply
@@ -71,7 +73,13 @@ class FakeCluster:
         return (kind, namespace, name) in self.objects
 
     def has_service_monitors(self) -> bool:
-        return self.service_monitors
+        return self._monitors_seen
+
+    def remove_service_monitor_crd(self) -> None:
+        """prometheus-operator uninstalled: its CRD goes, and every ServiceMonitor with it."""
+        self.service_monitors = False
+        self.objects = {key: obj for key, obj in self.objects.items()
+                        if key[0] != "ServiceMonitor"}
 
     def get(self, ref: ObjectRef) -> dict[str, Any] | None:
         return copy.deepcopy(self.objects.get((ref.kind, ref.namespace, ref.name)))
@@ -82,6 +90,9 @@ class FakeCluster:
             raise self.fail[obj["kind"]]
         if obj["kind"] in self.refuse:
             raise ObjectRejected(self.refuse[obj["kind"]])
+        if obj["kind"] == "ServiceMonitor" and not self.service_monitors:
+            self._monitors_seen = False
+            raise KindGone("ServiceMonitor is no longer served (its CRD was removed)")
         role = obj.get("roleRef", {}).get("name")
         if obj["kind"] == "RoleBinding" and not self.exists("Role", meta["namespace"], role):
             raise ApiFailure("dry-run apply" if dry_run else "apply", "RoleBinding",

@@ -164,6 +164,24 @@ def test_service_monitor_only_where_its_crd_exists(pool_body, make_cluster):
     assert "ServiceMonitor" not in without.kinds() and "ServiceMonitor" in with_crd.kinds()
 
 
+def test_a_service_monitor_crd_removed_since_the_operator_looked_is_no_failure(
+        pool_body, make_cluster):
+    # prometheus-operator uninstalled: the operator's cached "the CRD is there" made every
+    # pool Degraded (APIError, a 404) until it looked again, a minute later
+    cluster = make_cluster(service_monitors=True)
+    body = pool_body()
+    first = reconcile_pool(body, cluster, CONFIG, now=T0)
+    assert "ServiceMonitor" in cluster.kinds()
+    cluster.remove_service_monitor_crd()
+    again = reconcile_pool(with_status({**body, "spec": {**body["spec"], "replicas": 2}},
+                                       first.status), cluster, CONFIG, now=T1)
+    assert again.failure is None
+    assert conditions(again.status)["Degraded"]["status"] == "False"
+    assert cluster.stored("Deployment", "ml", "llama-worker")["spec"]["replicas"] == 2
+    assert "ServiceMonitor" not in cluster.kinds()
+    assert not [e for e in again.events if e.type == "Warning"]
+
+
 def test_one_bad_pool_does_not_affect_another(cluster, pool_body):
     reconcile_pool(pool_body(name="bad", replicas=-1), cluster, CONFIG)
     good = reconcile_pool(pool_body(name="good"), cluster, CONFIG)

@@ -30,10 +30,11 @@ from urllib3.exceptions import HTTPError
 
 from . import api
 from .desired import ObjectRef, ref_of
-from .reconcile import ApiFailure, DryRunUnsupported, ObjectRejected
+from .reconcile import ApiFailure, DryRunUnsupported, KindGone, ObjectRejected
 from .status import Event
 
 SERVICE_MONITOR_CRD = "servicemonitors.monitoring.coreos.com"
+SERVICE_MONITOR_KIND = "ServiceMonitor"
 CRD_RECHECK_SECONDS = 60.0
 # How long `create_once` trusts that an object it made (or found) is still there. It may not read
 # Secrets, so it asks again (a create; 409 when present): a pool deleted and made again under the
@@ -162,6 +163,14 @@ class KubeCluster:
                     self._resource(obj["apiVersion"], obj["kind"]), body=obj,
                     namespace=meta["namespace"], field_manager=api.FIELD_MANAGER,
                     force_conflicts=True, dry_run="All" if dry_run else None).to_dict()
+            except (NotFoundError, ResourceNotFoundError) as error:
+                if obj["kind"] != SERVICE_MONITOR_KIND:
+                    raise
+                # its CRD went away since `has_service_monitors` looked: look again next time
+                self._monitors = (0.0, False)
+                self.dynamic.resources.invalidate_cache()
+                raise KindGone(f"{obj['kind']} is no longer served (its CRD was removed)"
+                               ) from error
             except DynamicApiError as error:
                 message = _api_message(error)[2]
                 if dry_run and _refuses_dry_run(error):

@@ -52,6 +52,12 @@ class DryRunUnsupported(Exception):
     nothing about the object itself, so the object is applied unchecked."""
 
 
+class KindGone(Exception):
+    """An object's kind is no longer served: its CRD was removed after the operator last looked
+    (a ServiceMonitor, with prometheus-operator uninstalled). The cluster forgets that it had
+    the kind, so a pass that looks again goes on without it."""
+
+
 class ApiFailure(Exception):
     """Any other API error, naming what was asked and of which object (403, 404, 409, 5xx)."""
 
@@ -160,7 +166,13 @@ def _reconcile(body: dict[str, Any], cluster: Cluster, config: OperatorConfig,
     live: dict[ObjectRef, dict[str, Any] | None] = {}
     unchecked: list[str] = []
     if pool is not None and verdict.accepted:
-        refusal = _apply(pool, cluster, config, live, unchecked)
+        try:
+            refusal = _apply(pool, cluster, config, live, unchecked)
+        except KindGone as gone:   # made without it this time: not Degraded for a minute
+            log.info("%s/%s: %s; going on without it", pool.namespace, pool.name, gone)
+            live.clear()
+            unchecked.clear()
+            refusal = _apply(pool, cluster, config, live, unchecked)
         if refusal is not None:
             verdict = refusal
 
