@@ -49,6 +49,29 @@ def test_crash_looping_and_unpullable_pods_degrade_the_pool_with_their_names():
     assert "llama-worker-c: Unschedulable: 0/3 nodes have nvidia.com/gpu" in degraded["message"]
 
 
+def test_a_crash_looping_container_between_two_crashes_still_degrades_the_pool():
+    # Degraded went False each time the looping container ran again (loading its model before
+    # the next crash) and True at its next CrashLoopBackOff: a flapping condition, and an
+    # Event each way
+    def worker(ready: bool, restarts: int, exit_code: int = 137) -> dict:
+        return {"name": "worker", "ready": ready, "restartCount": restarts,
+                "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}},
+                "lastState": {"terminated": {"exitCode": exit_code, "reason": "OOMKilled"}}}
+
+    def degraded_by(container: dict) -> dict:
+        observed = Observed(worker_deployment=deployment("llama-worker", replicas=1, ready=0),
+                            pods=[pod("llama-worker-a", containerStatuses=[container])])
+        return cond(status_for(observed), "Degraded")
+
+    looping = degraded_by(worker(ready=False, restarts=4))
+    assert looping["status"] == "True"
+    assert "llama-worker-a container worker: restarted 4 times" in looping["message"]
+    assert "code 137, OOMKilled" in looping["message"]
+    assert degraded_by(worker(ready=True, restarts=4))["status"] == "False"   # it recovered
+    assert degraded_by(worker(ready=False, restarts=1))["status"] == "False"  # one restart
+    assert degraded_by(worker(ready=False, restarts=4, exit_code=0))["status"] == "False"
+
+
 def test_a_stuck_rollout_is_degraded_and_no_longer_progressing():
     stuck = [{"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
               "message": "ReplicaSet llama-worker-7 has timed out progressing."}]

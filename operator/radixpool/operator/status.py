@@ -6,7 +6,8 @@
   pods both count: the pool serves at full capacity).
 - `GatewayReady`: as many ready gateway pods as `spec.gateway.replicas` asks.
 - `Progressing`: a rollout or scale is under way (False once it completes or gets stuck).
-- `Degraded`: something needs a human: pods crash-looping, images not pulling, pods
+- `Degraded`: something needs a human: pods crash-looping (also between two crashes, running
+  again and not ready), images not pulling, pods
   unschedulable, a rollout past its deadline, or the Kubernetes API refusing the operator
   (`APIError`: the API's message, the object it concerns, and when the next attempt is).
 - `Ready`: the one to watch: accepted, workers and gateway ready, nothing degraded; its reason
@@ -23,6 +24,9 @@ from radixpool.listen import http_url
 
 from . import api
 
+# A container that has failed this often and is running again, not yet ready, is taken to be
+# crash-looping still: it is between two crashes.
+CRASH_RESTARTS = 2
 BROKEN_WAITING_REASONS = frozenset({
     "CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
     "CreateContainerConfigError", "CreateContainerError", "RunContainerError",
@@ -141,10 +145,20 @@ def _pod_problems(pod: dict[str, Any]) -> list[str]:
     containers = (status.get("initContainerStatuses") or []) + (
         status.get("containerStatuses") or [])
     for container in containers:
-        waiting = (container.get("state") or {}).get("waiting") or {}
+        state = container.get("state") or {}
+        waiting = state.get("waiting") or {}
         if waiting.get("reason") in BROKEN_WAITING_REASONS:
             problems.append(f"pod {name} container {container.get('name')}: "
                             f"{waiting['reason']}: {waiting.get('message', '')}".rstrip(": "))
+        last = (container.get("lastState") or {}).get("terminated") or {}
+        restarts = int(container.get("restartCount") or 0)
+        if ("running" in state and not container.get("ready") and last
+                and last.get("exitCode") != 0 and restarts >= CRASH_RESTARTS):
+            # between two crashes of a loop (CrashLoopBackOff only while it waits): still
+            # failing until it is ready, or Degraded would flap with every restart
+            problems.append(f"pod {name} container {container.get('name')}: restarted "
+                            f"{restarts} times, not ready since its last exit "
+                            f"(code {last.get('exitCode')}, {last.get('reason') or 'no reason'})")
     return problems
 
 
