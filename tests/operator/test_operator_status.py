@@ -55,12 +55,15 @@ def test_a_crash_looping_container_between_two_crashes_still_degrades_the_pool()
     # Event each way
     def worker(ready: bool, restarts: int, exit_code: int = 137) -> dict:
         return {"name": "worker", "ready": ready, "restartCount": restarts,
-                "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}},
+                "state": {"running": {"startedAt": "2026-01-01T00:10:00Z"}},
                 "lastState": {"terminated": {"exitCode": exit_code, "reason": "OOMKilled"}}}
 
-    def degraded_by(container: dict) -> dict:
+    def degraded_by(container: dict, unready_since: str = "2026-01-01T00:09:58Z") -> dict:
+        conditions = [{"type": "Ready", "status": "True" if container["ready"] else "False",
+                       "lastTransitionTime": unready_since}]
         observed = Observed(worker_deployment=deployment("llama-worker", replicas=1, ready=0),
-                            pods=[pod("llama-worker-a", containerStatuses=[container])])
+                            pods=[pod("llama-worker-a", conditions=conditions,
+                                      containerStatuses=[container])])
         return cond(status_for(observed), "Degraded")
 
     looping = degraded_by(worker(ready=False, restarts=4))
@@ -70,6 +73,9 @@ def test_a_crash_looping_container_between_two_crashes_still_degrades_the_pool()
     assert degraded_by(worker(ready=True, restarts=4))["status"] == "False"   # it recovered
     assert degraded_by(worker(ready=False, restarts=1))["status"] == "False"  # one restart
     assert degraded_by(worker(ready=False, restarts=4, exit_code=0))["status"] == "False"
+    # ready after its last restart, then failing a probe: not a crash loop
+    assert degraded_by(worker(ready=False, restarts=4),
+                       unready_since="2026-01-01T00:30:00Z")["status"] == "False"
 
 
 def test_a_stuck_rollout_is_degraded_and_no_longer_progressing():

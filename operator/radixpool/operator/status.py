@@ -18,6 +18,7 @@ A condition keeps its `lastTransitionTime` while its status stays the same.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from radixpool.listen import http_url
@@ -152,14 +153,32 @@ def _pod_problems(pod: dict[str, Any]) -> list[str]:
                             f"{waiting['reason']}: {waiting.get('message', '')}".rstrip(": "))
         last = (container.get("lastState") or {}).get("terminated") or {}
         restarts = int(container.get("restartCount") or 0)
-        if ("running" in state and not container.get("ready") and last
-                and last.get("exitCode") != 0 and restarts >= CRASH_RESTARTS):
+        if (last and last.get("exitCode") != 0 and restarts >= CRASH_RESTARTS
+                and not container.get("ready")
+                and _unready_since_start(status, (state.get("running") or {}).get("startedAt"))):
             # between two crashes of a loop (CrashLoopBackOff only while it waits): still
             # failing until it is ready, or Degraded would flap with every restart
             problems.append(f"pod {name} container {container.get('name')}: restarted "
                             f"{restarts} times, not ready since its last exit "
                             f"(code {last.get('exitCode')}, {last.get('reason') or 'no reason'})")
     return problems
+
+
+def _unready_since_start(pod_status: dict[str, Any], started_at: str | None) -> bool:
+    """Whether a container running since `started_at` has not been ready since: the pod's
+    Ready condition last turned False no later than that (at the crash before), not after (a
+    pod that was ready, then failed a probe, is not between two crashes)."""
+    if not started_at:
+        return False
+    for condition in pod_status.get("conditions") or []:
+        if condition.get("type") == "Ready" and condition.get("status") == "False":
+            changed = condition.get("lastTransitionTime")
+            return bool(changed) and _instant(changed) <= _instant(started_at)
+    return False
+
+
+def _instant(stamp: str) -> datetime:
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00"))
 
 
 def _endpoints(pool_name: str, namespace: str,
