@@ -88,7 +88,8 @@ RESOURCES = obj("Compute for each worker pod. Requests equal limits for GPUs and
                     "stay idle.", default=1, minimum=0, maximum=16),
     "gpuResourceName": string("The extended resource that schedules GPUs.",
                               default="nvidia.com/gpu"),
-    "cpu": quantity("CPU request per worker, e.g. `8` or `7500m`.", "4"),
+    "cpu": quantity("CPU request per worker, e.g. `8` or `7500m` (a fraction in quotes: "
+                    "`\"0.5\"`; the schema takes a whole number or a string).", "4"),
     "memory": quantity("Memory request and limit per worker, e.g. `64Gi`.", "32Gi"),
     "shmSize": quantity("Size of /dev/shm (memory-backed) for the engine.", "2Gi"),
 })
@@ -170,7 +171,7 @@ GATEWAY = obj("The cache-aware gateway in front of the workers: the pool's endpo
     "lateBinding": boolean("Hold a request in the gateway while its worker has prefill queued, "
                            "and place it when a worker drains (--late-binding).", default=True),
     "resources": obj("Compute for each gateway pod.", {
-        "cpu": quantity("CPU request.", "1"),
+        "cpu": quantity("CPU request (a fraction in quotes: `\"0.5\"`, or `500m`).", "1"),
         "memory": quantity("Memory request and limit.", "1Gi"),
     }),
     "service": obj("The Service clients call.", {
