@@ -476,77 +476,76 @@ def test_a_client_that_reads_nothing_for_the_write_stall_timeout_is_dropped(loop
         loop_thread.run(server.stop())
 
 
-def test_a_client_that_reads_a_large_answer_slowly_but_steadily_is_not_dropped(loop_thread):
-    # The stall clock ran from the write that filled the send buffer to the one moment the
-    # buffer was empty again: a 16 MiB answer to a client reading all the time, but taking
-    # longer than `write_stall_timeout` to drain it, was dropped as if it read nothing
+LARGE_ANSWER = bytes(range(256)) * (64 << 10)   # 16 MiB
+
+
+@contextlib.contextmanager
+def large_answer_server(loop_thread):
+    """An edge answering every request with LARGE_ANSWER in one write; write stalls of 1 s."""
     from radixpool.gateway.http_edge import EdgeLimits, EdgeServer
 
-    answer = bytes(range(256)) * (64 << 10)   # 16 MiB, one write
-
     async def large(request, respond) -> None:
-        await respond.send(200, [], answer)
+        await respond.send(200, [], LARGE_ANSWER)
 
     server = EdgeServer(large, "127.0.0.1", 0, EdgeLimits(write_stall_timeout=1.0))
     loop_thread.run(server.start())
     try:
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
-        sock.connect(("127.0.0.1", server.port))
-        sock.sendall(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        yield server
+    finally:
+        loop_thread.run(server.stop())
+
+
+def ask_for_it(server, receive_buffer: int) -> socket.socket:
+    """A connection that has asked `server` for its answer (and closes after it)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    sock.connect(("127.0.0.1", server.port))
+    sock.sendall(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+    sock.settimeout(10)
+    return sock
+
+
+def test_a_client_that_reads_a_large_answer_slowly_but_steadily_is_not_dropped(loop_thread):
+    # The stall clock ran from the write that filled the send buffer to the one moment the
+    # buffer was empty again: a 16 MiB answer to a client reading all the time, but taking
+    # longer than `write_stall_timeout` to drain it, was dropped as if it read nothing
+    with large_answer_server(loop_thread) as server:
         got = []
-        sock.settimeout(10)
-        with contextlib.suppress(ConnectionResetError):
+        with ask_for_it(server, 64 << 10) as sock, \
+                contextlib.suppress(ConnectionResetError):
             while more := sock.recv(64 << 10):   # at most 64 KiB per 5 ms: 13 MB/s
                 got.append(more)
                 time.sleep(0.005)
-        sock.close()
-        assert Responses(b"".join(got)).messages == [(200, answer)]
-    finally:
-        loop_thread.run(server.stop())
+        assert Responses(b"".join(got)).messages == [(200, LARGE_ANSWER)]
 
 
 def test_a_client_that_takes_its_answer_a_trickle_at_a_time_is_dropped(loop_thread):
     # A client reading a little now and then counted as reading on: it held its answer (and
     # the worker's request, for a stream) in memory for as long as it liked.
-    from radixpool.gateway.http_edge import EdgeLimits, EdgeServer
+    with large_answer_server(loop_thread) as server:
+        reading = threading.Event()
+        reading.set()
 
-    answer = bytes(range(256)) * (64 << 10)   # 16 MiB, one write
-
-    async def large(request, respond) -> None:
-        await respond.send(200, [], answer)
-
-    server = EdgeServer(large, "127.0.0.1", 0, EdgeLimits(write_stall_timeout=1.0))
-    loop_thread.run(server.start())
-    reading = threading.Event()
-    reading.set()
-
-    def trickle() -> None:
-        with socket.socket() as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 10)
-            sock.connect(("127.0.0.1", server.port))
-            sock.sendall(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
-            sock.settimeout(10)
-            with contextlib.suppress(OSError):
+        def trickle() -> None:
+            with ask_for_it(server, 4 << 10) as sock, contextlib.suppress(OSError):
                 while reading.is_set() and sock.recv(2048):
                     time.sleep(0.25)   # 8 KiB a second: some of it leaves in every second
 
-    client = threading.Thread(target=trickle)
-    client.start()
-    try:
-        connections = server._state.connections
-        deadline = time.monotonic() + 2
-        while not connections and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert connections
-        deadline = time.monotonic() + 5   # the trickle goes on past this
-        while connections and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not connections, "a client taking 8 KiB a second held its answer"
-    finally:
-        reading.clear()
-        client.join(15)
-        loop_thread.run(server.stop())
+        client = threading.Thread(target=trickle)
+        client.start()
+        try:
+            connections = server._state.connections
+            deadline = time.monotonic() + 2
+            while not connections and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert connections
+            deadline = time.monotonic() + 5   # the trickle goes on past this
+            while connections and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not connections, "a client taking 8 KiB a second held its answer"
+        finally:
+            reading.clear()
+            client.join(15)
 
 
 @pytest.mark.parametrize("broken", [b"zz\r\n", b"5\r\n{}"], ids=["bad-chunk-size", "cut-short"])
