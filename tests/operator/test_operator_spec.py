@@ -72,6 +72,11 @@ def test_minimal_pool_gets_the_schema_defaults(pool_body):
     ({"engine": {"args": ["--context-length", "4096", "--page-size=32"]}}, "spec.engine.args[2]",
      "'--page-size' is set by the operator"),
     ({"engine": {"args": ["--po", "9000"]}}, "spec.engine.args[0]", "'--port'"),
+    # a key on the command line is in the Deployment for anyone who may read it, and in `ps`
+    ({"engine": {"args": ["--api-key", "sk-live"]}}, "spec.engine.args[0]",
+     "spec.apiKeySecret"),
+    ({"engine": {"args": ["--skip-warmup", "--api-key=sk-live"]}}, "spec.engine.args[1]",
+     "spec.apiKeySecret"),
     ({"engine": {"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}},
      "spec.engine.env[1].name", "set twice"),
     ({"engine": {"env": [{"name": "X", "valueFrom": {"secretKeyRef": {"key": "k"}}}]}},

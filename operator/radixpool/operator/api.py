@@ -39,6 +39,9 @@ OPERATOR_WORKER_FLAGS = frozenset({
     "--kv-cache-tokens", "--mem-fraction", "--page-size", "--max-running-requests",
     "--chunked-prefill-size", "--schedule-policy", "--log-level", "--startup-timeout",
     "--drain-timeout"})
+# The worker's key on its command line would be in the Deployment (readable by whoever may get
+# Deployments, often more than may read Secrets) and in `ps`: the key goes in spec.apiKeySecret.
+KEY_WORKER_FLAGS = frozenset({"--api-key"})
 RESERVED_MOUNT_PATHS = frozenset({"/tmp", f"{WORKER_HOME}/.cache", "/dev/shm", MODEL_MOUNT})
 # resources a GPU resource name must not stand for (it would overwrite the pod's own request)
 CORE_RESOURCES = frozenset({"cpu", "memory", "ephemeral-storage", "pods"})

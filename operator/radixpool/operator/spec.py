@@ -241,8 +241,13 @@ def _check_args(args: list[str]) -> list[FieldError]:
         if len(name) < 3 or not name.startswith("--"):
             continue
         # the worker's parser takes any unambiguous prefix of a flag, as `--po` for `--port`
+        key = next((f for f in sorted(api.KEY_WORKER_FLAGS) if f.startswith(name)), None)
         flag = next((f for f in sorted(api.OPERATOR_WORKER_FLAGS) if f.startswith(name)), None)
-        if flag:
+        if key:
+            errors.append(FieldError(f"spec.engine.args[{index}]",
+                                     f"{key!r} would show the key in the Deployment and the "
+                                     "process list: name its Secret in spec.apiKeySecret"))
+        elif flag:
             errors.append(FieldError(f"spec.engine.args[{index}]",
                                      f"{flag!r} is set by the operator (from the pool's own "
                                      "fields, or fixed where probes and the gateway expect it)"))
