@@ -45,6 +45,8 @@ def test_api_key_protects_everything_but_health_livez_and_metrics(secured):
         assert wrong.status_code == 401, path
         assert httpx.get(f"{url}{path}", headers={"Authorization": f"Bearer {KEY}"}
                          ).status_code == 200, path
+    # the key came as a flag: the worker says it shows in the process list, as the gateway does
+    assert "--api-key puts the serving key in the process list" in secured.log()
     assert httpx.post(f"{url}/generate", json={"text": "x"}).status_code == 401
     client = OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
     r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],

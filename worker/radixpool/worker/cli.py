@@ -48,7 +48,7 @@ def _register_worker(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from radixpool.worker.server.config import config_from_args
+    from radixpool.worker.server.config import API_KEY_ENV, config_from_args
     from radixpool.worker.server.serve import run_worker
 
     try:
@@ -56,6 +56,9 @@ def _worker(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"radixpool worker: error: {exc}", file=sys.stderr)
         return 2
+    if args.api_key is not None:   # as the gateway warns of its own key flags
+        print(f"radixpool worker: warning: --api-key puts the serving key in the process list; "
+              f"use ${API_KEY_ENV} instead", file=sys.stderr)
     return run_worker(config)
 
 
