@@ -163,8 +163,8 @@ class Gate:
         if self.api_key is None and self.control_key is None:
             return None
         auth = _header(scope, b"authorization") or ""
-        key = auth[7:].strip() if auth[:7].lower() == "bearer " else _header(scope, b"x-api-key")
-        given = (key or "").encode()
+        key = (auth[7:] if auth[:7].lower() == "bearer " else _header(scope, b"x-api-key")) or ""
+        given = key.strip().encode()   # as the gateway reads either header
         control = self.control_key is not None and hmac.compare_digest(given, self.control_key)
         serving = self.api_key is not None and hmac.compare_digest(given, self.api_key)
         if control:
