@@ -73,3 +73,14 @@ def test_readme_lists_every_engine_option():
     missing = [f.name for f in fields(EngineConfig)
                if f.name != "model_path" and f"`{f.name}`" not in options]
     assert not missing, f"README.md's Engine options do not name {missing}"
+
+
+def test_readme_engine_section_names_only_types_radixpool_worker_exports():
+    import builtins
+
+    import radixpool.worker
+    text = README.read_text()
+    section = text[text.index("## The engine (offline API)"):text.index("Supported models:")]
+    named = set(re.findall(r"`([A-Z][A-Za-z]+)`", section)) - set(dir(builtins))
+    missing = sorted(n for n in named if not hasattr(radixpool.worker, n))
+    assert not missing, f"README.md's offline API names {missing}: not in radixpool.worker"
