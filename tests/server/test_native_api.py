@@ -157,6 +157,18 @@ def test_probe_and_events_agree_with_cache(http):
     assert set(hashes[:5]) <= snapshot
 
 
+def test_a_probe_sent_as_curl_sends_it_is_read_as_json(http):
+    # `curl -d '{...}'` labels the body a form: /generate read it as JSON, /prefix_probe gave a
+    # 400 "Input should be a valid dictionary", so the protocol doc's probe failed from a shell
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    body = json.dumps({"input_ids": [5, 6, 7]})
+    r = http.post("/prefix_probe", content=body, headers=form)
+    assert r.status_code == 200 and r.json()["prompt_tokens"] == 3
+    for bad in ("input_ids=5", '{"text": ' + "[" * 5000 + "]" * 5000 + "}"):
+        r = http.post("/prefix_probe", content=bad, headers=form)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+
+
 def test_kv_events_resync_and_flush(http):
     last = http.get("/kv_events/snapshot").json()
     r = http.get("/kv_events", params={"since": last["seq"] + 1000, "timeout": 0})

@@ -12,6 +12,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, model_validator
+from pydantic_core import PydanticCustomError, from_json
 from starlette.responses import JSONResponse
 
 from radixpool.protocol.errors import NONFINITE_LOGITS
@@ -121,6 +122,19 @@ class ProbeBody(BaseModel):
     text: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     cache_salt: Annotated[str, Field(max_length=256)] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _json_whatever_its_content_type(cls, value: Any) -> Any:
+        # FastAPI hands over the raw bytes of a body not labelled JSON (`curl -d` labels it a
+        # form); the generation routes read any body as JSON, with pydantic's parser (its depth
+        # limit included), and so does this one
+        if not isinstance(value, bytes):
+            return value
+        try:
+            return from_json(value)
+        except ValueError as exc:
+            raise PydanticCustomError("json_invalid", "{error}", {"error": str(exc)}) from None
 
     @model_validator(mode="after")
     def _one_prompt(self) -> ProbeBody:
