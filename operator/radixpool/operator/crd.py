@@ -9,7 +9,6 @@ nonsense before the operator sees it; the operator applies the same schema (`ope
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ from radixpool.gateway.config import POLICIES
 from radixpool.worker.config import DEVICES, DTYPES, LOG_LEVELS, SCHEDULE_POLICIES
 
 from . import api
-from .generated import write_copies
+from .generated import repo_root_argument, write_copies
 from .openapi import (
     Schema,
     array,
@@ -384,6 +383,6 @@ def write_crd_files(repo_root: Path) -> list[Path]:
 
 
 if __name__ == "__main__":
-    root = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
+    root = repo_root_argument("the CRD files and docs/kubernetes.md's spec reference")
     for path in [*write_crd_files(root), update_docs(root)]:
         print(path)

@@ -10,13 +10,12 @@ ServiceMonitor adds: `namespace`, `pod`, `radixpool_io_pool` (the pool) and
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 from radixpool.protocol import metrics as m
 
-from .generated import write_copies
+from .generated import repo_root_argument, write_copies
 
 POOL = 'namespace=~"$namespace", radixpool_io_pool=~"$pool"'
 WORKER = f'{POOL}, pod=~"$pod"'
@@ -353,5 +352,5 @@ def write_dashboard_files(repo_root: Path) -> list[Path]:
 
 
 if __name__ == "__main__":
-    for path in write_dashboard_files(Path(sys.argv[1] if len(sys.argv) > 1 else ".")):
+    for path in write_dashboard_files(repo_root_argument("the Grafana dashboards")):
         print(path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -16,3 +17,15 @@ def write_copies(repo_root: Path, folders: Iterable[str], files: dict[str, str])
             path.write_text(text)
             written.append(path)
     return written
+
+
+def repo_root_argument(what: str) -> Path:
+    """The repository root a generator's command line names (default: the current folder),
+    checked before anything is written: `--help` or a wrong folder writes nothing."""
+    parser = argparse.ArgumentParser(description=f"Write {what} into the repository.")
+    parser.add_argument("repo_root", nargs="?", type=Path, default=Path("."),
+                        help="the repository's root folder (default: the current folder)")
+    root = parser.parse_args().repo_root
+    if not (root / "pyproject.toml").is_file():
+        parser.error(f"{root} is not the repository's root (it has no pyproject.toml)")
+    return root
