@@ -227,7 +227,7 @@ def oversized_kv_check(c: Checks, cmd: list[str], worker_log: Path, log_path: Pa
         proc = subprocess.run(cmd + ["--kv-cache-tokens", str(tokens)], stdout=log,
                               stderr=subprocess.STDOUT, timeout=240)
     said = [line for line in log_path.read_text(errors="replace").splitlines()
-            if "set kv_cache_tokens to at most" in line]
+            if "set --kv-cache-tokens to at most" in line]
     c.check("oversized kv_cache_tokens", proc.returncode != 0 and bool(said),
             f"--kv-cache-tokens {tokens}: exit code {proc.returncode}; "
             f"{said[-1][-220:] if said else 'no refusal naming the largest pool that fits'}")

@@ -329,12 +329,13 @@ def test_sigterm_with_a_kv_events_long_poll_open_exits_quietly(polled):
      "may only shrink the model's context (2048 tokens: config.json max_position_embeddings)"),
     # more than the host holds: the pool's pages are touched only as the cache fills, so it
     # started, and the worker would have been killed for memory once the cache grew
+    # (in the worker's flags, not the engine's field names)
     (("--device", "cpu", "--kv-cache-tokens", "100000000000"),
-     "GiB that the host's available memory leaves: set kv_cache_tokens to at most"),
+     "GiB that the host's available memory leaves: set --kv-cache-tokens to at most"),
     # the per-request tensors alone: the allocator's error, or a start that is killed later
     (("--device", "cpu", "--max-running-requests", "10000000"),
-     "holds no KV page (0.000 GiB) after per-request tensors (max_running_requests, "
-     "context_length)"),
+     "holds no KV page (0.000 GiB) after per-request tensors (--max-running-requests, "
+     "--context-length)"),
 ])
 def test_settings_the_engine_cannot_run_with_end_the_worker_with_one_line(tiny_model, flags,
                                                                           says):

@@ -7,7 +7,9 @@ Engine defaults are read from `EngineConfig` itself: one source of truth for eve
 from __future__ import annotations
 
 import argparse
+import functools
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import NoReturn
@@ -212,6 +214,24 @@ def _serving_key(argv_value: str | None) -> str | None:
     if argv_value is not None:
         return argv_value
     return read_key(KeySource("serving", API_KEY_ENV, "--api-key"), None, None, os.environ)[0]
+
+
+def in_flag_terms(message: str) -> str:
+    """An engine error in the worker's terms: each engine setting it names that is also a flag
+    (`kv_cache_tokens`, `max_running_requests`) as that flag (`--kv-cache-tokens`). Only names
+    with an underscore: plain words such as `model` or `device` stay as they are."""
+    flags = _worker_flags()
+    return re.sub(r"\b[a-z]+(?:_[a-z]+)+\b",
+                  lambda m: flags.get(m.group(0), m.group(0)), message)
+
+
+@functools.cache
+def _worker_flags() -> dict[str, str]:
+    parser = argparse.ArgumentParser(add_help=False)
+    add_worker_arguments(parser)
+    return {action.dest: action.option_strings[0] for action in parser._actions
+            if action.option_strings and "_" in action.dest
+            and action.option_strings[0].startswith("--")}
 
 
 def _as_flag(exc: ValueError) -> ValueError:

@@ -23,7 +23,7 @@ import uvicorn
 from radixpool.http_edge import edge_protocol
 from radixpool.listen import http_url, listen_socket
 from radixpool.worker.server.app import create_app
-from radixpool.worker.server.config import ServerConfig
+from radixpool.worker.server.config import ServerConfig, in_flag_terms
 from radixpool.worker.server.state import WorkerState
 
 log = logging.getLogger("radixpool.worker.server")
@@ -91,8 +91,9 @@ class WorkerServer(uvicorn.Server):
             log.info("stopped while the model was loading")
             return
         except Exception as exc:
-            log.error("engine failed to start: %s", exc)
-            self.state.lifecycle.mark_failed(f"the engine failed to start: {exc}")
+            reason = in_flag_terms(str(exc))   # `--kv-cache-tokens`, not `kv_cache_tokens`
+            log.error("engine failed to start: %s", reason)
+            self.state.lifecycle.mark_failed(f"the engine failed to start: {reason}")
             self.should_exit = True
             return
         engine.bind_loop()   # the core's output is read on this loop: no receiver thread hop
