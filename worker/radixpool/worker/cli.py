@@ -17,7 +17,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "seed.")
     p.add_argument("dir", help="output directory")
     p.add_argument("--arch", choices=ARCHS, default="llama", help="architecture (default: llama)")
-    p.add_argument("--seed", type=int, default=0, help="random seed for weights and corpus")
+    p.add_argument("--seed", type=int, default=0,
+                   help="random seed for weights and corpus (default: 0)")
     p.add_argument("--tokenizer", choices=TOKENIZERS, default="bpe",
                    help="tokenizer style: byte-level BPE (Llama-3/Qwen, the default) or "
                         "SentencePiece-style (Llama-2/Mistral: metaspace with a dummy prefix, "
@@ -78,7 +79,8 @@ def _register_generate(subparsers: argparse._SubParsersAction) -> None:
                     "cache behaviour is real).")
     p.add_argument("prompts", nargs="*", help="prompts (default: a built-in set)")
     p.add_argument("--model", help="model directory (default: the built-in tiny model)")
-    p.add_argument("--max-new-tokens", type=int, default=24, help="tokens per completion")
+    p.add_argument("--max-new-tokens", type=int, default=24,
+                   help="tokens per completion (default: 24)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
@@ -113,8 +115,9 @@ def _generate(args: argparse.Namespace) -> int:
                 prompt_total = sum(r["meta_info"]["prompt_tokens"] for r in results)
                 cached_total = sum(r["meta_info"]["cached_tokens"] for r in results)
                 generated = sum(r["meta_info"]["completion_tokens"] for r in results)
-                print(f"\nround {round_no}: {len(results)} prompts, {generated} tokens in "
-                      f"{elapsed:.2f} s; cached prompt tokens {cached_total}/{prompt_total}")
+                print(f"\nround {round_no}: {len(results)} prompt{'s' * (len(results) != 1)}, "
+                      f"{generated} tokens in {elapsed:.2f} s; cached prompt tokens "
+                      f"{cached_total}/{prompt_total}")
                 for prompt, r in zip(prompts, results):
                     meta = r["meta_info"]
                     print(f"  [{meta['cached_tokens']:>3}/{meta['prompt_tokens']:<3} cached] "

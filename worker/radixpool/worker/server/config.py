@@ -87,7 +87,8 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                         help="KV pool size in tokens (default: sized from --mem-fraction on GPU, "
                              "a CPU default otherwise)")
     budget.add_argument("--mem-fraction", type=float, metavar="F",
-                        help="fraction of free accelerator memory for the KV pool, in (0, 1)")
+                        help="fraction of free accelerator memory for the KV pool, in (0, 1) "
+                             "(default on GPU: 0.85; CPU: refused, use --kv-cache-tokens)")
     p.add_argument("--page-size", type=int, default=_default("page_size"),
                    help="KV page size in tokens, a power of two; cache hits are page-aligned "
                         f"(default: {_default('page_size')})")
