@@ -192,11 +192,11 @@ def test_a_default_output_length_is_cut_to_the_room_the_context_leaves(http):
     # of 128 was refused too. Defaults now end at the context; a length asked for must fit.
     long = [5] * 2040
     for body in ({"prompt": long}, {"prompt": long, "max_tokens": None}):
-        r = http.post("/v1/completions", json=body)
+        r = http.post("/v1/completions", json={**body, "ignore_eos": True})   # to the very end
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["finish_reason"] == "length"
         assert r.json()["usage"]["completion_tokens"] == 8
-    r = http.post("/generate", json={"input_ids": long})
+    r = http.post("/generate", json={"input_ids": long, "sampling_params": {"ignore_eos": True}})
     assert r.status_code == 200, r.text
     assert r.json()["meta_info"]["completion_tokens"] == 8
     for path, body, param in [
