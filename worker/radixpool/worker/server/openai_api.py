@@ -84,22 +84,20 @@ def ends_inside_tokens(finish_reason: str | None, matched_stop: str | int | None
     return isinstance(matched_stop, str) or finish_reason == "abort"
 
 
+def chunk_entries(state: WorkerState, cover: TextCover, chunk: Any, text: str, end: bool,
+                  skip_special_tokens: bool) -> list[TokenEntry]:
+    """The logprob entries `cover` releases for a stream's chunk or a whole answer (a
+    `ForkOutput`, `end` True): those its text so far covers."""
+    return cover.take(chunk.token_ids, chunk.logprobs or [], chunk.top_logprobs, text,
+                      state.token_text.skipped(skip_special_tokens, chunk.trimmed_stop_token),
+                      end=end, cut=ends_inside_tokens(chunk.finish_reason, chunk.matched_stop))
+
+
 def fork_entries(state: WorkerState, fork: ForkOutput, text: str,
                  skip_special_tokens: bool) -> list[TokenEntry]:
     """The logprob entries of a whole answer's tokens that its text covers."""
-    return TextCover(state.token_text).take(
-        fork.token_ids, fork.logprobs, fork.top_logprobs, text,
-        state.token_text.skipped(skip_special_tokens, fork.trimmed_stop_token), end=True,
-        cut=ends_inside_tokens(fork.finish_reason, fork.matched_stop))
-
-
-def chunk_entries(state: WorkerState, cover: TextCover, chunk: Any,
-                  skip_special_tokens: bool) -> list[TokenEntry]:
-    """The logprob entries a stream's chunk releases (those its text so far covers)."""
-    return cover.take(chunk.token_ids, chunk.logprobs or [], chunk.top_logprobs, chunk.text,
-                      state.token_text.skipped(skip_special_tokens, chunk.trimmed_stop_token),
-                      end=chunk.finished,
-                      cut=ends_inside_tokens(chunk.finish_reason, chunk.matched_stop))
+    return chunk_entries(state, TextCover(state.token_text), fork, text, True,
+                         skip_special_tokens)
 
 
 def router(state: WorkerState) -> APIRouter:
@@ -259,7 +257,8 @@ def _chat_events(state: WorkerState, run: EngineRun, body: ChatCompletionRequest
     async def choices() -> AsyncIterator[dict]:
         async for chunk in run:
             tally.add(0, chunk)
-            entries = (chunk_entries(state, covers[chunk.index], chunk, body.skip_special_tokens)
+            entries = (chunk_entries(state, covers[chunk.index], chunk, chunk.text,
+                                     chunk.finished, body.skip_special_tokens)
                        if want_logprobs else [])
             if not (chunk.text or chunk.finished or entries):
                 continue   # text held back (a possible stop string or an unfinished character)
@@ -304,7 +303,7 @@ def _completion_events(state: WorkerState, runs: list[EngineRun], body: Completi
             tally.add(p, chunk)
             index = p * n + chunk.index
             entries = (chunk_entries(state, covers.setdefault(index, TextCover(state.token_text)),
-                                     chunk, body.skip_special_tokens)
+                                     chunk, chunk.text, chunk.finished, body.skip_special_tokens)
                        if want_logprobs else [])
             if not (chunk.text or chunk.finished or entries):
                 continue   # text held back (a possible stop string or an unfinished character)
